@@ -1,0 +1,27 @@
+# The README's commands. Each installs what it needs first, so a fresh clone needs nothing else.
+# The interpreter is resolved once (the pyenv shim on PATH is a slow shell script).
+PYTHON ?= $(shell python3 -c 'import sys; print(sys.executable)')
+WORKDIR ?= runs/quickstart
+PYTEST_ARGS ?=
+
+.PHONY: install install-test system-deps test quickstart bench
+
+install:
+	$(PYTHON) -m pip install -q -e .
+
+install-test:
+	$(PYTHON) -m pip install -q -e '.[test]'
+
+# bubblewrap, the Docker engine and the sandbox test image, where the machine allows;
+# never fails the build (a backend that cannot run is skipped by the tests with the reason).
+system-deps:
+	-bash sandbox/setup_host.sh
+
+test: install-test system-deps
+	$(PYTHON) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS) tests
+
+quickstart: install
+	$(PYTHON) -m launch.train --config=configs/quickstart.py --workdir=$(WORKDIR)
+
+bench: install-test
+	@echo "Benchmarks are run one by one; see docs/benchmarks.md for each command."

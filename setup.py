@@ -1,0 +1,47 @@
+"""ptrain: JAX-native RL post-training of LLMs on executable feedback."""
+
+import setuptools
+
+# Ranges are the ones the test suite runs against; widen them only after running it.
+INSTALL_REQUIRES = [
+    "jax>=0.10.2,<0.11",
+    "flax>=0.12.8,<0.13",
+    "optax>=0.2.8,<0.3",
+    "orbax-checkpoint>=0.12.8,<0.13",
+    "grain>=0.2.18,<0.3",
+    "ml-collections>=1.1,<2",
+    "absl-py>=2.1,<3",
+    "numpy>=2.0,<3",
+    "safetensors>=0.5,<1",
+    "tensorboardX>=2.6,<3",
+    "matplotlib>=3.8,<4",
+    "tqdm>=4.66,<5",
+]
+
+EXTRAS = {
+    # Tokenizers and chat templates from a local Hugging Face directory.
+    "hf": ["transformers>=5.0,<6", "tokenizers>=0.22,<1", "jinja2>=3.1"],
+    "docker": ["docker>=7.0,<8"],
+    "ray": ["ray>=2.40,<3"],
+}
+EXTRAS["test"] = [
+    "pytest>=8,<10",
+    "pytest-xdist>=3.5,<4",
+    "pytest-timeout>=2.3,<3",
+    "torch==2.13.0",  # CPU wheel; a reference only, never imported by the libraries.
+    "nbclient>=0.10,<1",
+    "nbformat>=5.10,<6",
+    "ipykernel>=6.29",
+    *EXTRAS["hf"],
+    *EXTRAS["docker"],
+]
+
+setuptools.setup(
+    name="ptrain",
+    version="0.1.0",
+    description=__doc__,
+    python_requires=">=3.10",
+    packages=["ptrain", "sandbox", "long_context", "configs", "launch"],
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+)
