@@ -235,7 +235,9 @@ class Transformer(nnx.Module):
         positions_bt = positions_bt.astype(jnp.int32)
         segment_ids_bt = segment_ids_bt.astype(jnp.int32)
 
-        x_btd = jnp.take(self.embed[...], tokens_bt, axis=0).astype(c.dtype)
+        # FSDP gathers the table (as it does every weight) so the lookup stays local.
+        embed_vd = sharding.constrain(self.embed[...], (None, None), self.mesh)
+        x_btd = jnp.take(embed_vd, tokens_bt, axis=0).astype(c.dtype)
         x_btd = sharding.constrain(x_btd, ("batch", "seq", None), self.mesh)
         layer = _remat(c.remat, functools.partial(
             _layer, c=c, mesh=self.mesh, rope=rope_tables(c), q_pos_bt=positions_bt,
@@ -262,8 +264,14 @@ class Transformer(nnx.Module):
                 step, x_btd, (params, (cache.k_lbske, cache.v_lbske)))
             new_cache = KVCache(k_lbske, v_lbske, kv_pos_bs, kv_seg_bs, start + t)
 
-        h_btd = rms_norm(x_btd, self.final_norm[...], c.rms_eps)
+        h_btd = rms_norm(x_btd, self.final_norm[...].astype(c.dtype), c.rms_eps)
         return h_btd, new_cache
+
+
+def init(config: ModelConfig, *, seed: int = 0, mesh=None) -> Transformer:
+    """A randomly initialised model, its parameters born sharded on `mesh` (if given)."""
+    return sharding.create_sharded(
+        lambda: Transformer(config, rngs=nnx.Rngs(seed), mesh=mesh), mesh)
 
 
 def _remat(policy: str, fn):

@@ -125,11 +125,10 @@ def create_sharded(make: Callable[[], nnx.Module], mesh: Mesh | None) -> nnx.Mod
 
     `make` is traced twice: once abstractly (`nnx.eval_shape`) to learn shapes and logical
     axes, once under `jit` with `out_shardings`, so each device only computes its own slice.
+    Without a mesh it is still jitted (one compilation instead of one per random op).
     """
-    if mesh is None:
-        return make()
     graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
-    shardings = state_shardings(abstract_state, mesh)
+    shardings = None if mesh is None else state_shardings(abstract_state, mesh)
 
     def init():
         return nnx.split(make())[1]
