@@ -433,3 +433,148 @@ def test_chunked_logprobs_never_materialises_btv():
     chunked = lambda h, w, tok: losses.chunked_logprobs(h, w, tok, chunk=chunk)
     assert temp_bytes(dense) >= full_btv_bytes  # the analysis does see a dense [b, t, v]
     assert temp_bytes(chunked) < full_btv_bytes / 4
+
+
+# ------------------------------------------- cross-check against verl's own torch functions
+
+VERL_FUNCS = {
+    "utils/torch_functional.py": ["masked_sum", "masked_mean", "masked_var", "masked_whiten"],
+    "trainer/ppo/core_algos.py": [
+        "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
+        "compute_reinforce_plus_plus_outcome_advantage", "compute_gae_advantage_return",
+        "compute_reinforce_plus_plus_baseline_outcome_advantage", "agg_loss",
+        "compute_policy_loss_vanilla", "compute_policy_loss_gspo", "compute_policy_loss_cispo",
+        "kl_penalty", "kl_penalty_forward", "AdaptiveKLController"],
+    "trainer/ppo/rollout_corr_helper.py": [
+        "_parse_rollout_is_threshold", "compute_rollout_correction_weights",
+        "compute_is_metrics"],
+}
+
+
+@pytest.fixture(scope="module")
+def verl():
+    """verl's functions, compiled from its source files (its package needs ray, vllm, ...).
+
+    Set PTRAIN_VERL_SRC to the `verl` directory of an unpacked wheel, e.g.
+    `pip install --no-deps --target /tmp/verl_pkg verl==0.9.1` -> /tmp/verl_pkg/verl.
+    """
+    import ast
+    import collections
+    import math
+    import os
+    import types
+    import typing
+
+    src = os.environ.get("PTRAIN_VERL_SRC", "")
+    if not os.path.isfile(os.path.join(src, "trainer/ppo/core_algos.py")):
+        pytest.skip("verl source not available: set PTRAIN_VERL_SRC to a verl package dir")
+    torch = pytest.importorskip("torch")
+
+    class AlgoConfig:
+        pass
+
+    class ActorConfig(types.SimpleNamespace):
+        global_batch_info = {}
+
+        def get(self, key, default=None):
+            return getattr(self, key, default)
+
+    ns = {"torch": torch, "np": np, "math": math, "defaultdict": collections.defaultdict,
+          "ActorConfig": ActorConfig, "AlgoConfig": AlgoConfig, "DictConfig": dict,
+          "SAFETY_BOUND": 20.0, **{k: getattr(typing, k) for k in ("Any", "Optional")}}
+    for path, names in VERL_FUNCS.items():
+        tree = ast.parse(open(os.path.join(src, path)).read())
+        nodes = [n for n in tree.body if getattr(n, "name", None) in names]
+        for n in nodes:
+            n.decorator_list = []
+        exec(compile(ast.Module(body=nodes, type_ignores=[]), path, "exec"), ns)
+        if path.startswith("utils"):
+            ns["verl_F"] = types.SimpleNamespace(**{k: ns[k] for k in names})
+    ns["config"] = ActorConfig
+    return types.SimpleNamespace(**ns)
+
+
+def t(x, grad=False):
+    import torch
+    return torch.tensor(np.asarray(x, np.float32), requires_grad=grad)
+
+
+def test_verl_advantages(verl):
+    rng = np.random.default_rng(1)
+    tok = rng.normal(size=(10, 6)).astype(np.float32)
+    mask = (np.arange(6)[None] < rng.integers(2, 7, size=(10, 1))).astype(np.float32)
+    tok *= mask
+    values = rng.normal(size=(10, 6)).astype(np.float32)
+    for norm, est in [(True, "grpo"), (False, "drgrpo")]:
+        expected, _ = verl.compute_grpo_outcome_advantage(t(tok), t(mask), GROUPS,
+                                                          norm_adv_by_std_in_grpo=norm)
+        close(losses.group_advantages(tok, GROUPS, estimator=est, mask_bt=mask), expected)
+    expected, _ = verl.compute_rloo_outcome_advantage(t(tok), t(mask), GROUPS)
+    close(losses.group_advantages(tok, GROUPS, estimator="rloo", mask_bt=mask), expected)
+    cfg = verl.config(gamma=0.9)
+    exp_adv, exp_ret = verl.compute_reinforce_plus_plus_outcome_advantage(t(tok), t(mask), cfg)
+    adv, ret = losses.reinforce_pp_advantages(tok, mask, gamma=0.9)
+    close(adv, exp_adv, rtol=1e-5, atol=1e-5)
+    close(ret, exp_ret)
+    expected, _ = verl.compute_reinforce_plus_plus_baseline_outcome_advantage(
+        t(tok), t(mask), GROUPS)
+    close(losses.reinforce_pp_baseline_advantages(tok, mask, GROUPS), expected, atol=1e-5)
+    exp_adv, exp_ret = verl.compute_gae_advantage_return(t(tok), t(values), t(mask), 0.95, 0.9)
+    adv, ret = losses.gae(tok, values, mask, gamma=0.95, lam=0.9)
+    close(adv, np.asarray(exp_adv) * mask, rtol=1e-5, atol=1e-5)  # verl leaves padding unmasked
+    close(ret, exp_ret, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["ppo", "gspo", "cispo"])
+def test_verl_policy_losses(verl, kind):
+    logp, old, adv, mask, clip_low, clip_high, dual = ppo_case()
+    mask[2, :3] = 1  # verl's GSPO divides by zero on an empty row's log-ratio mean otherwise
+    w = np.linspace(0.5, 2.0, 18).reshape(3, 6).astype(np.float32)
+    fn = {"ppo": verl.compute_policy_loss_vanilla, "gspo": verl.compute_policy_loss_gspo,
+          "cispo": verl.compute_policy_loss_cispo}[kind]
+    modes = ["seq-mean-token-mean"] if kind == "gspo" else list(losses.AGG_MODES)
+    for agg in modes:
+        cfg = verl.config(clip_ratio=0.2, clip_ratio_low=clip_low, clip_ratio_high=clip_high,
+                          clip_ratio_c=dual)
+        logp_t = t(logp, grad=True)
+        ref_loss, ref_metrics = fn(t(old), logp_t, t(adv), t(mask), agg, cfg, t(w))
+        ref_loss.backward()
+        jax_fn = lambda lp: losses.policy_loss(lp, old, adv, mask, kind=kind, clip_low=clip_low,
+                                               clip_high=clip_high, dual_clip=dual, agg=agg,
+                                               is_weights=w)
+        (loss, metrics), grad = jax.value_and_grad(jax_fn, has_aux=True)(jnp.asarray(logp))
+        close(loss, float(ref_loss.detach()), rtol=1e-5)
+        close(grad, logp_t.grad.numpy(), rtol=1e-5)
+        for k in metrics:
+            close(metrics[k], ref_metrics[f"actor/{k}"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", losses.KL_KINDS)
+def test_verl_kl(verl, kind):
+    rng = np.random.default_rng(2)
+    logp = (rng.normal(size=(4, 8)) * 3).astype(np.float32)
+    ref = (rng.normal(size=(4, 8)) * 3).astype(np.float32)
+    logp_t = t(logp, grad=True)
+    expected = verl.kl_penalty(logp_t, t(ref), kind)
+    expected.sum().backward()
+    close(losses.kl(logp, ref, kind), expected.detach().numpy(), rtol=1e-5)
+    close(jax.grad(lambda lp: losses.kl(lp, ref, kind).sum())(jnp.asarray(logp)),
+          logp_t.grad.numpy(), rtol=1e-5)
+
+
+def test_verl_agg_is_weights_and_kl_controller(verl):
+    for mode in losses.AGG_MODES:
+        close(losses.agg_loss(X, XMASK, mode), float(verl.agg_loss(t(X), t(XMASK), mode)))
+    rng = np.random.default_rng(3)
+    logp, rollout = rng.normal(size=(2, 3, 5)).astype(np.float32)
+    mask = np.array([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], np.float32)
+    for level in ["token", "sequence"]:
+        expected, _ = verl.compute_rollout_correction_weights(
+            t(logp - rollout), t(mask), rollout_is=level, rollout_is_threshold=1.7)
+        close(losses.truncated_is_weights(logp, rollout, mask, level=level, cap=1.7), expected)
+    ref_ctl = verl.AdaptiveKLController(0.1, 0.02, 500)
+    ctl = losses.KLController(0.1, target=0.02, horizon=500)
+    for kl_value in [0.03, 0.01, 0.5, 0.0]:
+        ref_ctl.update(kl_value, 32)
+        ctl = ctl.update(kl_value, 32)
+        close(ctl.value, ref_ctl.value, rtol=1e-12)
