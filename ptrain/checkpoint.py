@@ -78,11 +78,12 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {self._manager.directory}")
-        rng_target = jax.eval_shape(jax.random.key_data, rng) if _is_typed_key(rng) else rng
+        rng_target = rng
+        if _is_typed_key(rng):  # saved as its key data
+            data = jax.eval_shape(jax.random.key_data, rng)
+            rng_target = jax.ShapeDtypeStruct(data.shape, data.dtype,
+                                              sharding=getattr(rng, "sharding", None))
         target = _abstract({"params": params, "opt_state": opt_state, "rng": rng_target})
-        if _is_typed_key(rng) and getattr(rng, "sharding", None) is not None:
-            target["rng"] = jax.ShapeDtypeStruct(target["rng"].shape, target["rng"].dtype,
-                                                 sharding=rng.sharding)
         out = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         state, meta = out["state"], out["meta"]

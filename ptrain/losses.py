@@ -70,6 +70,7 @@ def group_advantages(rewards, group_ids, *, estimator="grpo", eps=1e-6, mask_bt=
       "rloo":   r - mean of the other samples of the group (verl compute_rloo_outcome_advantage).
     A singleton group uses mean 0 and std 1, so GRPO gives r / (1 + eps) and RLOO gives r.
     Returns [b], or [b, t] (the advantage on every valid token) when `mask_bt` is given.
+    Groups are found with a [b, b] comparison: fine for batches of thousands of samples.
     """
     r_b = jnp.asarray(rewards, jnp.float32)
     r_b = r_b.sum(-1) if r_b.ndim == 2 else r_b

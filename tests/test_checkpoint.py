@@ -45,6 +45,8 @@ def test_round_trip_keep_n_and_latest(tmp_path):
     with Checkpointer(tmp_path) as ckpt:  # a fresh process would do the same
         out = ckpt.restore(params=params, opt_state=opt_state, rng=rng)
         older = ckpt.restore(3, params=params, opt_state=opt_state, rng=rng)
+        abstract = jax.eval_shape(lambda: (params, opt_state, rng))  # targets need no arrays
+        from_abstract = ckpt.restore(params=abstract[0], opt_state=abstract[1], rng=abstract[2])
     assert out.step == 4 and older.step == 3
     np.testing.assert_array_equal(out.params["w_dv"], np.full((8, 4), 4.0))
     np.testing.assert_array_equal(out.opt_state[0].mu["b"], np.full(4, 4.0))
@@ -53,6 +55,11 @@ def test_round_trip_keep_n_and_latest(tmp_path):
                                   jax.random.key_data(jax.random.fold_in(rng, 4)))
     assert jax.random.key_impl(out.rng) == jax.random.key_impl(rng)
     assert jax.tree.structure(out.opt_state) == jax.tree.structure(opt_state)
+    for a, b in zip(jax.tree.leaves((from_abstract.params, from_abstract.opt_state)),
+                    jax.tree.leaves((out.params, out.opt_state))):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(jax.random.key_data(from_abstract.rng),
+                                  jax.random.key_data(out.rng))
 
 
 def test_restore_onto_a_different_sharding(tmp_path):
