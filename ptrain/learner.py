@@ -1,0 +1,840 @@
+"""The RL learner: prompts -> samples -> rewards -> advantages -> PPO updates -> logs, checkpoints.
+
+`train(config, workdir)` is the loop, read top to bottom. Its stages are public so that other
+loops (multi-turn tool episodes, sandbox rewards, overlapped scoring) reuse them:
+
+  rollout  `Learner.rollout(params, records, key) -> Episodes`: the default single-turn producer
+           (sampler, G samples per prompt, then `config.reward_fn`); replace it by passing
+           `rollout_fn` to `train`.
+  prepare  `Learner.prepare(params, episodes, kl_coef) -> batch`: on the device, the log-probs
+           of the current and reference policies, KL in the reward, advantages.
+  update   `Learner.update(params, opt_state, batch) -> params, opt_state, metrics`: PPO epochs
+           over minibatches, gradients accumulated over microbatches, one jitted call.
+
+`sft(config, workdir)` trains on (prompt, completion) pairs with the loss on completion tokens
+only, as a warm start; `train(..., params=...)` continues from its result.
+
+Randomness is explicit: the key of step s is fold_in(key(seed), s), so a run resumed from a
+checkpoint draws what the uninterrupted run drew. Shapes are fixed by the config (prompt and
+completion lengths, batch sizes), so every program compiles once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from ptrain import checkpoint as checkpoint_lib
+from ptrain import data as data_lib
+from ptrain import losses
+from ptrain import metrics as metrics_lib
+from ptrain import model as model_lib
+from ptrain import sampler as sampler_lib
+from ptrain import sharding
+
+ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+
+
+# ==================================================================================== config
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """Every key the learner reads, with its default. Configs in configs/ spell out all of them
+    (they import nothing of ours); `check_config` rejects missing and unknown keys."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # the one seed: model init, data order, sampling
+    c.steps = 100  # RL steps; each draws data.prompts_per_step prompts
+    # ModelConfig fields for a randomly initialised model (ignored when hf_model is set).
+    c.model = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+                   tie_embeddings=False, rope_theta=10000.0, dtype="float32",
+                   param_dtype="float32", remat="none")
+    c.hf_model = ""  # a local Hugging Face model directory to start from
+    c.tokenizer = ""  # a local Hugging Face tokenizer directory; "" means records carry ids
+    c.mesh = dict(data=1, fsdp=-1, sequence=1, tensor=1)
+    # Prompts: JSONL/ArrayRecord `sources` (paths or (path, weight)), or `records_fn(seed)`
+    # returning a list of dicts (written once to <workdir>/prompts.jsonl). A record holds
+    # "prompt_ids" (token ids) or "prompt" (text, with a tokenizer) and whatever the reward
+    # function needs.
+    c.data = dict(sources=(), records_fn=None, prompts_per_step=8, max_prompt_len=64,
+                  on_error="raise")
+    # reward_fn(record, completion_ids, completion_text) -> reward, or (reward, feedback text).
+    c.reward_fn = None
+    c.sampling = dict(num_samples=8, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,
+                      stop_token_ids=(), stop_strings=(), stop_check_every=16)
+    c.rl = dict(
+        estimator="grpo",  # ESTIMATORS
+        loss="ppo",  # POLICY_LOSSES
+        clip_low=0.2, clip_high=0.2,  # clip-higher (DAPO): clip_high=0.28
+        dual_clip=3.0,  # 0: off
+        agg="token-mean",  # losses.AGG_MODES; gspo needs seq-mean-token-mean
+        ppo_epochs=1, num_minibatches=1,
+        microbatch_size=0,  # rows per gradient-accumulation step; 0: the whole minibatch
+        gamma=1.0,  # reinforce++ discount
+        entropy_coef=0.0,
+        tis_cap=0.0,  # truncated importance sampling against the sampler's log-probs; 0: off
+        tis_level="token",  # token | sequence
+        logprob_chunk=256,  # time steps per chunk of the log-prob computation
+    )
+    # KL to the frozen initial policy: coef 0 turns it (and the reference model) off.
+    c.kl = dict(coef=0.0, kind="k3", in_reward=False,
+                target=0.0, horizon=10000.0)  # target > 0: adaptive coefficient (in-reward)
+    c.dapo = dict(
+        overlong_buffer=0,  # > 0: soft overlong penalty over the last N tokens before the max
+        overlong_penalty=1.0,
+        dynamic_sampling=False,  # keep sampling until every group's rewards differ
+        max_gen_batches=4,  # cap; the batch is then topped up with uninformative groups
+    )
+    c.optim = dict(lr=1e-6, warmup_steps=0, schedule="cosine",  # cosine | constant
+                   min_lr_ratio=0.0, weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8,
+                   grad_clip=1.0)  # 0: no clipping
+    # Supervised warm start (`sft`): records hold prompt_ids + completion_ids (or prompt +
+    # completion text with a tokenizer); the loss covers completion tokens only.
+    c.sft = dict(sources=(), records_fn=None, steps=0, batch_size=8, max_len=128,
+                 microbatch_size=0,
+                 optim=dict(lr=1e-3, warmup_steps=0, schedule="cosine", min_lr_ratio=0.0,
+                            weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0))
+    c.log = dict(every=1, rollouts_every=10, num_rollouts=4)
+    c.checkpoint = dict(every=10, keep=3, async_save=True)
+    return c
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """Raises a ValueError naming every missing or unknown key, or a bad value."""
+    missing, unknown = _key_diff(defaults(), config, "")
+    if missing or unknown:
+        raise ValueError(
+            "config does not match ptrain.learner.defaults(): "
+            + (f"missing keys {missing}" if missing else "")
+            + ("; " if missing and unknown else "")
+            + (f"unknown keys {unknown}" if unknown else "")
+            + ". Spell out every key of defaults() in the config file.")
+    rl, s, d = config.rl, config.sampling, config.data
+    mb_rows = d.prompts_per_step * s.num_samples // max(rl.num_minibatches, 1)
+    checks = [
+        (rl.estimator in ESTIMATORS, f"rl.estimator={rl.estimator!r}; use one of {ESTIMATORS}"),
+        (rl.loss in POLICY_LOSSES, f"rl.loss={rl.loss!r}; use one of {POLICY_LOSSES}"),
+        (rl.agg in losses.AGG_MODES, f"rl.agg={rl.agg!r}; use one of {losses.AGG_MODES}"),
+        (rl.loss != "gspo" or rl.agg == "seq-mean-token-mean",
+         "rl.loss='gspo' aggregates seq-mean-token-mean; set rl.agg to it"),
+        (config.kl.kind in losses.KL_KINDS, f"kl.kind={config.kl.kind!r}; use {losses.KL_KINDS}"),
+        (rl.tis_level in ("token", "sequence"), "rl.tis_level must be 'token' or 'sequence'"),
+        (config.steps >= 0 and rl.ppo_epochs >= 1 and rl.num_minibatches >= 1,
+         "steps must be >= 0, rl.ppo_epochs and rl.num_minibatches >= 1"),
+        ((d.prompts_per_step * s.num_samples) % rl.num_minibatches == 0,
+         f"data.prompts_per_step * sampling.num_samples = {d.prompts_per_step * s.num_samples} "
+         f"rows must divide into rl.num_minibatches={rl.num_minibatches}"),
+        (rl.microbatch_size == 0 or mb_rows % rl.microbatch_size == 0,
+         f"rl.microbatch_size={rl.microbatch_size} must divide the minibatch of {mb_rows} rows"),
+        (config.sft.microbatch_size == 0
+         or config.sft.batch_size % config.sft.microbatch_size == 0,
+         "sft.microbatch_size must divide sft.batch_size"),
+        (config.optim.schedule in ("cosine", "constant")
+         and config.sft.optim.schedule in ("cosine", "constant"),
+         "optim.schedule must be 'cosine' or 'constant'"),
+        (not (d.sources and d.records_fn), "set data.sources or data.records_fn, not both"),
+        (config.dapo.max_gen_batches >= 1, "dapo.max_gen_batches must be >= 1"),
+        (config.kl.target == 0 or config.kl.in_reward,
+         "kl.target (adaptive KL) applies to the KL in the reward: set kl.in_reward=True"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(f"config: {message}")
+
+
+def _key_diff(ref, config, prefix):
+    missing, unknown = [], []
+    ref_keys, keys = set(ref.keys()), set(config.keys())
+    missing += [prefix + k for k in sorted(ref_keys - keys)]
+    unknown += [prefix + k for k in sorted(keys - ref_keys)]
+    for k in sorted(ref_keys & keys):
+        if isinstance(ref[k], ml_collections.ConfigDict):
+            if not isinstance(config[k], ml_collections.ConfigDict):
+                missing.append(f"{prefix}{k}.*")
+                continue
+            m, u = _key_diff(ref[k], config[k], f"{prefix}{k}.")
+            missing, unknown = missing + m, unknown + u
+    return missing, unknown
+
+
+def make_optimizer(optim, *, total_steps: int, updates_per_step: int = 1):
+    """AdamW with warmup then cosine decay (or constant), and global-norm clipping.
+
+    The schedule is in RL steps (each makes `updates_per_step` optimizer updates).
+    Returns (optax transformation, schedule(step) -> learning rate).
+    """
+    warmup = optax.linear_schedule(0.0, optim.lr, optim.warmup_steps)
+    if optim.schedule == "cosine":
+        main = optax.cosine_decay_schedule(optim.lr, max(total_steps - optim.warmup_steps, 1),
+                                           alpha=optim.min_lr_ratio)
+    else:
+        main = optax.constant_schedule(optim.lr)
+    schedule = optax.join_schedules([warmup, main], [optim.warmup_steps])
+
+    def per_update(count):
+        return schedule(count // updates_per_step)
+
+    parts = [optax.clip_by_global_norm(optim.grad_clip)] if optim.grad_clip > 0 else []
+    parts.append(optax.adamw(per_update, b1=optim.b1, b2=optim.b2, eps=optim.eps,
+                             weight_decay=optim.weight_decay))
+    return optax.chain(*parts), schedule
+
+
+# ================================================================================== episodes
+
+
+@dataclasses.dataclass
+class Episodes:
+    """A batch of finished episodes, one row each, on the host (numpy).
+
+    A row is the whole token history: prompt, model turns and tool observations, right-padded
+    to a fixed length. Per-token arrays are aligned with `tokens_bt`: position i describes
+    token i (its log-prob is that of tokens[i] given tokens[:i]); `loss_mask_bt` is 1 only on
+    tokens the model produced and is trained on (never on the prompt, observations or
+    padding). Rows of one prompt share a group id. `meta` is host-only (texts, feedback,
+    domain) and never goes to the device.
+    """
+
+    tokens_bt: np.ndarray  # int32 [b, t]
+    valid_bt: np.ndarray  # int32 [b, t]: 1 on real tokens, 0 on padding
+    loss_mask_bt: np.ndarray  # float32 [b, t]
+    rollout_logp_bt: np.ndarray  # float32 [b, t]: the sampler's temperature-1 log-probs
+    rewards_b: np.ndarray  # float32 [b]
+    group_ids_b: np.ndarray  # int32 [b]
+    meta: list = dataclasses.field(default_factory=list)  # one dict per row
+
+    @classmethod
+    def from_rows(cls, tokens, loss_masks, rollout_logps, rewards, group_ids, *, length,
+                  meta=None, pad_id=0) -> Episodes:
+        """Packs per-row lists (token ids, 0/1 loss mask, log-probs, all of a row's length)
+        into arrays of `length` columns."""
+        b = len(tokens)
+        out = cls(tokens_bt=np.full((b, length), pad_id, np.int32),
+                  valid_bt=np.zeros((b, length), np.int32),
+                  loss_mask_bt=np.zeros((b, length), np.float32),
+                  rollout_logp_bt=np.zeros((b, length), np.float32),
+                  rewards_b=np.asarray(rewards, np.float32).reshape(b),
+                  group_ids_b=np.asarray(group_ids, np.int32).reshape(b),
+                  meta=list(meta) if meta is not None else [{} for _ in range(b)])
+        for i, (tok, mask, logp) in enumerate(zip(tokens, loss_masks, rollout_logps)):
+            n = len(tok)
+            if n > length:
+                raise ValueError(f"episode {i} has {n} tokens, more than the length {length}; "
+                                 "raise the length cap or cut the episode")
+            if len(mask) != n or len(logp) != n:
+                raise ValueError(f"episode {i}: {n} tokens but {len(mask)} mask values and "
+                                 f"{len(logp)} log-probs; give one per token")
+            if n and mask[0]:
+                raise ValueError(f"episode {i}: the first token cannot be trained on (nothing "
+                                 "predicts it); start each episode with its prompt")
+            out.tokens_bt[i, :n] = tok
+            out.valid_bt[i, :n] = 1
+            out.loss_mask_bt[i, :n] = mask
+            out.rollout_logp_bt[i, :n] = logp
+        return out
+
+    def __len__(self):
+        return len(self.tokens_bt)
+
+    def columns(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """What goes to the device."""
+        return {k: v for k, v in self.columns().items() if k != "meta"}
+
+
+# =================================================================================== learner
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """The static part of the compiled steps (hashable)."""
+
+    kind: str  # "rl" | "sft"
+    estimator: str = "grpo"
+    loss: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = 3.0
+    agg: str = "token-mean"
+    horizon: int = 0
+    gamma: float = 1.0
+    entropy_coef: float = 0.0
+    tis_cap: float = 0.0
+    tis_level: str = "token"
+    kl_kind: str = "k3"
+    kl_loss: bool = False
+    kl_in_reward: bool = False
+    has_old_logp: bool = False
+    chunk: int = 256
+    epochs: int = 1
+    minibatches: int = 1
+    microbatch: int = 0
+
+
+class Learner:
+    """The static context of a run (mesh, model graph, optimizer, sampler, compiled steps)
+    and its stages. Parameters and optimizer state are passed in and out, never kept."""
+
+    def __init__(self, config, *, mesh=None, params=None, tokenizer=None):
+        """mesh: default from config.mesh. params: initial parameters (default: the config's
+        model); they are donated to the first update. tokenizer: default config.tokenizer."""
+        check_config(config)
+        self.config = c = config
+        self.mesh = sharding.mesh_from_config(c.mesh) if mesh is None else mesh
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(c.tokenizer)
+        self.model_config = model_config(c)
+        if params is None:
+            self.graphdef, self.initial_params = nnx.split(build_model(c, self.mesh))
+        else:  # e.g. the result of `sft`, placed like a fresh model
+            self.graphdef, abstract = sharding.abstract(lambda: model_lib.Transformer(
+                self.model_config, rngs=nnx.Rngs(0), mesh=self.mesh), self.mesh)
+            self.initial_params = jax.device_put(params, jax.tree.map(
+                lambda x: x.sharding, abstract) if self.mesh is not None else None)
+        self.param_shardings = jax.tree.map(lambda x: x.sharding, self.initial_params)
+        rl, s = c.rl, c.sampling
+        self.rows = c.data.prompts_per_step * s.num_samples
+        self.length = c.data.max_prompt_len + s.max_new_tokens
+        updates = rl.ppo_epochs * rl.num_minibatches
+        self.tx, self.schedule = make_optimizer(c.optim, total_steps=c.steps,
+                                                updates_per_step=updates)
+        kl_on = c.kl.coef > 0
+        self.settings = _Settings(
+            kind="rl", estimator=rl.estimator, loss=rl.loss, clip_low=rl.clip_low,
+            clip_high=rl.clip_high, dual_clip=rl.dual_clip or None, agg=rl.agg,
+            horizon=s.max_new_tokens, gamma=rl.gamma, entropy_coef=rl.entropy_coef,
+            tis_cap=rl.tis_cap, tis_level=rl.tis_level, kl_kind=c.kl.kind,
+            kl_loss=kl_on and not c.kl.in_reward, kl_in_reward=kl_on and c.kl.in_reward,
+            has_old_logp=updates > 1 or (kl_on and c.kl.in_reward), chunk=rl.logprob_chunk,
+            epochs=rl.ppo_epochs, minibatches=rl.num_minibatches,
+            microbatch=rl.microbatch_size)
+        # The reference policy is a copy: the live parameters are donated to each update.
+        self.ref_params = jax.tree.map(jnp.copy, self.initial_params) if kl_on else None
+        self.sampler = sampler_lib.Sampler(
+            nnx.merge(self.graphdef, self.initial_params), seed=c.seed, pad_id=_pad_id(self),
+            decode=self.decode if self.tokenizer is not None else None,
+            stop_check_every=s.stop_check_every)
+
+    # ------------------------------------------------------------------ state
+
+    def init_opt_state(self, params, tx=None):
+        """Optimizer state, sharded like the parameters it mirrors."""
+        tx = tx or self.tx
+        shardings = None
+        if self.mesh is not None:
+            abstract = jax.eval_shape(tx.init, params)
+            replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            shardings = optax.tree_map_params(tx, lambda _, s: s, abstract, self.param_shardings,
+                                              transform_non_params=lambda _: replicated)
+        return jax.jit(tx.init, out_shardings=shardings)(params)
+
+    def decode(self, ids) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(int(i)) for i in ids)
+        return self.tokenizer.decode(list(ids))
+
+    def prompt_ids(self, record) -> list[int]:
+        if "prompt_ids" in record:
+            return [int(t) for t in record["prompt_ids"]]
+        if self.tokenizer is None or "prompt" not in record:
+            raise ValueError(f"record {_short(record)} has no 'prompt_ids'; give token ids, "
+                             "or 'prompt' text and config.tokenizer")
+        return list(self.tokenizer.encode(record["prompt"]))
+
+    # ------------------------------------------------------------------ stages
+
+    def rollout(self, params, records, key, *, reward_fn=None) -> Episodes:
+        """The default single-turn producer: G samples per prompt, each scored by reward_fn
+        (default config.reward_fn). Rows of prompt i form group i."""
+        c = self.config
+        reward_fn = reward_fn or c.reward_fn
+        if reward_fn is None:
+            raise ValueError("config.reward_fn is not set: give a callable "
+                             "reward_fn(record, completion_ids, completion_text)")
+        prompts = [self.prompt_ids(r) for r in records]
+        too_long = [i for i, p in enumerate(prompts) if len(p) > c.data.max_prompt_len]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(f"prompt {_short(records[i])} has {len(prompts[i])} tokens, more "
+                             f"than data.max_prompt_len={c.data.max_prompt_len}")
+        s = c.sampling
+        out = self.sampler.sample(
+            params, prompts, max_new_tokens=s.max_new_tokens, num_samples=s.num_samples,
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+            stop_token_ids=tuple(s.stop_token_ids), stop_strings=tuple(s.stop_strings),
+            key=key, prompt_len=c.data.max_prompt_len, batch_size=len(prompts))
+        rows, rewards, meta = [], [], []
+        for r, completion in enumerate(out.completions()):
+            record = records[out.prompt_index[r]]
+            prompt = prompts[out.prompt_index[r]]
+            text = self.decode(completion)
+            reward, feedback = _reward_and_feedback(reward_fn(record, completion, text))
+            n = len(completion)
+            rows.append((prompt + completion, [0] * len(prompt) + [1] * n,
+                         [0.0] * len(prompt) + out.logp_t1[r, :n].tolist()))
+            rewards.append(reward)
+            meta.append({"prompt": self.decode(prompt), "completion": text,
+                         "feedback": feedback, "finish_reason": out.finish_reasons[r]})
+        tokens, masks, logps = zip(*rows)
+        return Episodes.from_rows(tokens, masks, logps, rewards, out.prompt_index,
+                                  length=self.length, meta=meta, pad_id=_pad_id(self))
+
+    def prepare(self, params, episodes: Episodes, kl_coef: float = 0.0):
+        """Device batch for `update`: advantages, log-probs of the current (when needed) and
+        reference policies, KL in the reward. Returns (batch, metrics)."""
+        batch = sharding.shard_batch(episodes.arrays(), self.mesh)
+        return _prepare(params, self.ref_params, batch, jnp.float32(kl_coef),
+                        graphdef=self.graphdef, s=self.settings)
+
+    def update(self, params, opt_state, batch, kl_coef: float = 0.0):
+        """PPO epochs over minibatches; the inputs are donated. Returns (params, opt_state,
+        metrics) with metrics averaged over the optimizer updates."""
+        return self._update_fn(self.settings, self.tx)(params, opt_state, batch,
+                                                       jnp.float32(kl_coef))
+
+    def _update_fn(self, settings, tx):
+        return _jit_update(self.graphdef, settings, tx, self.mesh)
+
+
+@functools.cache
+def _jit_update(graphdef, settings, tx, mesh):
+    return jax.jit(functools.partial(_update, graphdef=graphdef, s=settings, tx=tx, mesh=mesh),
+                   donate_argnums=(0, 1))
+
+
+def model_config(config) -> model_lib.ModelConfig:
+    if config.hf_model:
+        from ptrain import hf
+        return hf.config_from_hf(hf.read_config(config.hf_model))
+    return model_lib.ModelConfig(**config.model.to_dict())
+
+
+def build_model(config, mesh) -> model_lib.Transformer:
+    """The config's model, born sharded: loaded from hf_model, or initialised from the seed."""
+    if config.hf_model:
+        from ptrain import hf
+        return hf.load(config.hf_model, mesh=mesh)[0]
+    return model_lib.init(model_config(config), seed=config.seed, mesh=mesh)
+
+
+def _load_tokenizer(path):
+    if not path:
+        return None
+    from ptrain import hf
+    return hf.load_tokenizer(path)
+
+
+def _pad_id(learner) -> int:
+    pad = getattr(learner.tokenizer, "pad_token_id", None)
+    return int(pad) if pad is not None else 0
+
+
+def _reward_and_feedback(value):
+    if isinstance(value, tuple):
+        if len(value) != 2:
+            raise ValueError(f"reward_fn returned {value!r}; return a number or "
+                             "(reward, feedback)")
+        return float(value[0]), value[1]
+    return float(value), None
+
+
+def _short(record, n=80):
+    text = json.dumps(record, default=str)
+    return text if len(text) <= n else text[:n] + "...}"
+
+
+# ------------------------------------------------------------------------- device programs
+
+
+def token_logprobs(graphdef, params, tokens_bt, valid_bt, *, chunk=256):
+    """log p(tokens[i] | tokens[:i]) and the entropy of that distribution, aligned with the
+    tokens ([b, t], column 0 is 0), computed in chunks (no float32 [b, t, v])."""
+    model = nnx.merge(graphdef, params)
+    positions_bt = jnp.maximum(jnp.cumsum(valid_bt, axis=1) - 1, 0)
+    h_btd, _ = model.hidden(tokens_bt[:, :-1], positions_bt[:, :-1], valid_bt[:, :-1])
+    logp_bt, ent_bt = losses.chunked_logprobs(h_btd, model.unembedding_vd().T, tokens_bt[:, 1:],
+                                              chunk=chunk, return_entropy=True)
+    pad = ((0, 0), (1, 0))
+    return jnp.pad(logp_bt, pad), jnp.pad(ent_bt, pad)
+
+
+def _last_token_onehot(mask_bt):
+    """1 on the last token of each row where the mask is 1 (the sequence reward goes there)."""
+    t = mask_bt.shape[1]
+    last_b = t - 1 - jnp.argmax(mask_bt[:, ::-1] > 0, axis=1)
+    return (jnp.arange(t)[None, :] == last_b[:, None]) & (mask_bt.sum(-1, keepdims=True) > 0)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "s"))
+def _prepare(params, ref_params, batch, kl_coef, *, graphdef, s: _Settings):
+    mask_bt = batch["loss_mask_bt"]
+    logp = functools.partial(token_logprobs, graphdef, tokens_bt=batch["tokens_bt"],
+                             valid_bt=batch["valid_bt"], chunk=s.chunk)
+    out, metrics = dict(batch), {}
+    old_bt = logp(params)[0] if s.has_old_logp else None
+    if old_bt is not None:
+        out["old_logp_bt"] = old_bt
+        metrics["rollout/logp_mismatch"] = losses.masked_mean(
+            jnp.abs(old_bt - batch["rollout_logp_bt"]), mask_bt)
+    if s.kl_loss or s.kl_in_reward:
+        out["ref_logp_bt"] = logp(ref_params)[0]
+    scores_bt = jnp.where(_last_token_onehot(mask_bt), batch["rewards_b"][:, None], 0.0)
+    if s.kl_in_reward:
+        scores_bt, batch_kl = losses.kl_in_reward(scores_bt, old_bt, out["ref_logp_bt"], mask_bt,
+                                                  coef=kl_coef, kind=s.kl_kind)
+        metrics["kl/in_reward"] = batch_kl
+    if s.estimator in ("grpo", "drgrpo", "rloo"):
+        adv_bt = losses.group_advantages(scores_bt, batch["group_ids_b"], estimator=s.estimator,
+                                         mask_bt=mask_bt)
+    elif s.estimator == "reinforce++":
+        adv_bt = losses.reinforce_pp_advantages(scores_bt, mask_bt, gamma=s.gamma)[0]
+    else:
+        adv_bt = losses.reinforce_pp_baseline_advantages(scores_bt, mask_bt,
+                                                         batch["group_ids_b"])
+    out["adv_bt"] = adv_bt
+    metrics["adv/mean"] = losses.masked_mean(adv_bt, mask_bt)
+    metrics["adv/abs_mean"] = losses.masked_mean(jnp.abs(adv_bt), mask_bt)
+    return out, metrics
+
+
+def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: _Settings):
+    """The loss of one microbatch, normalised by the whole minibatch's token and sequence
+    counts, so that microbatch losses (and gradients) add up to the minibatch's."""
+    mask_bt = x["loss_mask_bt"]
+    logp_bt, ent_bt = token_logprobs(graphdef, params, x["tokens_bt"], x["valid_bt"],
+                                     chunk=s.chunk)
+    share = mask_bt.sum() / jnp.maximum(num_tokens, 1)  # this microbatch's share of the tokens
+    agg = functools.partial(losses.agg_loss, mask_bt=mask_bt, mode=s.agg, num_tokens=num_tokens,
+                            num_seqs=num_seqs, horizon=s.horizon)
+    if s.kind == "sft":
+        loss = -agg(logp_bt)
+        return loss, {"sft/loss": loss, "sft/entropy": share * losses.masked_mean(ent_bt,
+                                                                                  mask_bt)}
+    old_bt = x["old_logp_bt"] if s.has_old_logp else jax.lax.stop_gradient(logp_bt)
+    is_w = None
+    metrics = {}
+    if s.tis_cap > 0:
+        is_w = losses.truncated_is_weights(old_bt, x["rollout_logp_bt"], mask_bt,
+                                           level=s.tis_level, cap=s.tis_cap)
+        metrics["tis/weight_mean"] = share * losses.masked_mean(is_w, mask_bt)
+    pg_loss, pg_metrics = losses.policy_loss(
+        logp_bt, old_bt, x["adv_bt"], mask_bt, kind=s.loss, clip_low=s.clip_low,
+        clip_high=s.clip_high, dual_clip=s.dual_clip, agg=s.agg, is_weights=is_w,
+        num_tokens=num_tokens, num_seqs=num_seqs, horizon=s.horizon)
+    loss = pg_loss
+    metrics.update({f"actor/{k}": share * v for k, v in pg_metrics.items()})
+    metrics["actor/pg_loss"] = pg_loss
+    if not s.has_old_logp:
+        metrics["rollout/logp_mismatch"] = share * losses.masked_mean(
+            jnp.abs(old_bt - x["rollout_logp_bt"]), mask_bt)
+    if s.kl_loss:
+        kl_loss = agg(losses.kl(logp_bt, x["ref_logp_bt"], s.kl_kind))
+        loss = loss + kl_coef * kl_loss
+        metrics["kl/loss"] = kl_loss
+    if s.kl_loss or s.kl_in_reward:
+        metrics["kl/k1"] = share * losses.masked_mean(
+            jax.lax.stop_gradient(logp_bt) - x["ref_logp_bt"], mask_bt)
+    entropy = agg(ent_bt)
+    if s.entropy_coef:
+        loss = loss - s.entropy_coef * entropy
+    metrics["actor/entropy"] = jax.lax.stop_gradient(entropy)
+    return loss, metrics
+
+
+def _update(params, opt_state, batch, kl_coef, *, graphdef, s: _Settings, tx, mesh):
+    """All optimizer updates of one step: epochs x minibatches, each minibatch's gradient
+    accumulated over microbatches (a scan, so the program does not grow with their number)."""
+    mask_bt = batch["loss_mask_bt"]
+    b = mask_bt.shape[0]
+    m = s.minibatches
+    micro = s.microbatch or b // m
+    k = b // m // micro
+    split = {name: x.reshape((m, k, micro) + x.shape[1:]) for name, x in batch.items()
+             if name not in ("group_ids_b", "rewards_b")}
+    split = {name: sharding.constrain(x, (None, None, "batch") + (None,) * (x.ndim - 3), mesh)
+             for name, x in split.items()}
+    grad_fn = jax.value_and_grad(functools.partial(_rl_loss, graphdef=graphdef, s=s),
+                                 has_aux=True)
+
+    def minibatch(carry, i):
+        params, opt_state = carry
+        mb = jax.tree.map(lambda x: x[i], split)
+        mb_mask = mb["loss_mask_bt"]
+        num_tokens = mb_mask.sum()
+        num_seqs = (mb_mask.sum(-1) > 0).sum()
+
+        def accumulate(grads, x):
+            (loss, metrics), g = grad_fn(params, x, num_tokens, num_seqs, kl_coef)
+            return jax.tree.map(jnp.add, grads, g), {"optim/loss": loss, **metrics}
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, metrics = jax.lax.scan(accumulate, zeros, mb)
+        metrics = jax.tree.map(lambda v: v.sum(0), metrics)
+        metrics["optim/grad_norm"] = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), metrics
+
+    order = jnp.tile(jnp.arange(m), s.epochs)
+    (params, opt_state), metrics = jax.lax.scan(minibatch, (params, opt_state), order)
+    return params, opt_state, jax.tree.map(lambda v: v.mean(0), metrics)
+
+
+# ================================================================================ the loop
+
+
+def train(config, workdir, *, params=None, rollout_fn=None, mesh=None):
+    """Runs RL from the config; resumes from the latest checkpoint in `workdir`.
+
+    params: initial parameters (e.g. from `sft`); default: the config's model.
+    rollout_fn(params, records, key) -> Episodes replaces the default single-turn rollout
+      (`Learner.rollout`); records are one batch of data.prompts_per_step prompt records.
+    Returns the final parameters.
+    """
+    # ---------------------------------------------------------------- set-up
+    c = config
+    learner = Learner(c, mesh=mesh, params=params)
+    rollout_fn = rollout_fn or learner.rollout
+    os.makedirs(workdir, exist_ok=True)
+    prompts = _prompt_stream(c.data, c.data.prompts_per_step, c.seed, workdir, "prompts",
+                             on_error=c.data.on_error)
+    root_key = jax.random.key(c.seed)
+    kl_ctl = losses.KLController(c.kl.coef, target=c.kl.target or None, horizon=c.kl.horizon)
+
+    # ---------------------------------------------------------------- restore or start
+    params = learner.initial_params
+    opt_state = learner.init_opt_state(params)
+    ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                       max_to_keep=c.checkpoint.keep,
+                                       async_save=c.checkpoint.async_save)
+    start, data_state = 0, None
+    if ckpt.latest_step() is not None:
+        restored = ckpt.restore(params=params, opt_state=opt_state, rng=root_key)
+        start, params, opt_state = restored.step, restored.params, restored.opt_state
+        data_state = restored.data_state
+        kl_ctl = dataclasses.replace(kl_ctl, value=restored.extra["kl_coef"])
+        logging.info("resumed from step %d", start)
+    batches = prompts.iterator(data_state)
+    writer = metrics_lib.MetricsWriter(workdir, total_steps=c.steps, start_step=start)
+
+    for step in range(start + 1, c.steps + 1):
+        t0 = time.perf_counter()
+        key = jax.random.fold_in(root_key, step)
+
+        # ------------------------------------------------------------ rollouts
+        # With DAPO dynamic sampling, groups whose rewards are all equal carry no signal:
+        # sample more prompts until the batch is full of informative groups (or the cap).
+        episodes, gen_metrics = collect_episodes(
+            lambda records, attempt: rollout_fn(params, records,
+                                                jax.random.fold_in(key, attempt)),
+            batches, c)
+        t1 = time.perf_counter()
+
+        # ------------------------------------------------------------ advantages, update
+        batch, prep_metrics = learner.prepare(params, episodes, kl_ctl.value)
+        params, opt_state, upd_metrics = learner.update(params, opt_state, batch, kl_ctl.value)
+        prep_metrics, upd_metrics = jax.device_get((prep_metrics, upd_metrics))
+        if c.kl.coef > 0 and c.kl.in_reward:
+            kl_ctl = kl_ctl.update(prep_metrics["kl/in_reward"], n_steps=len(episodes))
+        t2 = time.perf_counter()
+
+        # ------------------------------------------------------------ log
+        if step % c.log.every == 0 or step == c.steps:
+            writer.write(step, {
+                **gen_metrics, **prep_metrics, **upd_metrics,
+                "optim/lr": float(learner.schedule(step - 1)), "kl/coef": kl_ctl.value,
+                "time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/step_s": t2 - t0,
+            })
+        if c.log.rollouts_every and step % c.log.rollouts_every == 0:
+            writer.write_rollouts(step, rollout_samples(episodes, c.log.num_rollouts))
+
+        # ------------------------------------------------------------ checkpoint
+        if step % c.checkpoint.every == 0 or step == c.steps:
+            ckpt.save(step, params=params, opt_state=opt_state, rng=root_key,
+                      data_state=batches.get_state(), extra={"kl_coef": kl_ctl.value})
+
+    ckpt.wait()
+    ckpt.close()
+    writer.plot()
+    writer.close()
+    return params
+
+
+def collect_episodes(rollout, batches, config):
+    """Calls rollout(records, attempt) on prompt batches until the step's batch is full.
+
+    Without dynamic sampling: one call. With it: rows of groups whose rewards are all equal
+    are dropped and more prompts are drawn, up to dapo.max_gen_batches calls; a batch still
+    short is topped up with dropped groups (their advantage is 0) and the count is logged.
+    The DAPO overlong penalty is added to the rewards first. Returns (Episodes, metrics).
+    """
+    c = config
+    n_groups = c.data.prompts_per_step
+    acc, full, all_rewards, last = None, False, [], None
+    calls = 0
+    for attempt in range(c.dapo.max_gen_batches if c.dapo.dynamic_sampling else 1):
+        episodes = rollout(next(batches), attempt)
+        calls += 1
+        _check_episodes(episodes, c)
+        if c.dapo.overlong_buffer:
+            lengths_b = episodes.loss_mask_bt.sum(-1)
+            episodes.rewards_b = episodes.rewards_b + np.asarray(losses.overlong_penalty(
+                lengths_b, max_len=c.sampling.max_new_tokens, buffer_len=c.dapo.overlong_buffer,
+                penalty_factor=c.dapo.overlong_penalty))
+        # Group ids unique across the calls of this step.
+        _, local = np.unique(episodes.group_ids_b, return_inverse=True)
+        episodes.group_ids_b = (attempt * len(episodes) + local).astype(np.int32)
+        all_rewards.append(episodes.rewards_b)
+        last = episodes
+        if not c.dapo.dynamic_sampling:
+            acc, full = episodes.columns(), True
+            break
+        keep = losses.informative_groups(episodes.rewards_b, episodes.group_ids_b)
+        acc, full = losses.accumulate_groups(acc, episodes.columns(), keep, num_groups=n_groups,
+                                             group_key="group_ids_b")
+        if full:
+            break
+    rewards = np.concatenate(all_rewards)
+    metrics = {"reward/mean": rewards.mean(), "reward/std": rewards.std(),
+               "reward/max": rewards.max(), "reward/min": rewards.min()}
+    if c.dapo.dynamic_sampling:
+        filler = 0
+        if not full:
+            before = len(set(np.asarray(acc["group_ids_b"]).tolist()))
+            keep = losses.informative_groups(last.rewards_b, last.group_ids_b)
+            acc, full = losses.accumulate_groups(acc, last.columns(), ~keep, num_groups=n_groups,
+                                                 group_key="group_ids_b")
+            filler = len(set(np.asarray(acc["group_ids_b"]).tolist())) - before
+        if not full:
+            raise ValueError("dynamic sampling could not fill the batch: a rollout returned "
+                             f"fewer than data.prompts_per_step={n_groups} groups")
+        metrics.update({"dapo/gen_batches": calls, "dapo/uninformative_groups": filler,
+                        "reward/batch_mean": np.mean(acc["rewards_b"])})
+    episodes = Episodes(**acc)
+    mask = episodes.loss_mask_bt
+    metrics["response/length_mean"] = mask.sum(-1).mean()
+    metrics["response/length_max"] = mask.sum(-1).max()
+    reasons = [m.get("finish_reason") for m in episodes.meta]
+    if any(r is not None for r in reasons):
+        metrics["response/clip_ratio"] = np.mean([r == "length" for r in reasons])
+    return episodes, metrics
+
+
+def _check_episodes(episodes, config):
+    rows = config.data.prompts_per_step * config.sampling.num_samples
+    if not isinstance(episodes, Episodes):
+        raise TypeError(f"rollout_fn must return an Episodes, got {type(episodes).__name__}")
+    if len(episodes) != rows:
+        raise ValueError(f"rollout_fn returned {len(episodes)} rows; the batch shape is fixed "
+                         f"at data.prompts_per_step * sampling.num_samples = {rows}")
+
+
+def rollout_samples(episodes: Episodes, n: int) -> list[dict]:
+    """The first n rows as rollouts.jsonl samples (prompt, completion, reward, feedback...)."""
+    out = []
+    for i in range(min(n, len(episodes))):
+        meta = episodes.meta[i] if i < len(episodes.meta) else {}
+        out.append({"prompt": meta.get("prompt", ""), "completion": meta.get("completion", ""),
+                    **meta, "reward": float(episodes.rewards_b[i]),
+                    "group": int(episodes.group_ids_b[i])})
+    return out
+
+
+def _prompt_stream(data, batch_size, seed, workdir, name, *, on_error):
+    """A `ptrain.data` stream over the config's sources, or over records_fn(seed) written to
+    <workdir>/<name>.jsonl (so that the run's data is on disk next to its logs)."""
+    sources = list(data.sources)
+    if data.records_fn is not None:
+        path = os.path.join(workdir, f"{name}.jsonl")
+        records = data.records_fn(seed)
+        with open(path + ".tmp", "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in records))
+        os.replace(path + ".tmp", path)
+        sources = [path]
+    if not sources:
+        raise ValueError(f"no {name}: set data.sources (JSONL / ArrayRecord files) or "
+                         "data.records_fn")
+    return data_lib.prompt_batches(sources, batch_size=batch_size, seed=seed,
+                                   on_error=on_error)
+
+
+# ======================================================================================= SFT
+
+
+def sft_episodes(learner: Learner, records, *, length) -> Episodes:
+    """(prompt, completion) records as rows with the loss mask on the completion only."""
+    tokens, masks = [], []
+    for r in records:
+        prompt = learner.prompt_ids(r)
+        if "completion_ids" in r:
+            completion = [int(t) for t in r["completion_ids"]]
+        elif learner.tokenizer is not None and "completion" in r:
+            completion = list(learner.tokenizer.encode(r["completion"]))
+        else:
+            raise ValueError(f"SFT record {_short(r)} has no 'completion_ids' (or 'completion' "
+                             "text with config.tokenizer)")
+        tokens.append(prompt + completion)
+        masks.append([0] * len(prompt) + [1] * len(completion))
+    zeros = [[0.0] * len(t) for t in tokens]
+    return Episodes.from_rows(tokens, masks, zeros, np.zeros(len(tokens)), np.arange(len(tokens)),
+                              length=length, pad_id=_pad_id(learner))
+
+
+def sft(config, workdir, *, params=None, mesh=None):
+    """Supervised training on config.sft's (prompt, completion) records: token-mean negative
+    log-likelihood of the completion tokens. Resumes from `workdir`; returns the parameters."""
+    # ---------------------------------------------------------------- set-up
+    c, sc = config, config.sft
+    learner = Learner(c, mesh=mesh, params=params)
+    os.makedirs(workdir, exist_ok=True)
+    records = _prompt_stream(sc, sc.batch_size, c.seed, workdir, "sft", on_error="raise")
+    tx, schedule = make_optimizer(sc.optim, total_steps=sc.steps)
+    settings = _Settings(kind="sft", chunk=c.rl.logprob_chunk, microbatch=sc.microbatch_size)
+    update = learner._update_fn(settings, tx)
+
+    # ---------------------------------------------------------------- restore or start
+    params = learner.initial_params
+    opt_state = learner.init_opt_state(params, tx)
+    ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                       max_to_keep=c.checkpoint.keep,
+                                       async_save=c.checkpoint.async_save)
+    root_key, start, data_state = jax.random.key(c.seed), 0, None
+    if ckpt.latest_step() is not None:
+        restored = ckpt.restore(params=params, opt_state=opt_state, rng=root_key)
+        start, params, opt_state = restored.step, restored.params, restored.opt_state
+        data_state = restored.data_state
+    batches = records.iterator(data_state)
+    writer = metrics_lib.MetricsWriter(workdir, total_steps=sc.steps, start_step=start)
+
+    for step in range(start + 1, sc.steps + 1):
+        t0 = time.perf_counter()
+        episodes = sft_episodes(learner, next(batches), length=sc.max_len)
+        batch = sharding.shard_batch(episodes.arrays(), learner.mesh)
+        params, opt_state, metrics = update(params, opt_state, batch, jnp.float32(0))
+        if step % c.log.every == 0 or step == sc.steps:
+            metrics = jax.device_get(metrics)
+            writer.write(step, {"sft/loss": metrics["sft/loss"],
+                                "sft/entropy": metrics["sft/entropy"],
+                                "sft/grad_norm": metrics["optim/grad_norm"],
+                                "optim/lr": float(schedule(step - 1)),
+                                "time/step_s": time.perf_counter() - t0})
+        if step % c.checkpoint.every == 0 or step == sc.steps:
+            ckpt.save(step, params=params, opt_state=opt_state, rng=root_key,
+                      data_state=batches.get_state())
+    ckpt.wait()
+    ckpt.close()
+    writer.close()
+    return params

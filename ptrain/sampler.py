@@ -1,0 +1,374 @@
+"""Sampling from the decoder: one jitted prefill, then a jitted decode loop over a KV cache.
+
+Token in, token out: prompts are lists of token ids (chat turns, tool observations and all,
+already tokenised by the caller) and completions come back as token ids, never re-tokenised.
+
+Prompts of different lengths share a batch, left-padded (segment id 0 marks the pads, and
+each row's RoPE positions count only its own tokens). The prefill runs once per prompt; its
+cache is then repeated `num_samples` times, so G samples per prompt cost one prefill. The
+decode loop is a `lax.while_loop` on the device that stops when every row is done; it comes
+back to the host only to check stop strings (every `stop_check_every` tokens, and only when
+stop strings are given). Shapes are bucketed (rows and prompt length to powers of two) so a
+training run compiles the sampler once.
+
+Every sampled token comes with two log-probs: `logp`, under the distribution it was drawn from
+(temperature, top-k, top-p applied; 0 for greedy, a point mass), and `logp_t1`, the plain
+temperature-1 log-prob of the unmodified model, which is what the learner computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ptrain import model as model_lib
+from ptrain import sharding
+
+FINISH_REASONS = ("stop", "length")
+_RUNNING, _STOP, _LENGTH = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Samples:
+    """Completions of `sample`, row r belonging to prompt `prompt_index[r]` (prompt-major:
+    the G samples of prompt i are rows i*G .. i*G+G-1). Arrays are numpy, padded with
+    `pad_id` / 0 after each row's length; stop tokens and stop strings are part of the
+    completion."""
+
+    tokens: np.ndarray  # int32 [n, max_new_tokens]
+    logp: np.ndarray  # float32 [n, max_new_tokens]: under the distribution sampled from
+    logp_t1: np.ndarray  # float32 [n, max_new_tokens]: temperature 1, no top-k / top-p
+    lengths: np.ndarray  # int32 [n]
+    finish_reasons: list  # "stop" | "length" per row
+    prompt_index: np.ndarray  # int32 [n]
+
+    def completions(self) -> list[list[int]]:
+        return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """The static part of a sampling call (hashable: part of the compilation key)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    greedy: bool
+    stop_token_ids: tuple
+    pad_id: int
+
+
+class Sampler:
+    """Samples completions of token-id prompts from a `model.Transformer`.
+
+    sampler = Sampler(model, seed=0)
+    out = sampler.sample(params, [[1, 5, 9], [1, 7]], max_new_tokens=32, num_samples=4,
+                         temperature=1.0, top_p=0.95, stop_token_ids=(2,))
+
+    `params` is the model's `nnx.State` (e.g. a learner's current parameters) or the model
+    itself. The sampler owns a PRNG key that advances on every call without an explicit `key`;
+    `get_state` / `set_state` checkpoint it. `decode(ids) -> str` (a tokenizer's decode) is
+    needed only for stop strings. With a mesh, rows are sharded over data x fsdp and heads
+    over tensor, like the model.
+    """
+
+    def __init__(self, model: model_lib.Transformer, *, seed: int = 0, pad_id: int = 0,
+                 decode: Callable[[Sequence[int]], str] | None = None,
+                 stop_check_every: int = 16):
+        if stop_check_every < 1:
+            raise ValueError(f"stop_check_every must be >= 1, got {stop_check_every}")
+        self.graphdef = nnx.graphdef(model)
+        self.config: model_lib.ModelConfig = model.config
+        self.mesh = model.mesh
+        self.pad_id = int(pad_id)
+        self.decode = decode
+        self.stop_check_every = int(stop_check_every)
+        self.key = jax.random.key(seed)
+
+    def get_state(self) -> np.ndarray:
+        """The PRNG key's data, for a checkpoint."""
+        return np.asarray(jax.random.key_data(self.key))
+
+    def set_state(self, key_data) -> None:
+        self.key = jax.random.wrap_key_data(jnp.asarray(key_data, jnp.uint32))
+
+    def sample(self, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+               num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
+               top_p: float = 1.0, greedy: bool = False, stop_token_ids: Sequence[int] = (),
+               stop_strings: Sequence[str] = (), key=None, prompt_len: int | None = None,
+               batch_size: int | None = None) -> Samples:
+        """Samples `num_samples` completions of every prompt (see the class docstring).
+
+        key: a typed PRNG key for this call only (the sampler's own key is then left as is);
+          the learner passes one per step so that a resumed run draws the same samples.
+        prompt_len / batch_size: pad prompts / rows to these sizes (default: the next power
+          of two, at least 8 and 1) so that calls with similar shapes share one compilation.
+        """
+        settings = self._settings(temperature, top_k, top_p, greedy, stop_token_ids,
+                                  stop_strings, max_new_tokens, num_samples)
+        if key is None:
+            self.key, key = jax.random.split(self.key)
+        if isinstance(params, model_lib.Transformer):
+            params = nnx.state(params)
+        tokens_bt, lengths_b = self._pad_prompts(prompts, prompt_len, batch_size)
+        n = len(prompts) * num_samples
+        cache_len = tokens_bt.shape[1] + max_new_tokens
+        real_b = np.arange(len(tokens_bt)) < len(prompts)
+        tokens_bt, lengths_b, real_b = sharding.shard_batch((tokens_bt, lengths_b, real_b),
+                                                            self.mesh)
+        carry = _prefill(params, tokens_bt, lengths_b, real_b, graphdef=self.graphdef,
+                         num_samples=num_samples, max_new_tokens=max_new_tokens,
+                         cache_len=cache_len)
+        if not stop_strings:
+            carry = _decode(params, carry, key, jnp.int32(max_new_tokens),
+                            graphdef=self.graphdef, settings=settings)
+            return self._finish(carry, n, num_samples, {})
+        # Stop strings need the text: decode `stop_check_every` tokens on the device, then
+        # look for the strings on the host and mark the rows that hit one as done.
+        cut = {}  # row -> length at which a stop string completes
+        checked = np.zeros(n, np.int64)
+        limit = 0
+        while limit < max_new_tokens:
+            limit = min(limit + self.stop_check_every, max_new_tokens)
+            carry = _decode(params, carry, key, jnp.int32(limit), graphdef=self.graphdef,
+                            settings=settings)
+            tokens, lengths, done = jax.device_get(
+                (carry["tokens_bn"], carry["lengths_b"], carry["done_b"]))
+            done = np.array(done)
+            for row in range(n):
+                if row in cut or lengths[row] == checked[row]:
+                    continue
+                end = _stop_string_end(self.decode, tokens[row, :lengths[row]].tolist(),
+                                       int(checked[row]), stop_strings)
+                checked[row] = lengths[row]
+                if end is not None:
+                    cut[row] = end
+                    done[row] = True
+            if done.all():
+                break
+            carry["done_b"] = jax.device_put(done, carry["done_b"].sharding)
+        return self._finish(carry, n, num_samples, cut)
+
+    def _settings(self, temperature, top_k, top_p, greedy, stop_token_ids, stop_strings,
+                  max_new_tokens, num_samples) -> _Settings:
+        v = self.config.vocab_size
+        checks = [
+            (max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {max_new_tokens}"),
+            (num_samples >= 1, f"num_samples must be >= 1, got {num_samples}"),
+            (greedy or temperature > 0,
+             f"temperature must be > 0 (use greedy=True for argmax), got {temperature}"),
+            (0 <= top_k <= v, f"top_k must be in [0, vocab_size={v}] (0: off), got {top_k}"),
+            (0 < top_p <= 1, f"top_p must be in (0, 1] (1: off), got {top_p}"),
+            (all(0 <= t < v for t in stop_token_ids),
+             f"stop_token_ids {tuple(stop_token_ids)} must be token ids in [0, {v})"),
+            (not stop_strings or self.decode is not None,
+             "stop_strings need a decode callable: Sampler(model, decode=tokenizer.decode)"),
+            (all(isinstance(s, str) and s for s in stop_strings),
+             f"stop_strings must be non-empty strings, got {tuple(stop_strings)}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"Sampler: {message}")
+        return _Settings(float(temperature), int(top_k), float(top_p), bool(greedy),
+                         tuple(int(t) for t in stop_token_ids), self.pad_id)
+
+    def _pad_prompts(self, prompts, prompt_len, batch_size):
+        """Left-padded prompts [rows, prompt_len] and their lengths; padding rows have length
+        1 (one pad token) and are dropped from the results."""
+        if not len(prompts):
+            raise ValueError("Sampler: no prompts given")
+        lengths = [len(p) for p in prompts]
+        if min(lengths) == 0:
+            raise ValueError(f"Sampler: prompt {lengths.index(0)} is empty; every prompt needs "
+                             "at least one token (e.g. BOS)")
+        prompt_len = prompt_len or max(8, _next_pow2(max(lengths)))
+        if max(lengths) > prompt_len:
+            raise ValueError(f"Sampler: a prompt has {max(lengths)} tokens, more than "
+                             f"prompt_len={prompt_len}")
+        shards = _batch_shards(self.mesh)
+        rows = batch_size or _next_pow2(len(prompts))
+        rows = -(-max(rows, len(prompts)) // shards) * shards
+        tokens_bt = np.full((rows, prompt_len), self.pad_id, np.int32)
+        lengths_b = np.ones(rows, np.int32)
+        for i, p in enumerate(prompts):
+            tokens_bt[i, prompt_len - len(p):] = np.asarray(p, np.int32)
+            lengths_b[i] = len(p)
+        if tokens_bt.min() < 0 or tokens_bt.max() >= self.config.vocab_size:
+            raise ValueError(f"Sampler: prompt token ids must be in [0, "
+                             f"{self.config.vocab_size}); got {tokens_bt.min()}..{tokens_bt.max()}")
+        return tokens_bt, lengths_b
+
+    def _finish(self, carry, n, num_samples, cut) -> Samples:
+        tokens, logp, logp_t1, lengths, reasons = jax.device_get(
+            (carry["tokens_bn"], carry["logp_bn"], carry["logp_t1_bn"], carry["lengths_b"],
+             carry["reason_b"]))
+        tokens, logp, logp_t1, lengths, reasons = (
+            np.array(x[:n]) for x in (tokens, logp, logp_t1, lengths, reasons))
+        for row, end in cut.items():
+            lengths[row], reasons[row] = end, _STOP
+            tokens[row, end:], logp[row, end:], logp_t1[row, end:] = self.pad_id, 0.0, 0.0
+        reasons = np.where(reasons == _RUNNING, _LENGTH, reasons)
+        return Samples(tokens=tokens, logp=logp, logp_t1=logp_t1, lengths=lengths,
+                       finish_reasons=[FINISH_REASONS[r - 1] for r in reasons],
+                       prompt_index=(np.arange(n) // num_samples).astype(np.int32))
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _batch_shards(mesh) -> int:
+    return 1 if mesh is None else int(np.prod([mesh.shape[a] for a in ("data", "fsdp")]))
+
+
+def _stop_string_end(decode, ids, checked, stop_strings):
+    """The smallest n > checked with a stop string in decode(ids[:n]), or None.
+
+    ids[:checked] is known not to contain one; the text of a longer prefix extends it.
+    """
+    if not any(s in decode(ids) for s in stop_strings):
+        return None
+    for n in range(checked + 1, len(ids) + 1):
+        text = decode(ids[:n])
+        if any(s in text for s in stop_strings):
+            return n
+    return len(ids)
+
+
+# ------------------------------------------------------------------------- device programs
+
+
+def _constrain_rows(tree, mesh):
+    """Rows (the leading axis) over data x fsdp; the cache like attention activations."""
+    def one(x):
+        if isinstance(x, model_lib.KVCache):
+            return jax.tree.map(lambda a, s: jax.lax.with_sharding_constraint(a, s), x,
+                                model_lib.cache_shardings(x, mesh))
+        if x.ndim == 0:
+            return x
+        return sharding.constrain(x, ("batch",) + (None,) * (x.ndim - 1), mesh)
+    if mesh is None:
+        return tree
+    return {k: one(v) for k, v in tree.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_samples", "max_new_tokens",
+                                             "cache_len"))
+def _prefill(params, tokens_bt, lengths_b, real_b, *, graphdef, num_samples, max_new_tokens,
+             cache_len):
+    """Runs the prompts once and returns the decode loop's initial state, G rows per prompt."""
+    model = nnx.merge(graphdef, params)
+    b, t = tokens_bt.shape
+    segment_ids_bt = (jnp.arange(t)[None, :] >= t - lengths_b[:, None]).astype(jnp.int32)
+    positions_bt = jnp.maximum(jnp.cumsum(segment_ids_bt, axis=1) - 1, 0)
+    cache = model_lib.init_cache(model.config, b, cache_len)
+    h_btd, cache = model.hidden(tokens_bt, positions_bt, segment_ids_bt, cache)
+    logits_bv = jnp.einsum("bd,vd->bv", h_btd[:, -1], model.unembedding_vd(),
+                           preferred_element_type=jnp.float32)
+
+    def repeat(x, axis=0):
+        return jnp.repeat(x, num_samples, axis=axis)
+
+    cache = model_lib.KVCache(repeat(cache.k_lbske, 1), repeat(cache.v_lbske, 1),
+                              repeat(cache.positions_bs), repeat(cache.segment_ids_bs),
+                              cache.index)
+    n = b * num_samples
+    carry = {
+        "cache": cache,
+        "logits_bv": repeat(logits_bv),
+        "next_pos_b": repeat(lengths_b).astype(jnp.int32),  # position of the next token
+        "i": jnp.zeros((), jnp.int32),  # tokens generated so far
+        "tokens_bn": jnp.zeros((n, max_new_tokens), jnp.int32),
+        "logp_bn": jnp.zeros((n, max_new_tokens), jnp.float32),
+        "logp_t1_bn": jnp.zeros((n, max_new_tokens), jnp.float32),
+        "lengths_b": jnp.zeros(n, jnp.int32),
+        "done_b": ~repeat(real_b),  # padding rows are done from the start
+        "reason_b": jnp.zeros(n, jnp.int32),
+    }
+    return _constrain_rows(carry, model.mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("carry",))
+def _decode(params, carry, key, limit, *, graphdef, settings: _Settings):
+    """Decodes until every row is done or `limit` tokens exist (a while_loop on the device)."""
+    model = nnx.merge(graphdef, params)
+    max_new = carry["tokens_bn"].shape[1]
+    stop_ids = jnp.asarray(settings.stop_token_ids or (-1,), jnp.int32)
+
+    def cond(c):
+        return (c["i"] < limit) & ~jnp.all(c["done_b"])
+
+    def body(c):
+        i, done_b = c["i"], c["done_b"]
+        tok_b, logp_b, logp_t1_b = sample_logits(
+            c["logits_bv"], jax.random.fold_in(key, i), settings)
+        tok_b = jnp.where(done_b, settings.pad_id, tok_b)
+        live_b = ~done_b
+
+        def put(buf_bn, x_b):
+            x_b = jnp.where(live_b, x_b, jnp.zeros((), buf_bn.dtype))
+            return jax.lax.dynamic_update_slice(buf_bn, x_b[:, None].astype(buf_bn.dtype),
+                                                (0, i))
+
+        stopped_b = live_b & jnp.isin(tok_b, stop_ids)
+        full_b = live_b & ~stopped_b & (i + 1 >= max_new)
+        ones_b1 = jnp.ones((tok_b.shape[0], 1), jnp.int32)
+        logits_b1v, cache = model(tok_b[:, None], c["next_pos_b"][:, None], ones_b1,
+                                  cache=c["cache"])
+        new = {
+            "cache": cache,
+            "logits_bv": logits_b1v[:, 0],
+            "next_pos_b": c["next_pos_b"] + 1,
+            "i": i + 1,
+            "tokens_bn": put(c["tokens_bn"], tok_b),
+            "logp_bn": put(c["logp_bn"], logp_b),
+            "logp_t1_bn": put(c["logp_t1_bn"], logp_t1_b),
+            "lengths_b": c["lengths_b"] + live_b,
+            "done_b": done_b | stopped_b | full_b,
+            "reason_b": jnp.where(stopped_b, _STOP, jnp.where(full_b, _LENGTH, c["reason_b"])),
+        }
+        return _constrain_rows(new, model.mesh)
+
+    return jax.lax.while_loop(cond, body, carry)
+
+
+def sample_logits(logits_bv, key, settings: _Settings):
+    """One token per row; returns (tokens, logp under the sampled-from distribution, logp at
+    temperature 1). Temperature first, then top-k, then top-p on what top-k kept (the
+    order of Hugging Face's logits processors)."""
+    logp_t1_bv = jax.nn.log_softmax(logits_bv, axis=-1)
+    if settings.greedy:
+        tok_b = jnp.argmax(logits_bv, axis=-1)
+        return tok_b, jnp.zeros(tok_b.shape, jnp.float32), _take(logp_t1_bv, tok_b)
+    z_bv = logits_bv / settings.temperature
+    z_bv = filter_top_k_top_p(z_bv, settings.top_k, settings.top_p)
+    tok_b = jax.random.categorical(key, z_bv, axis=-1)
+    return tok_b, _take(jax.nn.log_softmax(z_bv, axis=-1), tok_b), _take(logp_t1_bv, tok_b)
+
+
+def filter_top_k_top_p(z_bv, top_k: int, top_p: float):
+    """Sets to -inf every logit outside the k largest (top_k > 0) and outside the smallest
+    set of largest-probability tokens whose mass reaches top_p (top_p < 1). Ties with the
+    last kept value are kept."""
+    if top_k <= 0 and top_p >= 1.0:
+        return z_bv
+    k = top_k if top_k > 0 else z_bv.shape[-1]
+    sorted_bk, _ = jax.lax.top_k(z_bv, k)  # descending
+    keep_bk = jnp.ones(sorted_bk.shape, bool)
+    if top_p < 1.0:
+        p_bk = jax.nn.softmax(sorted_bk, axis=-1)
+        before_bk = jnp.cumsum(p_bk, axis=-1) - p_bk  # mass of the larger tokens
+        keep_bk = before_bk < top_p
+    n_keep_b = keep_bk.sum(-1)
+    threshold_b = jnp.take_along_axis(sorted_bk, n_keep_b[:, None] - 1, axis=-1)
+    return jnp.where(z_bv >= threshold_b, z_bv, -jnp.inf)
+
+
+def _take(x_bv, tok_b):
+    return jnp.take_along_axis(x_bv, tok_b[:, None], axis=-1)[:, 0]
