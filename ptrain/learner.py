@@ -322,6 +322,9 @@ class Learner:
             has_old_logp=updates > 1 or (kl_on and c.kl.in_reward), chunk=rl.logprob_chunk,
             epochs=rl.ppo_epochs, minibatches=rl.num_minibatches,
             microbatch=rl.microbatch_size)
+        self.sft_tx, self.sft_schedule = make_optimizer(c.sft.optim, total_steps=c.sft.steps)
+        self.sft_settings = _Settings(kind="sft", chunk=rl.logprob_chunk,
+                                      microbatch=c.sft.microbatch_size)
         # The reference policy is a copy: the live parameters are donated to each update.
         self.ref_params = jax.tree.map(jnp.copy, self.initial_params) if kl_on else None
         self.sampler = sampler_lib.Sampler(
@@ -403,11 +406,15 @@ class Learner:
     def update(self, params, opt_state, batch, kl_coef: float = 0.0):
         """PPO epochs over minibatches; the inputs are donated. Returns (params, opt_state,
         metrics) with metrics averaged over the optimizer updates."""
-        return self._update_fn(self.settings, self.tx)(params, opt_state, batch,
-                                                       jnp.float32(kl_coef))
+        fn = _jit_update(self.graphdef, self.settings, self.tx, self.mesh)
+        return fn(params, opt_state, batch, jnp.float32(kl_coef))
 
-    def _update_fn(self, settings, tx):
-        return _jit_update(self.graphdef, settings, tx, self.mesh)
+    def sft_update(self, params, opt_state, episodes: Episodes):
+        """One supervised step (optimizer `sft_tx`) on the loss-masked tokens; the inputs are
+        donated. metrics["sft/loss"] is the loss before the update."""
+        fn = _jit_update(self.graphdef, self.sft_settings, self.sft_tx, self.mesh)
+        batch = sharding.shard_batch(episodes.arrays(), self.mesh)
+        return fn(params, opt_state, batch, jnp.float32(0.0))
 
 
 @functools.cache
@@ -557,16 +564,25 @@ def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: _Settings
 
 def _update(params, opt_state, batch, kl_coef, *, graphdef, s: _Settings, tx, mesh):
     """All optimizer updates of one step: epochs x minibatches, each minibatch's gradient
-    accumulated over microbatches (a scan, so the program does not grow with their number)."""
+    accumulated over microbatches (a scan, so the program does not grow with their number).
+
+    Row r goes to minibatch r % m, and to microbatch (r // m) % k of it: rows are dealt out
+    in turn, so each device keeps its own rows (the split moves no data between devices) and
+    the minibatches do not depend on the microbatch size.
+    """
     mask_bt = batch["loss_mask_bt"]
     b = mask_bt.shape[0]
     m = s.minibatches
     micro = s.microbatch or b // m
     k = b // m // micro
-    split = {name: x.reshape((m, k, micro) + x.shape[1:]) for name, x in batch.items()
+
+    def split(x):  # [b, ...] -> [m, k, micro, ...], micro sharded like b was
+        x = x.reshape((micro, k, m) + x.shape[1:])
+        x = jnp.transpose(x, (2, 1, 0) + tuple(range(3, x.ndim)))
+        return sharding.constrain(x, (None, None, "batch") + (None,) * (x.ndim - 3), mesh)
+
+    split = {name: split(x) for name, x in batch.items()
              if name not in ("group_ids_b", "rewards_b")}
-    split = {name: sharding.constrain(x, (None, None, "batch") + (None,) * (x.ndim - 3), mesh)
-             for name, x in split.items()}
     grad_fn = jax.value_and_grad(functools.partial(_rl_loss, graphdef=graphdef, s=s),
                                  has_aux=True)
 
@@ -801,13 +817,9 @@ def sft(config, workdir, *, params=None, mesh=None):
     learner = Learner(c, mesh=mesh, params=params)
     os.makedirs(workdir, exist_ok=True)
     records = _prompt_stream(sc, sc.batch_size, c.seed, workdir, "sft", on_error="raise")
-    tx, schedule = make_optimizer(sc.optim, total_steps=sc.steps)
-    settings = _Settings(kind="sft", chunk=c.rl.logprob_chunk, microbatch=sc.microbatch_size)
-    update = learner._update_fn(settings, tx)
-
     # ---------------------------------------------------------------- restore or start
     params = learner.initial_params
-    opt_state = learner.init_opt_state(params, tx)
+    opt_state = learner.init_opt_state(params, learner.sft_tx)
     ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        max_to_keep=c.checkpoint.keep,
                                        async_save=c.checkpoint.async_save)
@@ -822,14 +834,13 @@ def sft(config, workdir, *, params=None, mesh=None):
     for step in range(start + 1, sc.steps + 1):
         t0 = time.perf_counter()
         episodes = sft_episodes(learner, next(batches), length=sc.max_len)
-        batch = sharding.shard_batch(episodes.arrays(), learner.mesh)
-        params, opt_state, metrics = update(params, opt_state, batch, jnp.float32(0))
+        params, opt_state, metrics = learner.sft_update(params, opt_state, episodes)
         if step % c.log.every == 0 or step == sc.steps:
             metrics = jax.device_get(metrics)
             writer.write(step, {"sft/loss": metrics["sft/loss"],
                                 "sft/entropy": metrics["sft/entropy"],
                                 "sft/grad_norm": metrics["optim/grad_norm"],
-                                "optim/lr": float(schedule(step - 1)),
+                                "optim/lr": float(learner.sft_schedule(step - 1)),
                                 "time/step_s": time.perf_counter() - t0})
         if step % c.checkpoint.every == 0 or step == sc.steps:
             ckpt.save(step, params=params, opt_state=opt_state, rng=root_key,

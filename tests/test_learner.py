@@ -1,0 +1,383 @@
+"""ptrain.learner: the toy GRPO run learns, SIGKILL + resume is exact, sharding changes nothing,
+advantages match their formulas, SFT trains on completion tokens only, DAPO sampling, config."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import grpo_toy
+from ptrain import learner as L
+from ptrain import sharding
+from ptrain.metrics import read_jsonl
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.xdist_group("learner")  # the module fixtures run once, on one worker
+
+
+def one_device():
+    return sharding.make_mesh(fsdp=1, devices=jax.devices()[:1])
+
+
+def toy_config(**changes):
+    c = grpo_toy.get_config()
+    for dotted, value in changes.items():
+        *parents, name = dotted.split(".")
+        node = c
+        for p in parents:
+            node = node[p]
+        node[name] = value
+    return c
+
+
+@pytest.fixture(scope="module")
+def initial_params():
+    """The toy model's parameters (built once: initialising compiles for seconds)."""
+    return jax.device_get(nnx.state(L.build_model(toy_config(), one_device())))
+
+
+def _learner(config, params, mesh=None):
+    return L.Learner(config, mesh=mesh or one_device(), params=params)
+
+
+def _metrics(workdir):
+    """metrics.jsonl without wall-clock timings."""
+    return [{k: v for k, v in r.items() if not k.startswith("time/")}
+            for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
+
+
+# --------------------------------------------------------------------- the toy run, resumed
+
+STEPS, EVERY = 12, 4
+
+
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory):
+    """The uninterrupted toy GRPO run."""
+    workdir = str(tmp_path_factory.mktemp("toy"))
+    config = toy_config(steps=STEPS, **{"checkpoint.every": EVERY})
+    L.train(config, workdir, mesh=one_device())
+    return workdir
+
+
+def test_grpo_toy_run_reaches_high_reward(toy_run):
+    records = _metrics(toy_run)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert records[0]["reward/mean"] < 0.2  # about 1/32 at random
+    assert records[-1]["reward/mean"] >= 0.9
+    assert records[-1]["actor/entropy"] < records[0]["actor/entropy"]
+    # The sampler's log-probs are the learner's (same model, same float32 math).
+    assert max(r["rollout/logp_mismatch"] for r in records) < 1e-5
+    steps = sorted(int(n) for n in os.listdir(os.path.join(toy_run, "checkpoints")) if n.isdigit())
+    assert steps == [8, 12]  # keep=2
+    rollouts = read_jsonl(os.path.join(toy_run, "rollouts.jsonl"))
+    assert {r["step"] for r in rollouts} == {10} and len(rollouts) == 4
+    assert os.path.exists(os.path.join(toy_run, "plots", "reward_mean.png"))
+
+
+# The child runs the toy config; with a kill step, it reports once that step's metrics are
+# written and waits to be killed there.
+CHILD = textwrap.dedent("""
+    import sys
+    import jax
+    from configs import grpo_toy
+    from ptrain import learner, metrics, sharding
+
+    workdir, kill_at, steps, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    write = metrics.MetricsWriter.write
+
+    def write_then_wait(self, step, values):
+        write(self, step, values)
+        if step == kill_at:
+            print("wrote", step, flush=True)
+            sys.stdin.read()  # never returns: the parent kills us here
+
+    metrics.MetricsWriter.write = write_then_wait
+    config = grpo_toy.get_config()
+    config.steps, config.checkpoint.every = steps, every
+    learner.train(config, workdir, mesh=sharding.make_mesh(fsdp=1, devices=jax.devices()[:1]))
+""")
+
+
+def test_sigkill_then_resume_reproduces_the_uninterrupted_run(toy_run, tmp_path):
+    workdir = str(tmp_path / "run")
+    env = {**os.environ, "PYTHONPATH": REPO,
+           # The two children compile the same programs: the second reads them from disk.
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    kill_at = EVERY * 2 + 1  # the save of step 8 was started one step before (asynchronously)
+    args = [sys.executable, "-c", CHILD, workdir]
+    child = subprocess.Popen(args + [str(kill_at), str(STEPS), str(EVERY)], env=env, cwd=REPO,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        for line in child.stdout:
+            if line.strip() == f"wrote {kill_at}":
+                break
+        else:
+            pytest.fail(f"child exited ({child.wait()}) before step {kill_at}")
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert [r["step"] for r in _metrics(workdir)] == list(range(1, kill_at + 1))
+    subprocess.run(args + ["0", str(STEPS), str(EVERY)], env=env, cwd=REPO, check=True,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    assert _metrics(workdir) == _metrics(toy_run)
+    assert (read_jsonl(os.path.join(workdir, "rollouts.jsonl"))
+            == read_jsonl(os.path.join(toy_run, "rollouts.jsonl")))
+
+
+# ------------------------------------------------------------------------ one update, sharded
+
+
+def _random_episodes(groups, per_group, length, seed=0):
+    """Prompts of 2-6 tokens, completions of 1-8, rewards 0/1, rollout log-probs near the
+    untrained model's (about -log 32)."""
+    rng = np.random.RandomState(seed)
+    tokens, masks, logps = [], [], []
+    for _ in range(groups * per_group):
+        p, n = rng.randint(2, 7), rng.randint(1, 9)
+        tokens.append([1] + rng.randint(2, 32, size=p + n - 1).tolist())
+        masks.append([0] * p + [1] * n)
+        logps.append([0.0] * p + (-3.5 + 0.3 * rng.randn(n)).tolist())
+    return L.Episodes.from_rows(tokens, masks, logps, rng.randint(0, 2, groups * per_group),
+                                np.repeat(np.arange(groups), per_group), length=length)
+
+
+
+def test_sharded_update_with_accumulation_equals_unsharded(initial_params):
+    """fsdp=4 x tensor=2 with 2 microbatches per minibatch == one device, no accumulation.
+
+    Rows differ in length, so seq-mean-token-sum depends on the whole minibatch's sequence
+    count. Adam's eps is large so that the update is linear in the gradient (float noise in
+    near-zero gradients cannot flip their sign).
+    """
+    changes = {"rl.agg": "seq-mean-token-sum", "rl.entropy_coef": 0.01, "kl.coef": 0.05,
+               "kl.kind": "k3", "optim.eps": 1.0, "rl.tis_cap": 1.5}
+    plain = _learner(toy_config(**changes, **{"rl.microbatch_size": 0}), initial_params)
+    mesh = sharding.make_mesh(fsdp=4, tensor=2)
+    sharded = _learner(toy_config(**changes, **{"rl.microbatch_size": 16}), initial_params,
+                       mesh)
+    assert sharded.settings.has_old_logp and sharded.settings.kl_loss
+    episodes = _random_episodes(groups=8, per_group=8, length=16)
+
+    def run(learner):
+        params = learner.initial_params
+        batch, prep = learner.prepare(params, episodes, 0.05)
+        params, _, metrics = learner.update(params, learner.init_opt_state(params), batch, 0.05)
+        return jax.device_get((params, prep, metrics))
+
+    p_plain, prep_plain, m_plain = run(plain)
+    p_sharded, prep_sharded, m_sharded = run(sharded)
+    wq = sharded.initial_params["layers"]["wq"][...]
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    moved = 0.0
+    for a, b, p0 in zip(jax.tree.leaves(p_sharded), jax.tree.leaves(p_plain),
+                        jax.tree.leaves(initial_params)):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=0)
+        moved = max(moved, float(np.abs(b - p0).max()))
+    assert moved > 1e-4  # the update did something
+    for key in m_plain:
+        np.testing.assert_allclose(m_sharded[key], m_plain[key], atol=1e-5, rtol=1e-5,
+                                   err_msg=key)
+    for key in prep_plain:
+        np.testing.assert_allclose(prep_sharded[key], prep_plain[key], atol=1e-5, err_msg=key)
+
+
+# ------------------------------------------------------------------------------ advantages
+
+
+def _fixed_episodes():
+    """Three groups (the last a singleton) with completions of different lengths."""
+    rng = np.random.RandomState(0)
+    lengths, groups = [3, 5, 2, 4, 6, 1, 2], [0, 0, 0, 1, 1, 1, 2]
+    rewards = [1.0, 0.0, 0.5, 2.0, 2.0, -1.0, 0.7]
+    tokens, masks, logps = [], [], []
+    for n in lengths:
+        prompt = [1] + rng.randint(2, 32, size=3).tolist()
+        tokens.append(prompt + rng.randint(2, 32, size=n).tolist())
+        masks.append([0] * 4 + [1] * n)
+        logps.append([0.0] * (4 + n))
+    return L.Episodes.from_rows(tokens, masks, logps, rewards, groups, length=16)
+
+
+def _expected_advantages(estimator, rewards, groups, mask_bt):
+    r, g = np.asarray(rewards, np.float64), np.asarray(groups)
+    adv_b = np.zeros(len(r))
+    for gid in np.unique(g):
+        i = g == gid
+        n, mean = i.sum(), r[i].mean()
+        if estimator == "grpo":
+            adv_b[i] = r[i] / (1 + 1e-6) if n == 1 else (r[i] - mean) / (r[i].std(ddof=1) + 1e-6)
+        elif estimator == "drgrpo":
+            adv_b[i] = r[i] if n == 1 else r[i] - mean
+        elif estimator == "rloo":
+            adv_b[i] = r[i] if n == 1 else (n * r[i] - r[i].sum()) / (n - 1)
+        elif estimator == "reinforce++":
+            adv_b[i] = r[i]  # gamma 1: every token's return is the final reward
+        else:  # reinforce++-baseline: minus the group mean (0 for a singleton)
+            adv_b[i] = r[i] if n == 1 else r[i] - mean
+    adv_bt = adv_b[:, None] * mask_bt
+    if estimator.startswith("reinforce++"):  # whitened over all valid tokens, Bessel
+        valid = adv_bt[mask_bt > 0]
+        adv_bt = np.where(mask_bt > 0, (adv_bt - valid.mean()) / np.sqrt(valid.var(ddof=1) + 1e-8),
+                          0)
+    return adv_bt
+
+
+@pytest.mark.parametrize("estimator", L.ESTIMATORS)
+def test_advantages_follow_the_published_formulas(estimator, initial_params):
+    learner = _learner(toy_config(**{"rl.estimator": estimator}), initial_params)
+    episodes = _fixed_episodes()
+    batch, _ = learner.prepare(learner.initial_params, episodes)
+    expected = _expected_advantages(estimator, episodes.rewards_b, episodes.group_ids_b,
+                                    episodes.loss_mask_bt.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(batch["adv_bt"]), expected, atol=1e-5)
+
+
+def test_kl_in_reward_lowers_the_sequence_score(initial_params):
+    config = toy_config(**{"kl.coef": 0.5, "kl.in_reward": True, "kl.kind": "k1",
+                           "rl.estimator": "drgrpo"})
+    learner = _learner(config, initial_params)
+    # A reference that differs from the policy, so the KL is not zero.
+    learner.ref_params = jax.tree.map(lambda x: x * 1.5, learner.ref_params)
+    episodes = _fixed_episodes()
+    batch, metrics = learner.prepare(learner.initial_params, episodes, 0.5)
+    mask = episodes.loss_mask_bt.astype(np.float64)
+    kl_bt = (np.asarray(batch["old_logp_bt"], np.float64)
+             - np.asarray(batch["ref_logp_bt"], np.float64)) * mask
+    assert np.abs(kl_bt).max() > 1e-2
+    scores = episodes.rewards_b - 0.5 * kl_bt.sum(-1)
+    expected = _expected_advantages("drgrpo", scores, episodes.group_ids_b, mask)
+    np.testing.assert_allclose(np.asarray(batch["adv_bt"]), expected, atol=1e-4)
+    per_seq = kl_bt.sum(-1) / mask.sum(-1)
+    np.testing.assert_allclose(metrics["kl/in_reward"], per_seq.mean(), rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------- SFT
+
+
+def test_sft_loss_covers_completion_tokens_only(initial_params, tmp_path):
+    rng = np.random.RandomState(1)
+    records = [{"prompt_ids": [1] + rng.randint(2, 32, size=rng.randint(1, 6)).tolist(),
+                "completion_ids": [7, 9, 7, 2]} for _ in range(64)]
+    config = toy_config(**{"sft.steps": 40, "sft.batch_size": 8, "sft.max_len": 12,
+                           "sft.microbatch_size": 4, "sft.optim.lr": 1e-2,
+                           "checkpoint.every": 20})
+    config.sft.records_fn = lambda seed: records
+    learner = _learner(config, initial_params)
+    episodes = L.sft_episodes(learner, records[:8], length=12)
+    for i, r in enumerate(records[:8]):
+        n = len(r["prompt_ids"])
+        assert episodes.loss_mask_bt[i].tolist() == [0] * n + [1] * 4 + [0] * (8 - n)
+
+    # The loss of one step is the mean NLL of the completion tokens under a full forward.
+    model = nnx.merge(learner.graphdef, learner.initial_params)
+    logits = np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(episodes.tokens_bt)),
+                        np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
+                                                                                keepdims=True))
+    logp -= logits.max(-1, keepdims=True)
+    nll = [-logp[i, t - 1, episodes.tokens_bt[i, t]] for i in range(8) for t in range(12)
+           if episodes.loss_mask_bt[i, t]]
+    params = learner.initial_params
+    _, _, metrics = learner.sft_update(params, learner.init_opt_state(params, learner.sft_tx),
+                                       episodes)
+    np.testing.assert_allclose(float(metrics["sft/loss"]), np.mean(nll), rtol=1e-5)
+
+    # The whole loop: the completion is learned, whatever the prompt.
+    params = L.sft(config, str(tmp_path), params=initial_params, mesh=one_device())
+    losses = [r["sft/loss"] for r in _metrics(tmp_path)]
+    assert len(losses) == 40 and losses[-1] < 0.1 * losses[0]
+    out = learner.sampler.sample(params, [[1, 5], [1, 30, 2, 8]], max_new_tokens=4, greedy=True)
+    assert out.completions() == [[7, 9, 7, 2]] * 2
+
+
+# ---------------------------------------------------------------------- DAPO, episodes, config
+
+
+def _episodes(rewards, groups, lengths):
+    tokens = [[1] + [5] * n for n in lengths]
+    masks = [[0] + [1] * n for n in lengths]
+    return L.Episodes.from_rows(tokens, masks, [[0.0] * (n + 1) for n in lengths], rewards,
+                                groups, length=12, meta=[{"row": i} for i in range(len(groups))])
+
+
+def test_dynamic_sampling_keeps_informative_groups_and_caps(tmp_path):
+    config = toy_config(**{"data.prompts_per_step": 2, "sampling.num_samples": 2,
+                           "sampling.max_new_tokens": 8, "dapo.dynamic_sampling": True,
+                           "dapo.max_gen_batches": 3, "dapo.overlong_buffer": 4,
+                           "dapo.overlong_penalty": 1.0})
+    calls = [  # (rewards, lengths) per call; groups are [0, 0, 1, 1]
+        ([1.0, 1.0, 0.0, 1.0], [2, 2, 2, 2]),  # group 0 all equal: dropped
+        ([0.0, 0.0, 1.0, 1.0], [2, 2, 2, 2]),  # both all equal
+        ([1.0, 0.0, 1.0, 1.0], [2, 3, 2, 2]),  # group 0 kept: the batch is full
+    ]
+    log = []
+
+    def rollout(records, attempt):
+        log.append((records, attempt))
+        rewards, lengths = calls[attempt]
+        return _episodes(rewards, [0, 0, 1, 1], lengths)
+
+    batches = iter([[{"id": i}] * 2 for i in range(10)])
+    episodes, metrics = L.collect_episodes(rollout, batches, config)
+    assert [a for _, a in log] == [0, 1, 2] and log[2][0] == [{"id": 2}] * 2
+    assert [m["row"] for m in episodes.meta] == [2, 3, 0, 1]
+    np.testing.assert_array_equal(episodes.rewards_b, [0.0, 1.0, 1.0, 0.0])
+    assert metrics["dapo/gen_batches"] == 3 and metrics["dapo/uninformative_groups"] == 0
+    assert metrics["reward/mean"] == pytest.approx(np.mean([1, 1, 0, 1, 0, 0, 1, 1, 1, 0, 1, 1]))
+
+    # Overlong rows are penalised (8 tokens of at most 8 with a 4-token buffer: -1; 6: -0.5)
+    # before the groups are judged: group 0 of the second call now differs and is kept.
+    calls[1] = ([0.0, 0.0, 1.0, 1.0], [8, 6, 2, 2])
+    log.clear()
+    episodes, metrics = L.collect_episodes(rollout, iter([[{}] * 2] * 3), config)
+    assert metrics["dapo/gen_batches"] == 2
+    np.testing.assert_allclose(episodes.rewards_b, [0.0, 1.0, -1.0, -0.5])
+
+    # Capped at 2 calls with one informative group: topped up with a dropped one.
+    config.dapo.max_gen_batches = 2
+    calls[1] = ([0.0, 0.0, 1.0, 1.0], [8, 8, 2, 2])
+    episodes, metrics = L.collect_episodes(rollout, iter([[{}] * 2] * 2), config)
+    assert metrics["dapo/gen_batches"] == 2 and metrics["dapo/uninformative_groups"] == 1
+    np.testing.assert_allclose(episodes.rewards_b, [0.0, 1.0, -1.0, -1.0])
+
+
+def test_episodes_rows_are_checked():
+    with pytest.raises(ValueError, match="episode 0 has 5 tokens, more than the length 4"):
+        L.Episodes.from_rows([[1] * 5], [[0] * 5], [[0.0] * 5], [0.0], [0], length=4)
+    with pytest.raises(ValueError, match="3 tokens but 2 mask values"):
+        L.Episodes.from_rows([[1] * 3], [[0] * 2], [[0.0] * 3], [0.0], [0], length=4)
+    with pytest.raises(ValueError, match="first token cannot be trained on"):
+        L.Episodes.from_rows([[1] * 3], [[1] * 3], [[0.0] * 3], [0.0], [0], length=4)
+
+
+def test_config_keys_and_values_are_checked():
+    L.check_config(grpo_toy.get_config())
+    with pytest.raises(AttributeError):  # locked: a typo is an error, not a new key
+        grpo_toy.get_config().rl.clip_hihg = 0.3
+    config = grpo_toy.get_config()
+    config.unlock()
+    config.rl.clip_hihg = 0.3
+    del config.sampling["top_p"]
+    with pytest.raises(ValueError, match=r"missing keys \['sampling.top_p'\].*unknown keys "
+                                         r"\['rl.clip_hihg'\]"):
+        L.check_config(config)
+    for change, message in [({"rl.loss": "gspo"}, "aggregates seq-mean-token-mean"),
+                            ({"rl.estimator": "gae"}, "rl.estimator='gae'"),
+                            ({"rl.num_minibatches": 3}, "must divide into rl.num_minibatches"),
+                            ({"rl.microbatch_size": 5}, "must divide the minibatch of 32"),
+                            ({"kl.target": 0.1}, "set kl.in_reward=True")]:
+        with pytest.raises(ValueError, match=message):
+            L.check_config(toy_config(**change))
+    assert isinstance(L.defaults(), ml_collections.ConfigDict)
