@@ -1,0 +1,193 @@
+"""RL step time and decode throughput: ptrain against Tunix, and ptrain's sampler against
+Hugging Face transformers' generate, on one tiny Qwen3-style model, measured in one run.
+
+All three load the same checkpoint (written here by ptrain.hf.save) and run the same
+workload: P prompts of up to `prompt_len` tokens, G samples each, `new_tokens` new tokens,
+float32, on CPU. An RL step is GRPO: generation, rewards (the fraction of tokens equal to
+one target token), log-probs and one optimizer update (AdamW, no KL). Its time is the
+interval between consecutive steps' reward calls, after `warmup` steps, for both frameworks.
+
+Tunix runs in its own environment, in a subprocess (bench/rl_bench_tunix.py):
+
+    python -m pip install uv && cd bench && python -m uv venv .venv-tunix \
+        && python -m uv pip install --python .venv-tunix/bin/python google-tunix && cd ..
+    python bench/rl_bench.py [--prompts 8 --samples 8 --prompt-len 32 --new-tokens 64]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from ptrain import hf  # noqa: E402
+from ptrain import learner  # noqa: E402
+from ptrain import model as model_lib  # noqa: E402
+from ptrain import sampler as sampler_lib  # noqa: E402
+
+TUNIX_PYTHON = os.path.join(REPO, "bench", ".venv-tunix", "bin", "python")
+MODEL = dict(vocab_size=2048, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384,
+             head_dim=32, rope_theta=1e6, rms_eps=1e-6, tie_embeddings=True)
+TARGET, EOS = 7, 2
+
+
+def _median_time(fn, repeats):
+    fn()  # compilation
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def ptrain_decode(model_dir, prompts, args):
+    model, _ = hf.load(model_dir)
+    sampler = sampler_lib.Sampler(model, seed=0)
+    params = jax.tree.map(lambda x: x, model)  # noqa: the model itself is accepted
+
+    def generate():
+        out = sampler.sample(params, prompts, num_samples=args.samples,
+                             max_new_tokens=args.new_tokens, temperature=1.0,
+                             prompt_len=args.prompt_len)
+        assert (out.lengths == args.new_tokens).all()
+
+    greedy = sampler.sample(model, prompts, max_new_tokens=16, greedy=True,
+                            prompt_len=args.prompt_len).tokens
+    return _median_time(generate, args.repeats), greedy
+
+
+def transformers_decode(model_dir, prompts, args):
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = np.zeros((len(prompts), args.prompt_len), np.int64)
+    mask = np.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, args.prompt_len - len(p):], mask[i, args.prompt_len - len(p):] = p, 1
+    ids, mask = torch.tensor(ids), torch.tensor(mask)
+
+    def generate(**kwargs):
+        with torch.inference_mode():
+            return model.generate(input_ids=ids, attention_mask=mask, pad_token_id=0,
+                                  eos_token_id=EOS, **kwargs)
+
+    def sample():
+        out = generate(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                       max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                       num_return_sequences=args.samples)
+        assert out.shape == (len(prompts) * args.samples, args.prompt_len + args.new_tokens)
+
+    greedy = generate(do_sample=False, max_new_tokens=16, min_new_tokens=16)
+    return _median_time(sample, args.repeats), greedy[:, args.prompt_len:].numpy(), torch
+
+
+def ptrain_rl(model_dir, prompts, args, workdir):
+    """Seconds per GRPO step of ptrain.learner.train, from the intervals between reward calls."""
+    rows = args.prompts * args.samples
+    stamps, calls = [], [0]
+
+    def reward(record, completion_ids, completion_text):
+        if calls[0] % rows == 0:
+            stamps.append(time.perf_counter())
+        calls[0] += 1
+        return sum(t == TARGET for t in completion_ids) / max(len(completion_ids), 1)
+
+    c = learner.defaults()
+    c.steps = args.warmup + args.steps + 1
+    c.hf_model = model_dir
+    c.data.records_fn = lambda seed: [{"prompt_ids": p} for p in prompts]
+    c.data.prompts_per_step, c.data.max_prompt_len = args.prompts, args.prompt_len
+    c.reward_fn = reward
+    c.sampling.num_samples, c.sampling.max_new_tokens = args.samples, args.new_tokens
+    c.sampling.stop_token_ids = (EOS,)
+    c.rl.clip_low = c.rl.clip_high = 0.2
+    c.optim.lr, c.optim.schedule = args.lr, "constant"
+    c.log.rollouts_every = 0
+    c.checkpoint.every = 10**6
+    learner.train(c, workdir)
+    intervals = np.diff(stamps)[args.warmup:]
+    records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    timed = records[args.warmup + 1:]
+    split = {k: float(np.median([r[k] for r in timed])) for k in ("time/rollout_s",
+                                                                  "time/update_s")}
+    return float(np.median(intervals)), len(intervals), split
+
+
+def tunix(model_dir, prompts, args):
+    if not os.path.exists(TUNIX_PYTHON):
+        raise SystemExit(f"{TUNIX_PYTHON} is missing; create it as the module docstring says")
+    work = {"model_dir": model_dir, "model": MODEL, "prompts": prompts,
+            "num_samples": args.samples, "new_tokens": args.new_tokens,
+            "prompt_len": args.prompt_len, "repeats": args.repeats, "warmup": args.warmup,
+            "steps": args.steps, "lr": args.lr, "target": TARGET,
+            "prompts_per_step": args.prompts}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run([TUNIX_PYTHON, os.path.join(REPO, "bench", "rl_bench_tunix.py"),
+                          json.dumps(work)], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"Tunix failed:\n{out.stderr[-3000:]}")
+    version = subprocess.run([TUNIX_PYTHON, "-c", "import importlib.metadata as m; "
+                              "print(m.version('google-tunix'))"], capture_output=True,
+                             text=True, env=env).stdout.strip()
+    return json.loads(out.stdout.strip().splitlines()[-1]), version
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    args = parser.parse_args()
+
+    rng = np.random.RandomState(0)
+    prompts = [[1] + rng.randint(3, MODEL["vocab_size"], rng.randint(8, args.prompt_len))
+               .tolist() for _ in range(args.prompts)]
+    config = model_lib.ModelConfig(**MODEL, qk_norm=True, family="qwen3", bos_token_id=1,
+                                   eos_token_ids=(EOS,))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = os.path.join(tmp, "model")
+        hf.save(model_lib.init(config, seed=0), config, model_dir)
+
+        t_tunix, tunix_version = tunix(model_dir, prompts, args)
+        t_ours, greedy_ours = ptrain_decode(model_dir, prompts, args)
+        t_hf, greedy_hf, torch = transformers_decode(model_dir, prompts, args)
+        rl_ours, n_timed, split = ptrain_rl(model_dir, prompts, args,
+                                            os.path.join(tmp, "run"))
+
+    n = args.prompts * args.samples * args.new_tokens
+    print(f"model: Qwen3-style, {config.n_params / 1e6:.2f}M params, float32; "
+          f"{args.prompts} prompts x {args.samples} samples, prompts <= {args.prompt_len} "
+          f"tokens, {args.new_tokens} new tokens; jax {jax.__version__}, Tunix {tunix_version}, "
+          f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
+          f"{os.cpu_count()} cores")
+    print(f"greedy tokens, ptrain == transformers: {np.array_equal(greedy_ours, greedy_hf)}")
+    print("decode tokens/s (sampling, temperature 1):")
+    for name, t in (("ptrain", t_ours), ("Tunix", t_tunix["decode_s"]),
+                    ("transformers", t_hf)):
+        print(f"  {name:13s} {n / t:9.0f}  ({t * 1e3:.0f} ms)")
+    print(f"  ratio ptrain / Tunix: {t_tunix['decode_s'] / t_ours:.2f}x, "
+          f"ptrain / transformers: {t_hf / t_ours:.2f}x")
+    print(f"RL step (GRPO: generate + rewards + log-probs + update), median of {n_timed}:")
+    print(f"  ptrain {rl_ours * 1e3:7.0f} ms  (rollout {split['time/rollout_s'] * 1e3:.0f} ms, "
+          f"update {split['time/update_s'] * 1e3:.0f} ms)")
+    print(f"  Tunix  {t_tunix['rl_step_s'] * 1e3:7.0f} ms")
+    print(f"  ratio ptrain / Tunix: {t_tunix['rl_step_s'] / rl_ours:.2f}x faster")
+
+
+if __name__ == "__main__":
+    main()
