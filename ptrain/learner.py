@@ -82,7 +82,9 @@ def defaults() -> ml_collections.ConfigDict:
         dual_clip=3.0,  # 0: off
         agg="token-mean",  # losses.AGG_MODES; gspo needs seq-mean-token-mean
         ppo_epochs=1, num_minibatches=1,
-        microbatch_size=0,  # rows per gradient-accumulation step; 0: the whole minibatch
+        # Rows per gradient-accumulation step, a multiple of sampling.num_samples (groups
+        # stay whole: their prompt is computed once); 0: the whole minibatch.
+        microbatch_size=0,
         gamma=1.0,  # reinforce++ discount
         entropy_coef=0.0,
         tis_cap=0.0,  # truncated importance sampling against the sampler's log-probs; 0: off
@@ -103,8 +105,8 @@ def defaults() -> ml_collections.ConfigDict:
                    grad_clip=1.0)  # 0: no clipping
     # Supervised warm start (`sft`): records hold prompt_ids + completion_ids (or prompt +
     # completion text with a tokenizer); the loss covers completion tokens only.
-    c.sft = dict(sources=(), records_fn=None, steps=0, batch_size=8, max_len=128,
-                 microbatch_size=0,
+    c.sft = dict(sources=(), records_fn=None, steps=0, batch_size=8, max_prompt_len=64,
+                 max_completion_len=64, microbatch_size=0,
                  optim=dict(lr=1e-3, warmup_steps=0, schedule="cosine", min_lr_ratio=0.0,
                             weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0))
     c.log = dict(every=1, rollouts_every=10, num_rollouts=4)
@@ -124,6 +126,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             + ". Spell out every key of defaults() in the config file.")
     rl, s, d = config.rl, config.sampling, config.data
     mb_rows = d.prompts_per_step * s.num_samples // max(rl.num_minibatches, 1)
+    micro = rl.microbatch_size
     checks = [
         (rl.estimator in ESTIMATORS, f"rl.estimator={rl.estimator!r}; use one of {ESTIMATORS}"),
         (rl.loss in POLICY_LOSSES, f"rl.loss={rl.loss!r}; use one of {POLICY_LOSSES}"),
@@ -134,11 +137,12 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         (rl.tis_level in ("token", "sequence"), "rl.tis_level must be 'token' or 'sequence'"),
         (config.steps >= 0 and rl.ppo_epochs >= 1 and rl.num_minibatches >= 1,
          "steps must be >= 0, rl.ppo_epochs and rl.num_minibatches >= 1"),
-        ((d.prompts_per_step * s.num_samples) % rl.num_minibatches == 0,
-         f"data.prompts_per_step * sampling.num_samples = {d.prompts_per_step * s.num_samples} "
-         f"rows must divide into rl.num_minibatches={rl.num_minibatches}"),
-        (rl.microbatch_size == 0 or mb_rows % rl.microbatch_size == 0,
-         f"rl.microbatch_size={rl.microbatch_size} must divide the minibatch of {mb_rows} rows"),
+        (d.prompts_per_step % rl.num_minibatches == 0,
+         f"data.prompts_per_step={d.prompts_per_step} groups must divide into "
+         f"rl.num_minibatches={rl.num_minibatches}"),
+        (micro == 0 or (micro % s.num_samples == 0 and mb_rows % micro == 0),
+         f"rl.microbatch_size={micro} must be a multiple of sampling.num_samples="
+         f"{s.num_samples} that divides the minibatch of {mb_rows} rows"),
         (config.sft.microbatch_size == 0
          or config.sft.batch_size % config.sft.microbatch_size == 0,
          "sft.microbatch_size must divide sft.batch_size"),
@@ -198,56 +202,64 @@ def make_optimizer(optim, *, total_steps: int, updates_per_step: int = 1):
 
 @dataclasses.dataclass
 class Episodes:
-    """A batch of finished episodes, one row each, on the host (numpy).
+    """A batch of finished episodes on the host (numpy): one row per sample, G rows per group.
 
-    A row is the whole token history: prompt, model turns and tool observations, right-padded
-    to a fixed length. Per-token arrays are aligned with `tokens_bt`: position i describes
-    token i (its log-prob is that of tokens[i] given tokens[:i]); `loss_mask_bt` is 1 only on
-    tokens the model produced and is trained on (never on the prompt, observations or
-    padding). Rows of one prompt share a group id. `meta` is host-only (texts, feedback,
-    domain) and never goes to the device.
+    A row is its group's prompt (left-padded to a fixed width, identical for the G rows of a
+    group, which are consecutive) and the row's continuation: everything after the prompt
+    (model turns and, in multi-turn episodes, tool observations), right-padded. Per-token
+    arrays are aligned with `tokens_bn`: column j describes continuation token j, whose
+    log-prob is that of the token given everything before it. `loss_mask_bn` is 1 only on
+    tokens the model produced and is trained on (never on observations or padding).
+
+    The learner runs each group's prompt once and continues it G times through the KV cache,
+    as the sampler does, so a long prompt costs one forward and one backward per group.
+    `meta` is host-only (texts, feedback, domain) and never goes to the device.
     """
 
-    tokens_bt: np.ndarray  # int32 [b, t]
-    valid_bt: np.ndarray  # int32 [b, t]: 1 on real tokens, 0 on padding
-    loss_mask_bt: np.ndarray  # float32 [b, t]
-    rollout_logp_bt: np.ndarray  # float32 [b, t]: the sampler's temperature-1 log-probs
+    prompt_bp: np.ndarray  # int32 [b, p]: the group's prompt, left-padded
+    prompt_lens_b: np.ndarray  # int32 [b]
+    tokens_bn: np.ndarray  # int32 [b, n]: the continuation, right-padded
+    lengths_b: np.ndarray  # int32 [b]: tokens in the continuation
+    loss_mask_bn: np.ndarray  # float32 [b, n]
+    rollout_logp_bn: np.ndarray  # float32 [b, n]: the sampler's temperature-1 log-probs
     rewards_b: np.ndarray  # float32 [b]
     group_ids_b: np.ndarray  # int32 [b]
     meta: list = dataclasses.field(default_factory=list)  # one dict per row
 
     @classmethod
-    def from_rows(cls, tokens, loss_masks, rollout_logps, rewards, group_ids, *, length,
-                  meta=None, pad_id=0) -> Episodes:
-        """Packs per-row lists (token ids, 0/1 loss mask, log-probs, all of a row's length)
-        into arrays of `length` columns."""
-        b = len(tokens)
-        out = cls(tokens_bt=np.full((b, length), pad_id, np.int32),
-                  valid_bt=np.zeros((b, length), np.int32),
-                  loss_mask_bt=np.zeros((b, length), np.float32),
-                  rollout_logp_bt=np.zeros((b, length), np.float32),
+    def from_rows(cls, prompts, continuations, loss_masks, rollout_logps, rewards, group_ids,
+                  *, prompt_len, length, meta=None, pad_id=0) -> Episodes:
+        """Packs per-row lists (prompt ids; continuation ids with one 0/1 loss-mask value and
+        one log-prob each) into arrays of `prompt_len` and `length` columns."""
+        b = len(prompts)
+        out = cls(prompt_bp=np.full((b, prompt_len), pad_id, np.int32),
+                  prompt_lens_b=np.zeros(b, np.int32),
+                  tokens_bn=np.full((b, length), pad_id, np.int32),
+                  lengths_b=np.zeros(b, np.int32),
+                  loss_mask_bn=np.zeros((b, length), np.float32),
+                  rollout_logp_bn=np.zeros((b, length), np.float32),
                   rewards_b=np.asarray(rewards, np.float32).reshape(b),
                   group_ids_b=np.asarray(group_ids, np.int32).reshape(b),
                   meta=list(meta) if meta is not None else [{} for _ in range(b)])
-        for i, (tok, mask, logp) in enumerate(zip(tokens, loss_masks, rollout_logps)):
-            n = len(tok)
+        rows = zip(prompts, continuations, loss_masks, rollout_logps)
+        for i, (prompt, tok, mask, logp) in enumerate(rows):
+            p, n = len(prompt), len(tok)
+            if not 0 < p <= prompt_len:
+                raise ValueError(f"episode {i}: its prompt has {p} tokens; it needs 1 to "
+                                 f"prompt_len={prompt_len}")
             if n > length:
-                raise ValueError(f"episode {i} has {n} tokens, more than the length {length}; "
-                                 "raise the length cap or cut the episode")
+                raise ValueError(f"episode {i} continues its prompt with {n} tokens, more than "
+                                 f"the length {length}; raise the cap or cut the episode")
             if len(mask) != n or len(logp) != n:
                 raise ValueError(f"episode {i}: {n} tokens but {len(mask)} mask values and "
                                  f"{len(logp)} log-probs; give one per token")
-            if n and mask[0]:
-                raise ValueError(f"episode {i}: the first token cannot be trained on (nothing "
-                                 "predicts it); start each episode with its prompt")
-            out.tokens_bt[i, :n] = tok
-            out.valid_bt[i, :n] = 1
-            out.loss_mask_bt[i, :n] = mask
-            out.rollout_logp_bt[i, :n] = logp
+            out.prompt_bp[i, prompt_len - p:], out.prompt_lens_b[i] = prompt, p
+            out.tokens_bn[i, :n], out.lengths_b[i] = tok, n
+            out.loss_mask_bn[i, :n], out.rollout_logp_bn[i, :n] = mask, logp
         return out
 
     def __len__(self):
-        return len(self.tokens_bt)
+        return len(self.tokens_bn)
 
     def columns(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -255,6 +267,17 @@ class Episodes:
     def arrays(self) -> dict[str, np.ndarray]:
         """What goes to the device."""
         return {k: v for k, v in self.columns().items() if k != "meta"}
+
+    def check_groups(self, group_size: int) -> None:
+        """Groups must be G consecutive rows with one id and one prompt."""
+        b = len(self)
+        if b % group_size:
+            raise ValueError(f"{b} episodes do not form groups of {group_size}")
+        for name, what in (("group_ids_b", "group id"), ("prompt_bp", "prompt")):
+            x = getattr(self, name).reshape((b // group_size, group_size, -1))
+            if not (x == x[:, :1]).all():
+                raise ValueError(f"episodes: the {group_size} consecutive rows of a group must "
+                                 f"share their {what}; keep each prompt's samples together")
 
 
 # =================================================================================== learner
@@ -265,6 +288,7 @@ class _Settings:
     """The static part of the compiled steps (hashable)."""
 
     kind: str  # "rl" | "sft"
+    group_size: int = 1  # rows sharing one prompt
     estimator: str = "grpo"
     loss: str = "ppo"
     clip_low: float = 0.2
@@ -306,17 +330,16 @@ class Learner:
             self.initial_params = jax.device_put(params, jax.tree.map(
                 lambda x: x.sharding, abstract) if self.mesh is not None else None)
         self.param_shardings = jax.tree.map(lambda x: x.sharding, self.initial_params)
+        self.pad_id = _pad_id(self.tokenizer)
         rl, s = c.rl, c.sampling
-        self.rows = c.data.prompts_per_step * s.num_samples
-        self.length = c.data.max_prompt_len + s.max_new_tokens
         updates = rl.ppo_epochs * rl.num_minibatches
         self.tx, self.schedule = make_optimizer(c.optim, total_steps=c.steps,
                                                 updates_per_step=updates)
         kl_on = c.kl.coef > 0
         self.settings = _Settings(
-            kind="rl", estimator=rl.estimator, loss=rl.loss, clip_low=rl.clip_low,
-            clip_high=rl.clip_high, dual_clip=rl.dual_clip or None, agg=rl.agg,
-            horizon=s.max_new_tokens, gamma=rl.gamma, entropy_coef=rl.entropy_coef,
+            kind="rl", group_size=s.num_samples, estimator=rl.estimator, loss=rl.loss,
+            clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip or None,
+            agg=rl.agg, horizon=s.max_new_tokens, gamma=rl.gamma, entropy_coef=rl.entropy_coef,
             tis_cap=rl.tis_cap, tis_level=rl.tis_level, kl_kind=c.kl.kind,
             kl_loss=kl_on and not c.kl.in_reward, kl_in_reward=kl_on and c.kl.in_reward,
             has_old_logp=updates > 1 or (kl_on and c.kl.in_reward), chunk=rl.logprob_chunk,
@@ -328,7 +351,7 @@ class Learner:
         # The reference policy is a copy: the live parameters are donated to each update.
         self.ref_params = jax.tree.map(jnp.copy, self.initial_params) if kl_on else None
         self.sampler = sampler_lib.Sampler(
-            nnx.merge(self.graphdef, self.initial_params), seed=c.seed, pad_id=_pad_id(self),
+            nnx.merge(self.graphdef, self.initial_params), seed=c.seed, pad_id=self.pad_id,
             decode=self.decode if self.tokenizer is not None else None,
             stop_check_every=s.stop_check_every)
 
@@ -350,55 +373,55 @@ class Learner:
             return " ".join(str(int(i)) for i in ids)
         return self.tokenizer.decode(list(ids))
 
-    def prompt_ids(self, record) -> list[int]:
-        if "prompt_ids" in record:
-            return [int(t) for t in record["prompt_ids"]]
-        if self.tokenizer is None or "prompt" not in record:
-            raise ValueError(f"record {_short(record)} has no 'prompt_ids'; give token ids, "
-                             "or 'prompt' text and config.tokenizer")
-        return list(self.tokenizer.encode(record["prompt"]))
+    def encode(self, record, ids_key, text_key) -> list[int]:
+        """Token ids of a record's field: `ids_key` (ids), or `text_key` with the tokenizer."""
+        if ids_key in record:
+            return [int(t) for t in record[ids_key]]
+        if self.tokenizer is None or text_key not in record:
+            raise ValueError(f"record {_short(record)} has no {ids_key!r}; give token ids, or "
+                             f"{text_key!r} text and config.tokenizer")
+        return list(self.tokenizer.encode(record[text_key]))
 
     # ------------------------------------------------------------------ stages
 
     def rollout(self, params, records, key, *, reward_fn=None) -> Episodes:
         """The default single-turn producer: G samples per prompt, each scored by reward_fn
         (default config.reward_fn). Rows of prompt i form group i."""
-        c = self.config
+        c, s = self.config, self.config.sampling
         reward_fn = reward_fn or c.reward_fn
         if reward_fn is None:
             raise ValueError("config.reward_fn is not set: give a callable "
                              "reward_fn(record, completion_ids, completion_text)")
-        prompts = [self.prompt_ids(r) for r in records]
-        too_long = [i for i, p in enumerate(prompts) if len(p) > c.data.max_prompt_len]
-        if too_long:
-            i = too_long[0]
-            raise ValueError(f"prompt {_short(records[i])} has {len(prompts[i])} tokens, more "
-                             f"than data.max_prompt_len={c.data.max_prompt_len}")
-        s = c.sampling
+        prompts = [self.encode(r, "prompt_ids", "prompt") for r in records]
+        for record, prompt in zip(records, prompts):
+            if len(prompt) > c.data.max_prompt_len:
+                raise ValueError(f"prompt {_short(record)} has {len(prompt)} tokens, more than "
+                                 f"data.max_prompt_len={c.data.max_prompt_len}")
         out = self.sampler.sample(
             params, prompts, max_new_tokens=s.max_new_tokens, num_samples=s.num_samples,
             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
             stop_token_ids=tuple(s.stop_token_ids), stop_strings=tuple(s.stop_strings),
             key=key, prompt_len=c.data.max_prompt_len, batch_size=len(prompts))
-        rows, rewards, meta = [], [], []
-        for r, completion in enumerate(out.completions()):
-            record = records[out.prompt_index[r]]
-            prompt = prompts[out.prompt_index[r]]
+        completions = out.completions()
+        rewards, meta = [], []
+        for r, completion in enumerate(completions):
+            i = out.prompt_index[r]
             text = self.decode(completion)
-            reward, feedback = _reward_and_feedback(reward_fn(record, completion, text))
-            n = len(completion)
-            rows.append((prompt + completion, [0] * len(prompt) + [1] * n,
-                         [0.0] * len(prompt) + out.logp_t1[r, :n].tolist()))
+            reward, feedback = _reward_and_feedback(reward_fn(records[i], completion, text))
             rewards.append(reward)
-            meta.append({"prompt": self.decode(prompt), "completion": text,
+            meta.append({"prompt": self.decode(prompts[i]), "completion": text,
                          "feedback": feedback, "finish_reason": out.finish_reasons[r]})
-        tokens, masks, logps = zip(*rows)
-        return Episodes.from_rows(tokens, masks, logps, rewards, out.prompt_index,
-                                  length=self.length, meta=meta, pad_id=_pad_id(self))
+        return Episodes.from_rows(
+            [prompts[i] for i in out.prompt_index], completions,
+            [[1] * len(x) for x in completions], [out.logp_t1[r, :len(x)]
+                                                   for r, x in enumerate(completions)],
+            rewards, out.prompt_index, prompt_len=c.data.max_prompt_len,
+            length=s.max_new_tokens, meta=meta, pad_id=self.pad_id)
 
     def prepare(self, params, episodes: Episodes, kl_coef: float = 0.0):
         """Device batch for `update`: advantages, log-probs of the current (when needed) and
         reference policies, KL in the reward. Returns (batch, metrics)."""
+        episodes.check_groups(self.settings.group_size)
         batch = sharding.shard_batch(episodes.arrays(), self.mesh)
         return _prepare(params, self.ref_params, batch, jnp.float32(kl_coef),
                         graphdef=self.graphdef, s=self.settings)
@@ -445,8 +468,8 @@ def _load_tokenizer(path):
     return hf.load_tokenizer(path)
 
 
-def _pad_id(learner) -> int:
-    pad = getattr(learner.tokenizer, "pad_token_id", None)
+def _pad_id(tokenizer) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
     return int(pad) if pad is not None else 0
 
 
@@ -467,79 +490,89 @@ def _short(record, n=80):
 # ------------------------------------------------------------------------- device programs
 
 
-def token_logprobs(graphdef, params, tokens_bt, valid_bt, *, chunk=256):
-    """log p(tokens[i] | tokens[:i]) and the entropy of that distribution, aligned with the
-    tokens ([b, t], column 0 is 0), computed in chunks (no float32 [b, t, v])."""
+def token_logprobs(graphdef, params, batch, *, group_size=1, chunk=256):
+    """log p(token | everything before it) of every continuation token, and the entropy of
+    that distribution ([b, n] each), computed in chunks (never float32 [b, n, v]).
+
+    Each group's prompt runs once (rows 0, G, 2G, ... hold the prompts); its KV cache is
+    repeated for the G continuations, so gradients from all G reach the one prompt forward.
+    """
     model = nnx.merge(graphdef, params)
-    positions_bt = jnp.maximum(jnp.cumsum(valid_bt, axis=1) - 1, 0)
-    h_btd, _ = model.hidden(tokens_bt[:, :-1], positions_bt[:, :-1], valid_bt[:, :-1])
-    logp_bt, ent_bt = losses.chunked_logprobs(h_btd, model.unembedding_vd().T, tokens_bt[:, 1:],
-                                              chunk=chunk, return_entropy=True)
-    pad = ((0, 0), (1, 0))
-    return jnp.pad(logp_bt, pad), jnp.pad(ent_bt, pad)
+    tokens_bn, lengths_b = batch["tokens_bn"], batch["lengths_b"]
+    b, n = tokens_bn.shape
+    h_gd, cache = sampler_lib.prefill_shared(
+        model, batch["prompt_bp"][::group_size], batch["prompt_lens_b"][::group_size],
+        repeats=group_size, extra_slots=n)
+    valid_bn = (jnp.arange(n)[None, :] < lengths_b[:, None]).astype(jnp.int32)
+    positions_bn = batch["prompt_lens_b"][:, None] + jnp.arange(n)[None, :]
+    h_bnd, _ = model.hidden(tokens_bn, positions_bn, valid_bn, cache)
+    # Token j is predicted by the hidden state before it: the prompt's last, then the row's.
+    h_bnd = jnp.concatenate([jnp.repeat(h_gd, group_size, axis=0)[:, None], h_bnd[:, :-1]], 1)
+    return losses.chunked_logprobs(h_bnd, model.unembedding_vd().T, tokens_bn, chunk=chunk,
+                                   return_entropy=True)
 
 
-def _last_token_onehot(mask_bt):
+def _last_token_onehot(mask_bn):
     """1 on the last token of each row where the mask is 1 (the sequence reward goes there)."""
-    t = mask_bt.shape[1]
-    last_b = t - 1 - jnp.argmax(mask_bt[:, ::-1] > 0, axis=1)
-    return (jnp.arange(t)[None, :] == last_b[:, None]) & (mask_bt.sum(-1, keepdims=True) > 0)
+    n = mask_bn.shape[1]
+    last_b = n - 1 - jnp.argmax(mask_bn[:, ::-1] > 0, axis=1)
+    return (jnp.arange(n)[None, :] == last_b[:, None]) & (mask_bn.sum(-1, keepdims=True) > 0)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "s"))
 def _prepare(params, ref_params, batch, kl_coef, *, graphdef, s: _Settings):
-    mask_bt = batch["loss_mask_bt"]
-    logp = functools.partial(token_logprobs, graphdef, tokens_bt=batch["tokens_bt"],
-                             valid_bt=batch["valid_bt"], chunk=s.chunk)
+    mask_bn = batch["loss_mask_bn"]
+    logp = functools.partial(token_logprobs, graphdef, batch=batch, group_size=s.group_size,
+                             chunk=s.chunk)
     out, metrics = dict(batch), {}
-    old_bt = logp(params)[0] if s.has_old_logp else None
-    if old_bt is not None:
-        out["old_logp_bt"] = old_bt
+    old_bn = logp(params)[0] if s.has_old_logp else None
+    if old_bn is not None:
+        out["old_logp_bn"] = old_bn
         metrics["rollout/logp_mismatch"] = losses.masked_mean(
-            jnp.abs(old_bt - batch["rollout_logp_bt"]), mask_bt)
+            jnp.abs(old_bn - batch["rollout_logp_bn"]), mask_bn)
     if s.kl_loss or s.kl_in_reward:
-        out["ref_logp_bt"] = logp(ref_params)[0]
-    scores_bt = jnp.where(_last_token_onehot(mask_bt), batch["rewards_b"][:, None], 0.0)
+        out["ref_logp_bn"] = logp(ref_params)[0]
+    scores_bn = jnp.where(_last_token_onehot(mask_bn), batch["rewards_b"][:, None], 0.0)
     if s.kl_in_reward:
-        scores_bt, batch_kl = losses.kl_in_reward(scores_bt, old_bt, out["ref_logp_bt"], mask_bt,
+        scores_bn, batch_kl = losses.kl_in_reward(scores_bn, old_bn, out["ref_logp_bn"], mask_bn,
                                                   coef=kl_coef, kind=s.kl_kind)
         metrics["kl/in_reward"] = batch_kl
     if s.estimator in ("grpo", "drgrpo", "rloo"):
-        adv_bt = losses.group_advantages(scores_bt, batch["group_ids_b"], estimator=s.estimator,
-                                         mask_bt=mask_bt)
+        adv_bn = losses.group_advantages(scores_bn, batch["group_ids_b"], estimator=s.estimator,
+                                         mask_bt=mask_bn)
     elif s.estimator == "reinforce++":
-        adv_bt = losses.reinforce_pp_advantages(scores_bt, mask_bt, gamma=s.gamma)[0]
+        adv_bn = losses.reinforce_pp_advantages(scores_bn, mask_bn, gamma=s.gamma)[0]
     else:
-        adv_bt = losses.reinforce_pp_baseline_advantages(scores_bt, mask_bt,
+        adv_bn = losses.reinforce_pp_baseline_advantages(scores_bn, mask_bn,
                                                          batch["group_ids_b"])
-    out["adv_bt"] = adv_bt
-    metrics["adv/mean"] = losses.masked_mean(adv_bt, mask_bt)
-    metrics["adv/abs_mean"] = losses.masked_mean(jnp.abs(adv_bt), mask_bt)
+    out["adv_bn"] = adv_bn
+    metrics["adv/mean"] = losses.masked_mean(adv_bn, mask_bn)
+    metrics["adv/abs_mean"] = losses.masked_mean(jnp.abs(adv_bn), mask_bn)
     return out, metrics
 
 
 def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: _Settings):
     """The loss of one microbatch, normalised by the whole minibatch's token and sequence
     counts, so that microbatch losses (and gradients) add up to the minibatch's."""
-    mask_bt = x["loss_mask_bt"]
-    logp_bt, ent_bt = token_logprobs(graphdef, params, x["tokens_bt"], x["valid_bt"],
+    mask_bn = x["loss_mask_bn"]
+    logp_bn, ent_bn = token_logprobs(graphdef, params, x, group_size=s.group_size,
                                      chunk=s.chunk)
-    share = mask_bt.sum() / jnp.maximum(num_tokens, 1)  # this microbatch's share of the tokens
-    agg = functools.partial(losses.agg_loss, mask_bt=mask_bt, mode=s.agg, num_tokens=num_tokens,
+    share = mask_bn.sum() / jnp.maximum(num_tokens, 1)  # this microbatch's share of the tokens
+    agg = functools.partial(losses.agg_loss, mask_bt=mask_bn, mode=s.agg, num_tokens=num_tokens,
                             num_seqs=num_seqs, horizon=s.horizon)
     if s.kind == "sft":
-        loss = -agg(logp_bt)
-        return loss, {"sft/loss": loss, "sft/entropy": share * losses.masked_mean(ent_bt,
-                                                                                  mask_bt)}
-    old_bt = x["old_logp_bt"] if s.has_old_logp else jax.lax.stop_gradient(logp_bt)
+        loss = -agg(logp_bn)
+        return loss, {"sft/loss": loss,
+                      "sft/entropy": share * losses.masked_mean(ent_bn, mask_bn)}
+    old_bn = x["old_logp_bn"] if s.has_old_logp else jax.lax.stop_gradient(logp_bn)
     is_w = None
     metrics = {}
     if s.tis_cap > 0:
-        is_w = losses.truncated_is_weights(old_bt, x["rollout_logp_bt"], mask_bt,
+        is_w = losses.truncated_is_weights(old_bn, x["rollout_logp_bn"], mask_bn,
                                            level=s.tis_level, cap=s.tis_cap)
-        metrics["tis/weight_mean"] = share * losses.masked_mean(is_w, mask_bt)
+        metrics["tis/weight_mean"] = share * losses.masked_mean(is_w, mask_bn)
     pg_loss, pg_metrics = losses.policy_loss(
-        logp_bt, old_bt, x["adv_bt"], mask_bt, kind=s.loss, clip_low=s.clip_low,
+        logp_bn, old_bn, x["adv_bn"], mask_bn, kind=s.loss, clip_low=s.clip_low,
         clip_high=s.clip_high, dual_clip=s.dual_clip, agg=s.agg, is_weights=is_w,
         num_tokens=num_tokens, num_seqs=num_seqs, horizon=s.horizon)
     loss = pg_loss
@@ -547,15 +580,15 @@ def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: _Settings
     metrics["actor/pg_loss"] = pg_loss
     if not s.has_old_logp:
         metrics["rollout/logp_mismatch"] = share * losses.masked_mean(
-            jnp.abs(old_bt - x["rollout_logp_bt"]), mask_bt)
+            jnp.abs(old_bn - x["rollout_logp_bn"]), mask_bn)
     if s.kl_loss:
-        kl_loss = agg(losses.kl(logp_bt, x["ref_logp_bt"], s.kl_kind))
+        kl_loss = agg(losses.kl(logp_bn, x["ref_logp_bn"], s.kl_kind))
         loss = loss + kl_coef * kl_loss
         metrics["kl/loss"] = kl_loss
     if s.kl_loss or s.kl_in_reward:
         metrics["kl/k1"] = share * losses.masked_mean(
-            jax.lax.stop_gradient(logp_bt) - x["ref_logp_bt"], mask_bt)
-    entropy = agg(ent_bt)
+            jax.lax.stop_gradient(logp_bn) - x["ref_logp_bn"], mask_bn)
+    entropy = agg(ent_bn)
     if s.entropy_coef:
         loss = loss - s.entropy_coef * entropy
     metrics["actor/entropy"] = jax.lax.stop_gradient(entropy)
@@ -566,30 +599,31 @@ def _update(params, opt_state, batch, kl_coef, *, graphdef, s: _Settings, tx, me
     """All optimizer updates of one step: epochs x minibatches, each minibatch's gradient
     accumulated over microbatches (a scan, so the program does not grow with their number).
 
-    Row r goes to minibatch r % m, and to microbatch (r // m) % k of it: rows are dealt out
-    in turn, so each device keeps its own rows (the split moves no data between devices) and
-    the minibatches do not depend on the microbatch size.
+    Groups (G consecutive rows) are dealt out in turn: group j goes to minibatch j % m and to
+    microbatch (j // m) % k of it. Each device keeps its own rows (the split moves no data
+    between devices) and the minibatches do not depend on the microbatch size.
     """
-    mask_bt = batch["loss_mask_bt"]
-    b = mask_bt.shape[0]
+    mask_bn = batch["loss_mask_bn"]
+    b, g = mask_bn.shape[0], s.group_size
     m = s.minibatches
-    micro = s.microbatch or b // m
-    k = b // m // micro
+    micro = (s.microbatch or b // m) // g  # groups per microbatch
+    k = b // g // m // micro
 
-    def split(x):  # [b, ...] -> [m, k, micro, ...], micro sharded like b was
-        x = x.reshape((micro, k, m) + x.shape[1:])
-        x = jnp.transpose(x, (2, 1, 0) + tuple(range(3, x.ndim)))
-        return sharding.constrain(x, (None, None, "batch") + (None,) * (x.ndim - 3), mesh)
+    def split(x):  # [b, ...] -> [m, k, micro * g, ...], sharded like b was
+        rest = x.shape[1:]
+        x = x.reshape((micro, k, m, g) + rest)
+        x = jnp.transpose(x, (2, 1, 0, 3) + tuple(range(4, x.ndim)))
+        x = x.reshape((m, k, micro * g) + rest)
+        return sharding.constrain(x, (None, None, "batch") + (None,) * len(rest), mesh)
 
-    split = {name: split(x) for name, x in batch.items()
-             if name not in ("group_ids_b", "rewards_b")}
+    split = {name: split(x) for name, x in batch.items() if name != "rewards_b"}
     grad_fn = jax.value_and_grad(functools.partial(_rl_loss, graphdef=graphdef, s=s),
                                  has_aux=True)
 
     def minibatch(carry, i):
         params, opt_state = carry
         mb = jax.tree.map(lambda x: x[i], split)
-        mb_mask = mb["loss_mask_bt"]
+        mb_mask = mb["loss_mask_bn"]
         num_tokens = mb_mask.sum()
         num_seqs = (mb_mask.sum(-1) > 0).sum()
 
@@ -706,7 +740,7 @@ def collect_episodes(rollout, batches, config):
         calls += 1
         _check_episodes(episodes, c)
         if c.dapo.overlong_buffer:
-            lengths_b = episodes.loss_mask_bt.sum(-1)
+            lengths_b = episodes.loss_mask_bn.sum(-1)
             episodes.rewards_b = episodes.rewards_b + np.asarray(losses.overlong_penalty(
                 lengths_b, max_len=c.sampling.max_new_tokens, buffer_len=c.dapo.overlong_buffer,
                 penalty_factor=c.dapo.overlong_penalty))
@@ -740,7 +774,7 @@ def collect_episodes(rollout, batches, config):
         metrics.update({"dapo/gen_batches": calls, "dapo/uninformative_groups": filler,
                         "reward/batch_mean": np.mean(acc["rewards_b"])})
     episodes = Episodes(**acc)
-    mask = episodes.loss_mask_bt
+    mask = episodes.loss_mask_bn
     metrics["response/length_mean"] = mask.sum(-1).mean()
     metrics["response/length_max"] = mask.sum(-1).max()
     reasons = [m.get("finish_reason") for m in episodes.meta]
@@ -790,23 +824,14 @@ def _prompt_stream(data, batch_size, seed, workdir, name, *, on_error):
 # ======================================================================================= SFT
 
 
-def sft_episodes(learner: Learner, records, *, length) -> Episodes:
+def sft_episodes(learner: Learner, records, *, prompt_len, length) -> Episodes:
     """(prompt, completion) records as rows with the loss mask on the completion only."""
-    tokens, masks = [], []
-    for r in records:
-        prompt = learner.prompt_ids(r)
-        if "completion_ids" in r:
-            completion = [int(t) for t in r["completion_ids"]]
-        elif learner.tokenizer is not None and "completion" in r:
-            completion = list(learner.tokenizer.encode(r["completion"]))
-        else:
-            raise ValueError(f"SFT record {_short(r)} has no 'completion_ids' (or 'completion' "
-                             "text with config.tokenizer)")
-        tokens.append(prompt + completion)
-        masks.append([0] * len(prompt) + [1] * len(completion))
-    zeros = [[0.0] * len(t) for t in tokens]
-    return Episodes.from_rows(tokens, masks, zeros, np.zeros(len(tokens)), np.arange(len(tokens)),
-                              length=length, pad_id=_pad_id(learner))
+    prompts = [learner.encode(r, "prompt_ids", "prompt") for r in records]
+    completions = [learner.encode(r, "completion_ids", "completion") for r in records]
+    return Episodes.from_rows(prompts, completions, [[1] * len(c) for c in completions],
+                              [[0.0] * len(c) for c in completions], np.zeros(len(records)),
+                              np.arange(len(records)), prompt_len=prompt_len, length=length,
+                              pad_id=learner.pad_id)
 
 
 def sft(config, workdir, *, params=None, mesh=None):
@@ -833,7 +858,8 @@ def sft(config, workdir, *, params=None, mesh=None):
 
     for step in range(start + 1, sc.steps + 1):
         t0 = time.perf_counter()
-        episodes = sft_episodes(learner, next(batches), length=sc.max_len)
+        episodes = sft_episodes(learner, next(batches), prompt_len=sc.max_prompt_len,
+                                length=sc.max_completion_len)
         params, opt_state, metrics = learner.sft_update(params, opt_state, episodes)
         if step % c.log.every == 0 or step == sc.steps:
             metrics = jax.device_get(metrics)

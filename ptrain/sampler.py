@@ -118,13 +118,11 @@ class Sampler:
             params = nnx.state(params)
         tokens_bt, lengths_b = self._pad_prompts(prompts, prompt_len, batch_size)
         n = len(prompts) * num_samples
-        cache_len = tokens_bt.shape[1] + max_new_tokens
         real_b = np.arange(len(tokens_bt)) < len(prompts)
         tokens_bt, lengths_b, real_b = sharding.shard_batch((tokens_bt, lengths_b, real_b),
                                                             self.mesh)
         carry = _prefill(params, tokens_bt, lengths_b, real_b, graphdef=self.graphdef,
-                         num_samples=num_samples, max_new_tokens=max_new_tokens,
-                         cache_len=cache_len)
+                         num_samples=num_samples, max_new_tokens=max_new_tokens)
         if not stop_strings:
             carry = _decode(params, carry, key, jnp.int32(max_new_tokens),
                             graphdef=self.graphdef, settings=settings)
@@ -258,27 +256,51 @@ def _constrain_rows(tree, mesh):
     return {k: one(v) for k, v in tree.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_samples", "max_new_tokens",
-                                             "cache_len"))
-def _prefill(params, tokens_bt, lengths_b, real_b, *, graphdef, num_samples, max_new_tokens,
-             cache_len):
+def left_padded(lengths_b, t):
+    """Segment ids (1 on tokens, 0 on the left padding) and RoPE positions of prompts
+    right-aligned in `t` columns."""
+    segment_ids_bt = (jnp.arange(t)[None, :] >= t - lengths_b[:, None]).astype(jnp.int32)
+    return segment_ids_bt, jnp.maximum(jnp.cumsum(segment_ids_bt, axis=1) - 1, 0)
+
+
+def prefill_shared(model, prompt_bt, lengths_b, *, repeats, extra_slots):
+    """Runs each prompt once and returns (final hidden state of each prompt [b, d], the cache
+    repeated `repeats` times with `extra_slots` empty slots appended): row i's copies are
+    rows i*repeats .. i*repeats+repeats-1. The sampler continues the copies with samples;
+    the learner with the samples' tokens, differentiating through the repeat."""
+    b, t = prompt_bt.shape
+    segment_ids_bt, positions_bt = left_padded(lengths_b, t)
+    cache = model_lib.init_cache(model.config, b, t)
+    h_btd, cache = model.hidden(prompt_bt, positions_bt, segment_ids_bt, cache)
+
+    def grow(x, axis):  # repeat rows, then append empty slots
+        x = jnp.repeat(x, repeats, axis=axis)
+        pad = [(0, 0)] * x.ndim
+        pad[axis + 1] = (0, extra_slots)
+        return jnp.pad(x, pad)
+
+    cache = model_lib.KVCache(grow(cache.k_lbske, 1), grow(cache.v_lbske, 1),
+                              grow(cache.positions_bs, 0), grow(cache.segment_ids_bs, 0),
+                              cache.index)
+    if model.mesh is not None:
+        cache = jax.tree.map(jax.lax.with_sharding_constraint, cache,
+                             model_lib.cache_shardings(cache, model.mesh))
+    return h_btd[:, -1], cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_samples", "max_new_tokens"))
+def _prefill(params, tokens_bt, lengths_b, real_b, *, graphdef, num_samples, max_new_tokens):
     """Runs the prompts once and returns the decode loop's initial state, G rows per prompt."""
     model = nnx.merge(graphdef, params)
-    b, t = tokens_bt.shape
-    segment_ids_bt = (jnp.arange(t)[None, :] >= t - lengths_b[:, None]).astype(jnp.int32)
-    positions_bt = jnp.maximum(jnp.cumsum(segment_ids_bt, axis=1) - 1, 0)
-    cache = model_lib.init_cache(model.config, b, cache_len)
-    h_btd, cache = model.hidden(tokens_bt, positions_bt, segment_ids_bt, cache)
-    logits_bv = jnp.einsum("bd,vd->bv", h_btd[:, -1], model.unembedding_vd(),
+    h_bd, cache = prefill_shared(model, tokens_bt, lengths_b, repeats=num_samples,
+                                 extra_slots=max_new_tokens)
+    logits_bv = jnp.einsum("bd,vd->bv", h_bd, model.unembedding_vd(),
                            preferred_element_type=jnp.float32)
 
-    def repeat(x, axis=0):
-        return jnp.repeat(x, num_samples, axis=axis)
+    def repeat(x):
+        return jnp.repeat(x, num_samples, axis=0)
 
-    cache = model_lib.KVCache(repeat(cache.k_lbske, 1), repeat(cache.v_lbske, 1),
-                              repeat(cache.positions_bs), repeat(cache.segment_ids_bs),
-                              cache.index)
-    n = b * num_samples
+    n = tokens_bt.shape[0] * num_samples
     carry = {
         "cache": cache,
         "logits_bv": repeat(logits_bv),

@@ -139,18 +139,22 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(toy_run, tmp_path)
 # ------------------------------------------------------------------------ one update, sharded
 
 
-def _random_episodes(groups, per_group, length, seed=0):
-    """Prompts of 2-6 tokens, completions of 1-8, rewards 0/1, rollout log-probs near the
+def _random_episodes(groups, per_group, seed=0):
+    """Prompts of 2-8 tokens, completions of 1-8, rewards 0/1, rollout log-probs near the
     untrained model's (about -log 32)."""
     rng = np.random.RandomState(seed)
-    tokens, masks, logps = [], [], []
-    for _ in range(groups * per_group):
-        p, n = rng.randint(2, 7), rng.randint(1, 9)
-        tokens.append([1] + rng.randint(2, 32, size=p + n - 1).tolist())
-        masks.append([0] * p + [1] * n)
-        logps.append([0.0] * p + (-3.5 + 0.3 * rng.randn(n)).tolist())
-    return L.Episodes.from_rows(tokens, masks, logps, rng.randint(0, 2, groups * per_group),
-                                np.repeat(np.arange(groups), per_group), length=length)
+    prompts, tokens, masks, logps = [], [], [], []
+    for _ in range(groups):
+        prompt = [1] + rng.randint(2, 32, size=rng.randint(1, 8)).tolist()
+        for _ in range(per_group):
+            n = rng.randint(1, 9)
+            prompts.append(prompt)
+            tokens.append(rng.randint(2, 32, size=n).tolist())
+            masks.append([1] * n)
+            logps.append((-3.5 + 0.3 * rng.randn(n)).tolist())
+    return L.Episodes.from_rows(prompts, tokens, masks, logps,
+                                rng.randint(0, 2, groups * per_group),
+                                np.repeat(np.arange(groups), per_group), prompt_len=8, length=8)
 
 
 
@@ -168,7 +172,7 @@ def test_sharded_update_with_accumulation_equals_unsharded(initial_params):
     sharded = _learner(toy_config(**changes, **{"rl.microbatch_size": 16}), initial_params,
                        mesh)
     assert sharded.settings.has_old_logp and sharded.settings.kl_loss
-    episodes = _random_episodes(groups=8, per_group=8, length=16)
+    episodes = _random_episodes(groups=8, per_group=8)
 
     def run(learner):
         params = learner.initial_params
@@ -196,70 +200,85 @@ def test_sharded_update_with_accumulation_equals_unsharded(initial_params):
 # ------------------------------------------------------------------------------ advantages
 
 
+THREE_GROUPS_OF_3 = {"sampling.num_samples": 3, "data.prompts_per_step": 3,
+                     "rl.num_minibatches": 1, "rl.microbatch_size": 0}
+
+
 def _fixed_episodes():
-    """Three groups (the last a singleton) with completions of different lengths."""
+    """Three groups of three (the last with equal rewards), completions of different
+    lengths, one with a masked-out (observation) token in the middle."""
     rng = np.random.RandomState(0)
-    lengths, groups = [3, 5, 2, 4, 6, 1, 2], [0, 0, 0, 1, 1, 1, 2]
-    rewards = [1.0, 0.0, 0.5, 2.0, 2.0, -1.0, 0.7]
-    tokens, masks, logps = [], [], []
-    for n in lengths:
-        prompt = [1] + rng.randint(2, 32, size=3).tolist()
-        tokens.append(prompt + rng.randint(2, 32, size=n).tolist())
-        masks.append([0] * 4 + [1] * n)
-        logps.append([0.0] * (4 + n))
-    return L.Episodes.from_rows(tokens, masks, logps, rewards, groups, length=16)
+    lengths = [3, 5, 2, 4, 6, 1, 2, 7, 3]
+    rewards = [1.0, 0.0, 0.5, 2.0, 2.0, -1.0, 0.7, 0.7, 0.7]
+    prompts = [[1] + rng.randint(2, 32, size=3).tolist() for _ in range(3)]
+    masks = [[1] * n for n in lengths]
+    masks[4][2] = 0
+    return L.Episodes.from_rows(
+        [prompts[i // 3] for i in range(9)], [rng.randint(2, 32, size=n).tolist()
+                                              for n in lengths],
+        masks, [[0.0] * n for n in lengths], rewards, np.arange(9) // 3, prompt_len=6,
+        length=8)
 
 
-def _expected_advantages(estimator, rewards, groups, mask_bt):
+def _expected_advantages(estimator, rewards, groups, mask_bn):
     r, g = np.asarray(rewards, np.float64), np.asarray(groups)
     adv_b = np.zeros(len(r))
     for gid in np.unique(g):
         i = g == gid
         n, mean = i.sum(), r[i].mean()
         if estimator == "grpo":
-            adv_b[i] = r[i] / (1 + 1e-6) if n == 1 else (r[i] - mean) / (r[i].std(ddof=1) + 1e-6)
-        elif estimator == "drgrpo":
-            adv_b[i] = r[i] if n == 1 else r[i] - mean
+            adv_b[i] = (r[i] - mean) / (r[i].std(ddof=1) + 1e-6)
+        elif estimator in ("drgrpo", "reinforce++-baseline"):  # the latter whitened below
+            adv_b[i] = r[i] - mean
         elif estimator == "rloo":
-            adv_b[i] = r[i] if n == 1 else (n * r[i] - r[i].sum()) / (n - 1)
-        elif estimator == "reinforce++":
-            adv_b[i] = r[i]  # gamma 1: every token's return is the final reward
-        else:  # reinforce++-baseline: minus the group mean (0 for a singleton)
-            adv_b[i] = r[i] if n == 1 else r[i] - mean
-    adv_bt = adv_b[:, None] * mask_bt
+            adv_b[i] = (n * r[i] - r[i].sum()) / (n - 1)
+        else:  # reinforce++: returns below
+            adv_b[i] = r[i]
+    adv_bn = adv_b[:, None] * mask_bn
+    if estimator == "reinforce++":
+        # gamma 1, the reward on the last token; as in verl, the running return restarts
+        # at a masked token, so tokens before an observation get 0.
+        adv_bn = np.zeros_like(mask_bn)
+        for row in range(len(r)):
+            last = np.flatnonzero(mask_bn[row])[-1]
+            masked_before = np.flatnonzero(mask_bn[row, :last] == 0)
+            first = masked_before[-1] if len(masked_before) else 0
+            adv_bn[row, first:last + 1] = r[row]
+        adv_bn *= mask_bn
     if estimator.startswith("reinforce++"):  # whitened over all valid tokens, Bessel
-        valid = adv_bt[mask_bt > 0]
-        adv_bt = np.where(mask_bt > 0, (adv_bt - valid.mean()) / np.sqrt(valid.var(ddof=1) + 1e-8),
+        valid = adv_bn[mask_bn > 0]
+        adv_bn = np.where(mask_bn > 0, (adv_bn - valid.mean()) / np.sqrt(valid.var(ddof=1) + 1e-8),
                           0)
-    return adv_bt
+    return adv_bn
 
 
 @pytest.mark.parametrize("estimator", L.ESTIMATORS)
 def test_advantages_follow_the_published_formulas(estimator, initial_params):
-    learner = _learner(toy_config(**{"rl.estimator": estimator}), initial_params)
+    learner = _learner(toy_config(**{"rl.estimator": estimator}, **THREE_GROUPS_OF_3),
+                       initial_params)
     episodes = _fixed_episodes()
     batch, _ = learner.prepare(learner.initial_params, episodes)
     expected = _expected_advantages(estimator, episodes.rewards_b, episodes.group_ids_b,
-                                    episodes.loss_mask_bt.astype(np.float64))
-    np.testing.assert_allclose(np.asarray(batch["adv_bt"]), expected, atol=1e-5)
+                                    episodes.loss_mask_bn.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(batch["adv_bn"]), expected, atol=1e-5)
 
 
 def test_kl_in_reward_lowers_the_sequence_score(initial_params):
     config = toy_config(**{"kl.coef": 0.5, "kl.in_reward": True, "kl.kind": "k1",
-                           "rl.estimator": "drgrpo"})
+                           "rl.estimator": "drgrpo"}, **THREE_GROUPS_OF_3)
     learner = _learner(config, initial_params)
     # A reference that differs from the policy, so the KL is not zero.
     learner.ref_params = jax.tree.map(lambda x: x * 1.5, learner.ref_params)
     episodes = _fixed_episodes()
     batch, metrics = learner.prepare(learner.initial_params, episodes, 0.5)
-    mask = episodes.loss_mask_bt.astype(np.float64)
-    kl_bt = (np.asarray(batch["old_logp_bt"], np.float64)
-             - np.asarray(batch["ref_logp_bt"], np.float64)) * mask
-    assert np.abs(kl_bt).max() > 1e-2
-    scores = episodes.rewards_b - 0.5 * kl_bt.sum(-1)
+    mask = episodes.loss_mask_bn.astype(np.float64)
+    kl_bn = (np.asarray(batch["old_logp_bn"], np.float64)
+             - np.asarray(batch["ref_logp_bn"], np.float64)) * mask
+    assert np.abs(kl_bn).max() > 1e-2
+    scores = episodes.rewards_b - 0.5 * kl_bn.sum(-1)
     expected = _expected_advantages("drgrpo", scores, episodes.group_ids_b, mask)
-    np.testing.assert_allclose(np.asarray(batch["adv_bt"]), expected, atol=1e-4)
-    per_seq = kl_bt.sum(-1) / mask.sum(-1)
+    np.testing.assert_allclose(np.asarray(batch["adv_bn"]), expected, atol=1e-4)
+    per_seq = kl_bn.sum(-1) / mask.sum(-1)
     np.testing.assert_allclose(metrics["kl/in_reward"], per_seq.mean(), rtol=1e-4)
 
 
@@ -270,25 +289,25 @@ def test_sft_loss_covers_completion_tokens_only(initial_params, tmp_path):
     rng = np.random.RandomState(1)
     records = [{"prompt_ids": [1] + rng.randint(2, 32, size=rng.randint(1, 6)).tolist(),
                 "completion_ids": [7, 9, 7, 2]} for _ in range(64)]
-    config = toy_config(**{"sft.steps": 40, "sft.batch_size": 8, "sft.max_len": 12,
-                           "sft.microbatch_size": 4, "sft.optim.lr": 1e-2,
-                           "checkpoint.every": 20})
+    config = toy_config(**{"sft.steps": 40, "sft.batch_size": 8, "sft.max_prompt_len": 8,
+                           "sft.max_completion_len": 6, "sft.microbatch_size": 4,
+                           "sft.optim.lr": 1e-2, "checkpoint.every": 20})
     config.sft.records_fn = lambda seed: records
     learner = _learner(config, initial_params)
-    episodes = L.sft_episodes(learner, records[:8], length=12)
-    for i, r in enumerate(records[:8]):
-        n = len(r["prompt_ids"])
-        assert episodes.loss_mask_bt[i].tolist() == [0] * n + [1] * 4 + [0] * (8 - n)
+    episodes = L.sft_episodes(learner, records[:8], prompt_len=8, length=6)
+    assert (episodes.loss_mask_bn == [1, 1, 1, 1, 0, 0]).all()
 
-    # The loss of one step is the mean NLL of the completion tokens under a full forward.
+    # The loss of one step is the mean NLL of the completion tokens under a full forward of
+    # prompt + completion (right-padded: causal attention keeps the padding out).
+    rows = np.zeros((8, 12), np.int32)
+    for i, r in enumerate(records[:8]):
+        rows[i, :len(r["prompt_ids"]) + 4] = r["prompt_ids"] + r["completion_ids"]
     model = nnx.merge(learner.graphdef, learner.initial_params)
-    logits = np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(episodes.tokens_bt)),
-                        np.float64)
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
-                                                                                keepdims=True))
-    logp -= logits.max(-1, keepdims=True)
-    nll = [-logp[i, t - 1, episodes.tokens_bt[i, t]] for i in range(8) for t in range(12)
-           if episodes.loss_mask_bt[i, t]]
+    logits = np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(rows)), np.float64)
+    m = logits.max(-1, keepdims=True)
+    logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+    nll = [-logp[i, len(r["prompt_ids"]) + j - 1, r["completion_ids"][j]]
+           for i, r in enumerate(records[:8]) for j in range(4)]
     params = learner.initial_params
     _, _, metrics = learner.sft_update(params, learner.init_opt_state(params, learner.sft_tx),
                                        episodes)
@@ -306,10 +325,10 @@ def test_sft_loss_covers_completion_tokens_only(initial_params, tmp_path):
 
 
 def _episodes(rewards, groups, lengths):
-    tokens = [[1] + [5] * n for n in lengths]
-    masks = [[0] + [1] * n for n in lengths]
-    return L.Episodes.from_rows(tokens, masks, [[0.0] * (n + 1) for n in lengths], rewards,
-                                groups, length=12, meta=[{"row": i} for i in range(len(groups))])
+    return L.Episodes.from_rows([[1, 3]] * len(lengths), [[5] * n for n in lengths],
+                                [[1] * n for n in lengths], [[0.0] * n for n in lengths],
+                                rewards, groups, prompt_len=4, length=12,
+                                meta=[{"row": i} for i in range(len(groups))])
 
 
 def test_dynamic_sampling_keeps_informative_groups_and_caps(tmp_path):
@@ -354,12 +373,22 @@ def test_dynamic_sampling_keeps_informative_groups_and_caps(tmp_path):
 
 
 def test_episodes_rows_are_checked():
-    with pytest.raises(ValueError, match="episode 0 has 5 tokens, more than the length 4"):
-        L.Episodes.from_rows([[1] * 5], [[0] * 5], [[0.0] * 5], [0.0], [0], length=4)
-    with pytest.raises(ValueError, match="3 tokens but 2 mask values"):
-        L.Episodes.from_rows([[1] * 3], [[0] * 2], [[0.0] * 3], [0.0], [0], length=4)
-    with pytest.raises(ValueError, match="first token cannot be trained on"):
-        L.Episodes.from_rows([[1] * 3], [[1] * 3], [[0.0] * 3], [0.0], [0], length=4)
+    def rows(prompt=(1,), tokens=(5, 6), mask=(1, 1), logp=(0.0, 0.0), **kw):
+        return L.Episodes.from_rows([list(prompt)], [list(tokens)], [list(mask)], [list(logp)],
+                                    [0.0], [0], **{"prompt_len": 2, "length": 4, **kw})
+
+    with pytest.raises(ValueError, match="continues its prompt with 5 tokens, more than"):
+        rows(tokens=[5] * 5, mask=[1] * 5, logp=[0.0] * 5)
+    with pytest.raises(ValueError, match="2 tokens but 1 mask values"):
+        rows(mask=[1])
+    with pytest.raises(ValueError, match="its prompt has 3 tokens; it needs 1 to prompt_len=2"):
+        rows(prompt=[1, 2, 3])
+    episodes = rows(prompt=[7])
+    assert episodes.prompt_bp.tolist() == [[0, 7]] and episodes.tokens_bn.tolist() == [[5, 6, 0, 0]]
+    two = L.Episodes.from_rows([[1], [2]], [[5], [5]], [[1], [1]], [[0.0], [0.0]], [0, 0],
+                               [0, 0], prompt_len=2, length=2)
+    with pytest.raises(ValueError, match="must share their prompt; keep each prompt's samples"):
+        two.check_groups(2)
 
 
 def test_config_keys_and_values_are_checked():
@@ -376,7 +405,8 @@ def test_config_keys_and_values_are_checked():
     for change, message in [({"rl.loss": "gspo"}, "aggregates seq-mean-token-mean"),
                             ({"rl.estimator": "gae"}, "rl.estimator='gae'"),
                             ({"rl.num_minibatches": 3}, "must divide into rl.num_minibatches"),
-                            ({"rl.microbatch_size": 5}, "must divide the minibatch of 32"),
+                            ({"rl.microbatch_size": 12}, "a multiple of sampling.num_samples=8"),
+                            ({"rl.microbatch_size": 24}, "divides the minibatch of 32 rows"),
                             ({"kl.target": 0.1}, "set kl.in_reward=True")]:
         with pytest.raises(ValueError, match=message):
             L.check_config(toy_config(**change))
