@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax

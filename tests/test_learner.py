@@ -1,7 +1,6 @@
 """ptrain.learner: the toy GRPO run learns, SIGKILL + resume is exact, sharding changes nothing,
 advantages match their formulas, SFT trains on completion tokens only, DAPO sampling, config."""
 
-import json
 import os
 import signal
 import subprocess
@@ -92,7 +91,7 @@ CHILD = textwrap.dedent("""
     from configs import grpo_toy
     from ptrain import learner, metrics, sharding
 
-    workdir, kill_at, steps, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    workdir, (kill_at, steps, every) = sys.argv[1], map(int, sys.argv[2:5])
     write = metrics.MetricsWriter.write
 
     def write_then_wait(self, step, values):
