@@ -12,18 +12,43 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import marshal
 import math
 import os
 import re
 import secrets
 import struct
+import sys
+import zlib
 from typing import Callable, Optional, Sequence
 
-from sandbox import judge_harness
+from sandbox import backends, judge_harness
 
 _HARNESS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "judge_harness.py")
 with open(_HARNESS_PATH, encoding="utf-8") as _f:
     HARNESS_SOURCE = _f.read()
+
+
+def _pack(data: bytes) -> str:
+    return base64.b64encode(zlib.compress(data, 9)).decode("ascii")
+
+
+# Compiling the harness costs ~20 ms, more than the rest of a judge call; the run gets it
+# compiled (marshal) for an interpreter of our version, and as source for any other.
+HARNESS_CODE = f"""import sys, binascii, zlib
+if sys.implementation.cache_tag == {sys.implementation.cache_tag!r}:
+    import marshal
+    exec(marshal.loads(zlib.decompress(binascii.a2b_base64({_pack(marshal.dumps(
+    compile(HARNESS_SOURCE, "judge_harness.py", "exec", optimize=2)))!r}))))
+else:
+    exec(compile(zlib.decompress(binascii.a2b_base64({_pack(HARNESS_SOURCE.encode())!r})),
+                 "judge_harness.py", "exec"))
+"""
+# What the harness imports beyond a fork server's defaults: judge runs go to fork servers
+# that import these once, before they fork.
+JUDGE_PREIMPORT = ("ast", "base64", "binascii", "builtins", "ctypes", "hashlib", "hmac",
+                   "linecache", "marshal", "select", "signal", "socket", "struct", "types",
+                   "zlib")
 
 STATUSES = ("passed", "failed", "error", "timeout", "crashed", "skipped")
 _SLACK_S = 2.0  # the run's limit over the judge's time budget: start-up and the report
@@ -186,14 +211,22 @@ def _execute(mode, code, payload, timeout_s, memory_mb, backend, run):
     if run is None:
         import sandbox
         run = sandbox.run
+        backend = judge_backend(backend)
     key = secrets.token_bytes(judge_harness.KEY_BYTES)
-    result = run(code=HARNESS_SOURCE, language="python",
+    result = run(code=HARNESS_CODE, language="python",
                  stdin=build_stdin(mode, code, payload, key),
                  timeout_s=float(timeout_s) + _SLACK_S, memory_mb=memory_mb, backend=backend)
     report = parse_report(_as_bytes(result.stdout), key)
     if not isinstance(report, str) and report.get("error"):
         report = "the judge harness failed: " + str(report["error"])
     return report, result
+
+
+def judge_backend(backend):
+    """`backend` (a name, "auto" or a spec) with the harness's modules pre-imported."""
+    spec = backends.resolve(backend)
+    preimport = tuple(dict.fromkeys(tuple(spec.preimport) + JUDGE_PREIMPORT))
+    return dataclasses.replace(spec, preimport=preimport)
 
 
 def _as_bytes(data):

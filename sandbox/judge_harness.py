@@ -775,9 +775,12 @@ def _flush_quietly():
 # Z: the zygote
 # ----------------------------------------------------------------------------------------------
 
-def _zygote_main(ctl, setup):
-    """Forks one solution process per request from T; reports its pid, then how it ended."""
-    os.close(0)
+def _zygote_main(ctl, setup, first_fds):
+    """Forks one solution process per request from T (the first one, if `first_fds`, without
+    being asked); reports its pid, then how it ended."""
+    # Drop T's stdin (the key and tests follow in it); keep fd 0 taken, so that received fds
+    # never land on 0-2 where a solution process puts its own.
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     source = setup["code"]
     code_obj, syntax_error = None, None
     try:
@@ -785,13 +788,16 @@ def _zygote_main(ctl, setup):
     except (SyntaxError, ValueError) as e:
         syntax_error = e if isinstance(e, SyntaxError) else SyntaxError(str(e))
     while True:
-        try:
-            data, fds, _, _ = socket.recv_fds(ctl, 4096, 8)
-        except OSError:
-            return
-        if not data:
-            return
-        spawn = json.loads(data)
+        if first_fds:
+            spawn, fds, first_fds = {"mode": setup["mode"]}, first_fds, None
+        else:
+            try:
+                data, fds, _, _ = socket.recv_fds(ctl, 4096, 8)
+            except OSError:
+                return
+            if not data:
+                return
+            spawn = json.loads(data)
         pid = os.fork()
         if pid == 0:
             ctl.close()
@@ -862,6 +868,7 @@ class Judge:
         self.output = bytearray()  # the solution's stdout+stderr, capped
         self.output_dropped = 0
         self.child = None  # (pid, endpoint, out_fd) of the live solution process (unit mode)
+        self.prespawned = None  # (t_sock, out_r) of the solution process Z started unasked
         self.out_open = False
         self.generation = 0
         self.deadline = time.monotonic() + float(settings["time_budget_s"])
@@ -938,19 +945,23 @@ class Judge:
 
     def start_child(self):
         """Starts a solution process; returns (endpoint, its namespace listing)."""
-        t_sock, c_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        out_r, out_w = os.pipe()
-        null = os.open(os.devnull, os.O_RDONLY)
         self.critical += 1
         try:
-            pid = self.spawn("unit", [null, out_w, out_w, c_sock.fileno()])
+            if self.prespawned is not None:
+                (t_sock, out_r), self.prespawned = self.prespawned, None
+                pid = self._ctl_recv("pid")
+            else:
+                t_sock, c_side = _child_fds()
+                out_r = c_side.pop()
+                try:
+                    pid = self.spawn("unit", c_side[:4])
+                finally:
+                    for fd in c_side[:4]:
+                        os.close(fd)
             self.generation += 1
             ep = Endpoint(t_sock, self.generation, self.wait_on, _CALLBACK_OPS)
             self.child, self.out_open = (pid, ep, out_r), True
         finally:
-            for fd in (null, out_w):
-                os.close(fd)
-            c_sock.close()
             self.leave_critical()
         msg = ep.recv()
         if "import_error" in msg:
@@ -959,8 +970,8 @@ class Judge:
             raise ProtocolError("the solution process sent no namespace")
         return ep, msg["ready"]
 
-    def stop_child(self):
-        """Kills the live solution process (if any); returns how it ended."""
+    def stop_child(self, wait=True):
+        """Kills the live solution process (if any); returns how it ended (if `wait`)."""
         if self.child is None:
             return None
         self.critical += 1
@@ -968,12 +979,29 @@ class Judge:
             pid, ep, out_r = self.child
             self.drain()
             self.child = None
-            status = self.reap(pid)
+            if wait:
+                status = self.reap(pid)
+            else:
+                status = None
+                for kill in (os.killpg, os.kill):
+                    try:
+                        kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
             ep.sock.close()
             os.close(out_r)
         finally:
             self.leave_critical()
         return status
+
+
+def _child_fds():
+    """T's socket, then the solution's [stdin, stdout, stderr, rpc socket] fds, then T's end of
+    the output pipe (last)."""
+    t_sock, c_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    out_r, out_w = os.pipe()
+    null = os.open(os.devnull, os.O_RDONLY)
+    return t_sock, [null, out_w, os.dup(out_w), c_sock.detach(), out_r]
 
 
 class _ImportFailed(Exception):
@@ -1125,7 +1153,7 @@ def _run_unit_tests(judge, payload):
             queue = [("pytest", tname, fn) for tname, fn in _collect_pytest(ns, units)] + queue
             continue
         results.append(_result(name, *outcome, excerpt, time.monotonic() - start))
-    judge.stop_child()
+    judge.stop_child(wait=False)
     return {"tests": results}
 
 
@@ -1410,6 +1438,8 @@ def main():
         sys.set_int_max_str_digits(0)
     setup = _read_section(0)
     ctl, z_ctl = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    # Unit tests: Z starts the first solution process at once, while T reads the tests.
+    t_sock, c_side = _child_fds() if setup["mode"] == "unit" else (None, [])
     zygote = os.fork()
     if zygote == 0:
         ctl.close()
@@ -1417,17 +1447,21 @@ def main():
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
-            _close_fds({z_ctl.fileno(), 2})
-            _zygote_main(z_ctl, setup)
+            _close_fds({z_ctl.fileno(), 2, *c_side[:4]})
+            _zygote_main(z_ctl, setup, c_side[:4])
         except BaseException:  # noqa: B036 - nothing may escape a fork
             status = 1
         os._exit(status)
     z_ctl.close()
+    for fd in c_side[:4]:
+        os.close(fd)
     # Only now, with no solution process able to inherit them, read the key and the tests.
     key = bytes(_read_exact(0, KEY_BYTES))
     payload = _read_section(0)
     os.close(0)
     judge = Judge(ctl, payload)
+    if t_sock is not None:
+        judge.prespawned = (t_sock, c_side[4])
     report = {"mode": setup["mode"], "undumpable": undumpable, "error": None}
     try:
         if setup["mode"] == "unit":
