@@ -9,6 +9,7 @@ slows all of them alike.
 """
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -49,6 +50,11 @@ def main():
                 judge.unit_tests(CODE, TESTS, backend=b), 10),
             "judge 10 stdio cases": lambda b=backend: _check(
                 judge.stdio(STDIO_CODE, CASES, backend=b), 10),
+            # What a fork server whose runs inherit no request data would allow (the zygote
+            # forked, not a fresh interpreter); not safe on one that does not declare it.
+            "judge 10 unit, forked Z": lambda b=backend: _check(judge.unit_tests(
+                CODE, TESTS, backend=judge.judge_backend(b), run=functools.partial(
+                    sandbox.run, env={"SANDBOX_CLEAN_FORK": "1"})), 10),
         }
         for fn in calls.values():  # warm up: fork servers start, caches fill
             fn()
@@ -63,12 +69,12 @@ def main():
         for name, ts in times.items():
             med = statistics.median(ts)
             print(f"  {name:22s} {med * 1e3:8.2f}   {1 / med:10.1f}   {med / base:10.2f}")
+        unit = functools.partial(judge.unit_tests, backend=backend)
         with sandbox.Pool(args.pool_workers, backend=backend) as pool:
-            list(pool.map(judge.unit_tests, [CODE] * 4, [TESTS] * 4, backend=backend))
+            list(pool.map(unit, [CODE] * 4, [TESTS] * 4))
             n = 4 * args.n
             start = time.perf_counter()
-            reports = list(pool.map(judge.unit_tests, [CODE] * n, [TESTS] * n,
-                                    backend=backend))
+            reports = list(pool.map(unit, [CODE] * n, [TESTS] * n))
             wall = time.perf_counter() - start
         assert all(r.passed == 10 for r in reports)
         print(f"  judge 10 unit tests through Pool({args.pool_workers}): {n / wall:.1f} judges/s")

@@ -24,31 +24,36 @@ from typing import Callable, Optional, Sequence
 
 from sandbox import backends, judge_harness
 
-_HARNESS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "judge_harness.py")
-with open(_HARNESS_PATH, encoding="utf-8") as _f:
-    HARNESS_SOURCE = _f.read()
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _pack(data: bytes) -> str:
-    return base64.b64encode(zlib.compress(data, 9)).decode("ascii")
+def _payload(name: str):
+    """(compiled, source) of one harness module, each zlib-compressed and base64-encoded."""
+    with open(os.path.join(_HERE, name + ".py"), encoding="utf-8") as f:
+        source = f.read()
+    compiled = marshal.dumps(compile(source, name + ".py", "exec", optimize=2))
+    pack = lambda data: base64.b64encode(zlib.compress(data, 9)).decode("ascii")  # noqa: E731
+    return pack(compiled), pack(source.encode())
 
 
-# Compiling the harness costs ~20 ms, more than the rest of a judge call; the run gets it
-# compiled (marshal) for an interpreter of our version, and as source for any other.
-HARNESS_CODE = f"""import sys, binascii, zlib
-if sys.implementation.cache_tag == {sys.implementation.cache_tag!r}:
+# The program of a judge run. Compiling the harness costs ~20 ms, more than the rest of a
+# judge call: an interpreter of our version gets it compiled (marshal), any other its source.
+HARNESS_CODE = f"""import sys
+_JUDGE_MARSHAL = sys.implementation.cache_tag == {sys.implementation.cache_tag!r}
+_JUDGE_PAYLOAD = {{"judge_harness": {_payload("judge_harness")!r},
+                  "judge_pytest": {_payload("judge_pytest")!r}}}
+import binascii, zlib
+_code = _JUDGE_PAYLOAD["judge_harness"]
+if _JUDGE_MARSHAL:
     import marshal
-    exec(marshal.loads(zlib.decompress(binascii.a2b_base64({_pack(marshal.dumps(
-    compile(HARNESS_SOURCE, "judge_harness.py", "exec", optimize=2)))!r}))))
+    exec(marshal.loads(zlib.decompress(binascii.a2b_base64(_code[0]))))
 else:
-    exec(compile(zlib.decompress(binascii.a2b_base64({_pack(HARNESS_SOURCE.encode())!r})),
-                 "judge_harness.py", "exec"))
+    exec(compile(zlib.decompress(binascii.a2b_base64(_code[1])), "judge_harness.py", "exec"))
 """
-# What the harness imports beyond a fork server's defaults: judge runs go to fork servers
-# that import these once, before they fork.
-JUDGE_PREIMPORT = ("ast", "base64", "binascii", "builtins", "ctypes", "hashlib", "hmac",
-                   "linecache", "marshal", "select", "signal", "socket", "struct", "types",
-                   "zlib")
+# What the harness's trusted process imports beyond a fork server's defaults: judge runs go
+# to fork servers that import these once, before they fork.
+JUDGE_PREIMPORT = ("_json", "ast", "binascii", "ctypes", "fcntl", "hashlib", "hmac", "inspect",
+                   "marshal", "select", "zlib")
 
 STATUSES = ("passed", "failed", "error", "timeout", "crashed", "skipped")
 _SLACK_S = 2.0  # the run's limit over the judge's time budget: start-up and the report
@@ -122,7 +127,7 @@ def unit_tests(code: str, tests: str, *, entry_point: Optional[str] = None,
     """
     _check_str("code", code)
     _check_str("tests", tests)
-    _, _, units, _ = judge_harness.split_tests(tests, entry_point, style)
+    _, units, _ = judge_harness.split_tests(tests, entry_point, style)
     names = [name for name, _ in units]
     payload = {"tests": tests, "entry_point": entry_point, "style": style,
                "test_timeout_s": _positive("test_timeout_s", test_timeout_s),
@@ -282,11 +287,11 @@ def _judge_case(name, case, expected, float_tol):
     if case["timed_out"]:
         return TestResult(name, "timeout", f"timed out after {case['duration_s']:.3g} s",
                           stdout=_clip(got, 500), duration_s=case["duration_s"])
+    if case.get("stdout_truncated"):  # stopped at twice the expected length
+        return TestResult(name, "failed", "output is far longer than expected", stderr,
+                          _clip(got, 500), case["duration_s"])
     if case["signal"] is not None:
         return TestResult(name, "crashed", f"killed by signal {case['signal']}", stderr,
-                          _clip(got, 500), case["duration_s"])
-    if case.get("stdout_truncated"):
-        return TestResult(name, "failed", "output is far longer than expected", stderr,
                           _clip(got, 500), case["duration_s"])
     if case["exit_code"] != 0:
         last = stderr.strip().splitlines()[-1] if stderr.strip() else ""

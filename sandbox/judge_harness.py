@@ -1,45 +1,42 @@
 """The judge's program inside the sandbox: runs a solution against tests, signs the verdict.
 
-`sandbox.judge` sends this file as the code of one sandbox run. Three processes, so that the
-solution can neither forge the verdict nor read what it is compared against:
+`sandbox.judge` sends this file (compiled) as the code of one sandbox run. Three processes, so
+that the solution can neither forge the verdict nor read what it is compared against:
 
   T (this process, trusted) makes itself non-dumpable (same-uid processes without
-    CAP_SYS_PTRACE cannot read its memory or open its fds), reads the solution, forks Z, and
-    only then reads the signing key and the tests. It runs the test code itself, in its own
-    interpreter, where the solution never ran: patched builtins or modules, a rigged `__eq__`,
-    `os._exit`, printed `PASSED` lines cannot touch it. It signs the report (HMAC-SHA256 with
-    a key that never exists in a solution process) and writes it to stdout.
-  Z (zygote, trusted, holds no secret) forks one solution process C per request and reports
-    how it ended.
-  C (untrusted) is the solution. For unit tests it executes the solution as module `solution`
-    and then answers T's requests (calls, attribute access, operators) with plain data
-    (exact builtin types, decoded by T into genuine builtin objects) or opaque references,
-    which never compare equal to plain data. For stdin/stdout it runs as `__main__` on one
-    case's input; the expected outputs never enter the sandbox (the host compares).
+    CAP_SYS_PTRACE cannot read its memory or open its fds), reads the solution, starts Z, and
+    reads the signing key and the tests. It runs the test code itself, in its own
+    interpreter, where the solution never ran: patched builtins or modules, a rigged
+    `__eq__`, `os._exit`, printed `PASSED` lines cannot touch it. It signs the report
+    (HMAC-SHA256 with a per-call key) and writes it to stdout.
+  Z (zygote, trusted) forks one solution process C per request and reports how it ended.
+    Z is a fresh interpreter (posix_spawn), not a fork of T: T's memory comes from the
+    sandbox's fork server, whose heap may hold this run's stdin (the key, the tests) and
+    residue of earlier runs. A fork server that guarantees clean memory says so with
+    SANDBOX_CLEAN_FORK=1 in the run's environment; then Z is forked from T before T reads
+    the key and the tests, which saves an interpreter start.
+  C (untrusted) is the solution. For unit tests it executes the solution as module
+    `solution` and answers T's requests (calls, attribute access, operators) with plain data
+    (exact builtin types, which T decodes into genuine builtin objects) or opaque
+    references, which never compare equal to plain data. For stdin/stdout it runs as
+    `__main__` on one case's input; the expected outputs never enter the sandbox.
 
-Stdlib only; runs under whatever interpreter the backend provides. `split_tests` is shared with
-the host (`sandbox.judge`), so both count the same tests.
+Z and C import only C-level modules (the solution's own imports are its cost); what only T
+needs is imported where T needs it. `split_tests` is shared with the host.
 """
 
-import ast
-import base64
+import _signal
+import _socket
+import binascii
 import builtins
-import collections
-import hashlib
-import hmac
 import io
-import json
-import linecache
+import marshal
 import operator
 import os
 import select
-import signal
-import socket
 import struct
 import sys
 import time
-import traceback
-import types
 
 SOLUTION_FILE = "solution.py"
 TESTS_FILE = "tests.py"
@@ -49,14 +46,61 @@ MAX_MESSAGE_BYTES = 32 << 20  # one RPC message; a larger one is a protocol viol
 MAX_TEXT = 2000  # chars kept of a message, traceback or output excerpt in the report
 MAX_DEPTH = 200  # nesting depth of plain data; deeper values travel as references
 BATCH = 64  # items fetched per round trip when T iterates over a solution's iterator
+_SOURCES = {}  # file name -> source lines, for tracebacks
 
 
 # ----------------------------------------------------------------------------------------------
-# Splitting tests into units (shared with the host)
+# JSON without the json module (which imports re, enum, ...: milliseconds per solution process)
+# ----------------------------------------------------------------------------------------------
+
+def _json_codec():
+    def no_default(obj):
+        raise TypeError(f"{type(obj).__name__} is not JSON-serialisable")
+    try:
+        import _json
+
+        class Context:
+            strict, object_hook, object_pairs_hook = True, None, None
+            parse_float, parse_int = float, int
+            parse_constant = {"NaN": float("nan"), "Infinity": float("inf"),
+                              "-Infinity": float("-inf")}.__getitem__
+            memo = {}
+
+        scan = _json.make_scanner(Context())
+        encode = _json.make_encoder(None, no_default, _json.encode_basestring_ascii, None,
+                                    ":", ",", False, False, True)
+
+        def dumps(obj):
+            return "".join(encode(obj, 0))
+
+        def loads(text):
+            try:
+                obj, end = scan(text, 0)
+            except StopIteration:
+                raise ValueError("no JSON value") from None
+            if end != len(text):
+                raise ValueError("extra data after the JSON value")
+            return obj
+
+        sample = [1, -2.5, "é\udc80", None, True, {"#": [float("inf")]}]
+        if repr(loads(dumps(sample))) == repr(sample):
+            return dumps, loads
+    except Exception:  # noqa: BLE001 - another interpreter's _json: use the module
+        pass
+    import json
+    return (lambda obj: json.dumps(obj, separators=(",", ":"), default=no_default)), json.loads
+
+
+_dumps, _loads = _json_codec()
+
+
+# ----------------------------------------------------------------------------------------------
+# Splitting tests into units (T and the host)
 # ----------------------------------------------------------------------------------------------
 
 def _has_assert(node):
     """Whether `node` contains an assert outside nested function and class bodies."""
+    import ast
     if isinstance(node, ast.Assert):
         return True
     for child in ast.iter_child_nodes(node):
@@ -67,119 +111,92 @@ def _has_assert(node):
     return False
 
 
-def _is_test_stmt(stmt):
-    if _has_assert(stmt):
-        return True
-    # A bare call such as `check(f)` is a test too; a docstring is not.
-    return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
-
-
-def detect_style(module):
-    for stmt in module.body:
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name.startswith(
-                "test"):
-            return "pytest"
-        if isinstance(stmt, ast.ClassDef) and stmt.name.startswith("Test"):
-            return "pytest"
-    return "assert"
-
-
-def split_tests(source, entry_point=None, style="auto"):
-    """Parses test code into (style, setup_stmts, units, candidate_name).
-
-    assert style: each top-level statement that contains an `assert` (or is a bare call like
-    `check(f)`) is one test, run after the non-test statements that precede it. With
-    `entry_point`, a HumanEval-style `def check(candidate)` is unrolled: its statements are
-    the units and `candidate` is bound to the solution's `entry_point`.
-    pytest style: each `test*` function and `Test*` class method is a test (expanded at run
-    time by `parametrize`); the other module statements are setup, run once.
-    Units are (name, [stmts]). Raises ValueError for code that does not parse or has no test.
-    """
-    try:
-        module = ast.parse(source, TESTS_FILE)
-    except SyntaxError as e:
-        raise ValueError(f"the tests do not parse: {e.msg} (line {e.lineno})") from None
-    if style == "auto":
-        style = detect_style(module)
-    if style not in ("assert", "pytest"):
-        raise ValueError(f"style must be 'auto', 'assert' or 'pytest', got {style!r}")
-    lines = source.splitlines()
-    if style == "pytest":
-        setup = [s for s in module.body if not _is_pytest_def(s)]
-        units = [(s.name, [s]) for s in module.body if _is_pytest_def(s)]
-        if not units:
-            raise ValueError("the tests define no test* function or Test* class")
-        return style, setup, units, None
-    body, candidate, prelude = module.body, None, []
-    check = [s for s in body if isinstance(s, ast.FunctionDef) and s.name == "check"]
-    if entry_point is not None and check and check[0].args.args:
-        candidate = check[0].args.args[0].arg
-        prelude = [s for s in body if s is not check[0] and not _calls_check(s)]
-        body = check[0].body
-    units, pending = [], list(prelude)
-    for stmt in body:
-        pending.append(stmt)
-        if _is_test_stmt(stmt):
-            text = lines[stmt.lineno - 1].strip() if stmt.lineno <= len(lines) else ""
-            units.append((f"line {stmt.lineno}: {text[:100]}", pending))
-            pending = []
-    if not units:
-        raise ValueError("the tests contain no assert statement (nor a call such as check(f))")
-    return style, [], units, candidate
-
-
 def _is_pytest_def(stmt):
+    import ast
     if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return stmt.name.startswith("test")
     return isinstance(stmt, ast.ClassDef) and stmt.name.startswith("Test")
 
 
-def _calls_check(stmt):
-    return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
-            and isinstance(stmt.value.func, ast.Name) and stmt.value.func.id == "check")
+def split_tests(source, entry_point=None, style="auto"):
+    """Parses test code into (style, units, candidate_name).
+
+    assert style: each top-level statement that contains an `assert` is one test, run after
+    the other statements that precede it (where no top-level statement has an assert, each
+    bare call such as `check(f)` is a test). With `entry_point`, a HumanEval-style
+    `def check(candidate)` is unrolled: its statements are the units and `candidate` is bound
+    to the solution's `entry_point`.
+    pytest style: each `test*` function and `Test*` class method is a test (expanded at run
+    time by `parametrize`); the other module statements are setup, run once.
+    Units are (name, [stmts]). Raises ValueError for code that does not parse or has no test.
+    """
+    import ast
+    try:
+        module = ast.parse(source, TESTS_FILE)
+    except SyntaxError as e:
+        raise ValueError(f"the tests do not parse: {e.msg} (line {e.lineno})") from None
+    if style == "auto":
+        style = "pytest" if any(_is_pytest_def(s) for s in module.body) else "assert"
+    if style not in ("assert", "pytest"):
+        raise ValueError(f"style must be 'auto', 'assert' or 'pytest', got {style!r}")
+    if style == "pytest":
+        units = [(s.name, [s]) for s in module.body if _is_pytest_def(s)]
+        if not units:
+            raise ValueError("the tests define no test* function or Test* class")
+        return style, units, None
+    lines = source.splitlines()
+    body, candidate, pending = module.body, None, []
+    check = [s for s in body if isinstance(s, ast.FunctionDef) and s.name == "check"]
+    if entry_point is not None and check and check[0].args.args:
+        candidate = check[0].args.args[0].arg
+        pending = [s for s in body if s is not check[0] and not (
+            isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
+            and isinstance(s.value.func, ast.Name) and s.value.func.id == "check")]
+        body = check[0].body
+    calls_are_tests = not any(_has_assert(s) for s in body)
+    units = []
+    for stmt in body:
+        pending.append(stmt)
+        if _has_assert(stmt) or calls_are_tests and isinstance(stmt, ast.Expr) and isinstance(
+                stmt.value, ast.Call):
+            text = lines[stmt.lineno - 1].strip() if stmt.lineno <= len(lines) else ""
+            units.append((f"line {stmt.lineno}: {text[:100]}", pending))
+            pending = []
+    if not units:
+        raise ValueError("the tests contain no assert statement (nor a call such as check(f))")
+    return style, units, candidate
 
 
-class _AssertRewriter(ast.NodeTransformer):
-    """Turns every `assert` into an explicit check: immune to `python -O`, and a failing
-    single comparison reports both values (`assert 5 == 4`)."""
-
-    def __init__(self, lines):
-        self.lines = lines
-
-    def visit_Assert(self, node):
-        self.generic_visit(node)
-        text = " ".join(
-            self.lines[i].strip()
-            for i in range(node.lineno - 1, min(node.end_lineno or node.lineno, len(self.lines))))
-        test = node.test
-        if (node.msg is None and isinstance(test, ast.Compare) and len(test.ops) == 1
-                and type(test.ops[0]) in _CMP_NAMES):
-            call = ast.Call(
-                func=ast.Name("__judge_compare__", ast.Load()),
-                args=[test.left, ast.Constant(_CMP_NAMES[type(test.ops[0])]),
-                      test.comparators[0]],
-                keywords=[])
-            new = ast.Expr(call)
-        else:
-            msg = node.msg if node.msg is not None else ast.Constant(text)
-            new = ast.If(
-                test=ast.UnaryOp(ast.Not(), test),
-                body=[ast.Raise(ast.Call(ast.Name("AssertionError", ast.Load()), [msg], []),
-                                None)],
-                orelse=[])
-        return ast.copy_location(new, node)
-
-
-_CMP_NAMES = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">",
-              ast.GtE: ">=", ast.In: "in", ast.NotIn: "not in", ast.Is: "is",
-              ast.IsNot: "is not"}
+_CMP = {"Eq": "==", "NotEq": "!=", "Lt": "<", "LtE": "<=", "Gt": ">", "GtE": ">=",
+        "In": "in", "NotIn": "not in", "Is": "is", "IsNot": "is not"}
 _CMP_FUNCS = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le,
               ">": operator.gt, ">=": operator.ge, "in": lambda a, b: a in b,
               "not in": lambda a, b: a not in b, "is": operator.is_, "is not": operator.is_not}
 
 
 def _compile_stmts(stmts, lines):
-    module = ast.Module(body=[_AssertRewriter(lines).visit(s) for s in stmts], type_ignores=[])
+    """Compiles test statements with every `assert` made an explicit check: immune to
+    `python -O`, and a failing single comparison reports both values (`assert 5 == 4`)."""
+    import ast
+
+    class Rewriter(ast.NodeTransformer):
+        def visit_Assert(self, node):
+            self.generic_visit(node)
+            test = node.test
+            if (node.msg is None and isinstance(test, ast.Compare) and len(test.ops) == 1
+                    and type(test.ops[0]).__name__ in _CMP):
+                op = ast.Constant(_CMP[type(test.ops[0]).__name__])
+                new = ast.Expr(ast.Call(ast.Name("__judge_compare__", ast.Load()),
+                                        [test.left, op, test.comparators[0]], []))
+            else:
+                end = min(node.end_lineno or node.lineno, len(lines))
+                text = " ".join(lines[i].strip() for i in range(node.lineno - 1, end))
+                msg = node.msg if node.msg is not None else ast.Constant(text)
+                raise_ = ast.Raise(ast.Call(ast.Name("AssertionError", ast.Load()), [msg], []))
+                new = ast.If(ast.UnaryOp(ast.Not(), test), [raise_], [])
+            return ast.copy_location(new, node)
+
+    module = ast.Module(body=[Rewriter().visit(s) for s in stmts], type_ignores=[])
     ast.fix_missing_locations(module)
     return compile(module, TESTS_FILE, "exec")
 
@@ -224,6 +241,9 @@ class _Remote:
     def _judge_op(self, op, *args):
         return self._judge_ep.request({"op": op, "ref": self._judge_id}, self, args)
 
+    def _same_side(self, other):
+        return type(other) is _Remote and other._judge_ep is self._judge_ep
+
     def __getattr__(self, name):
         if name.startswith("_judge"):
             raise AttributeError(name)
@@ -238,68 +258,11 @@ class _Remote:
     def __call__(self, *args, **kwargs):
         return self._judge_ep.request({"op": "call", "ref": self._judge_id}, self, args, kwargs)
 
-    def _same_side(self, other):
-        return type(other) is _Remote and other._judge_ep is self._judge_ep
-
-    def __eq__(self, other):
-        return self._judge_op("eq", other) if self._same_side(other) else NotImplemented
-
-    def __ne__(self, other):
-        return self._judge_op("ne", other) if self._same_side(other) else NotImplemented
-
-    def __lt__(self, other):
-        return self._judge_op("lt", other) if self._same_side(other) else NotImplemented
-
-    def __le__(self, other):
-        return self._judge_op("le", other) if self._same_side(other) else NotImplemented
-
-    def __gt__(self, other):
-        return self._judge_op("gt", other) if self._same_side(other) else NotImplemented
-
-    def __ge__(self, other):
-        return self._judge_op("ge", other) if self._same_side(other) else NotImplemented
-
-    def __hash__(self):
-        return self._judge_op("hash")
-
-    def __bool__(self):
-        return self._judge_op("bool")
-
-    def __len__(self):
-        return self._judge_op("len")
-
     def __repr__(self):
         try:
             return self._judge_op("repr")
         except BaseException:  # noqa: B036 - repr is for messages; never fail a report on it
             return "<object of the solution>"
-
-    def __str__(self):
-        return self._judge_op("str")
-
-    def __format__(self, spec):
-        return self._judge_op("format", spec)
-
-    def __int__(self):
-        return self._judge_op("int")
-
-    def __float__(self):
-        return self._judge_op("float")
-
-    def __index__(self):
-        return self._judge_op("index")
-
-    def __contains__(self, item):
-        return self._judge_op("contains", item)
-
-    def __getitem__(self, key):
-        return self._judge_op("getitem", key)
-
-    def __setitem__(self, key, value):
-        self._judge_op("setitem", key, value)
-
-    def __delitem__(self, key):
-        self._judge_op("delitem", key)
 
     def __iter__(self):
         it = self._judge_op("iter")
@@ -309,9 +272,6 @@ class _Remote:
             if done:
                 return
 
-    def __next__(self):
-        return self._judge_op("next")
-
     def __instancecheck__(self, obj):
         return self._same_side(obj) and self._judge_op("isinstance", obj)
 
@@ -319,27 +279,30 @@ class _Remote:
         return self._same_side(cls) and self._judge_op("issubclass", cls)
 
 
-def _binary(name):
-    def forward(self, other):
-        return self._judge_op(name, other)
-    forward.__name__ = f"__{name}__"
-    return forward
-
-
-def _unary(name):
-    def forward(self):
-        return self._judge_op(name)
-    forward.__name__ = f"__{name}__"
-    return forward
+def _forward(name, arity, compare=False):
+    if compare:
+        def method(self, other):
+            return self._judge_op(name, other) if self._same_side(other) else NotImplemented
+    elif arity == 1:
+        def method(self):
+            return self._judge_op(name)
+    else:
+        def method(self, *args):
+            return self._judge_op(name, *args)
+    method.__name__ = f"__{name}__"
+    return method
 
 
 _BINARY = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
            "xor", "lshift", "rshift")
-for _name in _BINARY:
-    setattr(_Remote, f"__{_name}__", _binary(_name))
-    setattr(_Remote, f"__r{_name}__", _binary("r" + _name))
-for _name in ("neg", "pos", "abs", "invert"):
-    setattr(_Remote, f"__{_name}__", _unary(_name))
+for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
+    setattr(_Remote, f"__{_name}__", _forward(_name, 2, compare=True))
+for _name in ("hash", "bool", "len", "str", "int", "float", "index", "next", "neg", "pos",
+              "abs", "invert"):
+    setattr(_Remote, f"__{_name}__", _forward(_name, 1))
+for _name in ("format", "contains", "getitem", "setitem", "delitem") + _BINARY + tuple(
+        "r" + b for b in _BINARY):
+    setattr(_Remote, f"__{_name}__", _forward(_name, 2))
 
 # The operations one side may ask of an object the other side holds a reference to.
 _OPS = {
@@ -371,6 +334,8 @@ def _next_batch(it, n):
 
 _OPS["next_batch"] = _next_batch
 _MUTABLE = (list, dict, set, bytearray)
+# T lets the solution only call, iterate and compare what T hands it (callbacks): attribute
+# access would reach `__globals__` and `__code__`, and from there anything in T.
 _CALLBACK_OPS = frozenset(
     {"call", "iter", "next", "next_batch", "len", "bool", "hash", "eq", "ne", "lt", "le", "gt",
      "ge", "contains", "getitem", "repr", "str", "format", "int", "float", "index"})
@@ -385,17 +350,15 @@ class Endpoint:
 
     def __init__(self, sock, generation=0, on_wait=None, allowed_ops=None, before_send=None):
         self.sock = sock
-        self.before_send = before_send  # C: flush the solution's prints before each reply
         self.generation = generation
-        # T lets the solution only call, iterate and compare what T hands it (callbacks):
-        # attribute access would reach `__globals__`, `__code__` and from there anything.
+        self.on_wait = on_wait  # T: waits for the socket, draining the solution's output
         self.allowed_ops = allowed_ops
+        self.before_send = before_send  # C: flushes the solution's prints before each reply
         self.objects = {}
         self.next_id = 0
         self.next_msg = 0
-        self.on_wait = on_wait  # T: called with the socket to wait on (drains output, deadlines)
 
-    # -- encoding --------------------------------------------------------------------------
+    # -- values ----------------------------------------------------------------------------
     def encode(self, v, depth=0):
         t = type(v)
         if v is None or t is bool or t is int or t is float or t is str:
@@ -408,11 +371,12 @@ class Endpoint:
         if t is tuple:
             return {"#": "tuple", "v": [self.encode(x, d) for x in v]}
         if t is dict:
-            return {"#": "dict", "v": [[self.encode(k, d), self.encode(x, d)] for k, x in v.items()]}
+            return {"#": "dict", "v": [[self.encode(k, d), self.encode(x, d)]
+                                       for k, x in v.items()]}
         if t is set or t is frozenset:
             return {"#": t.__name__, "v": [self.encode(x, d) for x in v]}
         if t is bytes or t is bytearray:
-            return {"#": t.__name__, "v": base64.b64encode(v).decode()}
+            return {"#": t.__name__, "v": binascii.b2a_base64(v, newline=False).decode()}
         if t is complex:
             return {"#": "complex", "v": [v.real, v.imag]}
         if t is range:
@@ -444,10 +408,9 @@ class Endpoint:
             return {self.decode(e) for e in v}
         if tag == "frozenset":
             return frozenset(self.decode(e) for e in v)
-        if tag == "bytes":
-            return base64.b64decode(v)
-        if tag == "bytearray":
-            return bytearray(base64.b64decode(v))
+        if tag in ("bytes", "bytearray"):
+            data = binascii.a2b_base64(v)
+            return data if tag == "bytes" else bytearray(data)
         if tag == "complex":
             return complex(float(v[0]), float(v[1]))
         if tag == "range":
@@ -465,7 +428,7 @@ class Endpoint:
     def send(self, msg):
         if self.before_send is not None:
             self.before_send()
-        data = json.dumps(msg, separators=(",", ":")).encode("utf-8", "surrogatepass")
+        data = _dumps(msg).encode()
         if len(data) > MAX_MESSAGE_BYTES:
             raise ProtocolError(f"message of {len(data)} bytes is over the limit")
         self.sock.sendall(struct.pack("<I", len(data)) + data)
@@ -487,7 +450,7 @@ class Endpoint:
         if n > MAX_MESSAGE_BYTES:
             raise ProtocolError(f"message of {n} bytes is over the limit")
         try:
-            msg = json.loads(self._recv_exact(n).decode("utf-8", "surrogatepass"))
+            msg = _loads(self._recv_exact(n).decode())
         except (ValueError, RecursionError) as e:
             raise ProtocolError(f"message is not valid JSON: {e}") from None
         if type(msg) is not dict:
@@ -495,13 +458,12 @@ class Endpoint:
         return msg
 
     def request(self, head, target, args=(), kwargs=None):
-        self.next_msg += 1
-        msg_id = self.next_msg
-        enc_args = [self.encode(a) for a in args]
-        enc_kwargs = {k: self.encode(v) for k, v in (kwargs or {}).items()}
         if target is not None and target._judge_gen != self.generation:
             raise RuntimeError("an object from before the solution was restarted was used")
-        self.send({**head, "id": msg_id, "args": enc_args, "kwargs": enc_kwargs})
+        self.next_msg += 1
+        msg_id = self.next_msg
+        self.send({**head, "id": msg_id, "args": [self.encode(a) for a in args],
+                   "kwargs": {k: self.encode(v) for k, v in (kwargs or {}).items()}})
         while True:
             msg = self.recv()
             if "op" in msg:
@@ -519,7 +481,8 @@ class Endpoint:
             return self.decode(msg.get("ok"))
 
     def serve(self, msg):
-        """Executes one request from the other side and sends the reply."""
+        """Executes one request from the other side and sends the reply, with the new value
+        of each list/dict/set argument the call changed in place."""
         args, kwargs = [], {}
         try:
             op = msg["op"]
@@ -535,27 +498,30 @@ class Endpoint:
         sync = []
         for i, a in list(enumerate(args)) + list(kwargs.items()):
             if type(a) in _MUTABLE:
-                sent = msg["args"][i] if type(i) is int else msg["kwargs"][i]
                 now = self.encode(a)
-                if now != sent:
+                if now != (msg["args"][i] if type(i) is int else msg["kwargs"][i]):
                     sync.append([i, now])
         if sync:
             reply["sync"] = sync
-        self.send(reply)
+        try:
+            self.send(reply)
+        except (ValueError, TypeError, RecursionError, ProtocolError) as e:
+            self.send({"re": msg.get("id"), "exc": _describe_exception(e)})
 
 
 def _sync(obj, new):
-    """Applies the other side's in-place changes of an argument (`xs.sort()` in a solution)."""
-    if type(obj) is list and type(new) is list:
+    """Applies the other side's in-place change of an argument (`xs.sort()` in a solution)."""
+    if type(obj) is not type(new):
+        raise TypeError(f"{type(obj).__name__} became {type(new).__name__}")
+    if type(obj) in (list, bytearray):
         obj[:] = new
-    elif type(obj) is dict and type(new) is dict or type(obj) is set and type(new) is set:
+    elif type(obj) in (dict, set):
         obj.clear()
         obj.update(new)
-    elif type(obj) is bytearray and type(new) is bytearray:
-        obj[:] = new
 
 
 _NAMEDTUPLES = {}
+_COLLECTIONS = ("OrderedDict", "Counter", "defaultdict", "deque")
 
 
 def _encode_known(ep, v, d):
@@ -564,44 +530,40 @@ def _encode_known(ep, v, d):
     if isinstance(v, tuple) and hasattr(t, "_fields") and all(type(f) is str for f in t._fields):
         return {"#": "namedtuple", "name": t.__name__, "fields": list(t._fields),
                 "v": [ep.encode(x, d) for x in v]}
-    mod = t.__module__
-    if mod == "collections":
-        if t is collections.OrderedDict or t is collections.Counter or (
-                t is collections.defaultdict):
-            return {"#": t.__name__, "v": [[ep.encode(k, d), ep.encode(x, d)]
-                                           for k, x in v.items()]}
-        if t is collections.deque:
+    mod, name = t.__module__, t.__name__
+    if mod == "collections" and name in _COLLECTIONS:
+        if name == "deque":
             return {"#": "deque", "v": [ep.encode(x, d) for x in v]}
-    if mod in ("decimal", "fractions") and t.__name__ in ("Decimal", "Fraction"):
-        return {"#": t.__name__, "v": str(v)}
+        return {"#": name, "v": [[ep.encode(k, d), ep.encode(x, d)] for k, x in v.items()]}
+    if mod in ("decimal", "fractions") and name in ("Decimal", "Fraction"):
+        return {"#": name, "v": str(v)}
     if mod == "numpy" and hasattr(v, "tolist"):
-        if getattr(v, "ndim", None) == 0 or t.__name__ != "ndarray":
+        if getattr(v, "ndim", None) == 0 or name != "ndarray":
             return ep.encode(v.item(), d)
         return {"#": "ndarray", "dtype": str(v.dtype), "v": ep.encode(v.tolist(), d)}
     return None
 
 
 def _decode_known(ep, tag, x):
+    import collections
     v = x.get("v")
     if tag == "namedtuple":
         key = (str(x["name"]), tuple(str(f) for f in x["fields"]))
-        if key not in _NAMEDTUPLES and len(_NAMEDTUPLES) > 1000:
-            raise ProtocolError("too many namedtuple types")
         if key not in _NAMEDTUPLES:
+            if len(_NAMEDTUPLES) > 1000:
+                raise ProtocolError("too many namedtuple types")
             _NAMEDTUPLES[key] = collections.namedtuple(key[0], key[1], rename=True)
         return _NAMEDTUPLES[key](*[ep.decode(e) for e in v])
-    if tag in ("OrderedDict", "Counter", "defaultdict"):
-        cls = getattr(collections, tag)
-        items = [(ep.decode(k), ep.decode(e)) for k, e in v]
-        return cls(None, items) if tag == "defaultdict" else cls(dict(items))
-    if tag == "deque":
-        return collections.deque(ep.decode(e) for e in v)
-    if tag == "Decimal":
+    if tag in _COLLECTIONS:
+        if tag == "deque":
+            return collections.deque(ep.decode(e) for e in v)
+        items = {ep.decode(k): ep.decode(e) for k, e in v}
+        return collections.defaultdict(None, items) if tag == "defaultdict" else getattr(
+            collections, tag)(items)
+    if tag in ("Decimal", "Fraction"):
         import decimal
-        return decimal.Decimal(str(v))
-    if tag == "Fraction":
         import fractions
-        return fractions.Fraction(str(v))
+        return (decimal.Decimal if tag == "Decimal" else fractions.Fraction)(str(v))
     if tag == "ndarray":
         import numpy
         return numpy.array(ep.decode(v), dtype=str(x["dtype"]))
@@ -609,27 +571,51 @@ def _decode_known(ep, tag, x):
 
 
 # ----------------------------------------------------------------------------------------------
-# Exceptions across the channel
+# Exceptions and tracebacks
 # ----------------------------------------------------------------------------------------------
 
-def _user_traceback(e, filename):
-    """The traceback of `e`, keeping only frames in `filename`, then the exception line."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == filename]
-    lines = traceback.format_list(frames)
-    tail = "".join(traceback.format_exception_only(type(e), e))
-    head = "Traceback (most recent call last):\n" if lines else ""
-    return head + "".join(lines) + tail
-
-
-def _describe_exception(e):
-    names = [c.__name__ for c in type(e).__mro__]
+def _exception_line(e):
+    """`ValueError: message`, as Python prints it (SyntaxError with its caret)."""
+    t = type(e)
+    name = t.__qualname__ if t.__module__ in ("builtins", "__main__", "solution") else (
+        f"{t.__module__}.{t.__qualname__}")
+    if isinstance(e, SyntaxError) and e.lineno:
+        text = (e.text or "").rstrip("\n")
+        code = text.lstrip()
+        caret = " " * max((e.offset or 1) - 1 - (len(text) - len(code)), 0) + "^"
+        return (f'  File "{e.filename}", line {e.lineno}\n    {code}\n    {caret}\n'
+                f"{name}: {e.msg}\n")
     try:
         message = str(e)
     except BaseException:  # noqa: B036 - a broken __str__ is the solution's problem
         message = "<unprintable>"
-    if isinstance(e, SyntaxError):  # keep the caret line of SyntaxError in the message
-        message = "".join(traceback.format_exception_only(type(e), e)).strip()
-    return {"types": names[:20], "message": _short(message),
+    return f"{name}: {message}\n" if message else f"{name}\n"
+
+
+def _frames(e, filename):
+    """The traceback lines of `e` in `filename` (others are the judge's, or libraries')."""
+    out, tb, src = [], e.__traceback__, _SOURCES.get(filename, ())
+    while tb is not None:
+        code, n = tb.tb_frame.f_code, tb.tb_lineno
+        if code.co_filename == filename and n is not None:
+            out.append(f'  File "{filename}", line {n}, in {code.co_name}\n')
+            if 0 < n <= len(src) and src[n - 1].strip():
+                out.append(f"    {src[n - 1].strip()}\n")
+        tb = tb.tb_next
+    return out
+
+
+def _user_traceback(e, filename):
+    frames = _frames(e, filename)
+    head = "Traceback (most recent call last):\n" if frames else ""
+    return head + "".join(frames) + _exception_line(e)
+
+
+def _describe_exception(e):
+    message = _exception_line(e).rstrip("\n")
+    name = type(e).__qualname__
+    message = message[len(name) + 2:] if message.startswith(name + ": ") else message
+    return {"types": [c.__name__ for c in type(e).__mro__][:20], "message": _short(message),
             "traceback": _short(_user_traceback(e, SOLUTION_FILE), 4 * MAX_TEXT)}
 
 
@@ -654,8 +640,9 @@ def _remote_exception(info):
         key = (names[0], base)
         try:
             if key not in _REMOTE_CLASSES:
-                _REMOTE_CLASSES[key] = type(names[0], (base, RemoteError),
-                                            {"__module__": "solution"})
+                mro = (base, RemoteError) if base is not Exception else (RemoteError,)
+                # __module__ "builtins": messages read "ValueError: ...", as Python prints.
+                _REMOTE_CLASSES[key] = type(names[0], mro, {"__module__": "builtins"})
             exc = _REMOTE_CLASSES[key](message)
         except Exception:  # noqa: BLE001 - a base with another constructor: try the next
             continue
@@ -678,7 +665,15 @@ def _close_fds(keep):
                 pass
 
 
-def _child_main(spawn, fds, code_obj, syntax_error, source):
+def _flush_quietly():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: B036 - a solution may have closed or replaced them
+            pass
+
+
+def _child_main(mode, fds, code_obj, syntax_error, source):
     """Runs in the forked solution process; never returns."""
     status = 1
     try:
@@ -687,27 +682,23 @@ def _child_main(spawn, fds, code_obj, syntax_error, source):
                 f.write("1000")  # under a shared memory limit, the solution dies first
         except OSError:
             pass
-        stdin_fd, out_fd, err_fd = fds[0], fds[1], fds[2]
-        os.dup2(stdin_fd, 0)
-        os.dup2(out_fd, 1)
-        os.dup2(err_fd, 2)
-        rpc_fd = None
-        if spawn["mode"] == "unit":
-            rpc_fd = os.dup2(fds[3], 3)
-        _close_fds({3} if rpc_fd is not None else set())
+        for fd, target in zip(fds[:3], (0, 1, 2)):
+            os.dup2(fd, target)
+        if mode == "unit":
+            os.dup2(fds[3], 3)
+        _close_fds({3} if mode == "unit" else set())
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8",
                                      errors="surrogateescape")
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
-                                      errors="surrogateescape", write_through=False)
+                                      errors="surrogateescape")
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
                                       errors="backslashreplace", line_buffering=True)
         sys.argv = [SOLUTION_FILE]
-        linecache.cache[SOLUTION_FILE] = (len(source), None, source.splitlines(True),
-                                          SOLUTION_FILE)
-        if spawn["mode"] == "stdio":
+        _SOURCES[SOLUTION_FILE] = source.splitlines()
+        if mode == "stdio":
             status = _child_stdio(code_obj, syntax_error)
         else:
-            status = _child_unit(socket.socket(fileno=3), code_obj, syntax_error)
+            status = _child_unit(_socket.socket(fileno=3), code_obj, syntax_error)
     except BaseException:  # noqa: B036 - the exit status says it; nothing may escape a fork
         status = 1
     finally:
@@ -717,8 +708,7 @@ def _child_main(spawn, fds, code_obj, syntax_error, source):
 
 def _child_stdio(code_obj, syntax_error):
     if syntax_error is not None:
-        sys.stderr.write("".join(traceback.format_exception_only(type(syntax_error),
-                                                                 syntax_error)))
+        sys.stderr.write(_exception_line(syntax_error))
         return 1
     try:
         exec(code_obj, {"__name__": "__main__", "__builtins__": builtins,
@@ -736,7 +726,7 @@ def _child_stdio(code_obj, syntax_error):
 
 def _child_unit(sock, code_obj, syntax_error):
     ep = Endpoint(sock, before_send=_flush_quietly)
-    module = types.ModuleType("solution")
+    module = type(sys)("solution")
     module.__file__ = SOLUTION_FILE
     sys.modules["solution"] = module
     try:
@@ -750,7 +740,7 @@ def _child_unit(sock, code_obj, syntax_error):
     for name, value in list(module.__dict__.items()):
         if name.startswith("__"):
             continue
-        if isinstance(value, types.ModuleType):
+        if isinstance(value, type(sys)):
             names[name] = {"#": "module", "name": value.__name__}
         else:
             names[name] = ep.encode(value)
@@ -763,25 +753,29 @@ def _child_unit(sock, code_obj, syntax_error):
         ep.serve(msg)
 
 
-def _flush_quietly():
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:  # noqa: B036 - a solution may have closed or replaced them
-            pass
-
-
 # ----------------------------------------------------------------------------------------------
 # Z: the zygote
 # ----------------------------------------------------------------------------------------------
 
-def _zygote_main(ctl, setup, first_fds):
+def _send_fds(sock, data, fds):
+    sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS,
+                           struct.pack(f"{len(fds)}i", *fds))])
+
+
+def _recv_fds(sock, size, max_fds):
+    data, ancillary, _, _ = sock.recvmsg(size, _socket.CMSG_SPACE(max_fds * 4))
+    fds = []
+    for level, kind, raw in ancillary:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            fds += struct.unpack(f"{len(raw) // 4}i", raw[:len(raw) // 4 * 4])
+    return data, fds
+
+
+def _zygote_main(ctl, mode, source, first_fds):
     """Forks one solution process per request from T (the first one, if `first_fds`, without
     being asked); reports its pid, then how it ended."""
-    # Drop T's stdin (the key and tests follow in it); keep fd 0 taken, so that received fds
-    # never land on 0-2 where a solution process puts its own.
+    # fd 0 held T's stdin or Z's boot data: replace it, so received fds never land on 0-2.
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    source = setup["code"]
     code_obj, syntax_error = None, None
     try:
         code_obj = compile(source, SOLUTION_FILE, "exec")
@@ -789,69 +783,119 @@ def _zygote_main(ctl, setup, first_fds):
         syntax_error = e if isinstance(e, SyntaxError) else SyntaxError(str(e))
     while True:
         if first_fds:
-            spawn, fds, first_fds = {"mode": setup["mode"]}, first_fds, None
+            fds, first_fds = first_fds, None
         else:
             try:
-                data, fds, _, _ = socket.recv_fds(ctl, 4096, 8)
+                data, fds = _recv_fds(ctl, 4096, 8)
             except OSError:
                 return
             if not data:
                 return
-            spawn = json.loads(data)
         pid = os.fork()
         if pid == 0:
             ctl.close()
-            _child_main(spawn, fds, code_obj, syntax_error, source)
+            _child_main(mode, fds, code_obj, syntax_error, source)
         for fd in fds:
             os.close(fd)
         try:
             os.setpgid(pid, pid)
         except OSError:
             pass  # the child set it itself, or is already gone
-        ctl.send(json.dumps({"pid": pid}).encode())
+        ctl.send(b"%d" % pid)
         _, status = os.waitpid(pid, 0)
-        try:
-            os.killpg(pid, signal.SIGKILL)  # whatever the solution left in its group
-        except OSError:
-            pass
-        ctl.send(json.dumps({"status": status}).encode())
+        for kill in (os.killpg, os.kill):  # whatever the solution left in its group
+            try:
+                kill(pid, _signal.SIGKILL)
+            except OSError:
+                pass
+        ctl.send(b"%d" % status)
+
+
+_ZYGOTE_BOOT = """import sys, marshal, zlib, binascii
+boot = marshal.loads(open(0, "rb", closefd=False).read())
+if boot["marshal"]:
+    code = marshal.loads(zlib.decompress(binascii.a2b_base64(boot["compiled"])))
+else:
+    code = compile(zlib.decompress(binascii.a2b_base64(boot["source"])), "judge_harness.py",
+                   "exec")
+ns = {"__name__": "judge_zygote"}
+exec(code, ns)
+ns["zygote_entry"](boot)
+"""
+
+
+def zygote_entry(boot):
+    """Z started as a fresh interpreter: its control socket is fd 3, the first solution
+    process's fds (unit tests) are 4-7."""
+    _set_interpreter_limits()
+    first = [4, 5, 6, 7] if boot["mode"] == "unit" else None
+    _zygote_main(_socket.socket(fileno=3), boot["mode"], boot["code"], first)
+
+
+def _memfd(data):
+    try:
+        fd = os.memfd_create("judge")
+    except (AttributeError, OSError):  # no memfd (old kernel, seccomp): an unlinked temp file
+        import tempfile
+        with tempfile.TemporaryFile() as f:
+            fd = os.dup(f.fileno())
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _start_zygote(setup, first_fds):
+    """(pid, T's control socket) of Z: a fresh interpreter if this run's memory may hold
+    secrets (see the module docstring), else a fork made before T reads any secret."""
+    t_ctl, z_ctl = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+    payload = globals().get("_JUDGE_PAYLOAD", {}).get("judge_harness")
+    if os.environ.get("SANDBOX_CLEAN_FORK") == "1" or payload is None or not sys.executable:
+        pid = os.fork()
+        if pid == 0:
+            status = 0
+            try:
+                t_ctl.close()
+                os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+                _close_fds({z_ctl.fileno(), *first_fds})
+                _zygote_main(z_ctl, setup["mode"], setup["code"], first_fds)
+            except BaseException:  # noqa: B036 - nothing may escape a fork
+                status = 1
+            os._exit(status)
+    else:
+        import fcntl
+        boot = marshal.dumps({"marshal": globals()["_JUDGE_MARSHAL"], "compiled": payload[0],
+                              "source": payload[1], "mode": setup["mode"],
+                              "code": setup["code"]})
+        sources = [_memfd(boot), os.open(os.devnull, os.O_WRONLY), z_ctl.fileno(), *first_fds]
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in sources]
+        targets = [0, 1, 3, 4, 5, 6, 7][:len(high)]
+        pid = os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", "-c", _ZYGOTE_BOOT],
+                             dict(os.environ),
+                             file_actions=[(os.POSIX_SPAWN_DUP2, h, t)
+                                           for h, t in zip(high, targets)])
+        for fd in high + sources[:2]:
+            os.close(fd)
+    z_ctl.close()
+    for fd in first_fds:
+        os.close(fd)
+    return pid, t_ctl
 
 
 # ----------------------------------------------------------------------------------------------
 # T: the trusted judge
 # ----------------------------------------------------------------------------------------------
 
-def _read_exact(fd, n):
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = os.readv(fd, [view[got:]])
-        if k == 0:
-            raise EOFError(f"stdin ended after {got} of {n} bytes")
-        got += k
-    return buf
-
-
-def _read_section(fd):
-    (n,) = struct.unpack("<Q", _read_exact(fd, 8))
-    return json.loads(bytes(_read_exact(fd, n)))
-
-
-def _make_undumpable():
-    """PR_SET_DUMPABLE 0: same-uid processes without CAP_SYS_PTRACE can no longer read this
-    process's memory (/proc/pid/mem, ptrace) or open its fds (/proc/pid/fd)."""
-    try:
-        import ctypes
-        return ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) == 0
-    except Exception:  # noqa: BLE001 - reported in the verdict as `undumpable: false`
-        return False
+_SIGNAL_NAMES = {4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 9: "SIGKILL",
+                 11: "SIGSEGV", 15: "SIGTERM", 24: "SIGXCPU", 25: "SIGXFSZ", 31: "SIGSYS"}
 
 
 def _status_text(status):
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else sig
-        return f"killed by signal {name}" + (" (out of memory?)" if sig == 9 else "")
+        return f"killed by signal {_SIGNAL_NAMES.get(sig, sig)}" + (
+            " (out of memory?)" if sig == 9 else "")
     return f"exited with code {os.WEXITSTATUS(status)}"
 
 
@@ -868,15 +912,15 @@ class Judge:
         self.output = bytearray()  # the solution's stdout+stderr, capped
         self.output_dropped = 0
         self.child = None  # (pid, endpoint, out_fd) of the live solution process (unit mode)
-        self.prespawned = None  # (t_sock, out_r) of the solution process Z started unasked
         self.out_open = False
+        self.prespawned = None  # (t_sock, out_r) of the solution process Z started unasked
         self.generation = 0
         self.deadline = time.monotonic() + float(settings["time_budget_s"])
         self.critical = 0
         self.armed = False
         self.timed_out = False
 
-    # -- the timer ---------------------------------------------------------------------------
+    # -- the timer -------------------------------------------------------------------------
     def on_alarm(self, signum, frame):
         self.timed_out = True
         if self.armed and not self.critical:
@@ -885,7 +929,7 @@ class Judge:
 
     def arm(self, seconds):
         self.timed_out, self.armed = False, True
-        signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
+        _signal.setitimer(_signal.ITIMER_REAL, max(seconds, 0.001))
 
     def leave_critical(self):
         self.critical -= 1
@@ -894,25 +938,25 @@ class Judge:
             raise _Timeout()
 
     # -- processes -------------------------------------------------------------------------
-    def _ctl_recv(self, key):
-        reply = self.ctl.recv(4096)
+    def ctl_recv(self):
+        reply = self.ctl.recv(64)
         if not reply:
             raise RuntimeError("the zygote is gone (the solution killed it?)")
-        return json.loads(reply)[key]
+        return int(reply)
 
-    def spawn(self, mode, fds):
+    def spawn(self, fds):
         """Asks Z for a solution process with fds (stdin, stdout, stderr[, rpc])."""
-        socket.send_fds(self.ctl, [json.dumps({"mode": mode}).encode()], fds)
-        return self._ctl_recv("pid")
+        _send_fds(self.ctl, b"spawn", fds)
+        return self.ctl_recv()
 
     def reap(self, pid):
         """Kills the solution's process group and returns its wait status (from Z)."""
         for kill in (os.killpg, os.kill):
             try:
-                kill(pid, signal.SIGKILL)
+                kill(pid, _signal.SIGKILL)
             except OSError:
                 pass
-        return self._ctl_recv("status")
+        return self.ctl_recv()
 
     def capture(self, data):
         room = max(int(self.settings["max_output_bytes"]) - len(self.output), 0)
@@ -924,8 +968,7 @@ class Judge:
         """Blocks until `sock` is readable, draining the solution's output meanwhile."""
         out_fd = self.child[2]
         while True:
-            fds = [sock, out_fd] if self.out_open else [sock]
-            ready, _, _ = select.select(fds, [], [])
+            ready, _, _ = select.select([sock, out_fd] if self.out_open else [sock], [], [])
             if out_fd in ready:
                 data = os.read(out_fd, 65536)
                 self.capture(data) if data else setattr(self, "out_open", False)
@@ -949,14 +992,13 @@ class Judge:
         try:
             if self.prespawned is not None:
                 (t_sock, out_r), self.prespawned = self.prespawned, None
-                pid = self._ctl_recv("pid")
+                pid = self.ctl_recv()
             else:
-                t_sock, c_side = _child_fds()
-                out_r = c_side.pop()
+                t_sock, c_side, out_r = _child_fds()
                 try:
-                    pid = self.spawn("unit", c_side[:4])
+                    pid = self.spawn(c_side)
                 finally:
-                    for fd in c_side[:4]:
+                    for fd in c_side:
                         os.close(fd)
             self.generation += 1
             ep = Endpoint(t_sock, self.generation, self.wait_on, _CALLBACK_OPS)
@@ -970,8 +1012,9 @@ class Judge:
             raise ProtocolError("the solution process sent no namespace")
         return ep, msg["ready"]
 
-    def stop_child(self, wait=True):
-        """Kills the live solution process (if any); returns how it ended (if `wait`)."""
+    def stop_child(self, wait=True, grace_s=0.0):
+        """Kills the live solution process (if any) after `grace_s` to end by itself; returns
+        how it ended (if `wait`)."""
         if self.child is None:
             return None
         self.critical += 1
@@ -979,13 +1022,15 @@ class Judge:
             pid, ep, out_r = self.child
             self.drain()
             self.child = None
-            if wait:
+            status = None
+            if wait and grace_s > 0 and select.select([self.ctl], [], [], grace_s)[0]:
+                status = self.ctl_recv()
+            elif wait:
                 status = self.reap(pid)
             else:
-                status = None
                 for kill in (os.killpg, os.kill):
                     try:
-                        kill(pid, signal.SIGKILL)
+                        kill(pid, _signal.SIGKILL)
                     except OSError:
                         pass
             ep.sock.close()
@@ -996,12 +1041,11 @@ class Judge:
 
 
 def _child_fds():
-    """T's socket, then the solution's [stdin, stdout, stderr, rpc socket] fds, then T's end of
-    the output pipe (last)."""
-    t_sock, c_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    """(T's socket, the solution's [stdin, stdout, stderr, rpc] fds, T's end of its output)."""
+    t_sock, c_sock = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
     out_r, out_w = os.pipe()
-    null = os.open(os.devnull, os.O_RDONLY)
-    return t_sock, [null, out_w, os.dup(out_w), c_sock.detach(), out_r]
+    return t_sock, [os.open(os.devnull, os.O_RDONLY), out_w, os.dup(out_w),
+                    c_sock.detach()], out_r
 
 
 class _ImportFailed(Exception):
@@ -1015,15 +1059,14 @@ def _bind_solution(ns, ep, names, referenced, candidate, entry_point):
 
     Builtins are never shadowed, and a standard-library module name always means the real
     module: a solution cannot redefine `abs` or `math.isclose` for the tests."""
-    module = types.ModuleType("solution")
+    module = type(sys)("solution")
     for name, enc in names.items():
         if name.startswith("__") or hasattr(builtins, name):
             continue
         if name in sys.stdlib_module_names or type(enc) is dict and enc.get("#") == "module":
             if name not in referenced:
                 continue  # importing costs time; only what the tests name
-            real = name if name in sys.stdlib_module_names else str(enc.get("name"))
-            value = _import_real(real)
+            value = _import_real(name if name in sys.stdlib_module_names else str(enc["name"]))
             if value is None:
                 continue
         else:
@@ -1056,45 +1099,44 @@ def _judge_compare(left, op, right):
 
 def _test_traceback(e):
     """Frames in the tests, then (for an error raised by the solution) frames in it."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == TESTS_FILE]
     remote = getattr(e, "remote_traceback", "")
     if remote:
-        body = [ln for ln in remote.splitlines(True) if not ln.startswith("Traceback")]
-        tail = "".join(body)
+        tail = "".join(ln for ln in remote.splitlines(True) if not ln.startswith("Traceback"))
     else:
-        tail = "".join(traceback.format_exception_only(type(e), e))
-    head = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
+        tail = _exception_line(e)
+    head = "Traceback (most recent call last):\n" + "".join(_frames(e, TESTS_FILE))
     return _short(head + tail, 4 * MAX_TEXT)
 
 
-def _outcome(e, judge):
+def _outcome(e, judge, pytest_module):
     """(status, message, traceback) for a test that raised `e`."""
     if isinstance(e, _ImportFailed):
         return ("error", "the solution failed to load: " + str(e.info.get("message", "")),
                 str(e.info.get("traceback", "")))
-    if isinstance(e, _ChildGone):
-        status = judge.stop_child()
+    if isinstance(e, _ChildGone):  # it closed the channel: it is exiting, or soon killed
+        status = judge.stop_child(grace_s=0.5)
         how = _status_text(status) if status is not None else "ended"
         return "crashed", f"the solution process {how} during this test", ""
-    if isinstance(e, _Skipped):
+    if pytest_module is not None and isinstance(e, pytest_module.Skipped):
         return "skipped", str(e), ""
     if isinstance(e, ProtocolError):
         judge.stop_child()
     status = "failed" if isinstance(e, AssertionError) else "error"
-    message = "".join(traceback.format_exception_only(type(e), e)).strip()
-    return status, message, _test_traceback(e)
+    return status, _exception_line(e).strip(), _test_traceback(e)
 
 
 def _run_unit_tests(judge, payload):
+    import ast
     source, entry_point = payload["tests"], payload.get("entry_point")
-    style, _, units, candidate = split_tests(source, entry_point, payload.get("style", "auto"))
+    style, units, candidate = split_tests(source, entry_point, payload.get("style", "auto"))
     lines = source.splitlines()
-    linecache.cache[TESTS_FILE] = (len(source), None, source.splitlines(True), TESTS_FILE)
+    _SOURCES[TESTS_FILE] = lines
     tree = ast.parse(source, TESTS_FILE)
     referenced = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     ns = {"__name__": "tests", "__builtins__": builtins, "__judge_compare__": _judge_compare}
     import_failure = []
     test_timeout = float(payload["test_timeout_s"])
+    pytest_module = None
 
     def run(kind, code):
         if import_failure:
@@ -1110,11 +1152,12 @@ def _run_unit_tests(judge, payload):
         code(ns) if kind == "pytest" else exec(code, ns)
 
     if style == "pytest":
-        ns["pytest"] = sys.modules["pytest"] = _pytest_shim()
+        pytest_module = _load_module("judge_pytest")
+        ns["pytest"] = sys.modules["pytest"] = pytest_module.shim()
         queue = [("collect", "module setup", _compile_stmts(tree.body, lines))]
     else:
         queue = [("unit", name, _compile_stmts(stmts, lines)) for name, stmts in units]
-    signal.signal(signal.SIGALRM, judge.on_alarm)
+    _signal.signal(_signal.SIGALRM, judge.on_alarm)
     results = []
     while queue:
         kind, name, code = queue.pop(0)
@@ -1133,10 +1176,10 @@ def _run_unit_tests(judge, payload):
                 except _Timeout:
                     raise
                 except BaseException as e:  # noqa: B036 - any failure is this test's verdict
-                    outcome = _outcome(e, judge)
+                    outcome = _outcome(e, judge, pytest_module)
             finally:
                 judge.armed = False
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                _signal.setitimer(_signal.ITIMER_REAL, 0)
         except _Timeout:
             pass
         if judge.timed_out:
@@ -1150,11 +1193,30 @@ def _run_unit_tests(judge, payload):
                 results += [_result(unit, status, "module setup failed: " + outcome[1],
                                     outcome[2]) for unit, _ in units]
                 break
-            queue = [("pytest", tname, fn) for tname, fn in _collect_pytest(ns, units)] + queue
+            queue = [("pytest", tname, fn)
+                     for tname, fn in pytest_module.collect(ns, units)] + queue
             continue
         results.append(_result(name, *outcome, excerpt, time.monotonic() - start))
     judge.stop_child(wait=False)
     return {"tests": results}
+
+
+def _load_module(name):
+    """Another module of the judge, from the payload the run was given (or from disk)."""
+    payload = globals().get("_JUDGE_PAYLOAD", {}).get(name)
+    module = type(sys)(name)
+    if payload is None:
+        module.__file__ = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
+        with open(module.__file__) as f:
+            code = compile(f.read(), module.__file__, "exec")
+    elif globals().get("_JUDGE_MARSHAL"):
+        import zlib
+        code = marshal.loads(zlib.decompress(binascii.a2b_base64(payload[0])))
+    else:
+        import zlib
+        code = compile(zlib.decompress(binascii.a2b_base64(payload[1])), name + ".py", "exec")
+    exec(code, module.__dict__)
+    return module
 
 
 def _result(name, status, message="", tb="", stdout="", duration=0.0):
@@ -1162,215 +1224,30 @@ def _result(name, status, message="", tb="", stdout="", duration=0.0):
             "stdout": _short(stdout), "duration_s": round(duration, 6)}
 
 
-# -- a pytest subset, so pytest-style tests run without importing pytest ----------------------
-
-class _Skipped(Exception):
-    pass
-
-
-class _Failed(AssertionError):
-    pass
-
-
-class _Raises:
-    def __init__(self, expected, match=None):
-        self.expected, self.match, self.value = expected, match, None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, etype, value, tb):
-        if etype is None:
-            raise _Failed(f"DID NOT RAISE {self.expected!r}")
-        if not issubclass(etype, self.expected):
-            return False
-        if self.match is not None:
-            import re
-            if not re.search(self.match, str(value)):
-                raise _Failed(f"regex {self.match!r} does not match {str(value)!r}")
-        self.value = value
-        return True
-
-
-def _raises(expected, *args, match=None, **kwargs):
-    ctx = _Raises(expected, match)
-    if args:
-        with ctx:
-            args[0](*args[1:], **kwargs)
-        return ctx
-    return ctx
-
-
-class _Approx:
-    def __init__(self, expected, rel=None, abs=None):  # noqa: A002 - pytest's signature
-        self.expected, self.rel, self.abs = expected, rel, abs
-
-    def _close(self, actual, expected):
-        if type(actual) not in (int, float, complex, bool) or type(expected) not in (
-                int, float, complex, bool):
-            return actual == expected if type(actual) is type(expected) else False
-        rel = 1e-6 if self.rel is None else self.rel
-        tol_abs = 1e-12 if self.abs is None else self.abs
-        if actual == expected:
-            return True
-        return builtins.abs(actual - expected) <= max(rel * builtins.abs(expected), tol_abs)
-
-    def __eq__(self, actual):
-        exp = self.expected
-        if type(exp) in (list, tuple):
-            return (type(actual) in (list, tuple) and len(actual) == len(exp)
-                    and all(self._close(a, e) for a, e in zip(actual, exp)))
-        if type(exp) is dict:
-            return (type(actual) is dict and actual.keys() == exp.keys()
-                    and all(self._close(actual[k], exp[k]) for k in exp))
-        return self._close(actual, exp)
-
-    def __repr__(self):
-        return f"approx({self.expected!r})"
-
-
-class _Mark:
-    def __getattr__(self, name):
-        def mark(*args, **kwargs):
-            if len(args) == 1 and callable(args[0]) and not kwargs and name != "parametrize":
-                return _apply_mark(args[0], name, (), {})
-            return lambda fn: _apply_mark(fn, name, args, kwargs)
-        return mark
-
-
-def _apply_mark(fn, name, args, kwargs):
-    marks = list(getattr(fn, "__judge_marks__", []))
-    marks.append((name, args, kwargs))
-    fn.__judge_marks__ = marks
-    return fn
-
-
-def _skip(reason=""):
-    raise _Skipped(reason)
-
-
-def _fail(reason=""):
-    raise _Failed(reason)
-
-
-def _fixture(fn=None, **_kwargs):
-    if fn is None:
-        return lambda f: _fixture(f)
-    fn.__judge_fixture__ = True
-    return fn
-
-
-def _pytest_shim():
-    shim = types.ModuleType("pytest")
-    shim.raises, shim.approx, shim.mark = _raises, _Approx, _Mark()
-    shim.skip, shim.fail, shim.fixture = _skip, _fail, _fixture
-    return shim
-
-
-def _collect_pytest(ns, units):
-    """Yields (name, run(ns)) for each test function, parametrize expanded, in file order."""
-    for unit_name, _ in units:
-        obj = ns.get(unit_name)
-        if isinstance(obj, type):
-            for attr in sorted(vars(obj), key=lambda a: _lineno(getattr(obj, a))):
-                if attr.startswith("test") and callable(getattr(obj, attr)):
-                    fn = getattr(obj, attr)
-                    yield from _expand(f"{unit_name}::{attr}", fn, obj)
-        elif callable(obj):
-            yield from _expand(unit_name, obj, None)
-
-
-def _lineno(fn):
-    return getattr(getattr(fn, "__code__", None), "co_firstlineno", 0)
-
-
-def _expand(name, fn, cls):
-    import itertools
-    cases = [((), {})]
-    for mark, args, kwargs in reversed(getattr(fn, "__judge_marks__", [])):
-        if mark in ("skip", "skipif") and (mark == "skip" or (args and args[0])):
-            reason = kwargs.get("reason", "")
-            yield name, (lambda r: lambda ns: _skip(r))(reason)
-            return
-        if mark != "parametrize":
-            continue
-        argnames, values = args[0], list(args[1])
-        names = [a.strip() for a in argnames.split(",")] if isinstance(argnames, str) else list(
-            argnames)
-        params = [(tuple(v) if len(names) > 1 else (v,)) for v in values]
-        cases = [(ids + (str(i),), {**bound, **dict(zip(names, p))})
-                 for (ids, bound), (i, p) in itertools.product(cases, enumerate(params))]
-    for ids, bound in cases:
-        label = f"{name}[{'-'.join(ids)}]" if ids else name
-        yield label, (lambda b: lambda ns: _call_test(fn, cls, b, ns))(bound)
-
-
-def _call_test(fn, cls, bound, ns):
-    import inspect
-    params = list(inspect.signature(fn).parameters)
-    if cls is not None:
-        params = params[1:]
-    kwargs, finalizers = dict(bound), []
-    for p in params:
-        if p in kwargs:
-            continue
-        fixture = ns.get(p)
-        if not getattr(fixture, "__judge_fixture__", False):
-            raise TypeError(f"fixture {p!r} is not available (the judge supports "
-                            "parametrize and fixtures defined in the test file)")
-        value = fixture()
-        if isinstance(value, types.GeneratorType):
-            finalizers.append(value)
-            value = next(value)
-        kwargs[p] = value
-    try:
-        if cls is not None:
-            instance = cls()
-            if hasattr(instance, "setup_method"):
-                instance.setup_method(fn)
-            fn(instance, **kwargs)
-        else:
-            fn(**kwargs)
-    finally:
-        for gen in finalizers:
-            next(gen, None)
-
-
 # -- stdin/stdout ------------------------------------------------------------------------------
 
 def _run_stdio(judge, payload):
     cases = []
-    case_timeout = float(payload["case_timeout_s"])
     for inp, cap in zip(payload["inputs"], payload["output_caps"]):
-        start = time.monotonic()
-        left = judge.deadline - start
+        left = judge.deadline - time.monotonic()
         if left <= 0.05:
             cases.append({"stdout": "", "stderr": "", "exit_code": None, "signal": None,
                           "timed_out": True, "not_run": True, "duration_s": 0.0,
                           "stdout_truncated": False})
             continue
-        cases.append(_run_case(judge, inp, int(cap), min(case_timeout, left)))
+        cases.append(_run_case(judge, inp, int(cap), min(float(payload["case_timeout_s"]),
+                                                         left)))
     return {"cases": cases}
 
 
 def _run_case(judge, inp, cap, timeout):
     """Runs the solution on one input; returns what it wrote and how it ended."""
-    data = inp.encode("utf-8", "surrogateescape")
-    try:
-        stdin_fd = os.memfd_create("stdin")
-    except (AttributeError, OSError):  # no memfd (old kernel, seccomp): an unlinked temp file
-        import tempfile
-        with tempfile.TemporaryFile() as f:
-            stdin_fd = os.dup(f.fileno())
-    view = memoryview(data)
-    while view:
-        view = view[os.write(stdin_fd, view):]
-    os.lseek(stdin_fd, 0, os.SEEK_SET)
+    stdin_fd = _memfd(inp.encode("utf-8", "surrogateescape"))
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     start = time.monotonic()
     try:
-        pid = judge.spawn("stdio", [stdin_fd, out_w, err_w])
+        pid = judge.spawn([stdin_fd, out_w, err_w])
     finally:
         for fd in (stdin_fd, out_w, err_w):
             os.close(fd)
@@ -1399,7 +1276,7 @@ def _run_case(judge, inp, cap, timeout):
         if dropped[out_r]:
             break  # over its output cap: the answer is wrong anyway, stop it now
         if judge.ctl in ready:
-            status = judge._ctl_recv("status")
+            status = judge.ctl_recv()
     if status is None:
         status = judge.reap(pid)
     duration = time.monotonic() - start
@@ -1410,7 +1287,7 @@ def _run_case(judge, inp, cap, timeout):
     os.close(err_r)
     signaled = os.WIFSIGNALED(status)
     return {
-        "stdout": base64.b64encode(bytes(bufs[out_r])).decode(),
+        "stdout": binascii.b2a_base64(bytes(bufs[out_r]), newline=False).decode(),
         "stdout_truncated": dropped[out_r] > 0,
         "stderr": bytes(bufs[err_r]).decode("utf-8", "replace"),
         "exit_code": None if signaled else os.WEXITSTATUS(status),
@@ -1423,45 +1300,53 @@ def _run_case(judge, inp, cap, timeout):
 
 # -- main --------------------------------------------------------------------------------------
 
-def _sanitize_path():
-    """The work dir is the solution's: nothing may be imported from it into T."""
-    cwd = os.getcwd()
-    sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.abspath(p) != cwd
-                   and not os.path.abspath(p).startswith(cwd + os.sep)]
-    sys.dont_write_bytecode = True
+def _read_exact(fd, n):
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = os.readv(fd, [view[got:]])
+        if k == 0:
+            raise EOFError(f"stdin ended after {got} of {n} bytes")
+        got += k
+    return buf
+
+
+def _read_section(fd):
+    (n,) = struct.unpack("<Q", _read_exact(fd, 8))
+    return _loads(bytes(_read_exact(fd, n)).decode())
+
+
+def _set_interpreter_limits():
+    if hasattr(sys, "set_int_max_str_digits"):  # big ints travel as JSON digits
+        sys.set_int_max_str_digits(0)
+
+
+def _make_undumpable():
+    """PR_SET_DUMPABLE 0: same-uid processes without CAP_SYS_PTRACE can no longer read this
+    process's memory (/proc/pid/mem, ptrace) or open its fds (/proc/pid/fd)."""
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) == 0
+    except Exception:  # noqa: BLE001 - reported in the verdict as `undumpable: false`
+        return False
 
 
 def main():
     undumpable = _make_undumpable()
-    _sanitize_path()
-    if hasattr(sys, "set_int_max_str_digits"):
-        sys.set_int_max_str_digits(0)
+    cwd = os.getcwd()  # the solution's dir: nothing may be imported from it into T
+    sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.abspath(p) != cwd
+                   and not os.path.abspath(p).startswith(cwd + os.sep)]
+    sys.dont_write_bytecode = True
+    _set_interpreter_limits()
     setup = _read_section(0)
-    ctl, z_ctl = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    # Unit tests: Z starts the first solution process at once, while T reads the tests.
-    t_sock, c_side = _child_fds() if setup["mode"] == "unit" else (None, [])
-    zygote = os.fork()
-    if zygote == 0:
-        ctl.close()
-        status = 0
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            _close_fds({z_ctl.fileno(), 2, *c_side[:4]})
-            _zygote_main(z_ctl, setup, c_side[:4])
-        except BaseException:  # noqa: B036 - nothing may escape a fork
-            status = 1
-        os._exit(status)
-    z_ctl.close()
-    for fd in c_side[:4]:
-        os.close(fd)
-    # Only now, with no solution process able to inherit them, read the key and the tests.
+    t_sock, c_side, out_r = _child_fds() if setup["mode"] == "unit" else (None, [], None)
+    zygote, ctl = _start_zygote(setup, c_side)
     key = bytes(_read_exact(0, KEY_BYTES))
     payload = _read_section(0)
     os.close(0)
     judge = Judge(ctl, payload)
-    if t_sock is not None:
-        judge.prespawned = (t_sock, c_side[4])
+    if t_sock is not None:  # Z starts the first solution process at once
+        judge.prespawned = (t_sock, out_r)
     report = {"mode": setup["mode"], "undumpable": undumpable, "error": None}
     try:
         if setup["mode"] == "unit":
@@ -1469,20 +1354,22 @@ def main():
         else:
             report.update(_run_stdio(judge, payload))
     except BaseException as e:  # noqa: B036 - a harness failure is reported, signed
+        import traceback
         report["error"] = _short("".join(traceback.format_exception(type(e), e,
                                                                     e.__traceback__)))
     report["output"] = bytes(judge.output).decode("utf-8", "replace")
     report["output_dropped"] = judge.output_dropped
     ctl.close()
     try:
-        os.kill(zygote, signal.SIGKILL)
+        os.kill(zygote, _signal.SIGKILL)
         os.waitpid(zygote, 0)
     except OSError:
         pass
-    body = json.dumps(report, separators=(",", ":")).encode()
+    import hashlib
+    import hmac
+    body = _dumps(report).encode()
     mac = hmac.new(key, body, hashlib.sha256).hexdigest().encode()
-    data = REPORT_PREFIX + mac + b" " + body + b"\n"
-    view = memoryview(data)
+    view = memoryview(REPORT_PREFIX + mac + b" " + body + b"\n")
     while view:
         view = view[os.write(1, view):]
 
