@@ -356,7 +356,7 @@ def _server_config(limits, persist, modules, channel, workdir, tmpdirs, **extra)
 
 
 def _start_process(handle, spec, limits, persist, modules, server_end):
-    root = tempfile.mkdtemp(prefix="ptrain-sbx-")
+    root = tempfile.mkdtemp(prefix=f"ptrain-sbx-{os.getpid()}-")
     handle.cleanup_paths.append(root)
     handle.cgroup = _new_cgroup(limits, baseline_tasks=1)
     extra = {"remove_on_exit": [root]}
@@ -472,7 +472,7 @@ def _start_docker(spec, limits, persist, modules) -> Handle:
     client = docker.from_env(timeout=60)
     uid, uid_lock = _take_uid()
     uid = 65534 if uid is None else uid
-    chan_dir = tempfile.mkdtemp(prefix="ptrain-sbx-docker-")
+    chan_dir = tempfile.mkdtemp(prefix=f"ptrain-sbx-{os.getpid()}-docker-")
     os.chmod(chan_dir, 0o711)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(os.path.join(chan_dir, "sock"))
@@ -491,7 +491,7 @@ def _start_docker(spec, limits, persist, modules) -> Handle:
             pids_limit=limits.max_processes + 1, read_only=True, user=f"{uid}:{uid}",
             tmpfs={"/work": f"{size},mode=1777", "/tmp": f"{size},mode=1777"},
             shm_size=f"{limits.memory_mb}m", cap_drop=["ALL"],
-            security_opt=["no-new-privileges"], oom_score_adj=-1000, hostname="sandbox",
+            security_opt=["no-new-privileges"], hostname="sandbox",
             working_dir="/work", environment={"PATH": _PATH},
             volumes={chan_dir: {"bind": "/chan", "mode": "rw"}},
             labels={"ptrain-sandbox": str(os.getpid())})
