@@ -20,6 +20,7 @@ instance to change its settings (`Docker(image="my-image:tag")`).
 import dataclasses
 import fcntl
 import functools
+import importlib.util
 import json
 import logging
 import os
@@ -144,12 +145,10 @@ def unavailable_reason(spec) -> str | None:
             return f"bwrap cannot start a sandbox here: {probe.stderr.decode()[-300:]}"
         return None
     if isinstance(spec, Docker):
-        try:
-            import docker
-        except ImportError:
+        if importlib.util.find_spec("docker") is None:
             return "the docker SDK is not installed (pip install 'ptrain[docker]')"
         try:
-            client = docker.from_env(timeout=10)
+            client = docker_client()
             client.ping()
         except Exception as e:  # noqa: BLE001 (any failure to reach the daemon)
             return f"docker daemon not reachable: {e}"
@@ -224,13 +223,8 @@ class Handle:
                 self.proc.kill()
                 self.proc.wait()
         if self.container is not None:
-            try:
-                self.container.wait(timeout=5)
-            except Exception:  # noqa: BLE001 (gone already, or stuck: kill it)
-                try:
-                    self.container.remove(force=True)
-                except Exception:  # noqa: BLE001
-                    pass
+            _remove_container(self.container)
+            self.container = None
         if self.cgroup is not None:
             self.cgroup.remove()
             self.cgroup = None
@@ -253,6 +247,26 @@ class Handle:
             except Exception:  # noqa: BLE001
                 pass
         self.stop()
+
+
+def _remove_container(container) -> None:
+    """Wait for the container to exit (its server was told to), then until docker has
+    removed it (auto_remove runs just after the exit); force it if it does not go."""
+    import docker
+    try:
+        container.wait(timeout=5)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            container.reload()
+            time.sleep(0.01)
+    except docker.errors.NotFound:
+        return
+    except Exception:  # noqa: BLE001 (stuck or the daemon went away: force it below)
+        pass
+    try:
+        container.remove(force=True)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _descendants(pid: int) -> list[int]:
@@ -467,9 +481,15 @@ def _start_bwrap(handle, spec, limits, persist, modules, server_end):
         os.close(passwd_r)
 
 
-def _start_docker(spec, limits, persist, modules) -> Handle:
+@functools.lru_cache(maxsize=1)
+def docker_client():
+    """One docker SDK client per process (it pools its connections to the daemon)."""
     import docker
-    client = docker.from_env(timeout=60)
+    return docker.from_env(timeout=60)
+
+
+def _start_docker(spec, limits, persist, modules) -> Handle:
+    client = docker_client()
     uid, uid_lock = _take_uid()
     uid = 65534 if uid is None else uid
     chan_dir = tempfile.mkdtemp(prefix=f"ptrain-sbx-{os.getpid()}-docker-")
@@ -511,7 +531,8 @@ def _start_docker(spec, limits, persist, modules) -> Handle:
     listener.close()
     handle = Handle("docker", sock)
     handle.container, handle.uid_lock = container, uid_lock
-    handle.cleanup_paths.append(chan_dir)
+    # Connected: the rendezvous dir has done its job; gone now, it cannot outlive a crash.
+    shutil.rmtree(chan_dir, ignore_errors=True)
     try:
         _await_ready(handle)
     except BaseException:

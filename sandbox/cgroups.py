@@ -17,7 +17,6 @@ import time
 _ROOT = "/sys/fs/cgroup"
 _PREFIX = "ptrain-sbx-"
 _counter = itertools.count()
-_swept = False
 
 
 def _own_paths() -> dict[str, str]:
@@ -182,10 +181,6 @@ def _rmdir(path: str) -> None:
 
 def _sweep(parents: dict[str, str]) -> None:
     """Remove worker cgroups whose host process is gone (a crashed caller leaves them)."""
-    global _swept
-    if _swept:
-        return
-    _swept = True
     for parent in parents.values():
         try:
             names = os.listdir(parent)

@@ -351,6 +351,7 @@ def _run_python(code, workdir):
     filename = "main.py"
     sys.argv = [filename]
     sys.path.insert(0, workdir)
+    sys.dont_write_bytecode = True  # no __pycache__ in the work dir (the server runs with -I)
     main = types.ModuleType("__main__")
     main.__file__ = filename
     main.__builtins__ = builtins

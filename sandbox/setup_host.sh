@@ -80,9 +80,11 @@ build_image() {
     return 0
   fi
   say "building $IMAGE from $(wc -w <<<"$pkgs") host packages"
-  local tmp
+  local tmp old
+  old=$(docker image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null)
   tmp=$(mktemp -d)
   mkdir -p "$tmp/etc" "$tmp/work" "$tmp/tmp"
+  chmod 1777 "$tmp/work" "$tmp/tmp"  # docker copies these modes onto the tmpfs mounts
   printf 'root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534::/nonexistent:/bin/false\n' \
     >"$tmp/etc/passwd"
   printf 'root:x:0:\nnogroup:x:65534:\n' >"$tmp/etc/group"
@@ -115,6 +117,7 @@ build_image() {
       >/dev/null \
     && docker tag "$IMAGE-candidate" "$IMAGE" && say "built $IMAGE" || say "could not build $IMAGE"
   docker rmi "$IMAGE-candidate" >/dev/null 2>&1
+  [ -n "$old" ] && docker rmi "$old" >/dev/null 2>&1  # the build this one replaces
   rm -rf "$tmp"
 }
 
