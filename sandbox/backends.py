@@ -20,10 +20,12 @@ instance to change its settings (`Docker(image="my-image:tag")`).
 import dataclasses
 import fcntl
 import functools
+import importlib.util
 import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +46,7 @@ PREIMPORT = (
 _PATH = "/usr/local/bin:/usr/bin:/bin"
 _STARTUP_TIMEOUT_S = 60.0
 # The fork server's own memory counts against a docker container's limit; it gets this much
-# on top of `memory_mb` (measured: ~25 MiB with the pre-imports, see docs/sandbox.md).
+# on top of `memory_mb` (it uses ~25 MiB with the pre-imports, see docs/sandbox.md).
 _SERVER_MEMORY_MB = 48
 _UID_BASE = 500_000  # per-worker uids when the caller is root: 500000 + slot
 _UID_SLOTS = 4096
@@ -137,19 +139,17 @@ def unavailable_reason(spec) -> str | None:
             return "bwrap is not installed (apt-get install bubblewrap)"
         if not os.access(spec.python, os.R_OK | os.X_OK):
             return f"no python at {spec.python} for the sandbox"
-        argv = _bwrap_argv(spec, Limits(), _uid_prefix(_probe_uid()), None, None)
+        argv = _bwrap_argv(spec, Limits(), _uid_prefix(_probe_uid()), None)
         probe = subprocess.run(argv + [spec.python, "-I", "-S", "-c", "pass"],
                                capture_output=True, timeout=30)
         if probe.returncode != 0:
             return f"bwrap cannot start a sandbox here: {probe.stderr.decode()[-300:]}"
         return None
     if isinstance(spec, Docker):
-        try:
-            import docker
-        except ImportError:
+        if importlib.util.find_spec("docker") is None:
             return "the docker SDK is not installed (pip install 'ptrain[docker]')"
         try:
-            client = docker.from_env(timeout=10)
+            client = docker_client()
             client.ping()
         except Exception as e:  # noqa: BLE001 (any failure to reach the daemon)
             return f"docker daemon not reachable: {e}"
@@ -221,16 +221,11 @@ class Handle:
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self._kill_processes()
                 self.proc.wait()
         if self.container is not None:
-            try:
-                self.container.wait(timeout=5)
-            except Exception:  # noqa: BLE001 (gone already, or stuck: kill it)
-                try:
-                    self.container.remove(force=True)
-                except Exception:  # noqa: BLE001
-                    pass
+            _remove_container(self.container)
+            self.container = None
         if self.cgroup is not None:
             self.cgroup.remove()
             self.cgroup = None
@@ -243,16 +238,45 @@ class Handle:
 
     def kill(self) -> None:
         """Stop it now, without asking."""
-        if self.cgroup is not None:
-            self.cgroup.kill_all()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+        if self.proc is not None:
+            self._kill_processes()
         if self.container is not None:
             try:
                 self.container.kill()
             except Exception:  # noqa: BLE001
                 pass
         self.stop()
+
+
+    def _kill_processes(self) -> None:
+        # The server first: under bwrap it is PID 1 of the namespace, and takes every
+        # process of the sandbox with it.
+        for pid in (self.server_pid, self.proc.pid):
+            if pid is not None and self.proc.poll() is None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _remove_container(container) -> None:
+    """Wait for the container to exit (its server was told to), then until docker has
+    removed it (auto_remove runs just after the exit); force it if it does not go."""
+    import docker
+    try:
+        container.wait(timeout=5)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            container.reload()
+            time.sleep(0.01)
+    except docker.errors.NotFound:
+        return
+    except Exception:  # noqa: BLE001 (stuck or the daemon went away: force it below)
+        pass
+    try:
+        container.remove(force=True)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _descendants(pid: int) -> list[int]:
@@ -322,16 +346,16 @@ def _await_ready(handle: Handle) -> None:
 
 
 def _join_cgroup(handle: Handle) -> None:
-    """Move the server (and bwrap's monitor) into the worker's cgroup, and shield them from
-    the OOM killer so that it picks the run. Nothing has forked a run yet, so nothing is
-    left behind."""
+    """Move the server (and bwrap's monitor) into the worker's server cgroup, and shield
+    them from the OOM killer where we may. Nothing has forked a run yet, so nothing is left
+    behind."""
     if handle.proc is None:
         return
     tree = [handle.proc.pid] + _descendants(handle.proc.pid)
     handle.server_pid = tree[-1]
     for pid in tree:
         if handle.cgroup is not None:
-            handle.cgroup.add(pid)
+            handle.cgroup.add_server(pid)
         if os.geteuid() == 0:
             try:
                 with open(f"/proc/{pid}/oom_score_adj", "w") as f:
@@ -340,11 +364,10 @@ def _join_cgroup(handle: Handle) -> None:
                 pass
 
 
-def _new_cgroup(limits: Limits, baseline_tasks: int) -> cgroups.Cgroup | None:
+def _new_cgroup(limits: Limits) -> cgroups.Cgroup | None:
     if cgroups.layout() is None:
         return None
-    # The server's pages were charged before it joined; only the runs' pages count here.
-    return cgroups.Cgroup(limits.memory_mb << 20, limits.max_processes + baseline_tasks)
+    return cgroups.Cgroup(limits.memory_mb << 20, limits.max_processes)
 
 
 def _server_config(limits, persist, modules, channel, workdir, tmpdirs, **extra) -> dict:
@@ -356,12 +379,13 @@ def _server_config(limits, persist, modules, channel, workdir, tmpdirs, **extra)
 
 
 def _start_process(handle, spec, limits, persist, modules, server_end):
-    root = tempfile.mkdtemp(prefix="ptrain-sbx-")
+    root = tempfile.mkdtemp(prefix=f"ptrain-sbx-{os.getpid()}-")
     handle.cleanup_paths.append(root)
-    handle.cgroup = _new_cgroup(limits, baseline_tasks=1)
-    extra = {"remove_on_exit": [root]}
+    handle.cgroup = _new_cgroup(limits)
+    extra = {"remove_on_exit": [root], "oom_adj": True}
     if handle.cgroup is not None:
-        extra.update(cgroup_procs=handle.cgroup.procs_file(), oom_adj=os.geteuid() == 0)
+        extra.update(cgroup_procs=handle.cgroup.procs_file(),
+                     join_cgroup=handle.cgroup.run_join_files())
     else:
         extra.update(address_space_mb=limits.memory_mb,
                      nproc=None if os.geteuid() == 0 else _user_processes() + limits.max_processes)
@@ -413,11 +437,14 @@ def _uid_prefix(uid: int | None) -> list[str]:
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
 
 
-def _bwrap_argv(spec, limits, prefix, passwd_fd, server_fd) -> list[str]:
-    argv = prefix + ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
-                     "--as-pid-1", "--new-session", "--hostname", "sandbox"]
-    if limits.network:
-        argv.append("--share-net")
+def _bwrap_argv(spec, limits, prefix, passwd_fd, join_files=()) -> list[str]:
+    """The bwrap command line; `join_files` (host paths of the run cgroup's procs files) are
+    bound in at /.cgroup/<i>, the only part of cgroupfs a run sees."""
+    argv = prefix + ["bwrap", "--unshare-user", "--unshare-ipc", "--unshare-pid",
+                     "--unshare-uts", "--disable-userns", "--as-pid-1", "--new-session",
+                     "--hostname", "sandbox"]
+    if not limits.network:
+        argv.append("--unshare-net")
     argv += ["--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
@@ -430,6 +457,8 @@ def _bwrap_argv(spec, limits, prefix, passwd_fd, server_fd) -> list[str]:
         argv += ["--ro-bind", path, path]
     if passwd_fd is not None:
         argv += ["--ro-bind-data", str(passwd_fd), "/etc/passwd"]
+    for i, path in enumerate(join_files):
+        argv += ["--bind", path, f"/.cgroup/{i}"]
     size = str(limits.memory_mb << 20)
     argv += ["--proc", "/proc", "--dev", "/dev",
              "--size", size, "--perms", "1777", "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
@@ -449,14 +478,19 @@ def _start_bwrap(handle, spec, limits, persist, modules, server_end):
     os.close(passwd_w)
     # kill(-1) from PID 1 of the namespace reaches every process of a run; the cgroup (or,
     # without one, RLIMIT_NPROC on the worker's own uid) bounds how many there are.
-    handle.cgroup = _new_cgroup(limits, baseline_tasks=2)
-    extra = {"oom_adj": handle.cgroup is not None and os.geteuid() == 0,
-             "sysv_ipc": True, "nproc": limits.max_processes + 2}
+    handle.cgroup = _new_cgroup(limits)
+    extra = {"oom_adj": True, "sysv_ipc": True, "nproc": limits.max_processes + 2}
+    join_files = []
     if handle.cgroup is None:
         extra["address_space_mb"] = limits.memory_mb
+    else:
+        join_files = handle.cgroup.run_join_files()
+        if uid is not None:
+            handle.cgroup.allow_join(uid)
+        extra["join_cgroup"] = [f"/.cgroup/{i}" for i in range(len(join_files))]
     cfg = _server_config(limits, persist, modules, {"fd": server_end.fileno()}, "/work",
                          ["/tmp", "/dev/shm"], **extra)
-    argv = _bwrap_argv(spec, limits, _uid_prefix(uid), passwd_r, server_end.fileno())
+    argv = _bwrap_argv(spec, limits, _uid_prefix(uid), passwd_r, join_files)
     try:
         handle.proc = subprocess.Popen(
             argv + server_argv(spec.python) + [json.dumps(cfg)],
@@ -467,12 +501,18 @@ def _start_bwrap(handle, spec, limits, persist, modules, server_end):
         os.close(passwd_r)
 
 
-def _start_docker(spec, limits, persist, modules) -> Handle:
+@functools.lru_cache(maxsize=1)
+def docker_client():
+    """One docker SDK client per process (it pools its connections to the daemon)."""
     import docker
-    client = docker.from_env(timeout=60)
+    return docker.from_env(timeout=60)
+
+
+def _start_docker(spec, limits, persist, modules) -> Handle:
+    client = docker_client()
     uid, uid_lock = _take_uid()
     uid = 65534 if uid is None else uid
-    chan_dir = tempfile.mkdtemp(prefix="ptrain-sbx-docker-")
+    chan_dir = tempfile.mkdtemp(prefix=f"ptrain-sbx-{os.getpid()}-docker-")
     os.chmod(chan_dir, 0o711)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(os.path.join(chan_dir, "sock"))
@@ -480,18 +520,22 @@ def _start_docker(spec, limits, persist, modules) -> Handle:
     listener.listen(1)
     cfg = _server_config(limits, persist, modules, {"connect": "/chan/sock"}, "/work",
                          ["/tmp", "/dev/shm"], oom_adj=True, sysv_ipc=True)
-    size = f"size={limits.memory_mb}m"
+    # The container's one memory limit also covers the server and the tmpfs mounts, whose
+    # pages outlive a killed run: the mounts share `memory_mb` between them, so that what a
+    # run leaves there never squeezes the server (see docs/sandbox.md).
+    mb = limits.memory_mb
     container = None
     try:
         container = client.containers.run(
             spec.image, server_argv(spec.python) + [json.dumps(cfg)], detach=True,
-            auto_remove=True, network_mode="bridge" if limits.network else "none",
+            auto_remove=True, network_mode="host" if limits.network else "none",
             mem_limit=f"{limits.memory_mb + _SERVER_MEMORY_MB}m",
             memswap_limit=f"{limits.memory_mb + _SERVER_MEMORY_MB}m",
             pids_limit=limits.max_processes + 1, read_only=True, user=f"{uid}:{uid}",
-            tmpfs={"/work": f"{size},mode=1777", "/tmp": f"{size},mode=1777"},
-            shm_size=f"{limits.memory_mb}m", cap_drop=["ALL"],
-            security_opt=["no-new-privileges"], oom_score_adj=-1000, hostname="sandbox",
+            tmpfs={"/work": f"size={mb // 2}m,mode=1777", "/tmp": f"size={mb // 4}m,mode=1777"},
+            shm_size=f"{mb // 4}m", cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            hostname=None if limits.network else "sandbox",
             working_dir="/work", environment={"PATH": _PATH},
             volumes={chan_dir: {"bind": "/chan", "mode": "rw"}},
             labels={"ptrain-sandbox": str(os.getpid())})
@@ -511,7 +555,8 @@ def _start_docker(spec, limits, persist, modules) -> Handle:
     listener.close()
     handle = Handle("docker", sock)
     handle.container, handle.uid_lock = container, uid_lock
-    handle.cleanup_paths.append(chan_dir)
+    # Connected: the rendezvous dir has done its job; gone now, it cannot outlive a crash.
+    shutil.rmtree(chan_dir, ignore_errors=True)
     try:
         _await_ready(handle)
     except BaseException:

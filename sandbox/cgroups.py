@@ -17,7 +17,6 @@ import time
 _ROOT = "/sys/fs/cgroup"
 _PREFIX = "ptrain-sbx-"
 _counter = itertools.count()
-_swept = False
 
 
 def _own_paths() -> dict[str, str]:
@@ -83,7 +82,10 @@ def layout():
 
 
 class Cgroup:
-    """A memory + pids cgroup for one worker."""
+    """The cgroups of one worker: `<name>/server` holds the fork server (no limit of ours),
+    `<name>/run` holds each run (memory and pids limits). Every run child moves itself into
+    `run` before anything else, so the limits cover all it starts, its files on tmpfs too,
+    and the server never competes with a run for memory (an OOM kill always hits the run)."""
 
     def __init__(self, memory_bytes: int, pids_max: int):
         found = layout()
@@ -92,43 +94,66 @@ class Cgroup:
         self.version, parents = found
         _sweep(parents)
         name = f"{_PREFIX}{os.getpid()}-{next(_counter)}"
-        self.dirs = {c: os.path.join(p, name) for c, p in parents.items()}
-        for d in self.dirs.values():
-            os.mkdir(d)
+        self.top = {c: os.path.join(p, name) for c, p in parents.items()}
+        self.made: list[str] = []
         try:
-            self.set_limits(memory_bytes, pids_max)
+            for top in self.top.values():
+                self._mkdir(top)
+                if self.version == "v2":
+                    _write(os.path.join(top, "cgroup.subtree_control"), "+memory +pids")
+                self._mkdir(os.path.join(top, "server"))
+                self._mkdir(os.path.join(top, "run"))
+            self._set_limits(memory_bytes, pids_max)
         except OSError:
             self.remove()
             raise
 
-    def _file(self, controller: str, name: str) -> str:
-        return os.path.join(self.dirs["" if self.version == "v2" else controller], name)
+    def _mkdir(self, path: str) -> None:
+        os.mkdir(path)
+        self.made.append(path)
 
-    def set_limits(self, memory_bytes: int, pids_max: int) -> None:
+    def _file(self, controller: str, part: str, name: str) -> str:
+        return os.path.join(self.top["" if self.version == "v2" else controller], part, name)
+
+    def _set_limits(self, memory_bytes: int, pids_max: int) -> None:
         if self.version == "v1":
-            _write(self._file("memory", "memory.limit_in_bytes"), memory_bytes)
+            _write(self._file("memory", "run", "memory.limit_in_bytes"), memory_bytes)
             try:  # no swapping past the limit, where swap accounting exists
-                _write(self._file("memory", "memory.memsw.limit_in_bytes"), memory_bytes)
+                _write(self._file("memory", "run", "memory.memsw.limit_in_bytes"), memory_bytes)
             except OSError:
                 pass
         else:
-            _write(self._file("memory", "memory.max"), memory_bytes)
+            _write(self._file("memory", "run", "memory.max"), memory_bytes)
             try:
-                _write(self._file("memory", "memory.swap.max"), 0)
+                _write(self._file("memory", "run", "memory.swap.max"), 0)
             except OSError:
                 pass
-        _write(self._file("pids", "pids.max"), pids_max)
+        _write(self._file("pids", "run", "pids.max"), pids_max)
 
-    def add(self, pid: int) -> None:
-        """Move `pid` (one process, all its threads) into this cgroup."""
-        for d in self.dirs.values():
-            _write(os.path.join(d, "cgroup.procs"), pid)
+    def add_server(self, pid: int) -> None:
+        """Move `pid` (one process, all its threads) into the server's cgroup."""
+        for top in self.top.values():
+            _write(os.path.join(top, "server", "cgroup.procs"), pid)
+
+    def run_join_files(self) -> list[str]:
+        """The files a run child writes "0" to, to move itself into the run cgroup."""
+        return [os.path.join(top, "run", "cgroup.procs") for top in self.top.values()]
+
+    def allow_join(self, uid: int) -> None:
+        """Let `uid` (a sandbox's own uid) move its processes into the run cgroup: v1 needs
+        write access to the destination, v2 also to the common ancestor."""
+        for path in self.run_join_files():
+            os.chown(path, uid, -1)
+        if self.version == "v2":
+            for top in self.top.values():
+                os.chown(os.path.join(top, "cgroup.procs"), uid, -1)
 
     def procs_file(self) -> str:
-        """The file that lists the processes in the cgroup (for the fork server)."""
-        return self._file("pids", "cgroup.procs")
+        """The file that lists the run's processes."""
+        return self._file("pids", "run", "cgroup.procs")
 
     def pids(self) -> list[int]:
+        """Processes of the run (there are none between runs)."""
         try:
             with open(self.procs_file()) as f:
                 return [int(p) for p in f.read().split()]
@@ -136,10 +161,10 @@ class Cgroup:
             return []
 
     def oom_kills(self) -> int:
-        """How many processes the OOM killer has killed in this cgroup so far."""
+        """How many processes the OOM killer has killed in the run cgroup so far."""
         name = "memory.oom_control" if self.version == "v1" else "memory.events"
         try:
-            with open(self._file("memory", name)) as f:
+            with open(self._file("memory", "run", name)) as f:
                 for line in f:
                     key, _, value = line.partition(" ")
                     if key == "oom_kill":
@@ -148,25 +173,30 @@ class Cgroup:
             pass
         return 0
 
-    def kill_all(self, timeout_s: float = 5.0) -> bool:
-        """SIGKILL everything in the cgroup until it is empty; False if it did not empty."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            pids = self.pids()
-            if not pids:
-                return True
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.001)
-        return not self.pids()
-
     def remove(self) -> None:
-        self.kill_all()
-        for d in self.dirs.values():
-            _rmdir(d)
+        """Kill whatever is left in any of the cgroups, then remove them."""
+        for path in reversed(self.made):
+            _kill_all(path)
+            _rmdir(path)
+        self.made = []
+
+
+def _kill_all(path: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                pids = [int(p) for p in f.read().split()]
+        except OSError:
+            return
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.001)
 
 
 def _rmdir(path: str) -> None:
@@ -182,10 +212,6 @@ def _rmdir(path: str) -> None:
 
 def _sweep(parents: dict[str, str]) -> None:
     """Remove worker cgroups whose host process is gone (a crashed caller leaves them)."""
-    global _swept
-    if _swept:
-        return
-    _swept = True
     for parent in parents.values():
         try:
             names = os.listdir(parent)
@@ -200,10 +226,6 @@ def _sweep(parents: dict[str, str]) -> None:
                 continue
             if host_pid != os.getpid() and not os.path.exists(f"/proc/{host_pid}"):
                 path = os.path.join(parent, name)
-                try:
-                    with open(os.path.join(path, "cgroup.procs")) as f:
-                        for pid in f.read().split():
-                            os.kill(int(pid), signal.SIGKILL)
-                except OSError:
-                    pass
-                _rmdir(path)
+                for sub in ("run", "server", ""):
+                    _kill_all(os.path.join(path, sub))
+                    _rmdir(os.path.join(path, sub))

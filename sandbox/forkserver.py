@@ -223,37 +223,39 @@ def read_files(root, max_bytes):
 
 
 def wipe(path):
-    """Remove everything inside `path`, also what a program made hard to remove."""
-    try:
-        entries = os.listdir(path)
-    except OSError:
-        return
-    for name in entries:
-        full = os.path.join(path, name)
+    """Remove everything inside `path`, also what a run made hard to remove (dirs without
+    permissions, deep trees); True if `path` is empty afterwards. Iterative: a tree can be
+    deeper than the recursion limit."""
+    dirs, stack = [], [path]
+    while stack:
+        d = stack.pop()
+        if d != path:
+            dirs.append(d)
+            try:
+                os.chmod(d, 0o700)
+            except OSError:
+                pass
         try:
-            if os.path.isdir(full) and not os.path.islink(full):
-                shutil.rmtree(full, onerror=_force_remove)
-            else:
-                os.unlink(full)
+            with os.scandir(d) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    else:
+                        try:
+                            os.unlink(entry.path)
+                        except OSError:
+                            pass
         except OSError:
             pass
-
-
-def _force_remove(func, path, exc_info):
-    """rmtree's error hook: make the parent (and the dir itself) writable and retry."""
-    for p in (os.path.dirname(path), path):
+    for d in reversed(dirs):
         try:
-            if os.path.isdir(p) and not os.path.islink(p):
-                os.chmod(p, 0o700)
+            os.rmdir(d)
         except OSError:
             pass
     try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            os.unlink(path)
+        return not os.listdir(path)
     except OSError:
-        pass
+        return False
 
 
 def remove_sysv_ipc():
@@ -291,6 +293,9 @@ def _child(cfg, req, workdir, stdin_fd, out_w, err_w):
         for fd, target in ((stdin_fd, 0), (out_w, 1), (err_w, 2)):
             os.dup2(fd, target)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        for path in cfg.get("join_cgroup", ()):  # first: all the run starts is limited
+            with open(path, "w") as f:
+                f.write("0")
         if cfg.get("oom_adj"):
             try:
                 with open("/proc/self/oom_score_adj", "w") as f:
@@ -351,6 +356,7 @@ def _run_python(code, workdir):
     filename = "main.py"
     sys.argv = [filename]
     sys.path.insert(0, workdir)
+    sys.dont_write_bytecode = True  # no __pycache__ in the work dir (the server runs with -I)
     main = types.ModuleType("__main__")
     main.__file__ = filename
     main.__builtins__ = builtins
@@ -553,12 +559,19 @@ def run_one(cfg, req, chan, killer):
     return result, host_gone
 
 
-def reset(cfg):
-    """Back to a clean state after a run: scratch dirs emptied, SysV IPC objects removed."""
+def reset(cfg, modes):
+    """Back to a clean state after a run: scratch dirs emptied (and their modes restored, a
+    run may have chmod-ed them), SysV IPC objects removed. False if that failed."""
+    clean = True
     for path in cfg["wipe"]:
-        wipe(path)
+        try:
+            os.chmod(path, modes[path])
+        except OSError:
+            pass
+        clean = wipe(path) and clean
     if cfg.get("sysv_ipc"):
         remove_sysv_ipc()
+    return clean
 
 
 # ---------------------------------------------------------------------------------------------
@@ -584,6 +597,7 @@ def serve(cfg):
     killer = Killer(cfg)
     for path in [cfg["workdir"]] + list(cfg["wipe"]):
         os.makedirs(path, exist_ok=True)
+    modes = {path: stat.S_IMODE(os.stat(path).st_mode) for path in cfg["wipe"]}
     gc.collect()
     if hasattr(gc, "freeze"):
         gc.freeze()  # keep the children's copy-on-write pages shared
@@ -598,9 +612,10 @@ def serve(cfg):
         op = msg.get("op")
         if op == "run":
             result, host_gone = run_one(cfg, msg["request"], chan, killer)
-            reset(cfg)
             if host_gone:
                 break
+            if not reset(cfg, modes):
+                result["clean"] = False  # the host replaces this worker
         elif op == "put":
             try:
                 write_files(cfg["workdir"], msg["files"])
