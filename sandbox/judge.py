@@ -222,7 +222,9 @@ def _execute(mode, code, payload, timeout_s, memory_mb, backend, run):
                  stdin=build_stdin(mode, code, payload, key),
                  timeout_s=float(timeout_s) + _SLACK_S, memory_mb=memory_mb, backend=backend)
     report = parse_report(_as_bytes(result.stdout), key)
-    if not isinstance(report, str) and report.get("error"):
+    if isinstance(report, str) and result.stderr:
+        report += f" (its stderr ends: {_as_bytes(result.stderr)[-300:].decode(errors='replace')})"
+    elif not isinstance(report, str) and report.get("error"):
         report = "the judge harness failed: " + str(report["error"])
     return report, result
 

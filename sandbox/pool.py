@@ -225,7 +225,8 @@ class Pool(concurrent.futures.Executor):
                     error = f"its sandbox failed: {value}"
             except _WorkerDied as e:
                 error = f"its worker died: {e}"
-                worker.kill()
+                if worker is not None:
+                    worker.kill()
                 worker = None
                 with self._cond:
                     self._stats["worker_deaths"] += 1
