@@ -41,6 +41,7 @@ def _payload(name: str):
 HARNESS_CODE = f"""import sys
 _JUDGE_MARSHAL = sys.implementation.cache_tag == {sys.implementation.cache_tag!r}
 _JUDGE_PAYLOAD = {{"judge_harness": {_payload("judge_harness")!r},
+                  "judge_rpc": {_payload("judge_rpc")!r},
                   "judge_pytest": {_payload("judge_pytest")!r}}}
 import binascii, zlib
 _code = _JUDGE_PAYLOAD["judge_harness"]

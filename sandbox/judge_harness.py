@@ -38,60 +38,36 @@ import struct
 import sys
 import time
 
-SOLUTION_FILE = "solution.py"
 TESTS_FILE = "tests.py"
 REPORT_PREFIX = b"JUDGE-REPORT "
 KEY_BYTES = 32
-MAX_MESSAGE_BYTES = 32 << 20  # one RPC message; a larger one is a protocol violation
-MAX_TEXT = 2000  # chars kept of a message, traceback or output excerpt in the report
-MAX_DEPTH = 200  # nesting depth of plain data; deeper values travel as references
-BATCH = 64  # items fetched per round trip when T iterates over a solution's iterator
-_SOURCES = {}  # file name -> source lines, for tracebacks
 
 
-# ----------------------------------------------------------------------------------------------
-# JSON without the json module (which imports re, enum, ...: milliseconds per solution process)
-# ----------------------------------------------------------------------------------------------
-
-def _json_codec():
-    def no_default(obj):
-        raise TypeError(f"{type(obj).__name__} is not JSON-serialisable")
-    try:
-        import _json
-
-        class Context:
-            strict, object_hook, object_pairs_hook = True, None, None
-            parse_float, parse_int = float, int
-            parse_constant = {"NaN": float("nan"), "Infinity": float("inf"),
-                              "-Infinity": float("-inf")}.__getitem__
-            memo = {}
-
-        scan = _json.make_scanner(Context())
-        encode = _json.make_encoder(None, no_default, _json.encode_basestring_ascii, None,
-                                    ":", ",", False, False, True)
-
-        def dumps(obj):
-            return "".join(encode(obj, 0))
-
-        def loads(text):
-            try:
-                obj, end = scan(text, 0)
-            except StopIteration:
-                raise ValueError("no JSON value") from None
-            if end != len(text):
-                raise ValueError("extra data after the JSON value")
-            return obj
-
-        sample = [1, -2.5, "é\udc80", None, True, {"#": [float("inf")]}]
-        if repr(loads(dumps(sample))) == repr(sample):
-            return dumps, loads
-    except Exception:  # noqa: BLE001 - another interpreter's _json: use the module
-        pass
-    import json
-    return (lambda obj: json.dumps(obj, separators=(",", ":"), default=no_default)), json.loads
+def _load_module(name):
+    """Another module of the judge: from the payload the run was given (the bootstrap's
+    globals, see sandbox/judge.py), else from beside this file (on the host)."""
+    payload = globals().get("_JUDGE_PAYLOAD", {}).get(name)
+    module = type(sys)(name)
+    if payload is None:
+        module.__file__ = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
+        with open(module.__file__) as f:
+            code = compile(f.read(), module.__file__, "exec")
+    elif globals().get("_JUDGE_MARSHAL"):
+        import zlib
+        code = marshal.loads(zlib.decompress(binascii.a2b_base64(payload[0])))
+    else:
+        import zlib
+        code = compile(zlib.decompress(binascii.a2b_base64(payload[1])), name + ".py", "exec")
+    exec(code, module.__dict__)
+    return module
 
 
-_dumps, _loads = _json_codec()
+rpc = _load_module("judge_rpc")
+
+
+class _Timeout(BaseException):
+    """Raised by SIGALRM in T when a test exceeds its time; BaseException so that a test's
+    `except Exception` does not swallow it."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,456 +178,6 @@ def _compile_stmts(stmts, lines):
 
 
 # ----------------------------------------------------------------------------------------------
-# Plain data <-> JSON, and references to objects on the other side
-# ----------------------------------------------------------------------------------------------
-
-class ProtocolError(Exception):
-    """The other side sent something that is not a valid message."""
-
-
-class _ChildGone(Exception):
-    """The solution process ended (crashed, exited, was killed) while T waited on it."""
-
-
-class _Timeout(BaseException):
-    """Raised by SIGALRM in T when a test exceeds its time; BaseException so that a test's
-    `except Exception` does not swallow it."""
-
-
-def _short(text, limit=MAX_TEXT):
-    text = str(text)
-    return text if len(text) <= limit else text[:limit // 2] + " ... " + text[-limit // 2:]
-
-
-class _Remote:
-    """A reference to an object that lives on the other side of an endpoint.
-
-    Calls, attribute access and operators travel as requests; results come back as plain data
-    or as new references. Equality or ordering against anything but a reference from the same
-    endpoint is NotImplemented, so a reference never equals plain data (an object whose
-    `__eq__` is always True cannot pass `== expected`)."""
-
-    __slots__ = ("_judge_ep", "_judge_id", "_judge_gen")
-
-    def __init__(self, ep, ref_id):
-        object.__setattr__(self, "_judge_ep", ep)
-        object.__setattr__(self, "_judge_id", ref_id)
-        object.__setattr__(self, "_judge_gen", ep.generation)
-
-    def _judge_op(self, op, *args):
-        return self._judge_ep.request({"op": op, "ref": self._judge_id}, self, args)
-
-    def _same_side(self, other):
-        return type(other) is _Remote and other._judge_ep is self._judge_ep
-
-    def __getattr__(self, name):
-        if name.startswith("_judge"):
-            raise AttributeError(name)
-        return self._judge_op("getattr", name)
-
-    def __setattr__(self, name, value):
-        self._judge_op("setattr", name, value)
-
-    def __delattr__(self, name):
-        self._judge_op("delattr", name)
-
-    def __call__(self, *args, **kwargs):
-        return self._judge_ep.request({"op": "call", "ref": self._judge_id}, self, args, kwargs)
-
-    def __repr__(self):
-        try:
-            return self._judge_op("repr")
-        except BaseException:  # noqa: B036 - repr is for messages; never fail a report on it
-            return "<object of the solution>"
-
-    def __iter__(self):
-        it = self._judge_op("iter")
-        while True:
-            items, done = it._judge_op("next_batch", BATCH)
-            yield from items
-            if done:
-                return
-
-    def __instancecheck__(self, obj):
-        return self._same_side(obj) and self._judge_op("isinstance", obj)
-
-    def __subclasscheck__(self, cls):
-        return self._same_side(cls) and self._judge_op("issubclass", cls)
-
-
-def _forward(name, arity, compare=False):
-    if compare:
-        def method(self, other):
-            return self._judge_op(name, other) if self._same_side(other) else NotImplemented
-    elif arity == 1:
-        def method(self):
-            return self._judge_op(name)
-    else:
-        def method(self, *args):
-            return self._judge_op(name, *args)
-    method.__name__ = f"__{name}__"
-    return method
-
-
-_BINARY = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
-           "xor", "lshift", "rshift")
-for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
-    setattr(_Remote, f"__{_name}__", _forward(_name, 2, compare=True))
-for _name in ("hash", "bool", "len", "str", "int", "float", "index", "next", "neg", "pos",
-              "abs", "invert"):
-    setattr(_Remote, f"__{_name}__", _forward(_name, 1))
-for _name in ("format", "contains", "getitem", "setitem", "delitem") + _BINARY + tuple(
-        "r" + b for b in _BINARY):
-    setattr(_Remote, f"__{_name}__", _forward(_name, 2))
-
-# The operations one side may ask of an object the other side holds a reference to.
-_OPS = {
-    "getattr": getattr, "setattr": setattr, "delattr": delattr,
-    "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
-    "gt": operator.gt, "ge": operator.ge, "hash": hash, "bool": bool, "len": len,
-    "repr": repr, "str": str, "format": format, "int": int, "float": float,
-    "index": operator.index, "contains": operator.contains, "getitem": operator.getitem,
-    "setitem": operator.setitem, "delitem": operator.delitem, "iter": iter, "next": next,
-    "isinstance": lambda cls, obj: isinstance(obj, cls),
-    "issubclass": lambda cls, sub: issubclass(sub, cls),
-    "neg": operator.neg, "pos": operator.pos, "abs": abs, "invert": operator.invert,
-}
-for _name in _BINARY:
-    _fn = getattr(operator, _name + "_" if _name in ("and", "or") else _name)
-    _OPS[_name] = _fn
-    _OPS["r" + _name] = (lambda f: lambda a, b: f(b, a))(_fn)
-
-
-def _next_batch(it, n):
-    items = []
-    for _ in range(n):
-        try:
-            items.append(next(it))
-        except StopIteration:
-            return items, True
-    return items, False
-
-
-_OPS["next_batch"] = _next_batch
-_MUTABLE = (list, dict, set, bytearray)
-# T lets the solution only call, iterate and compare what T hands it (callbacks): attribute
-# access would reach `__globals__` and `__code__`, and from there anything in T.
-_CALLBACK_OPS = frozenset(
-    {"call", "iter", "next", "next_batch", "len", "bool", "hash", "eq", "ne", "lt", "le", "gt",
-     "ge", "contains", "getitem", "repr", "str", "format", "int", "float", "index"})
-
-
-class Endpoint:
-    """One side of the T <-> C channel: length-prefixed JSON over a stream socket.
-
-    `request` sends one request and serves the other side's nested requests (callbacks) until
-    its reply arrives. Objects that are not plain data are kept in `objects` and sent as
-    references."""
-
-    def __init__(self, sock, generation=0, on_wait=None, allowed_ops=None, before_send=None):
-        self.sock = sock
-        self.generation = generation
-        self.on_wait = on_wait  # T: waits for the socket, draining the solution's output
-        self.allowed_ops = allowed_ops
-        self.before_send = before_send  # C: flushes the solution's prints before each reply
-        self.objects = {}
-        self.next_id = 0
-        self.next_msg = 0
-
-    # -- values ----------------------------------------------------------------------------
-    def encode(self, v, depth=0):
-        t = type(v)
-        if v is None or t is bool or t is int or t is float or t is str:
-            return v
-        if depth > MAX_DEPTH:
-            return self._ref(v)
-        d = depth + 1
-        if t is list:
-            return [self.encode(x, d) for x in v]
-        if t is tuple:
-            return {"#": "tuple", "v": [self.encode(x, d) for x in v]}
-        if t is dict:
-            return {"#": "dict", "v": [[self.encode(k, d), self.encode(x, d)]
-                                       for k, x in v.items()]}
-        if t is set or t is frozenset:
-            return {"#": t.__name__, "v": [self.encode(x, d) for x in v]}
-        if t is bytes or t is bytearray:
-            return {"#": t.__name__, "v": binascii.b2a_base64(v, newline=False).decode()}
-        if t is complex:
-            return {"#": "complex", "v": [v.real, v.imag]}
-        if t is range:
-            return {"#": "range", "v": [v.start, v.stop, v.step]}
-        if t is _Remote and v._judge_ep is self:
-            if v._judge_gen != self.generation:
-                raise RuntimeError("an object from before the solution was restarted was used")
-            return {"#": "back", "id": v._judge_id}
-        known = _encode_known(self, v, d)
-        return known if known is not None else self._ref(v)
-
-    def _ref(self, v):
-        self.next_id += 1
-        self.objects[self.next_id] = v
-        return {"#": "ref", "id": self.next_id}
-
-    def decode(self, x):
-        t = type(x)
-        if t is list:
-            return [self.decode(e) for e in x]
-        if t is not dict:
-            return x
-        tag, v = x.get("#"), x.get("v")
-        if tag == "tuple":
-            return tuple(self.decode(e) for e in v)
-        if tag == "dict":
-            return {self.decode(k): self.decode(e) for k, e in v}
-        if tag == "set":
-            return {self.decode(e) for e in v}
-        if tag == "frozenset":
-            return frozenset(self.decode(e) for e in v)
-        if tag in ("bytes", "bytearray"):
-            data = binascii.a2b_base64(v)
-            return data if tag == "bytes" else bytearray(data)
-        if tag == "complex":
-            return complex(float(v[0]), float(v[1]))
-        if tag == "range":
-            return range(int(v[0]), int(v[1]), int(v[2]))
-        if tag == "ref":
-            return _Remote(self, int(x["id"]))
-        if tag == "back":
-            try:
-                return self.objects[int(x["id"])]
-            except KeyError:
-                raise ProtocolError(f"unknown reference {x['id']!r}") from None
-        return _decode_known(self, tag, x)
-
-    # -- messages --------------------------------------------------------------------------
-    def send(self, msg):
-        if self.before_send is not None:
-            self.before_send()
-        data = _dumps(msg).encode()
-        if len(data) > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"message of {len(data)} bytes is over the limit")
-        self.sock.sendall(struct.pack("<I", len(data)) + data)
-
-    def _recv_exact(self, n):
-        chunks = []
-        while n:
-            if self.on_wait is not None:
-                self.on_wait(self.sock)
-            chunk = self.sock.recv(min(n, 1 << 20))
-            if not chunk:
-                raise _ChildGone()
-            chunks.append(chunk)
-            n -= len(chunk)
-        return b"".join(chunks)
-
-    def recv(self):
-        (n,) = struct.unpack("<I", self._recv_exact(4))
-        if n > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"message of {n} bytes is over the limit")
-        try:
-            msg = _loads(self._recv_exact(n).decode())
-        except (ValueError, RecursionError) as e:
-            raise ProtocolError(f"message is not valid JSON: {e}") from None
-        if type(msg) is not dict:
-            raise ProtocolError("message is not an object")
-        return msg
-
-    def request(self, head, target, args=(), kwargs=None):
-        if target is not None and target._judge_gen != self.generation:
-            raise RuntimeError("an object from before the solution was restarted was used")
-        self.next_msg += 1
-        msg_id = self.next_msg
-        self.send({**head, "id": msg_id, "args": [self.encode(a) for a in args],
-                   "kwargs": {k: self.encode(v) for k, v in (kwargs or {}).items()}})
-        while True:
-            msg = self.recv()
-            if "op" in msg:
-                self.serve(msg)
-                continue
-            if msg.get("re") != msg_id:
-                raise ProtocolError("reply to an unknown request")
-            try:
-                for i, new in msg.get("sync", ()):
-                    _sync(args[i] if type(i) is int else kwargs[i], self.decode(new))
-            except (TypeError, ValueError, KeyError, IndexError) as e:
-                raise ProtocolError(f"bad argument update: {e}") from None
-            if "exc" in msg:
-                raise _remote_exception(msg["exc"])
-            return self.decode(msg.get("ok"))
-
-    def serve(self, msg):
-        """Executes one request from the other side and sends the reply, with the new value
-        of each list/dict/set argument the call changed in place."""
-        args, kwargs = [], {}
-        try:
-            op = msg["op"]
-            if self.allowed_ops is not None and op not in self.allowed_ops:
-                raise PermissionError(f"operation {op!r} is not allowed on the judge's objects")
-            target = self.objects[msg["ref"]]
-            args = [self.decode(a) for a in msg["args"]]
-            kwargs = {str(k): self.decode(v) for k, v in msg["kwargs"].items()}
-            value = target(*args, **kwargs) if op == "call" else _OPS[op](target, *args)
-            reply = {"re": msg["id"], "ok": self.encode(value)}
-        except BaseException as e:  # noqa: B036 - everything the other side did is data
-            reply = {"re": msg.get("id"), "exc": _describe_exception(e)}
-        sync = []
-        for i, a in list(enumerate(args)) + list(kwargs.items()):
-            if type(a) in _MUTABLE:
-                now = self.encode(a)
-                if now != (msg["args"][i] if type(i) is int else msg["kwargs"][i]):
-                    sync.append([i, now])
-        if sync:
-            reply["sync"] = sync
-        try:
-            self.send(reply)
-        except (ValueError, TypeError, RecursionError, ProtocolError) as e:
-            self.send({"re": msg.get("id"), "exc": _describe_exception(e)})
-
-
-def _sync(obj, new):
-    """Applies the other side's in-place change of an argument (`xs.sort()` in a solution)."""
-    if type(obj) is not type(new):
-        raise TypeError(f"{type(obj).__name__} became {type(new).__name__}")
-    if type(obj) in (list, bytearray):
-        obj[:] = new
-    elif type(obj) in (dict, set):
-        obj.clear()
-        obj.update(new)
-
-
-_NAMEDTUPLES = {}
-_COLLECTIONS = ("OrderedDict", "Counter", "defaultdict", "deque")
-
-
-def _encode_known(ep, v, d):
-    """Standard-library and numpy values that are data, not behaviour."""
-    t = type(v)
-    if isinstance(v, tuple) and hasattr(t, "_fields") and all(type(f) is str for f in t._fields):
-        return {"#": "namedtuple", "name": t.__name__, "fields": list(t._fields),
-                "v": [ep.encode(x, d) for x in v]}
-    mod, name = t.__module__, t.__name__
-    if mod == "collections" and name in _COLLECTIONS:
-        if name == "deque":
-            return {"#": "deque", "v": [ep.encode(x, d) for x in v]}
-        return {"#": name, "v": [[ep.encode(k, d), ep.encode(x, d)] for k, x in v.items()]}
-    if mod in ("decimal", "fractions") and name in ("Decimal", "Fraction"):
-        return {"#": name, "v": str(v)}
-    if mod == "numpy" and hasattr(v, "tolist"):
-        if getattr(v, "ndim", None) == 0 or name != "ndarray":
-            return ep.encode(v.item(), d)
-        return {"#": "ndarray", "dtype": str(v.dtype), "v": ep.encode(v.tolist(), d)}
-    return None
-
-
-def _decode_known(ep, tag, x):
-    import collections
-    v = x.get("v")
-    if tag == "namedtuple":
-        key = (str(x["name"]), tuple(str(f) for f in x["fields"]))
-        if key not in _NAMEDTUPLES:
-            if len(_NAMEDTUPLES) > 1000:
-                raise ProtocolError("too many namedtuple types")
-            _NAMEDTUPLES[key] = collections.namedtuple(key[0], key[1], rename=True)
-        return _NAMEDTUPLES[key](*[ep.decode(e) for e in v])
-    if tag in _COLLECTIONS:
-        if tag == "deque":
-            return collections.deque(ep.decode(e) for e in v)
-        items = {ep.decode(k): ep.decode(e) for k, e in v}
-        return collections.defaultdict(None, items) if tag == "defaultdict" else getattr(
-            collections, tag)(items)
-    if tag in ("Decimal", "Fraction"):
-        import decimal
-        import fractions
-        return (decimal.Decimal if tag == "Decimal" else fractions.Fraction)(str(v))
-    if tag == "ndarray":
-        import numpy
-        return numpy.array(ep.decode(v), dtype=str(x["dtype"]))
-    raise ProtocolError(f"unknown value tag {tag!r}")
-
-
-# ----------------------------------------------------------------------------------------------
-# Exceptions and tracebacks
-# ----------------------------------------------------------------------------------------------
-
-def _exception_line(e):
-    """`ValueError: message`, as Python prints it (SyntaxError with its caret)."""
-    t = type(e)
-    name = t.__qualname__ if t.__module__ in ("builtins", "__main__", "solution") else (
-        f"{t.__module__}.{t.__qualname__}")
-    if isinstance(e, SyntaxError) and e.lineno:
-        text = (e.text or "").rstrip("\n")
-        code = text.lstrip()
-        caret = " " * max((e.offset or 1) - 1 - (len(text) - len(code)), 0) + "^"
-        return (f'  File "{e.filename}", line {e.lineno}\n    {code}\n    {caret}\n'
-                f"{name}: {e.msg}\n")
-    try:
-        message = str(e)
-    except BaseException:  # noqa: B036 - a broken __str__ is the solution's problem
-        message = "<unprintable>"
-    return f"{name}: {message}\n" if message else f"{name}\n"
-
-
-def _frames(e, filename):
-    """The traceback lines of `e` in `filename` (others are the judge's, or libraries')."""
-    out, tb, src = [], e.__traceback__, _SOURCES.get(filename, ())
-    while tb is not None:
-        code, n = tb.tb_frame.f_code, tb.tb_lineno
-        if code.co_filename == filename and n is not None:
-            out.append(f'  File "{filename}", line {n}, in {code.co_name}\n')
-            if 0 < n <= len(src) and src[n - 1].strip():
-                out.append(f"    {src[n - 1].strip()}\n")
-        tb = tb.tb_next
-    return out
-
-
-def _user_traceback(e, filename):
-    frames = _frames(e, filename)
-    head = "Traceback (most recent call last):\n" if frames else ""
-    return head + "".join(frames) + _exception_line(e)
-
-
-def _describe_exception(e):
-    message = _exception_line(e).rstrip("\n")
-    name = type(e).__qualname__
-    message = message[len(name) + 2:] if message.startswith(name + ": ") else message
-    return {"types": [c.__name__ for c in type(e).__mro__][:20], "message": _short(message),
-            "traceback": _short(_user_traceback(e, SOLUTION_FILE), 4 * MAX_TEXT)}
-
-
-class RemoteError(Exception):
-    """Mixed into exceptions raised by the solution; carries its trimmed traceback."""
-
-    remote_traceback = ""
-
-
-_REMOTE_CLASSES = {}
-
-
-def _remote_exception(info):
-    """A T-side exception of a matching builtin type (so `pytest.raises(ValueError)` and
-    `except KeyError` in tests work). BaseException-only types (SystemExit) become plain
-    errors: a solution must never stop the judge."""
-    names = [str(n) for n in info.get("types", [])] or ["Exception"]
-    message = str(info.get("message", ""))
-    bases = [getattr(builtins, n, None) for n in names]
-    bases = [b for b in bases if isinstance(b, type) and issubclass(b, Exception)] + [Exception]
-    for base in bases:
-        key = (names[0], base)
-        try:
-            if key not in _REMOTE_CLASSES:
-                mro = (base, RemoteError) if base is not Exception else (RemoteError,)
-                # __module__ "builtins": messages read "ValueError: ...", as Python prints.
-                _REMOTE_CLASSES[key] = type(names[0], mro, {"__module__": "builtins"})
-            exc = _REMOTE_CLASSES[key](message)
-        except Exception:  # noqa: BLE001 - a base with another constructor: try the next
-            continue
-        exc.remote_traceback = str(info.get("traceback", ""))
-        return exc
-    raise ProtocolError("unusable exception description")
-
-
-# ----------------------------------------------------------------------------------------------
 # C: the solution process
 # ----------------------------------------------------------------------------------------------
 
@@ -693,8 +219,8 @@ def _child_main(mode, fds, code_obj, syntax_error, source):
                                       errors="surrogateescape")
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
                                       errors="backslashreplace", line_buffering=True)
-        sys.argv = [SOLUTION_FILE]
-        _SOURCES[SOLUTION_FILE] = source.splitlines()
+        sys.argv = [rpc.SOLUTION_FILE]
+        rpc.SOURCES[rpc.SOLUTION_FILE] = source.splitlines()
         if mode == "stdio":
             status = _child_stdio(code_obj, syntax_error)
         else:
@@ -708,33 +234,33 @@ def _child_main(mode, fds, code_obj, syntax_error, source):
 
 def _child_stdio(code_obj, syntax_error):
     if syntax_error is not None:
-        sys.stderr.write(_exception_line(syntax_error))
+        sys.stderr.write(rpc.exception_line(syntax_error))
         return 1
     try:
         exec(code_obj, {"__name__": "__main__", "__builtins__": builtins,
-                        "__file__": SOLUTION_FILE})
+                        "__file__": rpc.SOLUTION_FILE})
     except SystemExit as e:
         if e.code is None or type(e.code) is int:
             return e.code or 0
         sys.stderr.write(f"{e.code}\n")
         return 1
     except BaseException as e:  # noqa: B036 - reported like Python would, trimmed
-        sys.stderr.write(_user_traceback(e, SOLUTION_FILE))
+        sys.stderr.write(rpc.user_traceback(e, rpc.SOLUTION_FILE))
         return 1
     return 0
 
 
 def _child_unit(sock, code_obj, syntax_error):
-    ep = Endpoint(sock, before_send=_flush_quietly)
+    ep = rpc.Endpoint(sock, before_send=_flush_quietly)
     module = type(sys)("solution")
-    module.__file__ = SOLUTION_FILE
+    module.__file__ = rpc.SOLUTION_FILE
     sys.modules["solution"] = module
     try:
         if syntax_error is not None:
             raise syntax_error
         exec(code_obj, module.__dict__)
     except BaseException as e:  # noqa: B036 - a broken solution is a verdict, not a crash
-        ep.send({"import_error": _describe_exception(e)})
+        ep.send({"import_error": rpc.describe_exception(e)})
         return 0
     names = {}
     for name, value in list(module.__dict__.items()):
@@ -748,7 +274,7 @@ def _child_unit(sock, code_obj, syntax_error):
     while True:
         try:
             msg = ep.recv()
-        except _ChildGone:
+        except rpc.ChildGone:
             return 0
         ep.serve(msg)
 
@@ -778,7 +304,7 @@ def _zygote_main(ctl, mode, source, first_fds):
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     code_obj, syntax_error = None, None
     try:
-        code_obj = compile(source, SOLUTION_FILE, "exec")
+        code_obj = compile(source, rpc.SOLUTION_FILE, "exec")
     except (SyntaxError, ValueError) as e:
         syntax_error = e if isinstance(e, SyntaxError) else SyntaxError(str(e))
     while True:
@@ -813,12 +339,13 @@ def _zygote_main(ctl, mode, source, first_fds):
 
 _ZYGOTE_BOOT = """import sys, marshal, zlib, binascii
 boot = marshal.loads(open(0, "rb", closefd=False).read())
+compiled, source = boot["payload"]["judge_harness"]
 if boot["marshal"]:
-    code = marshal.loads(zlib.decompress(binascii.a2b_base64(boot["compiled"])))
+    code = marshal.loads(zlib.decompress(binascii.a2b_base64(compiled)))
 else:
-    code = compile(zlib.decompress(binascii.a2b_base64(boot["source"])), "judge_harness.py",
-                   "exec")
-ns = {"__name__": "judge_zygote"}
+    code = compile(zlib.decompress(binascii.a2b_base64(source)), "judge_harness.py", "exec")
+ns = {"__name__": "judge_zygote", "_JUDGE_PAYLOAD": boot["payload"],
+      "_JUDGE_MARSHAL": boot["marshal"]}
 exec(code, ns)
 ns["zygote_entry"](boot)
 """
@@ -850,8 +377,9 @@ def _start_zygote(setup, first_fds):
     """(pid, T's control socket) of Z: a fresh interpreter if this run's memory may hold
     secrets (see the module docstring), else a fork made before T reads any secret."""
     t_ctl, z_ctl = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
-    payload = globals().get("_JUDGE_PAYLOAD", {}).get("judge_harness")
-    if os.environ.get("SANDBOX_CLEAN_FORK") == "1" or payload is None or not sys.executable:
+    payload = globals().get("_JUDGE_PAYLOAD", {})
+    if (os.environ.get("SANDBOX_CLEAN_FORK") == "1" or "judge_harness" not in payload
+            or not sys.executable):
         pid = os.fork()
         if pid == 0:
             status = 0
@@ -865,9 +393,9 @@ def _start_zygote(setup, first_fds):
             os._exit(status)
     else:
         import fcntl
-        boot = marshal.dumps({"marshal": globals()["_JUDGE_MARSHAL"], "compiled": payload[0],
-                              "source": payload[1], "mode": setup["mode"],
-                              "code": setup["code"]})
+        modules = {name: payload[name] for name in ("judge_harness", "judge_rpc")}
+        boot = marshal.dumps({"marshal": globals()["_JUDGE_MARSHAL"], "payload": modules,
+                              "mode": setup["mode"], "code": setup["code"]})
         sources = [_memfd(boot), os.open(os.devnull, os.O_WRONLY), z_ctl.fileno(), *first_fds]
         high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in sources]
         targets = [0, 1, 3, 4, 5, 6, 7][:len(high)]
@@ -1001,7 +529,7 @@ class Judge:
                     for fd in c_side:
                         os.close(fd)
             self.generation += 1
-            ep = Endpoint(t_sock, self.generation, self.wait_on, _CALLBACK_OPS)
+            ep = rpc.Endpoint(t_sock, self.generation, self.wait_on, rpc.CALLBACK_OPS)
             self.child, self.out_open = (pid, ep, out_r), True
         finally:
             self.leave_critical()
@@ -1009,7 +537,7 @@ class Judge:
         if "import_error" in msg:
             raise _ImportFailed(msg["import_error"])
         if type(msg.get("ready")) is not dict:
-            raise ProtocolError("the solution process sent no namespace")
+            raise rpc.ProtocolError("the solution process sent no namespace")
         return ep, msg["ready"]
 
     def stop_child(self, wait=True, grace_s=0.0):
@@ -1094,7 +622,8 @@ def _import_real(name):
 
 def _judge_compare(left, op, right):
     if not _CMP_FUNCS[op](left, right):
-        raise AssertionError(f"assert {_short(repr(left), 300)} {op} {_short(repr(right), 300)}")
+        left, right = rpc.short(repr(left), 300), rpc.short(repr(right), 300)
+        raise AssertionError(f"assert {left} {op} {right}")
 
 
 def _test_traceback(e):
@@ -1103,9 +632,9 @@ def _test_traceback(e):
     if remote:
         tail = "".join(ln for ln in remote.splitlines(True) if not ln.startswith("Traceback"))
     else:
-        tail = _exception_line(e)
-    head = "Traceback (most recent call last):\n" + "".join(_frames(e, TESTS_FILE))
-    return _short(head + tail, 4 * MAX_TEXT)
+        tail = rpc.exception_line(e)
+    head = "Traceback (most recent call last):\n" + "".join(rpc.traceback_lines(e, TESTS_FILE))
+    return rpc.short(head + tail, 4 * rpc.MAX_TEXT)
 
 
 def _outcome(e, judge, pytest_module):
@@ -1113,16 +642,16 @@ def _outcome(e, judge, pytest_module):
     if isinstance(e, _ImportFailed):
         return ("error", "the solution failed to load: " + str(e.info.get("message", "")),
                 str(e.info.get("traceback", "")))
-    if isinstance(e, _ChildGone):  # it closed the channel: it is exiting, or soon killed
+    if isinstance(e, rpc.ChildGone):  # it closed the channel: it is exiting, or soon killed
         status = judge.stop_child(grace_s=0.5)
         how = _status_text(status) if status is not None else "ended"
         return "crashed", f"the solution process {how} during this test", ""
     if pytest_module is not None and isinstance(e, pytest_module.Skipped):
         return "skipped", str(e), ""
-    if isinstance(e, ProtocolError):
+    if isinstance(e, rpc.ProtocolError):
         judge.stop_child()
     status = "failed" if isinstance(e, AssertionError) else "error"
-    return status, _exception_line(e).strip(), _test_traceback(e)
+    return status, rpc.exception_line(e).strip(), _test_traceback(e)
 
 
 def _run_unit_tests(judge, payload):
@@ -1130,7 +659,7 @@ def _run_unit_tests(judge, payload):
     source, entry_point = payload["tests"], payload.get("entry_point")
     style, units, candidate = split_tests(source, entry_point, payload.get("style", "auto"))
     lines = source.splitlines()
-    _SOURCES[TESTS_FILE] = lines
+    rpc.SOURCES[TESTS_FILE] = lines
     tree = ast.parse(source, TESTS_FILE)
     referenced = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     ns = {"__name__": "tests", "__builtins__": builtins, "__judge_compare__": _judge_compare}
@@ -1201,27 +730,9 @@ def _run_unit_tests(judge, payload):
     return {"tests": results}
 
 
-def _load_module(name):
-    """Another module of the judge, from the payload the run was given (or from disk)."""
-    payload = globals().get("_JUDGE_PAYLOAD", {}).get(name)
-    module = type(sys)(name)
-    if payload is None:
-        module.__file__ = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
-        with open(module.__file__) as f:
-            code = compile(f.read(), module.__file__, "exec")
-    elif globals().get("_JUDGE_MARSHAL"):
-        import zlib
-        code = marshal.loads(zlib.decompress(binascii.a2b_base64(payload[0])))
-    else:
-        import zlib
-        code = compile(zlib.decompress(binascii.a2b_base64(payload[1])), name + ".py", "exec")
-    exec(code, module.__dict__)
-    return module
-
-
 def _result(name, status, message="", tb="", stdout="", duration=0.0):
-    return {"name": name, "status": status, "message": _short(message), "traceback": tb,
-            "stdout": _short(stdout), "duration_s": round(duration, 6)}
+    return {"name": name, "status": status, "message": rpc.short(message), "traceback": tb,
+            "stdout": rpc.short(stdout), "duration_s": round(duration, 6)}
 
 
 # -- stdin/stdout ------------------------------------------------------------------------------
@@ -1252,7 +763,7 @@ def _run_case(judge, inp, cap, timeout):
         for fd in (stdin_fd, out_w, err_w):
             os.close(fd)
     bufs = {out_r: bytearray(), err_r: bytearray()}
-    caps = {out_r: cap, err_r: 4 * MAX_TEXT}
+    caps = {out_r: cap, err_r: 4 * rpc.MAX_TEXT}
     dropped = {out_r: 0, err_r: 0}
 
     def read(fd):
@@ -1313,7 +824,7 @@ def _read_exact(fd, n):
 
 def _read_section(fd):
     (n,) = struct.unpack("<Q", _read_exact(fd, 8))
-    return _loads(bytes(_read_exact(fd, n)).decode())
+    return rpc.loads(bytes(_read_exact(fd, n)).decode())
 
 
 def _set_interpreter_limits():
@@ -1355,7 +866,7 @@ def main():
             report.update(_run_stdio(judge, payload))
     except BaseException as e:  # noqa: B036 - a harness failure is reported, signed
         import traceback
-        report["error"] = _short("".join(traceback.format_exception(type(e), e,
+        report["error"] = rpc.short("".join(traceback.format_exception(type(e), e,
                                                                     e.__traceback__)))
     report["output"] = bytes(judge.output).decode("utf-8", "replace")
     report["output_dropped"] = judge.output_dropped
@@ -1367,7 +878,7 @@ def main():
         pass
     import hashlib
     import hmac
-    body = _dumps(report).encode()
+    body = rpc.dumps(report).encode()
     mac = hmac.new(key, body, hashlib.sha256).hexdigest().encode()
     view = memoryview(REPORT_PREFIX + mac + b" " + body + b"\n")
     while view:

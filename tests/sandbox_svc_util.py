@@ -16,7 +16,6 @@ import threading
 import pytest
 
 import sandbox
-from sandbox import judge
 
 BACKENDS = ("process", "bwrap", "docker")
 

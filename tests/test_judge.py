@@ -253,13 +253,15 @@ ATTACKS = {
     "writes a report to the judge's stdout, then kills it": (
         "import os, signal\ndef f(x):\n    " + _PARENT_OF_ZYGOTE +
         "    fd = os.open(f'/proc/{judge_pid}/fd/1', os.O_WRONLY)\n"
-        "    os.write(fd, b'JUDGE-REPORT 00 {\"mode\": \"unit\", \"tests\": [], \"error\": null}\\n')\n"
+        "    os.write(fd, b'JUDGE-REPORT 00 {\"mode\": \"unit\", \"tests\": [], '\n"
+        "             b'\"error\": null}\\n')\n"
         "    os.kill(judge_pid, signal.SIGKILL)\n"),
     "kills its zygote": (
         "import os, signal\nzygote = os.getppid()\ndef f(x):\n"
         "    os.kill(zygote, signal.SIGKILL)\n    return -1\n"),
     "reads stdin for the tests": (
-        "import sys\nseen = sys.stdin.read()\ndef f(x):\n    return 4 if 'assert' in seen else -1\n"),
+        "import sys\nseen = sys.stdin.read()\ndef f(x):\n"
+        "    return 4 if 'assert' in seen else -1\n"),
 }
 
 

@@ -164,7 +164,12 @@ def test_ray_pool_same_interface_and_retries_dead_actors(ray_cluster, tmp_path):
     with sandbox.Pool(2, backend="process", cluster="ray", max_retries=2) as pool:
         futures = [pool.run(f"print({i} * 3)", timeout_s=5) for i in range(6)]
         assert [f.result().stdout for f in futures] == [f"{3 * i}\n".encode() for i in range(6)]
-        assert len(set(pool.worker_pids()) - {os.getpid()}) == 2  # actors, in their own processes
+        s1, r1, s2, r2 = util.fifos(tmp_path, "s1", "r1", "s2", "r2")
+        both = [pool.submit(util.hold, s1, r1), pool.submit(util.hold, s2, r2)]
+        for release in [util.read_then_write(s1, r1, "a"), util.read_then_write(s2, r2, "b")]:
+            release()  # both started before either was released: two actors at once
+        assert [f.result() for f in both] == ["a", "b"]
+        assert os.getpid() not in pool.worker_pids()
         report = pool.unit_tests("def f(x):\n    return -x\n",
                                  "assert f(1) == -1\nassert f(2) == 2\n").result()
         assert (report.passed, report.total) == (1, 2)
