@@ -9,6 +9,7 @@ are compared here). See `judge_harness.py` for why a program cannot fake a pass.
 
 import base64
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -22,7 +23,7 @@ import sys
 import zlib
 from typing import Callable, Optional, Sequence
 
-from sandbox import backends, judge_harness
+from sandbox import backends
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -36,9 +37,12 @@ def _payload(name: str):
     return pack(compiled), pack(source.encode())
 
 
-# The program of a judge run. Compiling the harness costs ~20 ms, more than the rest of a
-# judge call: an interpreter of our version gets it compiled (marshal), any other its source.
-HARNESS_CODE = f"""import sys
+@functools.lru_cache(maxsize=None)
+def harness_code() -> str:
+    """The program of a judge run. Compiling the harness costs ~20 ms, more than the rest of
+    a judge call: an interpreter of our version gets it compiled (marshal), any other its
+    source. Built once per process, on first use."""
+    return f"""import sys
 _JUDGE_MARSHAL = sys.implementation.cache_tag == {sys.implementation.cache_tag!r}
 _JUDGE_PAYLOAD = {{"judge_harness": {_payload("judge_harness")!r},
                   "judge_rpc": {_payload("judge_rpc")!r},
@@ -51,6 +55,7 @@ if _JUDGE_MARSHAL:
 else:
     exec(compile(zlib.decompress(binascii.a2b_base64(_code[1])), "judge_harness.py", "exec"))
 """
+
 # What the harness's trusted process imports beyond a fork server's defaults: judge runs go
 # to fork servers that import these once, before they fork.
 JUDGE_PREIMPORT = ("_json", "ast", "binascii", "ctypes", "fcntl", "hashlib", "hmac", "inspect",
@@ -128,7 +133,7 @@ def unit_tests(code: str, tests: str, *, entry_point: Optional[str] = None,
     """
     _check_str("code", code)
     _check_str("tests", tests)
-    _, units, _ = judge_harness.split_tests(tests, entry_point, style)
+    _, units, _ = _harness().split_tests(tests, entry_point, style)
     names = [name for name, _ in units]
     payload = {"tests": tests, "entry_point": entry_point, "style": style,
                "test_timeout_s": _positive("test_timeout_s", test_timeout_s),
@@ -194,7 +199,7 @@ def build_stdin(mode: str, code: str, payload: dict, key: bytes) -> bytes:
 
 def parse_report(stdout: bytes, key: bytes):
     """The harness's report if its signature checks, else a string saying what is wrong."""
-    prefix = judge_harness.REPORT_PREFIX
+    prefix = _harness().REPORT_PREFIX
     lines = [ln for ln in stdout.splitlines() if ln.startswith(prefix)]
     if not lines:
         return "the judge harness wrote no report"
@@ -218,8 +223,8 @@ def _execute(mode, code, payload, timeout_s, memory_mb, backend, run):
         import sandbox
         run = sandbox.run
         backend = judge_backend(backend)
-    key = secrets.token_bytes(judge_harness.KEY_BYTES)
-    result = run(code=HARNESS_CODE, language="python",
+    key = secrets.token_bytes(_harness().KEY_BYTES)
+    result = run(code=harness_code(), language="python",
                  stdin=build_stdin(mode, code, payload, key),
                  timeout_s=float(timeout_s) + _SLACK_S, memory_mb=memory_mb, backend=backend)
     report = parse_report(_as_bytes(result.stdout), key)
@@ -228,6 +233,12 @@ def _execute(mode, code, payload, timeout_s, memory_mb, backend, run):
     elif not isinstance(report, str) and report.get("error"):
         report = "the judge harness failed: " + str(report["error"])
     return report, result
+
+
+def _harness():
+    """The harness module (for `split_tests` and its constants), imported on first use."""
+    from sandbox import judge_harness
+    return judge_harness
 
 
 def judge_backend(backend):

@@ -15,7 +15,6 @@ times; a program that merely failed is a result, never retried. A request's dead
 `grace_s`. Shutdown stops every worker and what it started.
 """
 
-import asyncio
 import collections
 import concurrent.futures
 import dataclasses
@@ -113,6 +112,7 @@ class Pool(concurrent.futures.Executor):
     async def acall(self, fn, /, *args, **kwargs):
         """The asyncio form: awaits room in the queue (without blocking the loop), then the
         result."""
+        import asyncio
         try:
             future = self.submit_nowait(fn, *args, **kwargs)
         except PoolFull:
