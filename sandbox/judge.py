@@ -5,6 +5,9 @@ trusted process against one solution process (restarted only after a crash or ti
 call costs about one run. The verdict leaves the sandbox signed with a per-call key that no
 solution process ever holds; the expected outputs of stdio cases never enter the sandbox (they
 are compared here). See `judge_harness.py` for why a program cannot fake a pass.
+
+Nothing the program does raises: it is all in the Report. Bad arguments raise ValueError or
+TypeError; a sandbox that failed raises `sandbox.WorkerError` (safe to retry; a Pool does).
 """
 
 import base64
