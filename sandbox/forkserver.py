@@ -1,0 +1,642 @@
+"""The fork server: a pre-started interpreter that runs inside a backend's isolation.
+
+It is started once per worker (by `sandbox/backends.py`, as `python3 -I -X utf8 -c <this
+source> <config json>`), imports common modules, then serves runs one at a time over a
+socket. For each run it forks a fresh child, which drops into its own session with rlimits,
+and either runs the Python code in-process (no interpreter start: the fast path) or execs the
+command. When the main process ends or the timeout passes, every other process of the run is
+killed (the server is PID 1 of its PID namespace under bwrap and docker, so `kill(-1)` reaches
+them all; under the process backend it kills its cgroup or, without one, its descendants as a
+child subreaper), the scratch directories are wiped, and the result goes back.
+
+Standard library only, Python >= 3.8 syntax: it runs on whatever python3 the sandbox image
+has. Wire format: 4-byte big-endian length + UTF-8 JSON, bytes as base64.
+"""
+
+import base64
+import gc
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import stat
+import struct
+import sys
+import time
+
+_MAX_FRAME = 1 << 30
+_READ_CHUNK = 1 << 16
+
+
+def send_frame(sock, obj):
+    data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    sock.sendall(struct.pack(">I", len(data)) + data)
+
+
+def recv_frame(sock):
+    """The next frame, or None at a clean end of stream."""
+    head = _recv_exact(sock, 4)
+    if head is None:
+        return None
+    (size,) = struct.unpack(">I", head)
+    if size > _MAX_FRAME:
+        raise ValueError("frame of %d bytes is too large" % size)
+    body = _recv_exact(sock, size)
+    if body is None:
+        raise EOFError("stream ended inside a frame")
+    return json.loads(body.decode("utf-8"))
+
+
+def _recv_exact(sock, n):
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            if got == 0:
+                return None
+            raise EOFError("stream ended inside a frame")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Process control
+# ---------------------------------------------------------------------------------------------
+
+def _prctl(option, value):
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, value, 0, 0, 0) == 0
+    except Exception:  # noqa: BLE001 (no ctypes in a minimal image: carry on without)
+        return False
+
+
+_PR_SET_DUMPABLE = 4
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _exit_status(status):
+    """(exit_code, signal) from a wait status."""
+    if os.WIFSIGNALED(status):
+        return None, os.WTERMSIG(status)
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status), None
+    return None, None
+
+
+def _reap_nohang(statuses):
+    """Reap every exited child without blocking; record their statuses."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        statuses[pid] = status
+
+
+class Killer:
+    """Kills every process of the current run except the server itself."""
+
+    def __init__(self, cfg):
+        self.pid1 = os.getpid() == 1
+        self.cgroup_procs = cfg.get("cgroup_procs")
+        if not self.pid1:
+            _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+    def kill_all(self, statuses, limit_s=10.0):
+        """Kill and reap everything; returns False if processes were left after `limit_s`."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            if not self._kill_round():
+                _reap_nohang(statuses)
+                if not self._remaining():
+                    return True
+            _reap_nohang(statuses)
+            time.sleep(0.0005)
+        return False
+
+    def _kill_round(self):
+        """Signal everything once; True if something was signalled."""
+        if self.pid1:
+            try:
+                os.kill(-1, signal.SIGKILL)
+                return True
+            except ProcessLookupError:
+                return False
+        pids = self._remaining()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return bool(pids)
+
+    def _remaining(self):
+        me = os.getpid()
+        if self.pid1:
+            try:
+                os.kill(-1, 0)
+                return [-1]
+            except ProcessLookupError:
+                return []
+        if self.cgroup_procs:
+            with open(self.cgroup_procs) as f:
+                return [p for p in map(int, f.read().split()) if p != me]
+        return _children_of(me)
+
+
+def _children_of(ppid):
+    """Live (non-zombie) children of `ppid`, from /proc."""
+    try:
+        with open("/proc/self/task/%d/children" % ppid) as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        pass  # a kernel without CONFIG_PROC_CHILDREN: scan every process
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name, "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == ppid and fields[0] != b"Z":
+            out.append(int(name))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+
+def _inside(root, rel):
+    """`root/rel`, refusing any path that resolves outside `root` (e.g. through a symlink a
+    previous run of the session left there)."""
+    path = os.path.join(root, rel)
+    real_root = os.path.realpath(root)
+    if not os.path.realpath(path).startswith(real_root + os.sep):
+        raise ValueError("path %r leaves the work dir" % rel)
+    return path
+
+
+def write_files(root, files_b64):
+    for rel, b64 in files_b64.items():
+        path = _inside(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(base64.b64decode(b64))
+
+
+def read_files(root, max_bytes):
+    """Regular files under `root` (no symlinks followed), up to `max_bytes` in total."""
+    files, total, truncated = {}, 0, False
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                if total + st.st_size > max_bytes:
+                    truncated = True
+                    continue
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                with os.fdopen(fd, "rb") as f:
+                    data = f.read(max_bytes - total + 1)
+            except OSError:
+                continue
+            if total + len(data) > max_bytes:
+                truncated = True
+                continue
+            total += len(data)
+            files[os.path.relpath(path, root)] = base64.b64encode(data).decode("ascii")
+    return files, truncated
+
+
+def wipe(path):
+    """Remove everything inside `path`, also what a run made hard to remove (dirs without
+    permissions, deep trees); True if `path` is empty afterwards. Iterative: a tree can be
+    deeper than the recursion limit."""
+    dirs, stack = [], [path]
+    while stack:
+        d = stack.pop()
+        if d != path:
+            dirs.append(d)
+            try:
+                os.chmod(d, 0o700)
+            except OSError:
+                pass
+        try:
+            with os.scandir(d) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    else:
+                        try:
+                            os.unlink(entry.path)
+                        except OSError:
+                            pass
+        except OSError:
+            pass
+    for d in reversed(dirs):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+    try:
+        return not os.listdir(path)
+    except OSError:
+        return False
+
+
+def remove_sysv_ipc():
+    """Remove SysV shared memory, semaphores and message queues a run left in this IPC
+    namespace (they would outlive its processes)."""
+    kinds = (("shm", 71), ("sem", 66), ("msg", 71))  # (proc file, *ctl function), IPC_RMID=0
+    libc = None
+    for name, _ in kinds:
+        try:
+            with open("/proc/sysvipc/" + name) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            ident = int(line.split()[1])
+            if libc is None:
+                import ctypes
+                libc = ctypes.CDLL(None, use_errno=True)
+            if name == "shm":
+                libc.shmctl(ident, 0, None)
+            elif name == "sem":
+                libc.semctl(ident, 0, 0)
+            else:
+                libc.msgctl(ident, 0, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The child
+# ---------------------------------------------------------------------------------------------
+
+def _child(cfg, req, workdir, stdin_fd, out_w, err_w):
+    """In the forked child: isolate, limit, then run. Never returns."""
+    try:
+        os.setsid()
+        for fd, target in ((stdin_fd, 0), (out_w, 1), (err_w, 2)):
+            os.dup2(fd, target)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        for path in cfg.get("join_cgroup", ()):  # first: all the run starts is limited
+            with open(path, "w") as f:
+                f.write("0")
+        if cfg.get("oom_adj"):
+            try:
+                with open("/proc/self/oom_score_adj", "w") as f:
+                    f.write("1000")
+            except OSError:
+                pass
+        _set_rlimits(cfg, req)
+        os.chdir(workdir)
+        env = {"PATH": cfg["path"], "HOME": workdir, "TMPDIR": cfg["tmpdir"],
+               "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+        env.update(req["env"])
+        os.environ.clear()
+        os.environ.update(env)
+        if req["code"] is not None and req["language"] == "python":
+            _run_python(req["code"], workdir)
+        if req["code"] is not None:
+            argv = ["bash", "-c", req["code"]]
+        else:
+            argv = req["command"]
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(sig, signal.SIG_DFL)
+        try:
+            os.execvpe(argv[0], argv, env)
+        except OSError as e:
+            os.write(2, ("sandbox: cannot execute %r: %s\n" % (argv[0], e.strerror)).encode())
+            os._exit(127 if isinstance(e, FileNotFoundError) else 126)
+    except BaseException as e:  # noqa: BLE001 (a child must never return into the server)
+        try:
+            os.write(2, ("sandbox: child set-up failed: %r\n" % (e,)).encode())
+        finally:
+            os._exit(126)
+
+
+def _set_rlimits(cfg, req):
+    import resource
+    timeout = req["timeout_s"]
+    limits = [
+        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_FSIZE, req["max_file_mb"] << 20),
+        (resource.RLIMIT_NOFILE, req["max_open_files"]),
+    ]
+    cpu = int(timeout) + 2
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    if cfg.get("nproc"):
+        limits.append((resource.RLIMIT_NPROC, cfg["nproc"]))
+    if cfg.get("address_space_mb"):
+        limits.append((resource.RLIMIT_AS, cfg["address_space_mb"] << 20))
+    for which, value in limits:
+        resource.setrlimit(which, (value, value))
+
+
+def _run_python(code, workdir):
+    """Run `code` as the __main__ of this (forked) interpreter, the way `python main.py`
+    would, then exit with the status Python would."""
+    import builtins
+    import linecache
+    import types
+    filename = "main.py"
+    sys.argv = [filename]
+    sys.path.insert(0, workdir)
+    sys.dont_write_bytecode = True  # no __pycache__ in the work dir (the server runs with -I)
+    main = types.ModuleType("__main__")
+    main.__file__ = filename
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    status = 0
+    try:
+        compiled = compile(code, filename, "exec")
+    except SyntaxError:
+        exc_type, exc, _ = sys.exc_info()
+        _report(exc_type, exc.with_traceback(None), None)
+        compiled, status = None, 1
+    if compiled is not None:
+        try:
+            exec(compiled, main.__dict__)
+        except SystemExit as e:
+            status = _system_exit_status(e)
+        except BaseException:  # noqa: BLE001 (the program's exception, reported as Python does)
+            exc_type, exc, tb = sys.exc_info()
+            _report(exc_type, exc.with_traceback(tb.tb_next), tb.tb_next)  # skip our frame
+            status = 1
+            if exc_type is KeyboardInterrupt:
+                status = -signal.SIGINT
+    os._exit(_shutdown(status))
+
+
+def _report(exc_type, exc, tb):
+    """Print an uncaught exception as the interpreter would. The default hook is replaced by
+    the traceback module, which reads the program's source from linecache (it is not on
+    disk); a hook the program installed is honoured."""
+    if sys.excepthook is sys.__excepthook__:
+        import traceback
+        traceback.print_exception(exc_type, exc, tb)
+    else:
+        sys.excepthook(exc_type, exc, tb)
+
+
+def _system_exit_status(e):
+    code = e.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        sys.stderr.write(str(code) + "\n")
+    except Exception:  # noqa: BLE001
+        pass
+    return 1
+
+
+def _shutdown(status):
+    """What the interpreter does at exit: join non-daemon threads, atexit, flush."""
+    threading = sys.modules.get("threading")
+    try:
+        if threading is not None:
+            threading._shutdown()
+    except BaseException:  # noqa: BLE001
+        pass
+    try:
+        import atexit
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            status = status or 120
+    if status < 0:  # died of a signal, like CPython after KeyboardInterrupt
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+    return status
+
+
+# ---------------------------------------------------------------------------------------------
+# One run
+# ---------------------------------------------------------------------------------------------
+
+class Capture:
+    """Reads a pipe, keeping the first `limit` bytes and counting the rest."""
+
+    def __init__(self, fd, limit):
+        self.fd, self.limit = fd, limit
+        self.chunks, self.kept, self.truncated = [], 0, False
+
+    def read(self):
+        """Read what is there: "eof" at end of stream, "empty" if nothing is there yet."""
+        try:
+            data = os.read(self.fd, _READ_CHUNK)
+        except BlockingIOError:
+            return "empty"
+        if not data:
+            return "eof"
+        room = self.limit - self.kept
+        if len(data) > room:
+            self.truncated = True
+            data = data[:room]
+        if data:
+            self.chunks.append(data)
+            self.kept += len(data)
+        return "data"
+
+    def value(self):
+        return base64.b64encode(b"".join(self.chunks)).decode("ascii")
+
+
+def _stdin_fd(data):
+    if data is None:
+        return os.open(os.devnull, os.O_RDONLY)
+    raw = base64.b64decode(data)
+    try:
+        fd = os.memfd_create("stdin")
+    except (AttributeError, OSError):
+        import tempfile
+        fd, path = tempfile.mkstemp()
+        os.unlink(path)
+    _write_all(fd, raw)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def run_one(cfg, req, chan, killer):
+    """Run one request; returns the result dict (and whether the host went away)."""
+    workdir = cfg["workdir"]
+    os.makedirs(workdir, exist_ok=True)
+    try:
+        write_files(workdir, req["files"])
+    except (OSError, ValueError) as e:
+        return {"error": "cannot lay out the files: %s" % (e,)}, False
+    stdin_fd = _stdin_fd(req["stdin"])
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    statuses = {}
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        _child(cfg, req, workdir, stdin_fd, out_w, err_w)
+    for fd in (stdin_fd, out_w, err_w):
+        os.close(fd)
+    outs = {out_r: Capture(out_r, req["max_output_bytes"]),
+            err_r: Capture(err_r, req["max_output_bytes"])}
+    for fd in outs:
+        os.set_blocking(fd, False)
+    poller = select.poll()
+    for fd in outs:
+        poller.register(fd, select.POLLIN)
+    chan_fd = chan.fileno()
+    poller.register(chan_fd, select.POLLIN)
+    try:
+        pidfd = os.pidfd_open(pid)
+        poller.register(pidfd, select.POLLIN)
+    except (AttributeError, OSError):
+        pidfd = None
+    deadline = start + req["timeout_s"]
+    timed_out = host_gone = False
+    end = None
+    while end is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            timed_out = True
+            break
+        wait_ms = remaining * 1000 if pidfd is not None else min(remaining * 1000, 2)
+        for fd, _ in poller.poll(max(1, int(wait_ms + 0.999))):
+            if fd in outs and outs[fd].read() == "eof":
+                poller.unregister(fd)
+            elif fd == chan_fd:
+                host_gone = True
+        if host_gone:
+            break
+        _reap_nohang(statuses)
+        if pid in statuses:
+            end = time.monotonic()
+    clean = killer.kill_all(statuses)
+    if end is None:
+        end = time.monotonic()
+    _reap_nohang(statuses)
+    if pidfd is not None:
+        os.close(pidfd)
+    # Every writer is dead now; what is left in the pipes is the tail of the output.
+    for fd, cap in outs.items():
+        while cap.read() == "data":
+            pass
+        os.close(fd)
+    exit_code, sig = _exit_status(statuses[pid]) if pid in statuses else (None, None)
+    out, err = outs[out_r], outs[err_r]
+    result = {
+        "stdout": out.value(), "stderr": err.value(),
+        "stdout_truncated": out.truncated, "stderr_truncated": err.truncated,
+        "exit_code": exit_code, "signal": sig, "timed_out": timed_out,
+        "duration_s": end - start, "clean": clean,
+    }
+    if req["return_files"]:
+        result["files"], result["files_truncated"] = read_files(workdir, req["max_files_bytes"])
+    return result, host_gone
+
+
+def reset(cfg, modes):
+    """Back to a clean state after a run: scratch dirs emptied (and their modes restored, a
+    run may have chmod-ed them), SysV IPC objects removed. False if that failed."""
+    clean = True
+    for path in cfg["wipe"]:
+        try:
+            os.chmod(path, modes[path])
+        except OSError:
+            pass
+        clean = wipe(path) and clean
+    if cfg.get("sysv_ipc"):
+        remove_sysv_ipc()
+    return clean
+
+
+# ---------------------------------------------------------------------------------------------
+# The server loop
+# ---------------------------------------------------------------------------------------------
+
+def _connect(cfg):
+    if "fd" in cfg["channel"]:
+        return socket.socket(fileno=cfg["channel"]["fd"])
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(cfg["channel"]["connect"])
+    return sock
+
+
+def serve(cfg):
+    chan = _connect(cfg)
+    _prctl(_PR_SET_DUMPABLE, 0)  # no ptrace, no /proc/<pid>/{environ,mem,fd} for the runs
+    for name in cfg.get("preimport", ()):
+        try:
+            __import__(name)
+        except Exception:  # noqa: BLE001 (a module the image lacks is simply not pre-imported)
+            pass
+    killer = Killer(cfg)
+    for path in [cfg["workdir"]] + list(cfg["wipe"]):
+        os.makedirs(path, exist_ok=True)
+    modes = {path: stat.S_IMODE(os.stat(path).st_mode) for path in cfg["wipe"]}
+    gc.collect()
+    if hasattr(gc, "freeze"):
+        gc.freeze()  # keep the children's copy-on-write pages shared
+    send_frame(chan, {"ready": True, "pid": os.getpid(), "python": sys.version.split()[0]})
+    while True:
+        try:
+            msg = recv_frame(chan)
+        except (OSError, EOFError, ValueError):
+            msg = None
+        if msg is None or msg.get("op") == "exit":
+            break
+        op = msg.get("op")
+        if op == "run":
+            result, host_gone = run_one(cfg, msg["request"], chan, killer)
+            if host_gone:
+                break
+            if not reset(cfg, modes):
+                result["clean"] = False  # the host replaces this worker
+        elif op == "put":
+            try:
+                write_files(cfg["workdir"], msg["files"])
+                result = {"ok": True}
+            except (OSError, ValueError) as e:
+                result = {"error": "cannot lay out the files: %s" % (e,)}
+        elif op == "files":
+            files, truncated = read_files(cfg["workdir"], msg["max_bytes"])
+            result = {"files": files, "files_truncated": truncated}
+        elif op == "ping":
+            result = {"ok": True}
+        else:
+            result = {"error": "unknown op %r" % (op,)}
+        try:
+            send_frame(chan, result)
+        except OSError:
+            break
+    killer.kill_all({})
+    for path in cfg.get("remove_on_exit", ()):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    serve(json.loads(sys.argv[1]))

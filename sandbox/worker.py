@@ -1,0 +1,147 @@
+"""A worker: one fork server in one backend's isolation, serving one run at a time.
+
+`sandbox.run` keeps idle workers warm and `sandbox.Session` owns one; a pool runs many. The
+worker turns what the fork server reports into a `Result` and adds what only the host can see
+(OOM kills counted by the cgroup). If the server dies or stops answering, the worker is
+closed and `WorkerError` raised: that is the sandbox failing, not the program, and the one
+case a caller may retry.
+"""
+
+import base64
+import logging
+import threading
+
+from sandbox import backends, forkserver
+from sandbox.request import Request
+from sandbox.result import Result
+
+log = logging.getLogger("sandbox")
+
+# The fork server enforces each timeout itself; the host gives up on it only after this much
+# more (a wedged server, a stopped container).
+_WATCHDOG_GRACE_S = 10.0
+
+
+class WorkerError(RuntimeError):
+    """The sandbox worker died or stopped answering (not something the program did, unless
+    the backend is `process`, which is not a security boundary). Safe to retry."""
+
+
+class Worker:
+    """A fork server inside `backend` with worker-wide `limits`.
+
+    persist=True keeps the work dir (and /tmp) across runs, for sessions; otherwise every run
+    starts from an empty work dir. preimport=False starts a bare interpreter (a cold, one-off
+    worker)."""
+
+    def __init__(self, backend="auto", limits: backends.Limits | None = None, *,
+                 persist: bool = False, preimport: bool = True):
+        self.spec = backends.resolve(backend)
+        self.limits = limits or backends.Limits()
+        self.persist = persist
+        self._lock = threading.Lock()
+        self._handle = backends.start(self.spec, self.limits, persist=persist,
+                                      preimport=preimport)
+        self.runs = 0
+
+    @property
+    def backend(self) -> str:
+        return self.spec.name
+
+    @property
+    def alive(self) -> bool:
+        return self._handle is not None
+
+    def run(self, request: Request) -> Result:
+        """Run one request. Raises WorkerError if the worker failed, ValueError if the files
+        cannot be laid out; everything the program does comes back in the Result."""
+        with self._lock:
+            handle = self._live_handle()
+            oom_before = handle.oom_kills()
+            reply = self._call({"op": "run", "request": request.to_wire()},
+                               request.timeout_s + _WATCHDOG_GRACE_S)
+            if "error" in reply:
+                raise ValueError(reply["error"])
+            oom_after = handle.oom_kills()
+            self.runs += 1
+        if not reply.pop("clean", True):
+            log.warning("sandbox %s worker could not kill every process of a run; closing it",
+                        self.backend)
+            self.close()
+        return _to_result(reply, self.backend, request, oom_before, oom_after)
+
+    def put_files(self, files: dict[str, bytes]) -> None:
+        """Write files into the work dir (sessions)."""
+        wire = Request(code="", files=files).to_wire()["files"]
+        with self._lock:
+            reply = self._call({"op": "put", "files": wire}, _WATCHDOG_GRACE_S)
+        if "error" in reply:
+            raise ValueError(reply["error"])
+
+    def read_files(self, max_bytes: int) -> tuple[dict[str, bytes], bool]:
+        """The regular files in the work dir, and whether some passed `max_bytes`."""
+        with self._lock:
+            reply = self._call({"op": "files", "max_bytes": max_bytes}, _WATCHDOG_GRACE_S)
+        files = {p: base64.b64decode(b) for p, b in reply["files"].items()}
+        return files, reply["files_truncated"]
+
+    def processes(self) -> list[int]:
+        """Host pids of what runs in the sandbox besides the fork server (for checks)."""
+        handle = self._live_handle()
+        return handle.processes()
+
+    @property
+    def server_pid(self) -> int | None:
+        return self._handle.server_pid if self._handle else None
+
+    def close(self) -> None:
+        """Stop the server and remove all it made (processes, dirs, cgroups); idempotent."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _live_handle(self):
+        if self._handle is None:
+            raise WorkerError(f"the {self.backend} worker is closed")
+        return self._handle
+
+    def _call(self, message: dict, timeout_s: float) -> dict:
+        handle = self._live_handle()
+        try:
+            handle.sock.settimeout(timeout_s)
+            forkserver.send_frame(handle.sock, message)
+            reply = forkserver.recv_frame(handle.sock)
+        except (OSError, EOFError, ValueError) as e:
+            reply, why = None, f"{type(e).__name__}: {e}"
+        else:
+            why = "it closed the connection"
+        if reply is None:
+            self._handle = None
+            handle.kill()
+            raise WorkerError(f"the {self.backend} sandbox worker failed ({why})")
+        return reply
+
+
+def _to_result(reply: dict, backend: str, request: Request, oom_before, oom_after) -> Result:
+    stdout = base64.b64decode(reply["stdout"])
+    stderr = base64.b64decode(reply["stderr"])
+    files = None
+    if "files" in reply:
+        files = {p: base64.b64decode(b) for p, b in reply["files"].items()}
+    oom = oom_before is not None and oom_after is not None and oom_after > oom_before
+    if not oom and not reply["timed_out"] and reply["exit_code"] not in (None, 0):
+        # Under an address-space rlimit (no cgroup) Python fails with MemoryError instead.
+        lines = stderr.rstrip().rsplit(b"\n", 1)
+        oom = bool(lines) and lines[-1].startswith(b"MemoryError")
+    return Result(
+        stdout=stdout, stderr=stderr, stdout_truncated=reply["stdout_truncated"],
+        stderr_truncated=reply["stderr_truncated"], exit_code=reply["exit_code"],
+        signal=reply["signal"], timed_out=reply["timed_out"], oom=oom,
+        duration_s=reply["duration_s"], backend=backend, files=files,
+        files_truncated=reply.get("files_truncated", False))
