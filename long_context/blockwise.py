@@ -1,0 +1,351 @@
+"""Blockwise (flash-style) attention on one device.
+
+An online softmax walks over key/value blocks for each query block, so no [t, t] score matrix
+ever exists: memory is linear in length. A custom VJP saves only q, k, v, the output and the
+log-sum-exp and recomputes scores block by block in the backward pass (FlashAttention-2).
+GQA is native: queries are viewed as [k, g] head groups and kv heads are never repeated.
+
+Masking is one rule from per-token integers, so reordered layouts, packing and padding need
+no special cases:
+  - causal: query at position p sees keys at positions <= p (`positions`, default arange);
+  - segments: a query sees only keys with the same segment id; id 0 is padding, which sees
+    nothing and is seen by nothing. A query row with no visible key returns zeros and gets
+    zero gradients.
+Block pairs that the rule masks entirely are skipped at run time (causal halves the work).
+
+The block-level pieces (`forward_blocks`, `backward_blocks`, ...) are shared with
+`ring_attention`, which runs them once per visiting key/value shard.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Good on GPU/TPU; on CPU 128-256 is as fast (see docs/benchmarks.md).
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 512
+
+_F32 = jnp.float32
+
+
+def blockwise_attention(q_bthd, k_btkd, v_btkd, *, causal=True, segment_ids=None,
+                        positions=None, scale=None, block_q=DEFAULT_BLOCK_Q,
+                        block_k=DEFAULT_BLOCK_K):
+    """Softmax attention over [b, t, h, d] queries and [b, t, k, d] keys/values (h = k * g).
+
+    segment_ids: [b, t] int, 0 = padding (see module doc). positions: [b, t] int for the causal
+    rule (q_pos >= k_pos); default arange. scale: default d ** -0.5. Blocks larger than t are
+    clipped to t; t is padded internally to a multiple of the blocks. Returns [b, t, h, d] in
+    the dtype of q.
+    """
+    b, t, _, d = check_qkv(q_bthd, k_btkd, v_btkd)
+    positions, segment_ids = check_tokens(positions, segment_ids, b, t)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    scale = d ** -0.5 if scale is None else float(scale)
+    bq, bk, t_pad = block_sizes(t, block_q, block_k)
+    q, k, v, pos, seg = pad_time(q_bthd, k_btkd, v_btkd, positions, segment_ids, t_pad)
+    out = _flash(q, k, v, pos, seg, bool(causal), scale, bq, bk)
+    return out[:, :t]
+
+
+# ----------------------------------------------------------------------------- checks, padding
+
+
+def check_qkv(q_bthd, k_btkd, v_btkd):
+    """Validates shapes and dtypes; returns (b, t, h, d)."""
+    if q_bthd.ndim != 4 or k_btkd.ndim != 4 or v_btkd.ndim != 4:
+        raise ValueError(f"q, k, v must be [batch, time, heads, head_dim]; got shapes "
+                         f"{q_bthd.shape}, {k_btkd.shape}, {v_btkd.shape}")
+    if k_btkd.shape != v_btkd.shape:
+        raise ValueError(f"k and v must have the same shape; got {k_btkd.shape} and "
+                         f"{v_btkd.shape}")
+    b, t, h, d = q_bthd.shape
+    if k_btkd.shape[:2] != (b, t) or k_btkd.shape[3] != d:
+        raise ValueError(f"k/v {k_btkd.shape} must match q {q_bthd.shape} in batch, time and "
+                         f"head_dim (self-attention over one sequence)")
+    if h % k_btkd.shape[2]:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads "
+                         f"({k_btkd.shape[2]}) for grouped-query attention")
+    if not (q_bthd.dtype == k_btkd.dtype == v_btkd.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q_bthd.dtype}, {k_btkd.dtype}, "
+                         f"{v_btkd.dtype}")
+    return b, t, h, d
+
+
+def check_tokens(positions, segment_ids, b, t):
+    """Validates [b, t] integer positions / segment ids (either may be None); casts to int32."""
+    out = []
+    for name, x in (("positions", positions), ("segment_ids", segment_ids)):
+        if x is not None:
+            if x.shape != (b, t):
+                raise ValueError(f"{name} must have shape [batch, time] = {(b, t)}; "
+                                 f"got {x.shape}")
+            if not jnp.issubdtype(x.dtype, jnp.integer):
+                raise ValueError(f"{name} must be integers; got {x.dtype}")
+            x = x.astype(jnp.int32)
+        out.append(x)
+    return tuple(out)
+
+
+def block_sizes(t, block_q, block_k):
+    """Clips blocks to t; returns (block_q, block_k, padded t)."""
+    if block_q < 1 or block_k < 1:
+        raise ValueError(f"block sizes must be positive; got {block_q}, {block_k}")
+    bq, bk = min(block_q, t), min(block_k, t)
+    step = math.lcm(bq, bk)
+    return bq, bk, -(-t // step) * step
+
+
+def pad_time(q, k, v, positions, segment_ids, t_pad):
+    """Pads the time axis to t_pad; padded tokens get segment id 0 (padding)."""
+    t = q.shape[1]
+    if t_pad == t:
+        return q, k, v, positions, segment_ids
+    b = q.shape[0]
+    if segment_ids is None:
+        segment_ids = jnp.ones((b, t), jnp.int32)
+    widths = [(0, 0), (0, t_pad - t)]
+    q, k, v = (jnp.pad(x, widths + [(0, 0), (0, 0)]) for x in (q, k, v))
+    return q, k, v, jnp.pad(positions, widths), jnp.pad(segment_ids, widths)
+
+
+# ----------------------------------------------------------------------------- block layouts
+# Queries:  [n_q, b, block_q, k, g, d]   (n_q query blocks; h = k * g)
+# Keys:     [n_k, b, block_k, k, d]
+# Per-row softmax statistics (m, l, lse, delta): [n_q, b, k, g, block_q]
+# Accumulated output: [n_q, b, k, g, block_q, d]
+
+
+def split_q(x_bthd, kv_heads, block):
+    b, t, h, d = x_bthd.shape
+    x = x_bthd.reshape(b, t // block, block, kv_heads, h // kv_heads, d)
+    return jnp.moveaxis(x, 1, 0)
+
+
+def merge_q(x_nbqkgd):
+    n, b, bq, k, g, d = x_nbqkgd.shape
+    return jnp.moveaxis(x_nbqkgd, 0, 1).reshape(b, n * bq, k * g, d)
+
+
+def split_kv(x_btkd, block):
+    b, t, k, d = x_btkd.shape
+    return jnp.moveaxis(x_btkd.reshape(b, t // block, block, k, d), 1, 0)
+
+
+def merge_kv(x_nbskd):
+    n, b, bk, k, d = x_nbskd.shape
+    return jnp.moveaxis(x_nbskd, 0, 1).reshape(b, n * bk, k, d)
+
+
+def split_tokens(x_bt, block):
+    if x_bt is None:
+        return None
+    b, t = x_bt.shape
+    return jnp.moveaxis(x_bt.reshape(b, t // block, block), 1, 0)
+
+
+def varying_axes(*xs):
+    """Mesh axes over which any of xs varies inside shard_map (empty outside)."""
+    axes = frozenset()
+    for x in jax.tree.leaves(xs):
+        mat = getattr(jax.typeof(x), "manual_axis_type", None)
+        if mat is not None:
+            axes |= mat.varying
+    return axes
+
+
+def make_varying(x, axes):
+    """Marks a freshly made array as varying over `axes`, so loop carries type-check."""
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _zeros(shape, dtype, axes):
+    return make_varying(jnp.zeros(shape, dtype), axes)
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def _block_mask(qpos_bq, kpos_bs, qseg_bq, kseg_bs, causal):
+    """[b, 1, 1, q, s] boolean mask, or None when nothing is masked."""
+    mask = None
+    if causal:
+        mask = qpos_bq[:, :, None] >= kpos_bs[:, None, :]
+    if qseg_bq is not None:
+        same = (qseg_bq[:, :, None] == kseg_bs[:, None, :]) & (kseg_bs[:, None, :] != 0)
+        mask = same if mask is None else mask & same
+    return None if mask is None else mask[:, None, None]
+
+
+def _block_live(qpos_bq, kpos_bs, qseg_bq, kseg_bs, causal):
+    """False only if the mask of this block pair is all False (then it is skipped)."""
+    live = None
+    if causal:
+        live = jnp.max(qpos_bq) >= jnp.min(kpos_bs)
+    if qseg_bq is not None:
+        overlap = ((jnp.max(qseg_bq) >= jnp.min(kseg_bs)) & (jnp.max(kseg_bs) >= jnp.min(qseg_bq))
+                   & (jnp.max(kseg_bs) > 0))
+        live = overlap if live is None else live & overlap
+    return live
+
+
+def _maybe(live, compute, skip, operand):
+    return compute(operand) if live is None else lax.cond(live, compute, skip, operand)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def init_state(q_blocks, axes):
+    """Running (max, denominator, numerator) for every query row, in float32."""
+    n, b, bq, k, g, d = q_blocks.shape
+    m = make_varying(jnp.full((n, b, k, g, bq), -jnp.inf, _F32), axes)
+    return m, _zeros((n, b, k, g, bq), _F32, axes), _zeros((n, b, k, g, bq, d), _F32, axes)
+
+
+def _forward_block(q_bqkgd, k_bskd, v_bskd, mask, state, scale):
+    m, l, acc = state
+    s = jnp.einsum("bqkgd,bskd->bkgqs", q_bqkgd, k_bskd, preferred_element_type=_F32) * scale
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    # A row with nothing visible yet keeps m = -inf; shift by 0 so exp gives 0, not nan.
+    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+    p = jnp.exp(s - m_safe[..., None])
+    corr = jnp.exp(m - m_safe)
+    l = l * corr + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v_bskd.dtype), v_bskd,
+                    preferred_element_type=_F32)
+    return m_new, l, acc * corr[..., None] + pv
+
+
+def forward_blocks(q_blocks, k_blocks, v_blocks, qpos, kpos, qseg, kseg, state, *, causal,
+                   scale):
+    """Folds one key/value chunk (all its blocks) into the running state of every query."""
+
+    def per_query_block(xs):
+        q, qp, qs, *carry = xs
+
+        def per_key_block(carry, ys):
+            k, v, kp, ks = ys
+            mask = _block_mask(qp, kp, qs, ks, causal)
+            live = _block_live(qp, kp, qs, ks, causal)
+            new = _maybe(live, lambda c: _forward_block(q, k, v, mask, c, scale),
+                         lambda c: c, carry)
+            return new, None
+
+        carry, _ = lax.scan(per_key_block, tuple(carry), (k_blocks, v_blocks, kpos, kseg))
+        return carry
+
+    return lax.map(per_query_block, (q_blocks, qpos, qseg, *state))
+
+
+def finalize(state, dtype):
+    """Output [n_q, b, k, g, block_q, d] in `dtype` and float32 log-sum-exp (0 if empty)."""
+    m, l, acc = state
+    empty = l == 0.0
+    out = acc / jnp.where(empty, 1.0, l)[..., None]
+    lse = jnp.where(empty, 0.0, m + jnp.log(jnp.where(empty, 1.0, l)))
+    return out.astype(dtype), lse
+
+
+def out_to_q_layout(out_nbkgqd):
+    return jnp.moveaxis(out_nbkgqd, 4, 2)  # -> [n, b, block_q, k, g, d]
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def delta_rows(do_blocks, out_blocks):
+    """rowsum(dO * O) in float32, the softmax-gradient correction term."""
+    return jnp.einsum("nbqkgd,nbqkgd->nbkgq", do_blocks, out_blocks, preferred_element_type=_F32)
+
+
+def _backward_block(q, k, v, do, lse, delta, mask, scale):
+    s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=_F32) * scale
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    p = jnp.exp(s - lse[..., None])
+    dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(do.dtype), do, preferred_element_type=_F32)
+    dp = jnp.einsum("bqkgd,bskd->bkgqs", do, v, preferred_element_type=_F32)
+    ds = p * (dp - delta[..., None])
+    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k.dtype), k, preferred_element_type=_F32)
+    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q.dtype), q, preferred_element_type=_F32)
+    return dq * scale, dk * scale, dv
+
+
+def backward_blocks(q_blocks, k_blocks, v_blocks, do_blocks, lse, delta, qpos, kpos, qseg, kseg,
+                    dq_acc, *, causal, scale, axes):
+    """Gradients through one key/value chunk.
+
+    Adds into dq_acc ([n_q, b, block_q, k, g, d] float32) and returns it with this chunk's
+    float32 dK, dV ([n_k, b, block_k, k, d]). One pass: scores are recomputed once.
+    """
+    dkv_zero = _zeros(k_blocks.shape, _F32, axes)
+
+    def per_query_block(dkv, xs):
+        q, do, lse_q, delta_q, qp, qs, dq = xs
+
+        def per_key_block(carry, ys):
+            dq, dk_all, dv_all = carry
+            k, v, kp, ks, j = ys
+            mask = _block_mask(qp, kp, qs, ks, causal)
+            live = _block_live(qp, kp, qs, ks, causal)
+            grads = _maybe(
+                live, lambda _: _backward_block(q, k, v, do, lse_q, delta_q, mask, scale),
+                lambda _: (_zeros(dq.shape, _F32, axes), _zeros(k.shape, _F32, axes),
+                           _zeros(k.shape, _F32, axes)), None)
+            ddq, ddk, ddv = grads
+            return (dq + ddq, dk_all.at[j].add(ddk), dv_all.at[j].add(ddv)), None
+
+        idx = jnp.arange(k_blocks.shape[0])
+        (dq, *dkv), _ = lax.scan(per_key_block, (dq, *dkv), (k_blocks, v_blocks, kpos, kseg, idx))
+        return tuple(dkv), dq
+
+    (dk, dv), dq_acc = lax.scan(per_query_block, (dkv_zero, dkv_zero),
+                                (q_blocks, do_blocks, lse, delta, qpos, qseg, dq_acc))
+    return dq_acc, dk, dv
+
+
+# ----------------------------------------------------------------------------- custom VJP
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _flash(q, k, v, pos, seg, causal, scale, bq, bk):
+    return _flash_fwd(q, k, v, pos, seg, causal, scale, bq, bk)[0]
+
+
+def _flash_fwd(q, k, v, pos, seg, causal, scale, bq, bk):
+    kv_heads = k.shape[2]
+    axes = varying_axes(q, k, v, pos, seg)
+    q_blocks = split_q(q, kv_heads, bq)
+    state = forward_blocks(q_blocks, split_kv(k, bk), split_kv(v, bk), split_tokens(pos, bq),
+                           split_tokens(pos, bk), split_tokens(seg, bq), split_tokens(seg, bk),
+                           init_state(q_blocks, axes), causal=causal, scale=scale)
+    out, lse = finalize(state, q.dtype)
+    out = merge_q(out_to_q_layout(out))
+    return out, (q, k, v, out, lse, pos, seg)
+
+
+def _flash_bwd(causal, scale, bq, bk, res, dout):
+    q, k, v, out, lse, pos, seg = res
+    kv_heads = k.shape[2]
+    dout = dout.astype(q.dtype)
+    axes = varying_axes(q, k, v, out, lse, pos, seg, dout)
+    q_blocks, do_blocks = split_q(q, kv_heads, bq), split_q(dout, kv_heads, bq)
+    delta = delta_rows(do_blocks, split_q(out, kv_heads, bq))
+    dq, dk, dv = backward_blocks(
+        q_blocks, split_kv(k, bk), split_kv(v, bk), do_blocks, lse, delta,
+        split_tokens(pos, bq), split_tokens(pos, bk), split_tokens(seg, bq),
+        split_tokens(seg, bk), _zeros(q_blocks.shape, _F32, axes),
+        causal=causal, scale=scale, axes=axes)
+    return (merge_q(dq).astype(q.dtype), merge_kv(dk).astype(k.dtype),
+            merge_kv(dv).astype(v.dtype), None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
