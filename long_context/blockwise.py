@@ -114,31 +114,31 @@ def pad_time(q, k, v, positions, segment_ids, t_pad):
 
 
 # ----------------------------------------------------------------------------- block layouts
-# Queries:  [n_q, b, block_q, k, g, d]   (n_q query blocks; h = k * g)
-# Keys:     [n_k, b, block_k, k, d]
+# Head-major, so every block matmul is a plain batched matmul over (b, k) without copies:
+# Queries, outputs and their gradients:  [n_q, b, k, g, block_q, d]   (h = k * g)
+# Keys, values and their gradients:      [n_k, b, k, block_k, d]
 # Per-row softmax statistics (m, l, lse, delta): [n_q, b, k, g, block_q]
-# Accumulated output: [n_q, b, k, g, block_q, d]
 
 
 def split_q(x_bthd, kv_heads, block):
     b, t, h, d = x_bthd.shape
     x = x_bthd.reshape(b, t // block, block, kv_heads, h // kv_heads, d)
-    return jnp.moveaxis(x, 1, 0)
+    return x.transpose(1, 0, 3, 4, 2, 5)
 
 
-def merge_q(x_nbqkgd):
-    n, b, bq, k, g, d = x_nbqkgd.shape
-    return jnp.moveaxis(x_nbqkgd, 0, 1).reshape(b, n * bq, k * g, d)
+def merge_q(x_nbkgqd):
+    n, b, k, g, bq, d = x_nbkgqd.shape
+    return x_nbkgqd.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * bq, k * g, d)
 
 
 def split_kv(x_btkd, block):
     b, t, k, d = x_btkd.shape
-    return jnp.moveaxis(x_btkd.reshape(b, t // block, block, k, d), 1, 0)
+    return x_btkd.reshape(b, t // block, block, k, d).transpose(1, 0, 3, 2, 4)
 
 
-def merge_kv(x_nbskd):
-    n, b, bk, k, d = x_nbskd.shape
-    return jnp.moveaxis(x_nbskd, 0, 1).reshape(b, n * bk, k, d)
+def merge_kv(x_nbksd):
+    n, b, k, bk, d = x_nbksd.shape
+    return x_nbksd.transpose(1, 0, 3, 2, 4).reshape(b, n * bk, k, d)
 
 
 def split_tokens(x_bt, block):
@@ -164,6 +164,12 @@ def make_varying(x, axes):
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _transposed(x, dims_from_end=1):
+    """x with its last axis moved `dims_from_end` places left; the barrier keeps XLA from
+    folding the transpose back into the matmuls (which would redo it every block)."""
+    return lax.optimization_barrier(jnp.moveaxis(x, -1, -1 - dims_from_end))
+
+
 def _zeros(shape, dtype, axes):
     return make_varying(jnp.zeros(shape, dtype), axes)
 
@@ -171,15 +177,20 @@ def _zeros(shape, dtype, axes):
 # ----------------------------------------------------------------------------- masks
 
 
-def _block_mask(qpos_bq, kpos_bs, qseg_bq, kseg_bs, causal):
-    """[b, 1, 1, q, s] boolean mask, or None when nothing is masked."""
+def _block_mask(qpos_bq, kpos_bs, qseg_bq, kseg_bs, causal, transposed=False):
+    """[b, 1, 1, q, s] boolean mask ([b, 1, s, 1, q] if transposed), or None if all True."""
+    q_axis, k_axis = (2, 1) if transposed else (1, 2)
+    as_q = lambda x: jnp.expand_dims(x, k_axis)  # [b, q] -> [b, q, 1] or [b, 1, q]
+    as_k = lambda x: jnp.expand_dims(x, q_axis)
     mask = None
     if causal:
-        mask = qpos_bq[:, :, None] >= kpos_bs[:, None, :]
+        mask = as_q(qpos_bq) >= as_k(kpos_bs)
     if qseg_bq is not None:
-        same = (qseg_bq[:, :, None] == kseg_bs[:, None, :]) & (kseg_bs[:, None, :] != 0)
+        same = (as_q(qseg_bq) == as_k(kseg_bs)) & (as_k(kseg_bs) != 0)
         mask = same if mask is None else mask & same
-    return None if mask is None else mask[:, None, None]
+    if mask is None:
+        return None
+    return mask[:, None, :, None, :] if transposed else mask[:, None, None]
 
 
 def _block_live(qpos_bq, kpos_bs, qseg_bq, kseg_bs, causal):
@@ -203,14 +214,14 @@ def _maybe(live, compute, skip, operand):
 
 def init_state(q_blocks, axes):
     """Running (max, denominator, numerator) for every query row, in float32."""
-    n, b, bq, k, g, d = q_blocks.shape
+    n, b, k, g, bq, d = q_blocks.shape
     m = make_varying(jnp.full((n, b, k, g, bq), -jnp.inf, _F32), axes)
     return m, _zeros((n, b, k, g, bq), _F32, axes), _zeros((n, b, k, g, bq, d), _F32, axes)
 
 
-def _forward_block(q_bqkgd, k_bskd, v_bskd, mask, state, scale):
+def _forward_block(q_bkgqd, kt_bkds, v_bksd, mask, state, scale):
     m, l, acc = state
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q_bqkgd, k_bskd, preferred_element_type=_F32) * scale
+    s = jnp.einsum("bkgqd,bkds->bkgqs", q_bkgqd, kt_bkds, preferred_element_type=_F32) * scale
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -219,7 +230,7 @@ def _forward_block(q_bqkgd, k_bskd, v_bskd, mask, state, scale):
     p = jnp.exp(s - m_safe[..., None])
     corr = jnp.exp(m - m_safe)
     l = l * corr + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v_bskd.dtype), v_bskd,
+    pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v_bksd.dtype), v_bksd,
                     preferred_element_type=_F32)
     return m_new, l, acc * corr[..., None] + pv
 
@@ -239,14 +250,16 @@ def forward_blocks(q_blocks, k_blocks, v_blocks, qpos, kpos, qseg, kseg, state, 
                          lambda c: c, carry)
             return new, None
 
-        carry, _ = lax.scan(per_key_block, tuple(carry), (k_blocks, v_blocks, kpos, kseg))
+        carry, _ = lax.scan(per_key_block, tuple(carry), (kt_blocks, v_blocks, kpos, kseg))
         return carry
+
+    kt_blocks = _transposed(k_blocks)
 
     return lax.map(per_query_block, (q_blocks, qpos, qseg, *state))
 
 
 def finalize(state, dtype):
-    """Output [n_q, b, k, g, block_q, d] in `dtype` and float32 log-sum-exp (0 if empty)."""
+    """Output in the query layout and `dtype`, and float32 log-sum-exp (0 if empty)."""
     m, l, acc = state
     empty = l == 0.0
     out = acc / jnp.where(empty, 1.0, l)[..., None]
@@ -254,58 +267,63 @@ def finalize(state, dtype):
     return out.astype(dtype), lse
 
 
-def out_to_q_layout(out_nbkgqd):
-    return jnp.moveaxis(out_nbkgqd, 4, 2)  # -> [n, b, block_q, k, g, d]
-
-
 # ----------------------------------------------------------------------------- backward
 
 
 def delta_rows(do_blocks, out_blocks):
     """rowsum(dO * O) in float32, the softmax-gradient correction term."""
-    return jnp.einsum("nbqkgd,nbqkgd->nbkgq", do_blocks, out_blocks, preferred_element_type=_F32)
+    return jnp.einsum("nbkgqd,nbkgqd->nbkgq", do_blocks, out_blocks, preferred_element_type=_F32)
 
 
-def _backward_block(q, k, v, do, lse, delta, mask, scale):
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=_F32) * scale
-    if mask is not None:
-        s = jnp.where(mask, s, -jnp.inf)
-    p = jnp.exp(s - lse[..., None])
-    dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(do.dtype), do, preferred_element_type=_F32)
-    dp = jnp.einsum("bqkgd,bskd->bkgqs", do, v, preferred_element_type=_F32)
-    ds = p * (dp - delta[..., None])
-    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k.dtype), k, preferred_element_type=_F32)
-    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q.dtype), q, preferred_element_type=_F32)
-    return dq * scale, dk * scale, dv
+def _backward_block(q, qt, kt, k, v, do, dot, lse, delta, mask_t, scale):
+    """Gradients of one block pair, computed transposed ([s, q] scores) so that every matmul
+    takes its operands in their stored layout: no per-block transposes (kt, qt, dot are the
+    transposed k, q, dO, made once per chunk or query block)."""
+    s_t = jnp.einsum("bksd,bkdgq->bksgq", k, qt, preferred_element_type=_F32) * scale
+    if mask_t is not None:
+        s_t = jnp.where(mask_t, s_t, -jnp.inf)
+    p_t = jnp.exp(s_t - lse[:, :, None])
+    dv = jnp.einsum("bksgq,bkgqd->bksd", p_t.astype(do.dtype), do, preferred_element_type=_F32)
+    dp_t = jnp.einsum("bksd,bkdgq->bksgq", v, dot, preferred_element_type=_F32)
+    ds_t = p_t * (dp_t - delta[:, :, None])
+    dk = jnp.einsum("bksgq,bkgqd->bksd", ds_t.astype(q.dtype), q, preferred_element_type=_F32)
+    dq_t = jnp.einsum("bkds,bksgq->bkdgq", kt, ds_t.astype(kt.dtype),
+                      preferred_element_type=_F32)
+    return dq_t * scale, dk * scale, dv
 
 
 def backward_blocks(q_blocks, k_blocks, v_blocks, do_blocks, lse, delta, qpos, kpos, qseg, kseg,
                     dq_acc, *, causal, scale, axes):
     """Gradients through one key/value chunk.
 
-    Adds into dq_acc ([n_q, b, block_q, k, g, d] float32) and returns it with this chunk's
-    float32 dK, dV ([n_k, b, block_k, k, d]). One pass: scores are recomputed once.
+    Adds into dq_acc (float32, query layout) and returns it with this chunk's float32 dK, dV
+    (key layout). One pass: scores are recomputed once.
     """
     dkv_zero = _zeros(k_blocks.shape, _F32, axes)
+    kt_blocks = _transposed(k_blocks)
 
     def per_query_block(dkv, xs):
         q, do, lse_q, delta_q, qp, qs, dq = xs
+        qt, dot = _transposed(q, 2), _transposed(do, 2)
 
         def per_key_block(carry, ys):
-            dq, dk_all, dv_all = carry
-            k, v, kp, ks, j = ys
-            mask = _block_mask(qp, kp, qs, ks, causal)
+            dq_t, dk_all, dv_all = carry
+            kt, k, v, kp, ks, j = ys
+            mask_t = _block_mask(qp, kp, qs, ks, causal, transposed=True)
             live = _block_live(qp, kp, qs, ks, causal)
             grads = _maybe(
-                live, lambda _: _backward_block(q, k, v, do, lse_q, delta_q, mask, scale),
-                lambda _: (_zeros(dq.shape, _F32, axes), _zeros(k.shape, _F32, axes),
+                live,
+                lambda _: _backward_block(q, qt, kt, k, v, do, dot, lse_q, delta_q, mask_t, scale),
+                lambda _: (_zeros(dq_t.shape, _F32, axes), _zeros(k.shape, _F32, axes),
                            _zeros(k.shape, _F32, axes)), None)
-            ddq, ddk, ddv = grads
-            return (dq + ddq, dk_all.at[j].add(ddk), dv_all.at[j].add(ddv)), None
+            ddq_t, ddk, ddv = grads
+            return (dq_t + ddq_t, dk_all.at[j].add(ddk), dv_all.at[j].add(ddv)), None
 
         idx = jnp.arange(k_blocks.shape[0])
-        (dq, *dkv), _ = lax.scan(per_key_block, (dq, *dkv), (k_blocks, v_blocks, kpos, kseg, idx))
-        return tuple(dkv), dq
+        dq_t = _zeros(qt.shape, _F32, axes)
+        (dq_t, *dkv), _ = lax.scan(per_key_block, (dq_t, *dkv),
+                                   (kt_blocks, k_blocks, v_blocks, kpos, kseg, idx))
+        return tuple(dkv), dq + jnp.moveaxis(dq_t, 2, -1)
 
     (dk, dv), dq_acc = lax.scan(per_query_block, (dkv_zero, dkv_zero),
                                 (q_blocks, do_blocks, lse, delta, qpos, qseg, dq_acc))
@@ -328,7 +346,7 @@ def _flash_fwd(q, k, v, pos, seg, causal, scale, bq, bk):
                            split_tokens(pos, bk), split_tokens(seg, bq), split_tokens(seg, bk),
                            init_state(q_blocks, axes), causal=causal, scale=scale)
     out, lse = finalize(state, q.dtype)
-    out = merge_q(out_to_q_layout(out))
+    out = merge_q(out)
     return out, (q, k, v, out, lse, pos, seg)
 
 

@@ -171,7 +171,7 @@ def _ring_fwd(q, k, v, pos, seg, axis, causal, scale, bq, bk):
 
     (state, _), _ = lax.scan(step, (bw.init_state(q_blocks, axes), kv), None, length=n)
     out, lse = bw.finalize(state, q.dtype)
-    out = bw.merge_q(bw.out_to_q_layout(out))
+    out = bw.merge_q(out)
     return out, (q, k, v, out, lse, pos, seg)
 
 
