@@ -23,19 +23,24 @@ import jax.numpy as jnp  # noqa: E402
 import long_context as lc  # noqa: E402
 
 
-def measure(attend, args, reps):
-    loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-    compiled = step.lower(*args).compile()
-    mem = compiled.memory_analysis()
-    total = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
-    jax.block_until_ready(compiled(*args))
-    times = []
+def measure(candidates, args, reps):
+    """{name: (median seconds, bytes)}; reps interleave the candidates, so load from other
+    processes hits all of them alike."""
+    steps, mems, times = {}, {}, {name: [] for name in candidates}
+    for name, attend in candidates.items():
+        loss = lambda q, k, v, attend=attend: jnp.sum(attend(q, k, v).astype(jnp.float32))
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+        mem = compiled.memory_analysis()
+        mems[name] = (mem.temp_size_in_bytes + mem.argument_size_in_bytes
+                      + mem.output_size_in_bytes)
+        jax.block_until_ready(compiled(*args))  # warm-up
+        steps[name] = compiled
     for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), total
+        for name, step in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(step(*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(times[name]), mems[name]) for name in candidates}
 
 
 def inputs(t, heads, kv_heads, head_dim, dtype):
@@ -71,9 +76,13 @@ def main():
           f"{'blockwise MiB':>14} {'mem ratio':>10}")
     for t in args.lengths:
         x = inputs(t, args.heads, args.kv_heads, args.head_dim, dtype)
-        secs, mem = measure(ours(args.block_q, args.block_k), x, args.reps)
+        candidates = {"blockwise": ours(args.block_q, args.block_k)}
         if t <= args.dense_max:
-            d_secs, d_mem = measure(dense, x, args.reps)
+            candidates["dense"] = dense
+        results = measure(candidates, x, args.reps)
+        secs, mem = results["blockwise"]
+        if "dense" in results:
+            d_secs, d_mem = results["dense"]
             print(f"{t:>7} {d_secs:>9.3f} {secs:>12.3f} {d_secs / secs:>9.2f} "
                   f"{d_mem / 2**20:>10.1f} {mem / 2**20:>14.1f} {d_mem / mem:>10.1f}")
         else:
@@ -83,8 +92,8 @@ def main():
     if args.sweep:
         x = inputs(args.sweep, args.heads, args.kv_heads, args.head_dim, dtype)
         sizes = [64, 128, 256, 512, 1024]
-        results = {(bq, bk): measure(ours(bq, bk), x, args.reps)
-                   for bq, bk in itertools.product(sizes, sizes)}
+        results = measure({(bq, bk): ours(bq, bk) for bq, bk in itertools.product(sizes, sizes)},
+                          x, args.reps)
         base = results[(args.block_q, args.block_k)][0]
         print(f"\nblock sweep at t={args.sweep}: fwd+bwd seconds (ratio to "
               f"{args.block_q}x{args.block_k})")

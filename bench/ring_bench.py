@@ -84,19 +84,24 @@ def ours_fn(mesh, block, layout):
     return attend
 
 
-def measure(attend, args, reps):
-    loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-    compiled = step.lower(*args).compile()
-    mem = compiled.memory_analysis()
-    per_device = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
-    jax.block_until_ready(compiled(*args))  # warm-up
-    times = []
+def measure(candidates, args, reps):
+    """{name: (median seconds, per-device bytes)}; reps interleave the candidates, so load
+    from other processes hits all of them alike."""
+    steps, mems, times = {}, {}, {name: [] for name in candidates}
+    for name, attend in candidates.items():
+        loss = lambda q, k, v, attend=attend: jnp.sum(attend(q, k, v).astype(jnp.float32))
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+        mem = compiled.memory_analysis()
+        mems[name] = (mem.temp_size_in_bytes + mem.argument_size_in_bytes
+                      + mem.output_size_in_bytes)
+        jax.block_until_ready(compiled(*args))  # warm-up
+        steps[name] = compiled
     for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), per_device
+        for name, step in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(step(*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(times[name]), mems[name]) for name in candidates}
 
 
 def inputs(mesh, b, t, h, d, dtype, seed=0):
@@ -158,7 +163,7 @@ def main():
           f"{'vs peer':>8}")
     for t in args.lengths:
         x = inputs(mesh, 1, t, args.heads, args.head_dim, jnp.float32)
-        results = {name: measure(fn, x, args.reps) for name, fn in candidates.items()}
+        results = measure(candidates, x, args.reps)
         base = results.get("peer")
         for name, (secs, mem) in results.items():
             ratio_t = f"{secs / base[0]:.2f}" if base else "-"
