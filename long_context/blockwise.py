@@ -18,7 +18,6 @@ The block-level pieces (`forward_blocks`, `backward_blocks`, ...) are shared wit
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -31,86 +30,97 @@ DEFAULT_BLOCK_K = 512
 _F32 = jnp.float32
 
 
-def blockwise_attention(q_bthd, k_btkd, v_btkd, *, causal=True, segment_ids=None,
+def blockwise_attention(q_bthd, k_bskd, v_bskd, *, causal=True, segment_ids=None,
                         positions=None, scale=None, block_q=DEFAULT_BLOCK_Q,
-                        block_k=DEFAULT_BLOCK_K):
-    """Softmax attention over [b, t, h, d] queries and [b, t, k, d] keys/values (h = k * g).
+                        block_k=DEFAULT_BLOCK_K, kv_segment_ids=None, kv_positions=None):
+    """Softmax attention over [b, t, h, d] queries and [b, s, k, d] keys/values (h = k * g).
 
-    segment_ids: [b, t] int, 0 = padding (see module doc). positions: [b, t] int for the causal
-    rule (q_pos >= k_pos); default arange. scale: default d ** -0.5. Blocks larger than t are
-    clipped to t; t is padded internally to a multiple of the blocks. Returns [b, t, h, d] in
-    the dtype of q.
+    segment_ids / positions: [b, t] ints of the queries (0 = padding, see module doc);
+    positions default to arange. kv_segment_ids / kv_positions: the same for the keys; they
+    default to the query ones when s == t (self-attention) and to arange(s) / none otherwise
+    (e.g. prefill into a cache: pass both sides). scale: default d ** -0.5. Blocks are
+    clipped to the lengths, which are padded internally to multiples of the blocks.
+    Returns [b, t, h, d] in the dtype of q.
     """
-    b, t, _, d = check_qkv(q_bthd, k_btkd, v_btkd)
-    positions, segment_ids = check_tokens(positions, segment_ids, b, t)
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    b, t, s, d = check_qkv(q_bthd, k_bskd, v_bskd)
+    tokens = check_tokens(b, t, s, positions, segment_ids, kv_positions, kv_segment_ids)
     scale = d ** -0.5 if scale is None else float(scale)
-    bq, bk, t_pad = block_sizes(t, block_q, block_k)
-    q, k, v, pos, seg = pad_time(q_bthd, k_btkd, v_btkd, positions, segment_ids, t_pad)
-    out = _flash(q, k, v, pos, seg, bool(causal), scale, bq, bk)
-    return out[:, :t]
+    *args, bq, bk = pad_to_blocks(q_bthd, k_bskd, v_bskd, *tokens, block_q, block_k)
+    return _flash(*args, bool(causal), scale, bq, bk)[:, :t]
 
 
 # ----------------------------------------------------------------------------- checks, padding
 
 
-def check_qkv(q_bthd, k_btkd, v_btkd):
-    """Validates shapes and dtypes; returns (b, t, h, d)."""
-    if q_bthd.ndim != 4 or k_btkd.ndim != 4 or v_btkd.ndim != 4:
+def check_qkv(q_bthd, k_bskd, v_bskd):
+    """Validates shapes and dtypes; returns (b, t, s, d)."""
+    if q_bthd.ndim != 4 or k_bskd.ndim != 4 or v_bskd.ndim != 4:
         raise ValueError(f"q, k, v must be [batch, time, heads, head_dim]; got shapes "
-                         f"{q_bthd.shape}, {k_btkd.shape}, {v_btkd.shape}")
-    if k_btkd.shape != v_btkd.shape:
-        raise ValueError(f"k and v must have the same shape; got {k_btkd.shape} and "
-                         f"{v_btkd.shape}")
+                         f"{q_bthd.shape}, {k_bskd.shape}, {v_bskd.shape}")
+    if k_bskd.shape != v_bskd.shape:
+        raise ValueError(f"k and v must have the same shape; got {k_bskd.shape} and "
+                         f"{v_bskd.shape}")
     b, t, h, d = q_bthd.shape
-    if k_btkd.shape[:2] != (b, t) or k_btkd.shape[3] != d:
-        raise ValueError(f"k/v {k_btkd.shape} must match q {q_bthd.shape} in batch, time and "
-                         f"head_dim (self-attention over one sequence)")
-    if h % k_btkd.shape[2]:
+    if k_bskd.shape[0] != b or k_bskd.shape[3] != d:
+        raise ValueError(f"k/v {k_bskd.shape} must match q {q_bthd.shape} in batch and "
+                         f"head_dim")
+    if h % k_bskd.shape[2]:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads "
-                         f"({k_btkd.shape[2]}) for grouped-query attention")
-    if not (q_bthd.dtype == k_btkd.dtype == v_btkd.dtype):
-        raise ValueError(f"q, k, v must share a dtype; got {q_bthd.dtype}, {k_btkd.dtype}, "
-                         f"{v_btkd.dtype}")
-    return b, t, h, d
+                         f"({k_bskd.shape[2]}) for grouped-query attention")
+    if not (q_bthd.dtype == k_bskd.dtype == v_bskd.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q_bthd.dtype}, {k_bskd.dtype}, "
+                         f"{v_bskd.dtype}")
+    return b, t, k_bskd.shape[1], d
 
 
-def check_tokens(positions, segment_ids, b, t):
-    """Validates [b, t] integer positions / segment ids (either may be None); casts to int32."""
-    out = []
-    for name, x in (("positions", positions), ("segment_ids", segment_ids)):
+def check_tokens(b, t, s, positions, segment_ids, kv_positions=None, kv_segment_ids=None):
+    """Validates and completes (q_pos, q_seg, kv_pos, kv_seg): int32 [b, t] / [b, s].
+
+    Key-side arrays default to the query-side ones when s == t; positions default to arange;
+    segment ids stay None only if neither side has them.
+    """
+    named = {"positions": (positions, t), "segment_ids": (segment_ids, t),
+             "kv_positions": (kv_positions, s), "kv_segment_ids": (kv_segment_ids, s)}
+    out = {}
+    for name, (x, length) in named.items():
         if x is not None:
-            if x.shape != (b, t):
-                raise ValueError(f"{name} must have shape [batch, time] = {(b, t)}; "
+            if x.shape != (b, length):
+                raise ValueError(f"{name} must have shape [batch, length] = {(b, length)}; "
                                  f"got {x.shape}")
             if not jnp.issubdtype(x.dtype, jnp.integer):
                 raise ValueError(f"{name} must be integers; got {x.dtype}")
-            x = x.astype(jnp.int32)
-        out.append(x)
-    return tuple(out)
+            x = jnp.asarray(x, jnp.int32)
+        out[name] = x
+    if s == t:
+        out["kv_positions"] = _first(out["kv_positions"], out["positions"])
+        out["kv_segment_ids"] = _first(out["kv_segment_ids"], out["segment_ids"])
+    if (out["segment_ids"] is None) != (out["kv_segment_ids"] is None):
+        raise ValueError("pass both segment_ids and kv_segment_ids (queries and keys have "
+                         "different lengths) or neither")
+    for name, length in (("positions", t), ("kv_positions", s)):
+        if out[name] is None:
+            out[name] = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+    return out["positions"], out["segment_ids"], out["kv_positions"], out["kv_segment_ids"]
 
 
-def block_sizes(t, block_q, block_k):
-    """Clips blocks to t; returns (block_q, block_k, padded t)."""
+def _first(x, default):
+    return default if x is None else x
+
+
+def pad_to_blocks(q, k, v, q_pos, q_seg, kv_pos, kv_seg, block_q, block_k):
+    """Clips the blocks to the lengths and pads queries / keys to multiples of them; padded
+    tokens get segment id 0 (padding). Returns the padded arrays and (block_q, block_k)."""
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block sizes must be positive; got {block_q}, {block_k}")
-    bq, bk = min(block_q, t), min(block_k, t)
-    step = math.lcm(bq, bk)
-    return bq, bk, -(-t // step) * step
-
-
-def pad_time(q, k, v, positions, segment_ids, t_pad):
-    """Pads the time axis to t_pad; padded tokens get segment id 0 (padding)."""
-    t = q.shape[1]
-    if t_pad == t:
-        return q, k, v, positions, segment_ids
-    b = q.shape[0]
-    if segment_ids is None:
-        segment_ids = jnp.ones((b, t), jnp.int32)
-    widths = [(0, 0), (0, t_pad - t)]
-    q, k, v = (jnp.pad(x, widths + [(0, 0), (0, 0)]) for x in (q, k, v))
-    return q, k, v, jnp.pad(positions, widths), jnp.pad(segment_ids, widths)
+    (b, t), s = q.shape[:2], k.shape[1]
+    bq, bk = min(block_q, t), min(block_k, s)
+    t_pad, s_pad = -(-t // bq) * bq, -(-s // bk) * bk
+    if (t_pad, s_pad) != (t, s) and q_seg is None:
+        q_seg, kv_seg = jnp.ones((b, t), jnp.int32), jnp.ones((b, s), jnp.int32)
+    pad = lambda x, n: x if x is None or x.shape[1] == n else jnp.pad(
+        x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+    return (pad(q, t_pad), pad(k, s_pad), pad(v, s_pad), pad(q_pos, t_pad), pad(q_seg, t_pad),
+            pad(kv_pos, s_pad), pad(kv_seg, s_pad), bq, bk)
 
 
 # ----------------------------------------------------------------------------- block layouts
@@ -333,37 +343,37 @@ def backward_blocks(q_blocks, k_blocks, v_blocks, do_blocks, lse, delta, qpos, k
 # ----------------------------------------------------------------------------- custom VJP
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _flash(q, k, v, pos, seg, causal, scale, bq, bk):
-    return _flash_fwd(q, k, v, pos, seg, causal, scale, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _flash(q, k, v, q_pos, q_seg, kv_pos, kv_seg, causal, scale, bq, bk):
+    return _flash_fwd(q, k, v, q_pos, q_seg, kv_pos, kv_seg, causal, scale, bq, bk)[0]
 
 
-def _flash_fwd(q, k, v, pos, seg, causal, scale, bq, bk):
-    kv_heads = k.shape[2]
-    axes = varying_axes(q, k, v, pos, seg)
-    q_blocks = split_q(q, kv_heads, bq)
-    state = forward_blocks(q_blocks, split_kv(k, bk), split_kv(v, bk), split_tokens(pos, bq),
-                           split_tokens(pos, bk), split_tokens(seg, bq), split_tokens(seg, bk),
-                           init_state(q_blocks, axes), causal=causal, scale=scale)
+def _flash_fwd(q, k, v, q_pos, q_seg, kv_pos, kv_seg, causal, scale, bq, bk):
+    axes = varying_axes(q, k, v, q_pos, q_seg, kv_pos, kv_seg)
+    q_blocks = split_q(q, k.shape[2], bq)
+    state = forward_blocks(q_blocks, split_kv(k, bk), split_kv(v, bk), split_tokens(q_pos, bq),
+                           split_tokens(kv_pos, bk), split_tokens(q_seg, bq),
+                           split_tokens(kv_seg, bk), init_state(q_blocks, axes),
+                           causal=causal, scale=scale)
     out, lse = finalize(state, q.dtype)
     out = merge_q(out)
-    return out, (q, k, v, out, lse, pos, seg)
+    return out, (q, k, v, out, lse, q_pos, q_seg, kv_pos, kv_seg)
 
 
 def _flash_bwd(causal, scale, bq, bk, res, dout):
-    q, k, v, out, lse, pos, seg = res
+    q, k, v, out, lse, q_pos, q_seg, kv_pos, kv_seg = res
     kv_heads = k.shape[2]
     dout = dout.astype(q.dtype)
-    axes = varying_axes(q, k, v, out, lse, pos, seg, dout)
+    axes = varying_axes(res, dout)
     q_blocks, do_blocks = split_q(q, kv_heads, bq), split_q(dout, kv_heads, bq)
     delta = delta_rows(do_blocks, split_q(out, kv_heads, bq))
     dq, dk, dv = backward_blocks(
         q_blocks, split_kv(k, bk), split_kv(v, bk), do_blocks, lse, delta,
-        split_tokens(pos, bq), split_tokens(pos, bk), split_tokens(seg, bq),
-        split_tokens(seg, bk), _zeros(q_blocks.shape, _F32, axes),
+        split_tokens(q_pos, bq), split_tokens(kv_pos, bk), split_tokens(q_seg, bq),
+        split_tokens(kv_seg, bk), _zeros(q_blocks.shape, _F32, axes),
         causal=causal, scale=scale, axes=axes)
     return (merge_q(dq).astype(q.dtype), merge_kv(dk).astype(k.dtype),
-            merge_kv(dv).astype(v.dtype), None, None)
+            merge_kv(dv).astype(v.dtype), None, None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

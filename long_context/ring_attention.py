@@ -45,8 +45,10 @@ def ring_attention(q_bthd, k_btkd, v_btkd, *, mesh, axis="sequence", causal=True
     ("tensor",) present in the mesh; () means replicated. Inputs are resharded to these specs
     if they are not already. Returns [b, t, h, d] sharded like q.
     """
-    b, t, h, _ = bw.check_qkv(q_bthd, k_btkd, v_btkd)
-    positions, segment_ids = bw.check_tokens(positions, segment_ids, b, t)
+    b, t, s, _ = bw.check_qkv(q_bthd, k_btkd, v_btkd)
+    _check_self_attention(t, s)
+    positions, segment_ids, _, _ = bw.check_tokens(b, t, t, positions, segment_ids)
+    h = q_bthd.shape[2]
     if axis not in mesh.axis_names:
         raise ValueError(f"axis {axis!r} is not a mesh axis; the mesh has {mesh.axis_names}")
     n = mesh.shape[axis]
@@ -58,8 +60,6 @@ def ring_attention(q_bthd, k_btkd, v_btkd, *, mesh, axis="sequence", causal=True
     _check_divisible(mesh, head_axes, h, "query heads", "head_axes")
     _check_divisible(mesh, head_axes, k_btkd.shape[2], "kv heads (repeat them up to a "
                      "multiple of the head axes first)", "head_axes")
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
     batch, heads = batch_axes or None, head_axes or None
     spec_x, spec_t = P(batch, axis, heads, None), P(batch, axis)
@@ -86,21 +86,26 @@ def ring_attention_shard(q_bthd, k_btkd, v_btkd, *, axis="sequence", causal=True
     Arguments are the local shards ([b, t_local, ...]). positions default to the contiguous
     layout (axis_index * t_local + arange); pass them for any other layout.
     """
-    b, t, _, d = bw.check_qkv(q_bthd, k_btkd, v_btkd)
-    positions, segment_ids = bw.check_tokens(positions, segment_ids, b, t)
+    b, t, s, d = bw.check_qkv(q_bthd, k_btkd, v_btkd)
+    _check_self_attention(t, s)
     if not isinstance(axis, str):
         raise ValueError(f"axis must be one mesh axis name; got {axis!r}")
     if positions is None:
         start = lax.axis_index(axis).astype(jnp.int32) * t
         positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+    tokens = bw.check_tokens(b, t, t, positions, segment_ids)
     scale = d ** -0.5 if scale is None else float(scale)
-    bq, bk, t_pad = bw.block_sizes(t, block_q, block_k)
-    q, k, v, pos, seg = bw.pad_time(q_bthd, k_btkd, v_btkd, positions, segment_ids, t_pad)
-    out = _ring(q, k, v, pos, seg, axis, bool(causal), scale, bq, bk)
-    return out[:, :t]
+    *args, bq, bk = bw.pad_to_blocks(q_bthd, k_btkd, v_btkd, *tokens, block_q, block_k)
+    return _ring(*args, axis, bool(causal), scale, bq, bk)[:, :t]
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _check_self_attention(t, s):
+    if s != t:
+        raise ValueError(f"ring attention is self-attention over one sharded sequence: k/v "
+                         f"length {s} must equal q length {t}")
 
 
 def _mesh_axes(mesh, given, defaults, seq_axis, name):
@@ -149,18 +154,18 @@ def _rotate(x, axis, n):
 # ----------------------------------------------------------------------------- custom VJP
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _ring(q, k, v, pos, seg, axis, causal, scale, bq, bk):
-    return _ring_fwd(q, k, v, pos, seg, axis, causal, scale, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _ring(q, k, v, q_pos, q_seg, kv_pos, kv_seg, axis, causal, scale, bq, bk):
+    return _ring_fwd(q, k, v, q_pos, q_seg, kv_pos, kv_seg, axis, causal, scale, bq, bk)[0]
 
 
-def _ring_fwd(q, k, v, pos, seg, axis, causal, scale, bq, bk):
+def _ring_fwd(q, k, v, q_pos, q_seg, kv_pos, kv_seg, axis, causal, scale, bq, bk):
     n = lax.axis_size(axis)
-    axes = bw.varying_axes(q, k, v, pos, seg)
+    axes = bw.varying_axes(q, k, v, q_pos, q_seg, kv_pos, kv_seg)
     q_blocks = bw.split_q(q, k.shape[2], bq)
-    qpos, qseg = bw.split_tokens(pos, bq), bw.split_tokens(seg, bq)
-    kv = (bw.split_kv(k, bk), bw.split_kv(v, bk), bw.split_tokens(pos, bk),
-          bw.split_tokens(seg, bk))
+    qpos, qseg = bw.split_tokens(q_pos, bq), bw.split_tokens(q_seg, bq)
+    kv = (bw.split_kv(k, bk), bw.split_kv(v, bk), bw.split_tokens(kv_pos, bk),
+          bw.split_tokens(kv_seg, bk))
 
     def step(carry, _):
         state, kv = carry
@@ -172,20 +177,20 @@ def _ring_fwd(q, k, v, pos, seg, axis, causal, scale, bq, bk):
     (state, _), _ = lax.scan(step, (bw.init_state(q_blocks, axes), kv), None, length=n)
     out, lse = bw.finalize(state, q.dtype)
     out = bw.merge_q(out)
-    return out, (q, k, v, out, lse, pos, seg)
+    return out, (q, k, v, out, lse, q_pos, q_seg, kv_pos, kv_seg)
 
 
 def _ring_bwd(axis, causal, scale, bq, bk, res, dout):
-    q, k, v, out, lse, pos, seg = res
+    q, k, v, out, lse, q_pos, q_seg, kv_pos, kv_seg = res
     n = lax.axis_size(axis)
     kv_heads = k.shape[2]
     dout = dout.astype(q.dtype)
-    axes = bw.varying_axes(q, k, v, out, lse, pos, seg, dout)
+    axes = bw.varying_axes(res, dout)
     q_blocks, do_blocks = bw.split_q(q, kv_heads, bq), bw.split_q(dout, kv_heads, bq)
     delta = bw.delta_rows(do_blocks, bw.split_q(out, kv_heads, bq))
-    qpos, qseg = bw.split_tokens(pos, bq), bw.split_tokens(seg, bq)
-    kv = (bw.split_kv(k, bk), bw.split_kv(v, bk), bw.split_tokens(pos, bk),
-          bw.split_tokens(seg, bk))
+    qpos, qseg = bw.split_tokens(q_pos, bq), bw.split_tokens(q_seg, bq)
+    kv = (bw.split_kv(k, bk), bw.split_kv(v, bk), bw.split_tokens(kv_pos, bk),
+          bw.split_tokens(kv_seg, bk))
     dkv_zero = bw.make_varying(jnp.zeros(kv[0].shape, _F32), axes)
 
     def step(carry, _):
@@ -203,7 +208,7 @@ def _ring_bwd(axis, causal, scale, bq, bk, res, dout):
     (dq, _, dkv), _ = lax.scan(step, (dq0, kv, (dkv_zero, dkv_zero)), None, length=n)
     dk, dv = _rotate(dkv, axis, n)  # the last hop brings each shard's gradient home
     return (bw.merge_q(dq).astype(q.dtype), bw.merge_kv(dk).astype(k.dtype),
-            bw.merge_kv(dv).astype(v.dtype), None, None)
+            bw.merge_kv(dv).astype(v.dtype), None, None, None, None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

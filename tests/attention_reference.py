@@ -10,22 +10,29 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def dense_attention(q_bthd, k_btkd, v_btkd, *, causal, segment_ids=None, positions=None):
-    """softmax(q k^T / sqrt(d) + mask) v; rows with nothing visible give zeros."""
+def dense_attention(q_bthd, k_bskd, v_bskd, *, causal, segment_ids=None, positions=None,
+                    kv_segment_ids=None, kv_positions=None):
+    """softmax(q k^T / sqrt(d) + mask) v; rows with nothing visible give zeros.
+
+    Key-side positions / segment ids default to the query-side ones.
+    """
     b, t, h, d = q_bthd.shape
-    group = h // k_btkd.shape[2]
-    k = jnp.repeat(k_btkd, group, axis=2).astype(jnp.float32)
-    v = jnp.repeat(v_btkd, group, axis=2).astype(jnp.float32)
+    s_len = k_bskd.shape[1]
+    group = h // k_bskd.shape[2]
+    k = jnp.repeat(k_bskd, group, axis=2).astype(jnp.float32)
+    v = jnp.repeat(v_bskd, group, axis=2).astype(jnp.float32)
     q = q_bthd.astype(jnp.float32)
     s = jnp.einsum("bqhd,bshd->bhqs", q, k, precision="highest") / np.sqrt(d)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    mask = jnp.ones((b, t, t), bool)
+    kv_positions = positions if kv_positions is None else kv_positions
+    kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+    mask = jnp.ones((b, t, s_len), bool)
     if causal:
-        mask &= positions[:, :, None] >= positions[:, None, :]
+        mask &= positions[:, :, None] >= kv_positions[:, None, :]
     if segment_ids is not None:
-        mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
-        mask &= segment_ids[:, None, :] != 0
+        mask &= segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+        mask &= kv_segment_ids[:, None, :] != 0
     mask = mask[:, None]
     p = jax.nn.softmax(jnp.where(mask, s, -1e30), axis=-1)
     p = p * jnp.any(mask, axis=-1, keepdims=True)

@@ -49,6 +49,28 @@ def test_matches_dense_softmax(causal, h, kv_heads, t, block_q, block_k, packed,
         assert_close(g, rg, TOL, f"d{name}")
 
 
+def test_queries_against_a_longer_cache():
+    # Prefill of 40 new tokens into a 96-slot cache holding 30 old ones; 26 slots are empty.
+    b, t, s, h, d = 2, 40, 96, 4, 16
+    q, _, _, w = qkv(b, t, h, 2, d, seed=4)
+    _, k, v, _ = qkv(b, s, h, 2, d, seed=5)
+    pos = jnp.broadcast_to(30 + jnp.arange(t), (b, t))
+    kv_pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+    seg = jnp.ones((b, t), jnp.int32)
+    kv_seg = (kv_pos < 70).astype(jnp.int32)
+    kw = dict(causal=True, segment_ids=seg, positions=pos, kv_segment_ids=kv_seg,
+              kv_positions=kv_pos)
+    out, grads = out_and_grads(
+        lambda q, k, v: blockwise_attention(q, k, v, block_q=16, block_k=32, **kw), q, k, v, w)
+    ref_out, ref_grads = out_and_grads(lambda q, k, v: dense_attention(q, k, v, **kw),
+                                       q, k, v, w)
+    assert_close(out, ref_out, TOL, "output")
+    for name, g, rg in zip("qkv", grads, ref_grads):
+        assert_close(g, rg, TOL, f"d{name}")
+    with pytest.raises(ValueError, match="pass both segment_ids and kv_segment_ids"):
+        blockwise_attention(q, k, v, segment_ids=seg)
+
+
 def test_padding_rows_are_zero_with_zero_gradients():
     b, t, h, d = 2, 64, 4, 16
     q, k, v, w = qkv(b, t, h, 2, d, seed=1)
