@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Good on GPU/TPU; on CPU 128-256 is as fast (see docs/benchmarks.md).
+# Within a few percent of the best on CPU (the sweep in docs/benchmarks.md); on GPU try
+# larger blocks with bench/gpu_attention.py.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
 

@@ -68,7 +68,7 @@ def ring_attention(q_bthd, k_btkd, v_btkd, *, mesh, axis="sequence", causal=True
     if segment_ids is not None:
         args.append(segment_ids)
         specs.append(spec_t)
-    args = [_reshard(x, mesh, s) for x, s in zip(args, specs)]
+    args = [_reshard(x, mesh, spec) for x, spec in zip(args, specs)]
 
     def per_shard(q, k, v, pos, seg=None):
         return ring_attention_shard(q, k, v, axis=axis, causal=causal, segment_ids=seg,
