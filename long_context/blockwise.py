@@ -249,22 +249,21 @@ def _forward_block(q_bkgqd, kt_bkds, v_bksd, mask, state, scale):
 def forward_blocks(q_blocks, k_blocks, v_blocks, qpos, kpos, qseg, kseg, state, *, causal,
                    scale):
     """Folds one key/value chunk (all its blocks) into the running state of every query."""
+    kt_blocks = _transposed(k_blocks)
 
     def per_query_block(xs):
         q, qp, qs, *carry = xs
 
         def per_key_block(carry, ys):
-            k, v, kp, ks = ys
+            kt, v, kp, ks = ys
             mask = _block_mask(qp, kp, qs, ks, causal)
             live = _block_live(qp, kp, qs, ks, causal)
-            new = _maybe(live, lambda c: _forward_block(q, k, v, mask, c, scale),
+            new = _maybe(live, lambda c: _forward_block(q, kt, v, mask, c, scale),
                          lambda c: c, carry)
             return new, None
 
         carry, _ = lax.scan(per_key_block, tuple(carry), (kt_blocks, v_blocks, kpos, kseg))
         return carry
-
-    kt_blocks = _transposed(k_blocks)
 
     return lax.map(per_query_block, (q_blocks, qpos, qseg, *state))
 
