@@ -13,10 +13,14 @@ Standard library only, Python >= 3.8 syntax: it runs on whatever python3 the san
 has. Wire format: 4-byte big-endian length + UTF-8 JSON, bytes as base64.
 """
 
+import atexit
 import base64
+import builtins
 import gc
 import json
+import linecache
 import os
+import resource
 import select
 import shutil
 import signal
@@ -25,6 +29,8 @@ import stat
 import struct
 import sys
 import time
+import traceback
+import types
 
 _MAX_FRAME = 1 << 30
 _READ_CHUNK = 1 << 16
@@ -286,31 +292,40 @@ def remove_sysv_ipc():
 # The child
 # ---------------------------------------------------------------------------------------------
 
-def _child(cfg, req, workdir, stdin_fd, out_w, err_w):
-    """In the forked child: isolate, limit, then run. Never returns."""
+def _child(cfg, out_w, err_w, ctl_r):
+    """In the forked child: isolate and join the run cgroup, then wait (parked) for the
+    request, limit, and run it. Never returns."""
     try:
         os.setsid()
-        for fd, target in ((stdin_fd, 0), (out_w, 1), (err_w, 2)):
-            os.dup2(fd, target)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.dup2(ctl_r, 3)
+        os.closerange(4, os.sysconf("SC_OPEN_MAX"))
         for path in cfg.get("join_cgroup", ()):  # first: all the run starts is limited
             with open(path, "w") as f:
                 f.write("0")
-        if cfg.get("oom_adj"):
+        if cfg.get("oom_adj"):  # the OOM killer picks the run, not the server
             try:
                 with open("/proc/self/oom_score_adj", "w") as f:
                     f.write("1000")
             except OSError:
                 pass
-        _set_rlimits(cfg, req)
-        os.chdir(workdir)
-        env = {"PATH": cfg["path"], "HOME": workdir, "TMPDIR": cfg["tmpdir"],
+        env = {"PATH": cfg["path"], "HOME": cfg["workdir"], "TMPDIR": cfg["tmpdir"],
                "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-        env.update(req["env"])
         os.environ.clear()
         os.environ.update(env)
+        req = _read_request(3)
+        os.close(3)
+        stdin_fd = _stdin_fd(req["stdin"])
+        os.dup2(stdin_fd, 0)
+        os.close(stdin_fd)
+        _set_rlimits(cfg, req)
+        os.chdir(cfg["workdir"])
+        if req["env"]:
+            os.environ.update(req["env"])
+            env.update(req["env"])
         if req["code"] is not None and req["language"] == "python":
-            _run_python(req["code"], workdir)
+            _run_python(req["code"], cfg["workdir"])
         if req["code"] is not None:
             argv = ["bash", "-c", req["code"]]
         else:
@@ -329,8 +344,23 @@ def _child(cfg, req, workdir, stdin_fd, out_w, err_w):
             os._exit(126)
 
 
+def _read_request(fd):
+    (size,) = struct.unpack(">Q", _read_exact(fd, 8))
+    return json.loads(_read_exact(fd, size).decode("utf-8"))
+
+
+def _read_exact(fd, n):
+    chunks, got = [], 0
+    while got < n:
+        chunk = os.read(fd, min(n - got, 1 << 20))
+        if not chunk:
+            raise EOFError("the server went away")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
 def _set_rlimits(cfg, req):
-    import resource
     timeout = req["timeout_s"]
     limits = [
         (resource.RLIMIT_CORE, 0),
@@ -350,9 +380,6 @@ def _set_rlimits(cfg, req):
 def _run_python(code, workdir):
     """Run `code` as the __main__ of this (forked) interpreter, the way `python main.py`
     would, then exit with the status Python would."""
-    import builtins
-    import linecache
-    import types
     filename = "main.py"
     sys.argv = [filename]
     sys.path.insert(0, workdir)
@@ -388,7 +415,6 @@ def _report(exc_type, exc, tb):
     the traceback module, which reads the program's source from linecache (it is not on
     disk); a hook the program installed is honoured."""
     if sys.excepthook is sys.__excepthook__:
-        import traceback
         traceback.print_exception(exc_type, exc, tb)
     else:
         sys.excepthook(exc_type, exc, tb)
@@ -416,7 +442,6 @@ def _shutdown(status):
     except BaseException:  # noqa: BLE001
         pass
     try:
-        import atexit
         atexit._run_exitfuncs()
     except BaseException:  # noqa: BLE001
         pass
@@ -473,9 +498,42 @@ def _stdin_fd(data):
         import tempfile
         fd, path = tempfile.mkstemp()
         os.unlink(path)
-    _write_all(fd, raw)
+    view = memoryview(raw)
+    while view:
+        view = view[os.write(fd, view):]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
+
+
+class Parked:
+    """A child forked ahead of its run (after the previous run ended and was cleaned up),
+    parked on a pipe until the request comes: the fork and the set-up common to all runs
+    are off the critical path of the next run."""
+
+    def __init__(self, cfg):
+        self.out_r, out_w = os.pipe()
+        self.err_r, err_w = os.pipe()
+        ctl_r, self.ctl_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            _child(cfg, out_w, err_w, ctl_r)
+        for fd in (out_w, err_w, ctl_r):
+            os.close(fd)
+        try:
+            self.pidfd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            self.pidfd = None
+
+    def start(self, req):
+        """Hand the child its request; False if it is gone (then the run reports that)."""
+        data = json.dumps(req, separators=(",", ":")).encode("utf-8")
+        try:
+            _write_all(self.ctl_w, struct.pack(">Q", len(data)) + data)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(self.ctl_w)
 
 
 def _write_all(fd, data):
@@ -484,26 +542,17 @@ def _write_all(fd, data):
         view = view[os.write(fd, view):]
 
 
-def run_one(cfg, req, chan, killer):
-    """Run one request; returns the result dict (and whether the host went away)."""
-    workdir = cfg["workdir"]
-    os.makedirs(workdir, exist_ok=True)
-    try:
-        write_files(workdir, req["files"])
-    except (OSError, ValueError) as e:
-        return {"error": "cannot lay out the files: %s" % (e,)}, False
-    stdin_fd = _stdin_fd(req["stdin"])
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
+def run_one(cfg, req, chan, killer, parked):
+    """Run one request (its files already laid out) in the parked child; returns the result
+    dict and whether the host went away."""
     statuses = {}
+    pid, pidfd = parked.pid, parked.pidfd
+    child_req = {k: req[k] for k in ("code", "language", "command", "env", "stdin",
+                                     "timeout_s", "max_file_mb", "max_open_files")}
     start = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        _child(cfg, req, workdir, stdin_fd, out_w, err_w)
-    for fd in (stdin_fd, out_w, err_w):
-        os.close(fd)
-    outs = {out_r: Capture(out_r, req["max_output_bytes"]),
-            err_r: Capture(err_r, req["max_output_bytes"])}
+    parked.start(child_req)
+    outs = {parked.out_r: Capture(parked.out_r, req["max_output_bytes"]),
+            parked.err_r: Capture(parked.err_r, req["max_output_bytes"])}
     for fd in outs:
         os.set_blocking(fd, False)
     poller = select.poll()
@@ -511,11 +560,8 @@ def run_one(cfg, req, chan, killer):
         poller.register(fd, select.POLLIN)
     chan_fd = chan.fileno()
     poller.register(chan_fd, select.POLLIN)
-    try:
-        pidfd = os.pidfd_open(pid)
+    if pidfd is not None:
         poller.register(pidfd, select.POLLIN)
-    except (AttributeError, OSError):
-        pidfd = None
     deadline = start + req["timeout_s"]
     timed_out = host_gone = False
     end = None
@@ -547,7 +593,7 @@ def run_one(cfg, req, chan, killer):
             pass
         os.close(fd)
     exit_code, sig = _exit_status(statuses[pid]) if pid in statuses else (None, None)
-    out, err = outs[out_r], outs[err_r]
+    out, err = outs[parked.out_r], outs[parked.err_r]
     result = {
         "stdout": out.value(), "stderr": err.value(),
         "stdout_truncated": out.truncated, "stderr_truncated": err.truncated,
@@ -555,7 +601,8 @@ def run_one(cfg, req, chan, killer):
         "duration_s": end - start, "clean": clean,
     }
     if req["return_files"]:
-        result["files"], result["files_truncated"] = read_files(workdir, req["max_files_bytes"])
+        result["files"], result["files_truncated"] = read_files(cfg["workdir"],
+                                                                req["max_files_bytes"])
     return result, host_gone
 
 
@@ -601,6 +648,8 @@ def serve(cfg):
     gc.collect()
     if hasattr(gc, "freeze"):
         gc.freeze()  # keep the children's copy-on-write pages shared
+    # No child yet: the host moves this process into its cgroup once it reads "ready".
+    parked = None
     send_frame(chan, {"ready": True, "pid": os.getpid(), "python": sys.version.split()[0]})
     while True:
         try:
@@ -611,11 +660,19 @@ def serve(cfg):
             break
         op = msg.get("op")
         if op == "run":
-            result, host_gone = run_one(cfg, msg["request"], chan, killer)
-            if host_gone:
-                break
-            if not reset(cfg, modes):
-                result["clean"] = False  # the host replaces this worker
+            try:
+                write_files(cfg["workdir"], msg["request"]["files"])
+            except (OSError, ValueError) as e:
+                result = {"error": "cannot lay out the files: %s" % (e,)}
+                reset(cfg, modes)
+            else:
+                result, host_gone = run_one(cfg, msg["request"], chan, killer,
+                                            parked or Parked(cfg))
+                parked = None
+                if host_gone:
+                    break
+                if not reset(cfg, modes):
+                    result["clean"] = False  # the host replaces this worker
         elif op == "put":
             try:
                 write_files(cfg["workdir"], msg["files"])
@@ -625,14 +682,16 @@ def serve(cfg):
         elif op == "files":
             files, truncated = read_files(cfg["workdir"], msg["max_bytes"])
             result = {"files": files, "files_truncated": truncated}
-        elif op == "ping":
-            result = {"ok": True}
+        elif op == "status":
+            result = {"parked": parked.pid if parked else None}
         else:
             result = {"error": "unknown op %r" % (op,)}
         try:
             send_frame(chan, result)
         except OSError:
             break
+        if parked is None:
+            parked = Parked(cfg)  # the next run's child, forked while the host reads this
     killer.kill_all({})
     for path in cfg.get("remove_on_exit", ()):
         shutil.rmtree(path, ignore_errors=True)

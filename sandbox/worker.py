@@ -86,9 +86,12 @@ class Worker:
         return files, reply["files_truncated"]
 
     def processes(self) -> list[int]:
-        """Host pids of what runs in the sandbox besides the fork server (for checks)."""
-        handle = self._live_handle()
-        return handle.processes()
+        """Host pids of every process in the sandbox besides the fork server and the child it
+        keeps parked for the next run: what a run left behind (for checks)."""
+        with self._lock:
+            parked = self._call({"op": "status"}, _WATCHDOG_GRACE_S)["parked"]
+            pids = self._live_handle().processes()
+        return [p for p in pids if _namespace_pid(p) != parked]
 
     @property
     def server_pid(self) -> int | None:
@@ -126,6 +129,18 @@ class Worker:
             handle.kill()
             raise WorkerError(f"the {self.backend} sandbox worker failed ({why})")
         return reply
+
+
+def _namespace_pid(pid: int) -> int | None:
+    """`pid` as its own PID namespace sees it (the innermost NSpid)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except OSError:
+        pass
+    return None
 
 
 def _to_result(reply: dict, backend: str, request: Request, oom_before, oom_after) -> Result:
