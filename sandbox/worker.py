@@ -10,6 +10,7 @@ case a caller may retry.
 import base64
 import logging
 import threading
+import weakref
 
 from sandbox import backends, forkserver
 from sandbox.request import Request
@@ -42,6 +43,9 @@ class Worker:
         self._lock = threading.Lock()
         self._handle = backends.start(self.spec, self.limits, persist=persist,
                                       preimport=preimport)
+        # Stops the server if the worker is dropped without close() (it would also stop on
+        # its own once the socket closes, but the cgroups and locks are ours to release).
+        self._finalizer = weakref.finalize(self, self._handle.stop)
         self.runs = 0
 
     @property
@@ -99,9 +103,8 @@ class Worker:
 
     def close(self) -> None:
         """Stop the server and remove all it made (processes, dirs, cgroups); idempotent."""
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            handle.stop()
+        self._handle = None
+        self._finalizer()
 
     def __enter__(self):
         return self
@@ -126,6 +129,7 @@ class Worker:
             why = "it closed the connection"
         if reply is None:
             self._handle = None
+            self._finalizer.detach()
             handle.kill()
             raise WorkerError(f"the {self.backend} sandbox worker failed ({why})")
         return reply

@@ -58,6 +58,18 @@ def test_result_status_and_describe():
     assert sandbox.Result(signal=9, oom=True).status == "oom"
 
 
+def test_request_dict_round_trips_through_json_and_rejects_unknown_keys():
+    req = sandbox.Request(code="print(1)", files={"a.txt": "hi", "b.bin": b"\xff"},
+                          stdin=b"\x80", env={"K": "V"}, timeout_s=2.5)
+    d = json.loads(json.dumps(req.to_dict()))
+    assert d["files"] == {"a.txt": "hi"} and d["stdin_b64"] == "gA=="
+    assert sandbox.Request.from_dict(d) == req
+    with pytest.raises(ValueError, match="unknown request keys"):
+        sandbox.Request.from_dict({"code": "1", "timeout": 3})
+    with pytest.raises(ValueError, match="base64"):
+        sandbox.Request.from_dict({"code": "1", "stdin_b64": "!!"})
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(), "exactly one"),
     (dict(code="1", command=["true"]), "exactly one"),
@@ -169,6 +181,15 @@ def test_returned_files_respect_the_byte_budget(backend):
     files = {"a": b"1" * 600, "b": b"2" * 600}
     r = run(backend, "pass", files=files, return_files=True, max_files_bytes=1000)
     assert r.files_truncated and r.files == {"a": b"1" * 600}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_memory_limit_allows_most_of_memory_mb_and_stops_beyond_it(backend):
+    touch = "x = bytearray({mb} << 20)\nx[::4096] = b'y' * len(x[::4096])\nprint('held')"
+    within = run(backend, touch.format(mb=160 - 48), memory_mb=160)
+    beyond = run(backend, touch.format(mb=160 + 64), memory_mb=160)
+    assert within.ok and within.stdout == b"held\n", within
+    assert beyond.oom and not beyond.ok and beyond.stdout == b"", beyond
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
