@@ -479,7 +479,7 @@ def _start_bwrap(handle, spec, limits, persist, modules, server_end):
     # kill(-1) from PID 1 of the namespace reaches every process of a run; the cgroup (or,
     # without one, RLIMIT_NPROC on the worker's own uid) bounds how many there are.
     handle.cgroup = _new_cgroup(limits)
-    extra = {"oom_adj": True, "sysv_ipc": True, "nproc": limits.max_processes + 2}
+    extra = {"oom_adj": True, "sysv_ipc": True, "nproc": limits.max_processes + 1}  # + server
     join_files = []
     if handle.cgroup is None:
         extra["address_space_mb"] = limits.memory_mb

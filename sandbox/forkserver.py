@@ -2,15 +2,16 @@
 
 It is started once per worker (by `sandbox/backends.py`, as `python3 -I -X utf8 -c <this
 source> <config json>`), imports common modules, then serves runs one at a time over a
-socket. For each run it forks a fresh child, which drops into its own session with rlimits,
-and either runs the Python code in-process (no interpreter start: the fast path) or execs the
-command. When the main process ends or the timeout passes, every other process of the run is
-killed (the server is PID 1 of its PID namespace under bwrap and docker, so `kill(-1)` reaches
-them all; under the process backend it kills its cgroup or, without one, its descendants as a
+socket. Each run gets a fresh child, forked after the previous run was cleaned up and parked
+(own session, run cgroup joined) until its request comes; it then sets its rlimits and either
+runs the Python code in-process (no interpreter start: the fast path) or execs the command.
+When the main process ends or the timeout passes, every other process of the run is killed
+(the server is PID 1 of its PID namespace under bwrap and docker, so `kill(-1)` reaches them
+all; under the process backend it kills the run cgroup or, without one, its descendants as a
 child subreaper), the scratch directories are wiped, and the result goes back.
 
 Standard library only, Python >= 3.8 syntax: it runs on whatever python3 the sandbox image
-has. Wire format: 4-byte big-endian length + UTF-8 JSON, bytes as base64.
+has. Wire format to the host: 4-byte big-endian length + UTF-8 JSON, bytes as base64.
 """
 
 import atexit
@@ -267,9 +268,8 @@ def wipe(path):
 def remove_sysv_ipc():
     """Remove SysV shared memory, semaphores and message queues a run left in this IPC
     namespace (they would outlive its processes)."""
-    kinds = (("shm", 71), ("sem", 66), ("msg", 71))  # (proc file, *ctl function), IPC_RMID=0
     libc = None
-    for name, _ in kinds:
+    for name in ("shm", "sem", "msg"):
         try:
             with open("/proc/sysvipc/" + name) as f:
                 lines = f.read().splitlines()[1:]
@@ -280,12 +280,10 @@ def remove_sysv_ipc():
             if libc is None:
                 import ctypes
                 libc = ctypes.CDLL(None, use_errno=True)
-            if name == "shm":
-                libc.shmctl(ident, 0, None)
-            elif name == "sem":
-                libc.semctl(ident, 0, 0)
+            if name == "sem":
+                libc.semctl(ident, 0, 0)  # IPC_RMID = 0
             else:
-                libc.msgctl(ident, 0, None)
+                getattr(libc, name + "ctl")(ident, 0, None)
 
 
 # ---------------------------------------------------------------------------------------------

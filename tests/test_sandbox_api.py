@@ -192,6 +192,36 @@ def test_memory_limit_allows_most_of_memory_mb_and_stops_beyond_it(backend):
     assert beyond.oom and not beyond.ok and beyond.stdout == b"", beyond
 
 
+@pytest.mark.parametrize("backend", backend_params(("process", "bwrap")))
+def test_without_cgroups_rlimits_bound_memory_and_processes(backend, monkeypatch):
+    """The fallback on machines without writable cgroups: RLIMIT_AS for memory, and
+    RLIMIT_NPROC on the sandbox's own uid for processes (not for a root caller's
+    process backend, which docs/sandbox.md says)."""
+    monkeypatch.setattr(sandbox.cgroups, "layout", lambda: None)
+    with sandbox.Worker(backend, sandbox.Limits(memory_mb=160, max_processes=8)) as worker:
+        assert worker._handle.cgroup is None
+        big = worker.run(sandbox.Request(code="x = b'x' * (400 << 20)"))
+        assert big.oom and big.stderr.rstrip().endswith(b"MemoryError"), big
+        small = worker.run(sandbox.Request(code="x = b'x' * (40 << 20)\nprint(len(x) >> 20)"))
+        assert small.stdout == b"40\n", small
+        if backend == "process" and os.geteuid() == 0:
+            return
+        forks = worker.run(sandbox.Request(code=textwrap.dedent("""
+            import os
+            n = 0
+            try:
+                while True:
+                    if os.fork() == 0:
+                        import time; time.sleep(100)
+                    n += 1
+            except OSError:
+                print('limited', n)
+        """), timeout_s=5))
+        word, n = forks.stdout.split()
+        assert word == b"limited" and int(n) < 8, forks
+        assert worker.processes() == []
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cold_sandbox_gives_the_same_result_as_the_fork_server(backend):
     code = "import sys\nprint(sys.argv, __name__)\nraise SystemExit(5)\n"
