@@ -205,6 +205,9 @@ class Handle:
                     pids = [int(p) for p in f.read().split()]
             except OSError:
                 pids = []
+        elif self.container is not None:  # a cgroup layout we do not read: ask docker
+            top = self.container.top(ps_args="-o pid")
+            pids = [int(row[0]) for row in top["Processes"] or []]
         else:
             pids = _descendants(self.proc.pid) if self.proc else []
         skip = {self.server_pid} | ({self.proc.pid} if self.proc else set())
