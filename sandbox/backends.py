@@ -3,14 +3,14 @@
 - `Process()`: a plain child process: rlimits, its own session, a fresh temp work dir, a
   scrubbed environment, a memory+pids cgroup where the machine allows (else rlimits), and the
   whole tree killed after every run. Not a security boundary.
-- `Bwrap()`: bubblewrap: new user/pid/net/ipc/uts/mount/cgroup namespaces, read-only root
-  with only /usr (and a synthetic /etc/passwd) from the host, private tmpfs /tmp, /work and
-  /dev/shm, an unprivileged host uid of its own per worker (when the caller is root), no new
-  privileges, no nested user namespaces, cgroup memory+pids limits where available.
+- `Bwrap()`: bubblewrap: new user/pid/net/ipc/uts/mount namespaces, read-only root with only
+  /usr (and a synthetic /etc/passwd) from the host, private tmpfs /tmp, /work and /dev/shm,
+  an unprivileged host uid of its own per worker (when the caller is root), no capabilities,
+  no new privileges, no nested user namespaces, cgroup memory+pids limits where available.
 - `Docker()`: a container (docker SDK): network none, memory/pids limits, read-only root,
-  tmpfs /work and /tmp, all capabilities dropped, no new privileges, the default seccomp
-  profile, an unprivileged uid of its own per worker. The container stays warm; the fork
-  server resets it between runs (docs/sandbox.md has the measurement behind this choice).
+  tmpfs /work, /tmp and /dev/shm, all capabilities dropped, no new privileges, the default
+  seccomp profile, an unprivileged uid of its own per worker. The container stays warm; the
+  fork server resets it between runs (docs/sandbox.md has the measurement behind this).
 
 `resolve("auto")` picks the strongest available: docker, then bwrap, then process.
 A backend is a frozen dataclass: `backend="bwrap"` and `backend=Bwrap()` mean the same; pass an
@@ -71,7 +71,7 @@ class Bwrap:
 
 @dataclasses.dataclass(frozen=True)
 class Docker:
-    """A warm docker container per worker. `image` must hold `python` (3.8 or newer)."""
+    """A warm docker container per worker; `image` must have Python >= 3.8 at `python`."""
     image: str = "ptrain-sandbox:latest"
     python: str = "/usr/bin/python3"
     preimport: tuple[str, ...] = PREIMPORT
@@ -178,7 +178,6 @@ class Handle:
         self.server_pid: int | None = None  # host pid of the fork server
         self.cleanup_paths: list[str] = []
         self.uid_lock: int | None = None
-        self.ready: dict = {}
 
     def oom_kills(self) -> int | None:
         """OOM kills in this sandbox so far, or None where it cannot be known."""
@@ -196,7 +195,7 @@ class Handle:
 
     def processes(self) -> list[int]:
         """Host pids of everything in the sandbox except the fork server (and bwrap's own
-        monitor). Empty between runs, whatever the last run did."""
+        monitor): between runs, only the child parked for the next run."""
         if self.cgroup is not None:
             pids = self.cgroup.pids()
         elif self.pids_file is not None:
@@ -249,7 +248,6 @@ class Handle:
             except Exception:  # noqa: BLE001
                 pass
         self.stop()
-
 
     def _kill_processes(self) -> None:
         # The server first: under bwrap it is PID 1 of the namespace, and takes every
@@ -344,7 +342,6 @@ def _await_ready(handle: Handle) -> None:
         why = "it exited"
     if not ready or not ready.get("ready"):
         raise BackendUnavailable(f"the {handle.backend} fork server did not start ({why})")
-    handle.ready = ready
     handle.sock.settimeout(None)
 
 

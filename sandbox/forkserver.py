@@ -10,8 +10,15 @@ When the main process ends or the timeout passes, every other process of the run
 all; under the process backend it kills the run cgroup or, without one, its descendants as a
 child subreaper), the scratch directories are wiped, and the result goes back.
 
+What a run sends and prints never enters this process's heap, where the next run's child
+(a fork of it) could find it: the request payload goes from the socket to the child, output
+from the pipes to memfds and the files and memfds to the socket, all through one reusable
+buffer that is zeroed after every run (or by sendfile). Only sizes, statuses and file names
+pass through Python objects here.
+
 Standard library only, Python >= 3.8 syntax: it runs on whatever python3 the sandbox image
-has. Wire format to the host: 4-byte big-endian length + UTF-8 JSON, bytes as base64.
+has. Wire format, both ways: a frame (4-byte big-endian length + UTF-8 JSON header), then
+raw bytes whose sizes the header gives (`payload` to the server; `blobs` back).
 """
 
 import atexit
@@ -67,6 +74,39 @@ def _recv_exact(sock, n):
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
+
+
+# The one buffer run data passes through in this process (zeroed after every run).
+_BUF = bytearray(1 << 18)
+_VIEW = memoryview(_BUF)
+_ZEROS = bytes(len(_BUF))
+
+
+def _pump(src, dst, n):
+    """Copy exactly `n` bytes from fd `src` to fd `dst` through the buffer."""
+    while n:
+        got = os.readv(src, [_VIEW[:min(n, len(_BUF))]])
+        if not got:
+            raise EOFError("stream ended inside a payload")
+        _write_all(dst, _VIEW[:got])
+        n -= got
+
+
+def _send_file(sock_fd, fd, size):
+    """Send `size` bytes of `fd` from its start (kernel to kernel); zeros if it is short."""
+    offset = 0
+    while offset < size:
+        sent = os.sendfile(sock_fd, fd, offset, size - offset)
+        if not sent:
+            _write_all(sock_fd, _ZEROS[:min(size - offset, len(_ZEROS))])
+            sent = min(size - offset, len(_ZEROS))
+        offset += sent
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,31 +242,49 @@ def write_files(root, files_b64):
             f.write(base64.b64decode(b64))
 
 
-def read_files(root, max_bytes):
-    """Regular files under `root` (no symlinks followed), up to `max_bytes` in total."""
-    files, total, truncated = {}, 0, False
+def list_files(root, max_bytes):
+    """[(relative path, size)] of the regular files under `root` (no symlinks followed), up
+    to `max_bytes` in total, and whether some were left out."""
+    files, total, truncated = [], 0, False
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         for name in sorted(filenames):
             path = os.path.join(dirpath, name)
             try:
                 st = os.lstat(path)
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                if total + st.st_size > max_bytes:
-                    truncated = True
-                    continue
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-                with os.fdopen(fd, "rb") as f:
-                    data = f.read(max_bytes - total + 1)
             except OSError:
                 continue
-            if total + len(data) > max_bytes:
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if total + st.st_size > max_bytes:
                 truncated = True
                 continue
-            total += len(data)
-            files[os.path.relpath(path, root)] = base64.b64encode(data).decode("ascii")
+            total += st.st_size
+            files.append((os.path.relpath(path, root), st.st_size))
     return files, truncated
+
+
+def stash_files(root, files):
+    """Copy `files` (from list_files) one after the other into a memfd, kernel to kernel,
+    so that they can be sent after the work dir is wiped. Returns (fd, total size)."""
+    store, total = _memfd("files"), 0
+    for rel, size in files:
+        try:
+            fd = os.open(os.path.join(root, rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            fd = os.open(os.devnull, os.O_RDONLY)
+        try:
+            copied = 0
+            while copied < size:
+                n = os.sendfile(store, fd, copied, size - copied)
+                if not n:  # shorter than it was listed: pad, the host expects `size`
+                    _write_all(store, _ZEROS[:min(size - copied, len(_ZEROS))])
+                    n = min(size - copied, len(_ZEROS))
+                copied += n
+        finally:
+            os.close(fd)
+        total += size
+    return store, total
 
 
 def wipe(path):
@@ -290,14 +348,14 @@ def remove_sysv_ipc():
 # The child
 # ---------------------------------------------------------------------------------------------
 
-def _child(cfg, out_w, err_w, ctl_r):
+def _child(cfg, out_w, err_w, ctl):
     """In the forked child: isolate and join the run cgroup, then wait (parked) for the
-    request, limit, and run it. Never returns."""
+    request, lay out its files, limit, and run it. Never returns."""
     try:
         os.setsid()
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        os.dup2(ctl_r, 3)
+        os.dup2(ctl, 3)
         os.closerange(4, os.sysconf("SC_OPEN_MAX"))
         for path in cfg.get("join_cgroup", ()):  # first: all the run starts is limited
             with open(path, "w") as f:
@@ -313,6 +371,13 @@ def _child(cfg, out_w, err_w, ctl_r):
         os.environ.clear()
         os.environ.update(env)
         req = _read_request(3)
+        try:
+            write_files(cfg["workdir"], req["files"])
+        except (OSError, ValueError) as e:
+            _write_all(3, ("cannot lay out the files: %s" % (e,)).encode())
+            os._exit(126)
+        if req.get("put"):  # a session's files, nothing to run
+            os._exit(0)
         os.close(3)
         stdin_fd = _stdin_fd(req["stdin"])
         os.dup2(stdin_fd, 0)
@@ -459,108 +524,121 @@ def _shutdown(status):
 # ---------------------------------------------------------------------------------------------
 
 class Capture:
-    """Reads a pipe, keeping the first `limit` bytes and counting the rest."""
+    """Drains a pipe into a memfd through the buffer, keeping the first `limit` bytes and
+    counting the rest."""
 
     def __init__(self, fd, limit):
         self.fd, self.limit = fd, limit
-        self.chunks, self.kept, self.truncated = [], 0, False
+        self.kept, self.truncated = 0, False
+        self.store = _memfd("out")
 
     def read(self):
         """Read what is there: "eof" at end of stream, "empty" if nothing is there yet."""
         try:
-            data = os.read(self.fd, _READ_CHUNK)
+            got = os.readv(self.fd, [_VIEW])
         except BlockingIOError:
             return "empty"
-        if not data:
+        if not got:
             return "eof"
-        room = self.limit - self.kept
-        if len(data) > room:
-            self.truncated = True
-            data = data[:room]
-        if data:
-            self.chunks.append(data)
-            self.kept += len(data)
+        keep = min(got, self.limit - self.kept)
+        self.truncated = self.truncated or keep < got
+        if keep:
+            _write_all(self.store, _VIEW[:keep])
+            self.kept += keep
         return "data"
 
-    def value(self):
-        return base64.b64encode(b"".join(self.chunks)).decode("ascii")
+
+def _memfd(name):
+    try:
+        return os.memfd_create(name)
+    except (AttributeError, OSError):
+        import tempfile
+        fd, path = tempfile.mkstemp()
+        os.unlink(path)
+        return fd
 
 
 def _stdin_fd(data):
     if data is None:
         return os.open(os.devnull, os.O_RDONLY)
-    raw = base64.b64decode(data)
-    try:
-        fd = os.memfd_create("stdin")
-    except (AttributeError, OSError):
-        import tempfile
-        fd, path = tempfile.mkstemp()
-        os.unlink(path)
-    view = memoryview(raw)
-    while view:
-        view = view[os.write(fd, view):]
+    fd = _memfd("stdin")
+    _write_all(fd, base64.b64decode(data))
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
 
 class Parked:
     """A child forked ahead of its run (after the previous run ended and was cleaned up),
-    parked on a pipe until the request comes: the fork and the set-up common to all runs
+    parked on a socket until the request comes: the fork and the set-up common to all runs
     are off the critical path of the next run."""
 
     def __init__(self, cfg):
         self.out_r, out_w = os.pipe()
         self.err_r, err_w = os.pipe()
-        ctl_r, self.ctl_w = os.pipe()
+        self.ctl, child_ctl = socket.socketpair()
         self.pid = os.fork()
         if self.pid == 0:
-            _child(cfg, out_w, err_w, ctl_r)
-        for fd in (out_w, err_w, ctl_r):
+            _child(cfg, out_w, err_w, child_ctl.fileno())
+        for fd in (out_w, err_w):
             os.close(fd)
+        child_ctl.close()
         try:
             self.pidfd = os.pidfd_open(self.pid)
         except (AttributeError, OSError):
             self.pidfd = None
 
-    def start(self, req):
-        """Hand the child its request; False if it is gone (then the run reports that)."""
-        data = json.dumps(req, separators=(",", ":")).encode("utf-8")
+    def start(self, chan_fd, size):
+        """Pass the request payload (`size` bytes on the host socket) to the child. The
+        payload is always consumed, so that the stream stays in step even if the child is
+        gone (the run then reports how it ended)."""
         try:
-            _write_all(self.ctl_w, struct.pack(">Q", len(data)) + data)
-            return True
-        except OSError:
-            return False
+            _write_all(self.ctl.fileno(), struct.pack(">Q", size))
+            _pump(chan_fd, self.ctl.fileno(), size)
+            return
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        sink = os.open(os.devnull, os.O_WRONLY)
+        try:
+            left = size
+            while left:  # the rest of it, to nowhere
+                got = os.readv(chan_fd, [_VIEW[:min(left, len(_BUF))]])
+                if not got:
+                    raise EOFError("stream ended inside a payload")
+                left -= got
         finally:
-            os.close(self.ctl_w)
+            os.close(sink)
+
+    def setup_error(self):
+        """What the child reported if it could not set the run up (None if nothing)."""
+        self.ctl.setblocking(False)
+        try:
+            data = self.ctl.recv(1 << 16)
+        except OSError:
+            data = b""
+        self.ctl.close()
+        return data.decode("utf-8", "replace") if data else None
 
 
-def _write_all(fd, data):
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def run_one(cfg, req, chan, killer, parked):
-    """Run one request (its files already laid out) in the parked child; returns the result
-    dict and whether the host went away."""
+def run_one(cfg, header, chan, killer, parked):
+    """Run one request in the parked child: hand it the payload, collect, kill what is left.
+    Returns the result header, the fds of the captured stdout and stderr, and whether the
+    host went away."""
     statuses = {}
     pid, pidfd = parked.pid, parked.pidfd
-    child_req = {k: req[k] for k in ("code", "language", "command", "env", "stdin",
-                                     "timeout_s", "max_file_mb", "max_open_files")}
+    chan_fd = chan.fileno()
+    outs = {parked.out_r: Capture(parked.out_r, header["max_output_bytes"]),
+            parked.err_r: Capture(parked.err_r, header["max_output_bytes"])}
     start = time.monotonic()
-    parked.start(child_req)
-    outs = {parked.out_r: Capture(parked.out_r, req["max_output_bytes"]),
-            parked.err_r: Capture(parked.err_r, req["max_output_bytes"])}
+    parked.start(chan_fd, header["payload"])
     for fd in outs:
         os.set_blocking(fd, False)
     poller = select.poll()
     for fd in outs:
         poller.register(fd, select.POLLIN)
-    chan_fd = chan.fileno()
     poller.register(chan_fd, select.POLLIN)
     if pidfd is not None:
         poller.register(pidfd, select.POLLIN)
-    deadline = start + req["timeout_s"]
+    deadline = start + header["timeout_s"]
     timed_out = host_gone = False
     end = None
     while end is None:
@@ -590,18 +668,33 @@ def run_one(cfg, req, chan, killer, parked):
         while cap.read() == "data":
             pass
         os.close(fd)
-    exit_code, sig = _exit_status(statuses[pid]) if pid in statuses else (None, None)
+    error = parked.setup_error()
     out, err = outs[parked.out_r], outs[parked.err_r]
+    if error is not None:
+        os.close(out.store)
+        os.close(err.store)
+        return {"error": error}, [], host_gone
+    exit_code, sig = _exit_status(statuses[pid]) if pid in statuses else (None, None)
     result = {
-        "stdout": out.value(), "stderr": err.value(),
         "stdout_truncated": out.truncated, "stderr_truncated": err.truncated,
         "exit_code": exit_code, "signal": sig, "timed_out": timed_out,
         "duration_s": end - start, "clean": clean,
     }
-    if req["return_files"]:
-        result["files"], result["files_truncated"] = read_files(cfg["workdir"],
-                                                                req["max_files_bytes"])
-    return result, host_gone
+    return result, [(out.store, out.kept), (err.store, err.kept)], host_gone
+
+
+def run_put(cfg, header, chan, killer, parked):
+    """A session's `put`: the parked child lays out the files and exits."""
+    parked.start(chan.fileno(), header["payload"])
+    try:
+        os.waitpid(parked.pid, 0)  # our own code, writing files: it ends
+    except ChildProcessError:
+        pass
+    killer.kill_all({})
+    for fd in (parked.out_r, parked.err_r) + ((parked.pidfd,) if parked.pidfd else ()):
+        os.close(fd)
+    error = parked.setup_error()
+    return {"error": error} if error else {"ok": True}
 
 
 def reset(cfg, modes):
@@ -656,38 +749,44 @@ def serve(cfg):
             msg = None
         if msg is None or msg.get("op") == "exit":
             break
-        op = msg.get("op")
+        op, blobs, sizes = msg.get("op"), [], []
         if op == "run":
-            try:
-                write_files(cfg["workdir"], msg["request"]["files"])
-            except (OSError, ValueError) as e:
-                result = {"error": "cannot lay out the files: %s" % (e,)}
-                reset(cfg, modes)
-            else:
-                result, host_gone = run_one(cfg, msg["request"], chan, killer,
-                                            parked or Parked(cfg))
-                parked = None
-                if host_gone:
-                    break
-                if not reset(cfg, modes):
-                    result["clean"] = False  # the host replaces this worker
+            result, blobs, host_gone = run_one(cfg, msg, chan, killer, parked or Parked(cfg))
+            parked = None
+            if host_gone:
+                break
+            sizes = [size for _, size in blobs]
+            if msg["return_files"] and "error" not in result:
+                files, result["files_truncated"] = list_files(cfg["workdir"],
+                                                              msg["max_files_bytes"])
+                result["files"] = [name for name, _ in files]
+                blobs.append(stash_files(cfg["workdir"], files))
+                sizes += [size for _, size in files]
+            if not reset(cfg, modes):
+                result["clean"] = False  # the host replaces this worker
         elif op == "put":
-            try:
-                write_files(cfg["workdir"], msg["files"])
-                result = {"ok": True}
-            except (OSError, ValueError) as e:
-                result = {"error": "cannot lay out the files: %s" % (e,)}
+            result = run_put(cfg, msg, chan, killer, parked or Parked(cfg))
+            parked = None
         elif op == "files":
-            files, truncated = read_files(cfg["workdir"], msg["max_bytes"])
-            result = {"files": files, "files_truncated": truncated}
+            files, truncated = list_files(cfg["workdir"], msg["max_bytes"])
+            result = {"files": [name for name, _ in files], "files_truncated": truncated}
+            blobs = [stash_files(cfg["workdir"], files)]
+            sizes = [size for _, size in files]
         elif op == "status":
             result = {"parked": parked.pid if parked else None}
         else:
             result = {"error": "unknown op %r" % (op,)}
+        result["blobs"] = sizes
         try:
             send_frame(chan, result)
+            for fd, size in blobs:
+                _send_file(chan.fileno(), fd, size)
         except OSError:
             break
+        finally:
+            for fd, _ in blobs:
+                os.close(fd)
+        _VIEW[:] = _ZEROS  # nothing of this run stays in memory the next child inherits
         if parked is None:
             parked = Parked(cfg)  # the next run's child, forked while the host reads this
     killer.kill_all({})

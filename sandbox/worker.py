@@ -7,7 +7,7 @@ closed and `WorkerError` raised: that is the sandbox failing, not the program, a
 case a caller may retry.
 """
 
-import base64
+import json
 import logging
 import threading
 import weakref
@@ -59,41 +59,47 @@ class Worker:
     def run(self, request: Request) -> Result:
         """Run one request. Raises WorkerError if the worker failed, ValueError if the files
         cannot be laid out; everything the program does comes back in the Result."""
+        payload = json.dumps(request.to_wire(), separators=(",", ":")).encode()
+        header = {"op": "run", "payload": len(payload), "timeout_s": request.timeout_s,
+                  "max_output_bytes": request.max_output_bytes,
+                  "return_files": request.return_files,
+                  "max_files_bytes": request.max_files_bytes}
         with self._lock:
             handle = self._live_handle()
             oom_before = handle.oom_kills()
-            reply = self._call({"op": "run", "request": request.to_wire()},
-                               request.timeout_s + _WATCHDOG_GRACE_S)
+            reply, blobs = self._call(header, payload, request.timeout_s + _WATCHDOG_GRACE_S)
             if "error" in reply:
                 raise ValueError(reply["error"])
             oom_after = handle.oom_kills()
             self.runs += 1
         if not reply.pop("clean", True):
-            log.warning("sandbox %s worker could not kill every process of a run; closing it",
+            log.warning("sandbox %s worker could not clean up after a run; closing it",
                         self.backend)
             self.close()
-        return _to_result(reply, self.backend, request, oom_before, oom_after)
+        return _to_result(reply, blobs, self.backend, oom_before, oom_after)
 
     def put_files(self, files: dict[str, bytes]) -> None:
         """Write files into the work dir (sessions)."""
-        wire = Request(code="", files=files).to_wire()["files"]
+        wire = {"put": True, "files": Request(code="", files=files).to_wire()["files"]}
+        payload = json.dumps(wire).encode()
         with self._lock:
-            reply = self._call({"op": "put", "files": wire}, _WATCHDOG_GRACE_S)
+            reply, _ = self._call({"op": "put", "payload": len(payload)}, payload,
+                                  _WATCHDOG_GRACE_S)
         if "error" in reply:
             raise ValueError(reply["error"])
 
     def read_files(self, max_bytes: int) -> tuple[dict[str, bytes], bool]:
         """The regular files in the work dir, and whether some passed `max_bytes`."""
         with self._lock:
-            reply = self._call({"op": "files", "max_bytes": max_bytes}, _WATCHDOG_GRACE_S)
-        files = {p: base64.b64decode(b) for p, b in reply["files"].items()}
-        return files, reply["files_truncated"]
+            reply, blobs = self._call({"op": "files", "max_bytes": max_bytes}, b"",
+                                      _WATCHDOG_GRACE_S)
+        return dict(zip(reply["files"], blobs)), reply["files_truncated"]
 
     def processes(self) -> list[int]:
         """Host pids of every process in the sandbox besides the fork server and the child it
         keeps parked for the next run: what a run left behind (for checks)."""
         with self._lock:
-            parked = self._call({"op": "status"}, _WATCHDOG_GRACE_S)["parked"]
+            parked = self._call({"op": "status"}, b"", _WATCHDOG_GRACE_S)[0]["parked"]
             pids = self._live_handle().processes()
         return [p for p in pids if _namespace_pid(p) != parked]
 
@@ -117,12 +123,16 @@ class Worker:
             raise WorkerError(f"the {self.backend} worker is closed")
         return self._handle
 
-    def _call(self, message: dict, timeout_s: float) -> dict:
+    def _call(self, header: dict, payload: bytes, timeout_s: float):
+        """Send a header frame and its payload; returns the reply header and its blobs."""
         handle = self._live_handle()
         try:
             handle.sock.settimeout(timeout_s)
-            forkserver.send_frame(handle.sock, message)
+            forkserver.send_frame(handle.sock, header)
+            if payload:
+                handle.sock.sendall(payload)
             reply = forkserver.recv_frame(handle.sock)
+            blobs = [_recv_exactly(handle.sock, n) for n in (reply or {}).get("blobs", [])]
         except (OSError, EOFError, ValueError) as e:
             reply, why = None, f"{type(e).__name__}: {e}"
         else:
@@ -132,7 +142,18 @@ class Worker:
             self._finalizer.detach()
             handle.kill()
             raise WorkerError(f"the {self.backend} sandbox worker failed ({why})")
-        return reply
+        return reply, blobs
+
+
+def _recv_exactly(sock, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise EOFError("the worker closed the connection inside a reply")
+        got += k
+    return bytes(buf)
 
 
 def _namespace_pid(pid: int) -> int | None:
@@ -147,12 +168,10 @@ def _namespace_pid(pid: int) -> int | None:
     return None
 
 
-def _to_result(reply: dict, backend: str, request: Request, oom_before, oom_after) -> Result:
-    stdout = base64.b64decode(reply["stdout"])
-    stderr = base64.b64decode(reply["stderr"])
-    files = None
-    if "files" in reply:
-        files = {p: base64.b64decode(b) for p, b in reply["files"].items()}
+def _to_result(reply: dict, blobs: list[bytes], backend: str, oom_before,
+               oom_after) -> Result:
+    stdout, stderr = blobs[0], blobs[1]
+    files = dict(zip(reply["files"], blobs[2:])) if "files" in reply else None
     oom = oom_before is not None and oom_after is not None and oom_after > oom_before
     if not oom and not reply["timed_out"] and reply["exit_code"] not in (None, 0):
         # Under an address-space rlimit (no cgroup) Python fails with MemoryError instead.
