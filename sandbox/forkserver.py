@@ -44,9 +44,13 @@ _MAX_FRAME = 1 << 30
 _READ_CHUNK = 1 << 16
 
 
-def send_frame(sock, obj):
+def frame(obj):
     data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
-    sock.sendall(struct.pack(">I", len(data)) + data)
+    return struct.pack(">I", len(data)) + data
+
+
+def send_frame(sock, obj):
+    sock.sendall(frame(obj))
 
 
 def recv_frame(sock):
@@ -101,6 +105,34 @@ def _send_file(sock_fd, fd, size):
             _write_all(sock_fd, _ZEROS[:min(size - offset, len(_ZEROS))])
             sent = min(size - offset, len(_ZEROS))
         offset += sent
+
+
+def _send_reply(sock_fd, head, blobs):
+    """The reply header and its blobs (fd, size): in one write through the buffer when they
+    fit in it (one wake-up for the host), else by sendfile."""
+    total = sum(size for _, size in blobs)
+    if total > len(_BUF):
+        _write_all(sock_fd, head)
+        for fd, size in blobs:
+            _send_file(sock_fd, fd, size)
+        return
+    at = 0
+    for fd, size in blobs:
+        done = 0
+        while done < size:
+            got = os.preadv(fd, [_VIEW[at + done:at + size]], done)
+            if not got:  # shorter than listed: the rest stays zero
+                break
+            done += got
+        at += size
+    rest = [memoryview(head), _VIEW[:total]]
+    while rest:
+        sent = os.writev(sock_fd, rest)
+        while rest and sent >= len(rest[0]):
+            sent -= len(rest[0])
+            rest.pop(0)
+        if rest:
+            rest[0] = rest[0][sent:]
 
 
 def _write_all(fd, data):
@@ -778,9 +810,7 @@ def serve(cfg):
             result = {"error": "unknown op %r" % (op,)}
         result["blobs"] = sizes
         try:
-            send_frame(chan, result)
-            for fd, size in blobs:
-                _send_file(chan.fileno(), fd, size)
+            _send_reply(chan.fileno(), frame(result), blobs)
         except OSError:
             break
         finally:

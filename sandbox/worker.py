@@ -128,9 +128,7 @@ class Worker:
         handle = self._live_handle()
         try:
             handle.sock.settimeout(timeout_s)
-            forkserver.send_frame(handle.sock, header)
-            if payload:
-                handle.sock.sendall(payload)
+            handle.sock.sendall(forkserver.frame(header) + payload)
             reply = forkserver.recv_frame(handle.sock)
             blobs = [_recv_exactly(handle.sock, n) for n in (reply or {}).get("blobs", [])]
         except (OSError, EOFError, ValueError) as e:
