@@ -19,8 +19,10 @@ Public API
            max_output_bytes, max_file_mb, max_open_files, max_files_bytes) -> Result
       .write_files(files), .read_files(max_bytes) -> dict[str, bytes], .close(), .backend
   Worker(backend, Limits(memory_mb, max_processes, network), persist=False)
-      .run(Request(...)) -> Result, .close(), .alive: one warm fork server (what run() keeps
-      idle and a pool holds; one run at a time per worker)
+      .run(Request(...)) -> Result, .close(), .alive, .processes(): one warm fork server
+      (what run() keeps idle and a pool holds; one run at a time per worker)
+  Request(code=..., ...): the validated per-run arguments of run(); .to_dict() and
+      Request.from_dict() for JSON (same text / *_b64 convention as Result)
   Process(), Bwrap(), Docker(image=...): backend specs; "auto" = strongest available
   unavailable_reason(spec) -> None | str, resolve(backend) -> spec, shutdown()
   Errors: ValueError/TypeError (bad arguments), BackendUnavailable, WorkerError (the sandbox
