@@ -59,3 +59,9 @@ __all__ = [
     "BackendUnavailable", "Bwrap", "Docker", "Limits", "Process", "Request", "Result",
     "Session", "Worker", "WorkerError", "resolve", "run", "shutdown", "unavailable_reason",
 ]
+
+# Services over run(): the pool, the judge, the tool registry (HTTP: sandbox.server).
+from sandbox import judge, tools  # noqa: E402
+from sandbox.pool import Pool, PoolFull, WorkerLost  # noqa: E402
+
+__all__ += ["Pool", "PoolFull", "WorkerLost", "judge", "tools"]

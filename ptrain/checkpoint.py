@@ -1,0 +1,107 @@
+"""Checkpoints on orbax: params, optimizer state, step, PRNG key and data-iterator state.
+
+One step is one orbax checkpoint with two items: `state` (the arrays, saved sharded) and
+`meta` (JSON: the grain iterator state and any small host-side values, such as a KL
+coefficient). Saves are asynchronous; orbax writes each step into a temporary directory and
+renames it when complete, so a process killed mid-save leaves the previous checkpoint intact
+and the incomplete one is never listed. Restores go onto the shardings of a target pytree
+(concrete arrays or `jax.ShapeDtypeStruct`s with `.sharding`), which may differ from the
+shardings at save time.
+
+Multi-host: every process calls `save` / `restore`; `meta` is written once, so the data state
+must be the same on all hosts (true for `ptrain.data` streams, which advance in lockstep).
+"""
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    step: int
+    params: Any
+    opt_state: Any
+    rng: Any
+    data_state: Any
+    extra: dict
+
+
+def _is_typed_key(x):
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _abstract(tree):
+    """ShapeDtypeStructs (with sharding where known) describing the restore target."""
+    def leaf(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    return jax.tree.map(leaf, tree)
+
+
+class Checkpointer:
+    """Saves and restores training state under `directory/<step>/`; keeps the last N."""
+
+    def __init__(self, directory, *, max_to_keep=3, async_save=True):
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True)
+        self._manager = ocp.CheckpointManager(os.path.abspath(directory), options=options,
+                                              item_names=("state", "meta"))
+
+    def save(self, step, *, params, opt_state, rng, data_state=None, extra=None):
+        """Starts saving `step` (returns before the arrays are written when async)."""
+        typed = _is_typed_key(rng)
+        state = {"params": params, "opt_state": opt_state,
+                 "rng": jax.random.key_data(rng) if typed else rng}
+        meta = {"data_state": data_state, "extra": extra or {},
+                "rng_impl": str(jax.random.key_impl(rng)) if typed else None}
+        self._manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+
+    def latest_step(self):
+        """The newest complete step, or None."""
+        return self._manager.latest_step()
+
+    def all_steps(self):
+        return list(self._manager.all_steps())
+
+    def restore(self, step=None, *, params, opt_state, rng):
+        """Restores `step` (default: the latest complete one) onto the targets' shardings.
+
+        params / opt_state / rng are targets: arrays or ShapeDtypeStructs (with sharding),
+        e.g. from `jax.eval_shape`. A typed PRNG key target gets a typed key back.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {self._manager.directory}")
+        rng_target = rng
+        if _is_typed_key(rng):  # saved as its key data
+            data = jax.eval_shape(jax.random.key_data, rng)
+            rng_target = jax.ShapeDtypeStruct(data.shape, data.dtype,
+                                              sharding=getattr(rng, "sharding", None))
+        target = _abstract({"params": params, "opt_state": opt_state, "rng": rng_target})
+        out = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        state, meta = out["state"], out["meta"]
+        rng_out = state["rng"]
+        if _is_typed_key(rng):
+            rng_out = jax.random.wrap_key_data(rng_out, impl=meta["rng_impl"])
+        return Restored(step=step, params=state["params"], opt_state=state["opt_state"],
+                        rng=rng_out, data_state=meta["data_state"], extra=meta["extra"])
+
+    def wait(self):
+        """Blocks until pending asynchronous saves are complete."""
+        self._manager.wait_until_finished()
+
+    def close(self):
+        self._manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,157 @@
+"""Prompt datasets on grain: JSONL or ArrayRecord files, weighted mixtures, per-host shards.
+
+Each record is a JSON object (an ArrayRecord record holds one JSON object as UTF-8 bytes).
+Files are checked once when opened: a record that is not a JSON object, or lacks a required
+key, is reported as `file:line` (`file:record N` for ArrayRecord) and either raises (the
+default) or is skipped, counted and logged (`on_error="skip"`); the count is in
+`Prompts.metrics()`. Blank lines in JSONL are not records.
+
+The stream is deterministic given the seed: each source is shuffled (reshuffled every epoch)
+and repeated, the sources are interleaved by weight, host `i` of `n` takes every n-th record
+from offset i, and records are grouped into lists of `batch_size`. The iterator's state is a
+small JSON-able dict (`get_state` / `set_state`) from which iteration resumes exactly.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+
+import grain
+import numpy as np
+
+ARRAY_RECORD_SUFFIXES = (".array_record", ".arrayrecord")
+# Prompts are small and consumed a batch per RL step: a short read-ahead is plenty.
+READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=2)
+
+
+class RecordSource:
+    """Random access to the well-formed JSON-object records of one file (a grain data source)."""
+
+    def __init__(self, path, *, on_error="raise", required_keys=()):
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error={on_error!r}; use 'raise' or 'skip'")
+        self.path, self.required_keys = os.fspath(path), tuple(required_keys)
+        self.malformed = []  # "file:line: reason", one per skipped record
+        self._array_record = self.path.endswith(ARRAY_RECORD_SUFFIXES)
+        self._reader = None
+        spans = self._scan(on_error)
+        self._spans = np.asarray(spans, np.int64).reshape(-1, 2)
+
+    def _scan(self, on_error):
+        """Parses every record once; returns (offset, length) per good JSONL line, or
+        (record index, 0) per good ArrayRecord record."""
+        spans = []
+        for where, span, raw in self._raw_records():
+            problem = self._problem(raw)
+            if problem is None:
+                spans.append(span)
+                continue
+            message = f"{self.path}:{where}: {problem}"
+            if on_error == "raise":
+                raise ValueError(f"{message}. Fix the record, or pass on_error='skip' to count, "
+                                 "log and skip malformed records.")
+            logging.warning("skipping malformed record %s", message)
+            self.malformed.append(message)
+        return spans
+
+    def _raw_records(self):
+        if self._array_record:
+            source = grain.sources.ArrayRecordDataSource([self.path])
+            for i in range(len(source)):
+                yield f"record {i}", (i, 0), source[i]
+            return
+        offset = 0
+        with open(self.path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield f"{lineno}", (offset, len(line)), line
+                offset += len(line)
+
+    def _problem(self, raw):
+        try:
+            record = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return f"not valid JSON ({e})"
+        if not isinstance(record, dict):
+            return f"a JSON {type(record).__name__}, not an object"
+        missing = [k for k in self.required_keys if k not in record]
+        return f"missing required keys {missing}" if missing else None
+
+    def __len__(self):
+        return len(self._spans)
+
+    def __getitem__(self, index):
+        start, length = (int(x) for x in self._spans[index])
+        if self._reader is None:
+            self._reader = (grain.sources.ArrayRecordDataSource([self.path]) if self._array_record
+                            else open(self.path, "rb"))
+        if self._array_record:
+            return json.loads(self._reader[start])
+        return json.loads(os.pread(self._reader.fileno(), length, start))  # thread-safe
+
+    def __getstate__(self):  # the reader is reopened where it is needed
+        return {**self.__dict__, "_reader": None}
+
+    def __repr__(self):
+        return f"RecordSource({self.path!r}, {len(self)} records, {len(self.malformed)} bad)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """A prompt stream: `dataset` yields lists of `batch_size` records (this host's share)."""
+
+    dataset: grain.MapDataset
+    sources: tuple
+    weights: tuple
+
+    @property
+    def num_malformed(self):
+        return sum(len(s.malformed) for s in self.sources)
+
+    def metrics(self):
+        return {"data/records": sum(len(s) for s in self.sources),
+                "data/malformed": self.num_malformed}
+
+    def iterator(self, state=None):
+        """A grain iterator over batches; `state` (from `get_state()`) resumes exactly."""
+        it = iter(self.dataset.to_iter_dataset(READ_OPTIONS))
+        if state is not None:
+            it.set_state(state)
+        return it
+
+
+def prompt_batches(sources, *, batch_size, seed, num_epochs=None, shuffle=True,
+                   on_error="raise", required_keys=(), process_index=None, process_count=None):
+    """Builds the prompt stream of this host.
+
+    sources: paths, or (path, weight) pairs; weights are relative sampling rates.
+    num_epochs: None repeats forever; k stops when a source runs out after k passes.
+    process_index / process_count: this host's shard (default: jax.process_index/count).
+    Returns `Prompts`.
+    """
+    specs = [(s, 1.0) if isinstance(s, (str, os.PathLike)) else tuple(s) for s in sources]
+    if not specs:
+        raise ValueError("no prompt sources given")
+    if any(w <= 0 for _, w in specs):
+        raise ValueError(f"mixture weights must be positive; got {[w for _, w in specs]}")
+    if process_index is None or process_count is None:
+        import jax  # only for the default shard
+        process_index, process_count = jax.process_index(), jax.process_count()
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} not in [0, {process_count})")
+    opened = tuple(RecordSource(p, on_error=on_error, required_keys=required_keys)
+                   for p, _ in specs)
+    parts = []
+    for i, source in enumerate(opened):
+        if len(source) == 0:
+            raise ValueError(f"{source.path}: no usable records")
+        ds = grain.MapDataset.source(source)
+        if shuffle:
+            ds = ds.shuffle(seed=seed + i)
+        parts.append(ds.repeat(num_epochs))
+    weights = tuple(float(w) for _, w in specs)
+    ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
+    ds = ds[process_index::process_count]
+    ds = ds.batch(batch_size, drop_remainder=True, batch_fn=list)
+    return Prompts(dataset=ds, sources=opened, weights=weights)

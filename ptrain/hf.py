@@ -1,0 +1,431 @@
+"""Hugging Face checkpoints <-> ptrain: Llama 3.x, Qwen2 / 2.5 and Qwen3.
+
+`load` reads `config.json` and the `*.safetensors` files of a local directory (one file, or
+sharded with `model.safetensors.index.json`) and builds each parameter directly on its
+shards: every device reads only its slice of each tensor from a memory map, so the whole
+model never sits on one host. `save` writes a directory that `transformers` loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ptrain import safetensors_io
+from ptrain import sharding
+from ptrain.model import ModelConfig, Transformer
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
+_CLASSES = {family: arch for arch, family in ARCHITECTURES.items()}
+_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}
+
+
+# ----------------------------------------------------------------------------- configs
+
+def read_config(path: str) -> dict:
+    """config.json of a local model directory, with a clear error when there is none."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path!r} is not a directory; pass a local Hugging Face model "
+                                "directory (config.json + *.safetensors)")
+    file = os.path.join(path, "config.json")
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"no config.json in {path!r}: a Hugging Face model directory "
+                                "needs config.json next to its *.safetensors files")
+    with open(file) as f:
+        return json.load(f)
+
+
+def config_from_hf(hf: dict, *, dtype: str | None = None,
+                   param_dtype: str | None = None) -> ModelConfig:
+    """ModelConfig from a config.json dict; unsupported features raise, naming the field."""
+    archs = hf.get("architectures") or []
+    family = ARCHITECTURES.get(archs[0]) if archs else None
+    family = family or (hf.get("model_type") if hf.get("model_type") in _CLASSES else None)
+    if family is None:
+        raise ValueError(f"unsupported architecture {archs or hf.get('model_type')!r}; "
+                         f"supported: {', '.join(ARCHITECTURES)}")
+
+    def unsupported(field, value):
+        raise ValueError(f"config.json: {field}={value!r} is not supported by ptrain's "
+                         f"{family} decoder")
+
+    if hf.get("hidden_act", "silu") != "silu":
+        unsupported("hidden_act", hf["hidden_act"])
+    if hf.get("mlp_bias"):
+        unsupported("mlp_bias", True)
+    if hf.get("use_sliding_window"):
+        unsupported("use_sliding_window", True)
+
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
+        unsupported("rope_type", rope_type)
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        unsupported("partial_rotary_factor", rope.get("partial_rotary_factor"))
+    max_pos = int(hf.get("max_position_embeddings", 8192))
+    original = int(rope.get("original_max_position_embeddings",
+                            hf.get("original_max_position_embeddings", max_pos)))
+    factor = rope.get("factor")
+    if factor is None:
+        factor = max_pos / original if rope_type == "yarn" else 1.0
+
+    bias = bool(hf.get("attention_bias", False))
+    eos = hf.get("eos_token_id")
+    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    ckpt_dtype = _DTYPE_NAMES.get(str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+                                  "float32")
+    return ModelConfig(
+        family=family,
+        vocab_size=int(hf["vocab_size"]),
+        d_model=int(hf["hidden_size"]),
+        n_layers=int(hf["num_hidden_layers"]),
+        n_heads=int(hf["num_attention_heads"]),
+        n_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+        d_ff=int(hf["intermediate_size"]),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]),
+        rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=True if family == "qwen2" else bias,
+        o_bias=False if family == "qwen2" else bias,
+        qk_norm=family == "qwen3",
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_type=rope_type,
+        rope_factor=float(factor),
+        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        rope_original_max_position=original,
+        rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+        rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+        rope_attention_factor=float(rope.get("attention_factor") or 0.0),
+        rope_mscale=float(rope.get("mscale") or 0.0),
+        rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+        rope_truncate=bool(rope.get("truncate", True)),
+        max_position_embeddings=max_pos,
+        param_dtype=param_dtype or dtype or ckpt_dtype,
+        dtype=dtype or param_dtype or ckpt_dtype,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos,
+    )
+
+
+def config_to_hf(c: ModelConfig) -> dict:
+    """A config.json dict that `transformers` reads back into the same architecture."""
+    if c.family not in _CLASSES:
+        raise ValueError(f"family {c.family!r} has no Hugging Face class; use one of "
+                         f"{sorted(_CLASSES)}")
+    expected = {"qwen2": (True, False, False)}.get(c.family)
+    if c.family == "qwen2" and (c.qkv_bias, c.o_bias, c.qk_norm) != expected:
+        raise ValueError("a qwen2 checkpoint has q/k/v biases, no o bias and no q/k norm")
+    if c.family != "qwen2" and c.qkv_bias != c.o_bias:
+        raise ValueError(f"{c.family}: attention_bias covers q, k, v and o together")
+    if c.qk_norm != (c.family == "qwen3"):
+        raise ValueError("q/k norm exists only in qwen3 checkpoints")
+    rope = {"rope_type": c.rope_type, "rope_theta": c.rope_theta}
+    if c.rope_type in ("linear", "llama3", "yarn"):
+        rope["factor"] = c.rope_factor
+    if c.rope_type == "llama3":
+        rope.update(low_freq_factor=c.rope_low_freq_factor,
+                    high_freq_factor=c.rope_high_freq_factor,
+                    original_max_position_embeddings=c.rope_original_max_position)
+    if c.rope_type == "yarn":
+        rope.update(original_max_position_embeddings=c.rope_original_max_position,
+                    beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow,
+                    truncate=c.rope_truncate)
+        for key, value in (("attention_factor", c.rope_attention_factor),
+                           ("mscale", c.rope_mscale), ("mscale_all_dim", c.rope_mscale_all_dim)):
+            if value:
+                rope[key] = value
+    hf = {
+        "architectures": [_CLASSES[c.family]],
+        "model_type": c.family,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.d_model,
+        "intermediate_size": c.d_ff,
+        "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_eps,
+        "tie_word_embeddings": c.tie_embeddings,
+        "rope_parameters": rope,
+        "dtype": c.param_dtype,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": (list(c.eos_token_ids) if len(c.eos_token_ids) > 1
+                         else (c.eos_token_ids[0] if c.eos_token_ids else None)),
+    }
+    if c.family != "qwen2":
+        hf["attention_bias"] = c.qkv_bias
+    return hf
+
+
+# ----------------------------------------------------------------------------- tensors
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """How one ptrain parameter is stored in a checkpoint.
+
+    `name` has `{i}` for per-layer tensors (stacked on our leading layer axis). Linear
+    weights are stored [out, in]; ours is the transpose, reshaped: `split` says how many of
+    our (per-layer) dims come from HF's `in` dim. None means the same layout, reshaped.
+    """
+
+    path: tuple[str, ...]
+    name: str
+    hf_shape: tuple[int, ...]
+    split: int | None = None
+
+
+def _tensors(c: ModelConfig) -> list[_Tensor]:
+    d, h, k, e, f, v = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size
+    layer = "model.layers.{i}."
+    out = [_Tensor(("embed",), "model.embed_tokens.weight", (v, d)),
+           _Tensor(("final_norm",), "model.norm.weight", (d,))]
+    if not c.tie_embeddings:
+        out.append(_Tensor(("lm_head",), "lm_head.weight", (v, d)))
+    per_layer = [
+        ("attn_norm", "input_layernorm.weight", (d,), None),
+        ("wq", "self_attn.q_proj.weight", (h * e, d), 1),
+        ("wk", "self_attn.k_proj.weight", (k * e, d), 1),
+        ("wv", "self_attn.v_proj.weight", (k * e, d), 1),
+        ("wo", "self_attn.o_proj.weight", (d, h * e), 2),
+        ("mlp_norm", "post_attention_layernorm.weight", (d,), None),
+        ("w_gate", "mlp.gate_proj.weight", (f, d), 1),
+        ("w_up", "mlp.up_proj.weight", (f, d), 1),
+        ("w_down", "mlp.down_proj.weight", (d, f), 1),
+    ]
+    if c.qkv_bias:
+        per_layer += [("bq", "self_attn.q_proj.bias", (h * e,), None),
+                      ("bk", "self_attn.k_proj.bias", (k * e,), None),
+                      ("bv", "self_attn.v_proj.bias", (k * e,), None)]
+    if c.o_bias:
+        per_layer.append(("bo", "self_attn.o_proj.bias", (d,), None))
+    if c.qk_norm:
+        per_layer += [("q_norm", "self_attn.q_norm.weight", (e,), None),
+                      ("k_norm", "self_attn.k_norm.weight", (e,), None)]
+    out += [_Tensor(("layers", ours), layer + theirs, shape, split)
+            for ours, theirs, shape, split in per_layer]
+    return out
+
+
+def _group_range(slices: tuple[slice, ...], dims: tuple[int, ...]):
+    """The flat index range covering a block of a row-major group of dims, and what to apply
+    after reshaping it back (only the leading dim's slice is folded into the range)."""
+    first = slices[0]
+    rest = math.prod(dims[1:])
+    start, stop, _ = first.indices(dims[0])
+    return slice(start * rest, stop * rest), (slice(None),) + tuple(slices[1:])
+
+
+def _read_block(array: np.ndarray, t: _Tensor, ours: tuple[int, ...], index) -> np.ndarray:
+    """Our block `index` (slices over our per-layer dims) read from the HF array."""
+    if t.split is None:
+        if len(ours) == len(t.hf_shape):
+            return np.asarray(array[index])
+        flat, post = _group_range(index, ours)  # a bias [h * e] that we hold as [h, e]
+        return np.asarray(array[flat]).reshape((-1,) + ours[1:])[post]
+    in_dims, out_dims = ours[:t.split], ours[t.split:]
+    in_range, in_post = _group_range(index[:t.split], in_dims)
+    out_range, out_post = _group_range(index[t.split:], out_dims)
+    block = np.asarray(array[out_range, in_range]).T
+    n_in = (in_range.stop - in_range.start) // math.prod(in_dims[1:])
+    block = block.reshape((n_in,) + in_dims[1:] + (-1,) + out_dims[1:])
+    return block[in_post + out_post]
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _path(key_path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in key_path)
+
+
+def _normalise(index, ndim: int) -> tuple[slice, ...]:
+    index = tuple(index) + (slice(None),) * (ndim - len(index))
+    return tuple(i if isinstance(i, slice) else slice(i, i + 1) for i in index)
+
+
+class _Checkpoint:
+    """Name -> memory-mapped array over all the safetensors files of a directory."""
+
+    def __init__(self, path: str):
+        index_file = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index_file):
+            with open(index_file) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(p for p in os.listdir(path) if p.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(
+                f"no *.safetensors in {path!r}; ptrain reads safetensors only (re-save a "
+                "PyTorch .bin checkpoint with transformers' save_pretrained)")
+        self.where = {}
+        for name in files:
+            file = safetensors_io.File(os.path.join(path, name))
+            for key in file.keys():
+                self.where[key] = file
+
+    def array(self, name: str) -> np.ndarray:
+        return self.where[name].array(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.where[name].shape(name)
+
+
+# ----------------------------------------------------------------------------- load / save
+
+def load(path: str, *, mesh=None, dtype: str | None = None,
+         param_dtype: str | None = None) -> tuple[Transformer, ModelConfig]:
+    """Model and config from a local Hugging Face directory, each tensor placed on its shards.
+
+    `dtype` sets the compute dtype (and the parameter dtype unless `param_dtype` is given);
+    both default to the checkpoint's dtype.
+    """
+    config = config_from_hf(read_config(path), dtype=dtype, param_dtype=param_dtype)
+    ckpt = _Checkpoint(path)
+    tensors = _tensors(config)
+    _check_tensors(ckpt, tensors, config)
+
+    graphdef, abstract_state = sharding.abstract(
+        lambda: Transformer(config, rngs=nnx.Rngs(0), mesh=mesh), mesh)
+    by_path = {t.path: t for t in tensors}
+    param_dtype = np.dtype(jnp.dtype(config.param_dtype))
+
+    def build(key_path, var):
+        leaf = var.get_value()
+        t = by_path[_path(key_path)]
+        stacked = "{i}" in t.name
+        ours = leaf.shape[1:] if stacked else leaf.shape
+
+        def read(index):
+            index = _normalise(index, len(leaf.shape))
+            if not stacked:
+                return _read_block(ckpt.array(t.name), t, ours, index).astype(param_dtype)
+            layers = range(*index[0].indices(config.n_layers))
+            return np.stack([_read_block(ckpt.array(t.name.format(i=i)), t, ours, index[1:])
+                             for i in layers]).astype(param_dtype)
+
+        if mesh is None:
+            return var.replace(jnp.asarray(read(())))
+        return var.replace(jax.make_array_from_callback(leaf.shape, leaf.sharding, read))
+
+    state = jax.tree_util.tree_map_with_path(build, abstract_state, is_leaf=_is_var)
+    return nnx.merge(graphdef, state), config
+
+
+def _check_tensors(ckpt: _Checkpoint, tensors: list[_Tensor], c: ModelConfig) -> None:
+    missing, wrong, used = [], [], set()
+    for t in tensors:
+        names = ([t.name.format(i=i) for i in range(c.n_layers)] if "{i}" in t.name
+                 else [t.name])
+        for name in names:
+            used.add(name)
+            if name not in ckpt.where:
+                missing.append(name)
+            elif ckpt.shape(name) != t.hf_shape:
+                wrong.append(f"{name}: expected {t.hf_shape}, found {ckpt.shape(name)}")
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): "
+                         f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+    if wrong:
+        raise ValueError("checkpoint tensor(s) with the wrong shape: " + "; ".join(wrong[:10]))
+    unused = sorted(set(ckpt.where) - used)
+    if unused:
+        logging.warning("hf.load: ignoring %d tensor(s) the model does not use: %s",
+                        len(unused), ", ".join(unused[:10]))
+
+
+def save(model: Transformer, config: ModelConfig, path: str, *,
+         max_shard_bytes: int = 4 << 30) -> None:
+    """Write safetensors (sharded with an index past `max_shard_bytes`) and config.json.
+
+    Tensors are gathered one parameter at a time and written one shard at a time; on
+    several hosts every process gathers and process 0 writes.
+    """
+    os.makedirs(path, exist_ok=True)
+    arrays = {_path(key_path): var.get_value() for key_path, var in
+              jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param), is_leaf=_is_var)}
+    writer = jax.process_index() == 0
+    written: list[tuple[str, list[str]]] = []  # (temporary file, tensor names)
+    pending: list[tuple[str, np.ndarray]] = []
+
+    def flush():
+        if pending and writer:
+            tmp = os.path.join(path, f".shard-{len(written):05d}.safetensors.tmp")
+            safetensors_io.write(tmp, pending)
+            written.append((tmp, [name for name, _ in pending]))
+        pending.clear()
+
+    for t in _tensors(config):
+        for name, a in _to_hf(t, _host(arrays[t.path]), config):
+            if pending and sum(x.nbytes for _, x in pending) + a.nbytes > max_shard_bytes:
+                flush()
+            pending.append((name, a))
+    flush()
+    if writer:
+        _finalise(path, written, config)
+
+
+def _to_hf(t: _Tensor, full: np.ndarray, c: ModelConfig):
+    """(HF name, HF-layout array) for each layer of one of our parameters."""
+    layers = ([(t.name.format(i=i), full[i]) for i in range(c.n_layers)]
+              if "{i}" in t.name else [(t.name, full)])
+    for name, ours in layers:
+        if t.split is not None:
+            ours = ours.reshape(math.prod(ours.shape[:t.split]), -1).T
+        yield name, np.ascontiguousarray(ours.reshape(t.hf_shape))
+
+
+def _finalise(path: str, written: list[tuple[str, list[str]]], config: ModelConfig) -> None:
+    """Rename the shards to HF's names (replacing an older save), then write the index."""
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    for stale in os.listdir(path):
+        if (stale.startswith("model") and stale.endswith(".safetensors")) or \
+                stale == os.path.basename(index_file):
+            os.remove(os.path.join(path, stale))
+    if len(written) == 1:
+        os.replace(written[0][0], os.path.join(path, "model.safetensors"))
+    else:
+        weight_map = {}
+        for i, (tmp, names) in enumerate(written):
+            final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+            os.replace(tmp, os.path.join(path, final))
+            weight_map.update({name: final for name in names})
+        total = sum(os.path.getsize(os.path.join(path, f)) for f in set(weight_map.values()))
+        with open(index_file, "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config_to_hf(config), f, indent=2)
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """The whole array on this host (gathered across hosts when it spans several)."""
+    if not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def load_tokenizer(path: str):
+    """The Hugging Face tokenizer of a local model directory, with its chat template."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("load_tokenizer needs transformers: pip install 'ptrain[hf]'") from e
+    if not any(os.path.exists(os.path.join(path, f))
+               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise FileNotFoundError(f"no tokenizer in {path!r}: expected tokenizer.json or "
+                                "tokenizer_config.json (save it with tokenizer.save_pretrained)")
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,0 +1,153 @@
+"""Run logs in a work dir: TensorBoard events, metrics.jsonl, rollouts.jsonl, PNG curves.
+
+Layout: `<workdir>/metrics.jsonl` (one {"step", key: value} line per step),
+`<workdir>/rollouts.jsonl` (one line per sample), `<workdir>/tb/` (TensorBoard) and
+`<workdir>/plots/<key>.png`. A progress bar with ETA goes to stderr when it is a terminal.
+
+Resuming: open the writer with `start_step` = the restored checkpoint's step. Lines logged
+after that step by the crashed run are removed from both JSONL files (a torn last line is
+removed with a warning), and TensorBoard is told to purge its events past that step, so the
+resumed run appends without duplicates.
+"""
+
+import json
+import logging
+import os
+import re
+import sys
+
+import numpy as np
+import tensorboardX
+import tqdm
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+ROLLOUT_KEYS = ("prompt", "completion", "reward")  # also: feedback, domain, anything else
+DEFAULT_PLOT_PATTERN = re.compile(r"reward|kl|entropy|length")
+
+
+def read_jsonl(path):
+    """The records of a JSONL file (none if it does not exist)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_jsonl(path, max_step):
+    """Drops the lines of `path` whose "step" is > max_step; returns how many were dropped."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = f.read().splitlines()
+    kept = []
+    for lineno, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == len(lines):  # the crash cut the last write short
+                logging.warning("%s:%d: removing a torn last line", path, lineno)
+                continue
+            raise ValueError(f"{path}:{lineno}: not valid JSON; fix or remove the line") from None
+        if record["step"] <= max_step:
+            kept.append(line)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+def _scalar(key, value):
+    array = np.asarray(value)
+    if array.size != 1 or not np.issubdtype(array.dtype, np.number):
+        raise ValueError(f"metric {key!r} must be a number; got {type(value).__name__} "
+                         f"of shape {array.shape}")
+    return float(array.reshape(()))
+
+
+class MetricsWriter:
+    """Writes one work dir's logs; see the module docstring."""
+
+    def __init__(self, workdir, *, total_steps=None, start_step=0, progress=None):
+        self.workdir = os.fspath(workdir)
+        os.makedirs(self.workdir, exist_ok=True)
+        self.metrics_path = os.path.join(self.workdir, "metrics.jsonl")
+        self.rollouts_path = os.path.join(self.workdir, "rollouts.jsonl")
+        for path in (self.metrics_path, self.rollouts_path):
+            truncate_jsonl(path, start_step)
+        self._tb = tensorboardX.SummaryWriter(os.path.join(self.workdir, "tb"),
+                                              purge_step=start_step + 1 if start_step else None)
+        self._metrics = open(self.metrics_path, "a")
+        self._rollouts = open(self.rollouts_path, "a")
+        show = sys.stderr.isatty() if progress is None else bool(progress)
+        self._bar = tqdm.tqdm(total=total_steps, initial=start_step, disable=not show,
+                              file=progress if hasattr(progress, "write") else None,
+                              unit="step", dynamic_ncols=True)
+        self._step = start_step
+
+    def write(self, step, metrics):
+        """Logs a dict of scalar metrics for `step` (numbers, numpy or JAX scalars)."""
+        values = {k: _scalar(k, v) for k, v in metrics.items()}
+        self._metrics.write(json.dumps({"step": int(step), **values}) + "\n")
+        self._metrics.flush()
+        for key, value in values.items():
+            self._tb.add_scalar(key, value, global_step=int(step))
+        self._bar.update(int(step) - self._step)
+        self._step = int(step)
+        shown = {k: f"{v:.3g}" for k, v in values.items() if DEFAULT_PLOT_PATTERN.search(k)}
+        self._bar.set_postfix(shown, refresh=False)
+
+    def write_rollouts(self, step, samples):
+        """Appends samples: dicts with prompt, completion, reward (and feedback, domain, ...)."""
+        lines = []
+        for i, sample in enumerate(samples):
+            missing = [k for k in ROLLOUT_KEYS if k not in sample]
+            if missing:
+                raise ValueError(f"rollout sample {i} of step {step} lacks {missing}")
+            record = {"step": int(step), "feedback": None, "domain": None, **sample}
+            lines.append(json.dumps(record, default=_to_json) + "\n")
+        self._rollouts.write("".join(lines))
+        self._rollouts.flush()
+
+    def plot(self, keys=None):
+        """Draws `<workdir>/plots/<key>.png` per key (default: reward, KL, entropy and length
+        metrics); returns the paths."""
+        records = read_jsonl(self.metrics_path)
+        logged = sorted({k for r in records for k in r} - {"step"})
+        keys = [k for k in logged if DEFAULT_PLOT_PATTERN.search(k)] if keys is None else keys
+        unknown = sorted(set(keys) - set(logged))
+        if unknown:
+            raise ValueError(f"no metric named {unknown} in {self.metrics_path}")
+        os.makedirs(os.path.join(self.workdir, "plots"), exist_ok=True)
+        paths = []
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if key in r]
+            fig = Figure(figsize=(6, 3.5))
+            ax = fig.add_subplot()
+            ax.plot(*zip(*points), marker="." if len(points) < 50 else None)
+            ax.set(xlabel="step", title=key)
+            ax.grid(alpha=0.3)
+            fig.tight_layout()
+            path = os.path.join(self.workdir, "plots", re.sub(r"[^\w.-]", "_", key) + ".png")
+            FigureCanvasAgg(fig).print_png(path)
+            paths.append(path)
+        return paths
+
+    def close(self):
+        self._bar.close()
+        self._tb.close()
+        self._metrics.close()
+        self._rollouts.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _to_json(value):
+    """numpy / JAX scalars and arrays in rollout samples."""
+    array = np.asarray(value)
+    return array.item() if array.ndim == 0 else array.tolist()

@@ -1,0 +1,413 @@
+"""One decoder for Llama 3 / 3.1 / 3.2, Qwen2 / 2.5 and Qwen3 checkpoints, in Flax NNX.
+
+The module only holds parameters; the forward pass is plain functions over arrays. Layers are
+stacked on a leading axis and run under `jax.lax.scan` (optionally rematerialised), so compile
+time does not grow with depth. The KV cache is a pytree carried through the same scan.
+
+Shape letters used in names:
+  b batch    t query time    s key/value time (cache slots)    d model width
+  h query heads    k key/value heads    g query heads per kv head (h = k * g)    e head dim
+  f MLP hidden    v vocab    l layers
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ptrain import attention
+from ptrain import sharding
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+REMAT_POLICIES = ("none", "full", "dots")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture and numerics of a decoder. `hf.config_from_hf` builds one from config.json.
+
+    `family` (llama | qwen2 | qwen3) only names the Hugging Face class on export; the
+    architecture itself is fully described by the flags (biases, q/k norm, tying, RoPE).
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    head_dim: int = 0  # 0: d_model // n_heads
+    rms_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 / 2.5
+    o_bias: bool = False  # Llama with attention_bias=True
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+    # RoPE. `rope_type` picks how the inverse frequencies are rescaled for long context.
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0  # linear, llama3, yarn
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_position: int = 8192  # llama3, yarn: the pre-training context
+    rope_beta_fast: float = 32.0  # yarn
+    rope_beta_slow: float = 1.0  # yarn
+    rope_attention_factor: float = 0.0  # yarn: 0 means derived from rope_factor (and mscales)
+    rope_mscale: float = 0.0  # yarn (DeepSeek style), 0: unused
+    rope_mscale_all_dim: float = 0.0  # yarn, 0: unused
+    rope_truncate: bool = True  # yarn
+    max_position_embeddings: int = 8192
+    family: str = "llama"
+    param_dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype; norms, softmax and RoPE always run in float32
+    remat: str = "none"  # none | full | dots (save matmul outputs, recompute the rest)
+    attention_impl: str = "reference"  # attention.IMPLS: reference | blockwise | ring | cudnn
+    attn_block_q: int = 512  # blockwise / ring block sizes (queries, keys)
+    attn_block_k: int = 512
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        checks = [
+            (self.n_heads % self.n_kv_heads == 0,
+             f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"),
+            (self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}"),
+            (self.rope_type in ROPE_TYPES,
+             f"rope_type {self.rope_type!r} is not supported; use one of {ROPE_TYPES}"),
+            (self.remat in REMAT_POLICIES,
+             f"remat {self.remat!r} is not supported; use one of {REMAT_POLICIES}"),
+            (self.param_dtype in DTYPES, f"param_dtype must be one of {DTYPES}"),
+            (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
+            (self.attention_impl in attention.IMPLS,
+             f"attention_impl {self.attention_impl!r} is not one of {attention.IMPLS}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"ModelConfig: {message}")
+
+    @property
+    def n_params(self) -> int:
+        d, e, f, v = self.d_model, self.head_dim, self.d_ff, self.vocab_size
+        attn = d * e * (2 * self.n_heads + 2 * self.n_kv_heads)
+        per_layer = attn + 3 * d * f + 2 * d
+        if self.qkv_bias:
+            per_layer += e * (self.n_heads + 2 * self.n_kv_heads)
+        if self.qk_norm:
+            per_layer += 2 * e
+        embeddings = v * d * (1 if self.tie_embeddings else 2)
+        return self.n_layers * per_layer + embeddings + d
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values of every layer, preallocated for `s` slots.
+
+    Slots are filled left to right from `index`. `segment_ids_bs` is 0 for empty (or padding)
+    slots, which attention masks out; `positions_bs` holds each slot's RoPE position, so left
+    padding and packed documents need no special cases.
+    """
+
+    k_lbske: jax.Array
+    v_lbske: jax.Array
+    positions_bs: jax.Array
+    segment_ids_bs: jax.Array
+    index: jax.Array  # int32 scalar: the next slot to write
+
+    @property
+    def max_len(self) -> int:
+        return self.k_lbske.shape[2]
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, *, mesh=None) -> KVCache:
+    """An empty cache of `max_len` slots, sharded like attention activations when given a mesh."""
+    shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
+    dtype = jnp.dtype(config.dtype)
+    cache = KVCache(
+        k_lbske=jnp.zeros(shape, dtype),
+        v_lbske=jnp.zeros(shape, dtype),
+        positions_bs=jnp.zeros((batch, max_len), jnp.int32),
+        segment_ids_bs=jnp.zeros((batch, max_len), jnp.int32),
+        index=jnp.zeros((), jnp.int32),
+    )
+    if mesh is None:
+        return cache
+    return jax.device_put(cache, cache_shardings(cache, mesh))
+
+
+def cache_shardings(cache: KVCache, mesh) -> KVCache:
+    kv = sharding.named(mesh, ("layers", "batch", None, "kv_heads", None), cache.k_lbske.shape)
+    bs = sharding.named(mesh, ("batch", None), cache.positions_bs.shape)
+    return KVCache(kv, kv, bs, bs, sharding.named(mesh, (), ()))
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, init: str = "normal") -> nnx.Param:
+    if init == "normal":
+        value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
+    elif init == "ones":
+        value = jnp.ones(shape, jnp.float32)
+    else:
+        value = jnp.zeros(shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), axes=axes)
+
+
+class Layers(nnx.Module):
+    """All decoder layers' parameters, stacked on a leading `l` axis (names follow HF's)."""
+
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
+        l, d, h, k, e, f = c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff
+        dt = jnp.dtype(c.param_dtype)
+        self.attn_norm = _param(rngs, (l, d), ("layers", None), dt, "ones")
+        self.wq = _param(rngs, (l, d, h, e), ("layers", "embed", "heads", None), dt)
+        self.wk = _param(rngs, (l, d, k, e), ("layers", "embed", "kv_heads", None), dt)
+        self.wv = _param(rngs, (l, d, k, e), ("layers", "embed", "kv_heads", None), dt)
+        self.wo = _param(rngs, (l, h, e, d), ("layers", "heads", None, "embed"), dt)
+        if c.qkv_bias:
+            self.bq = _param(rngs, (l, h, e), ("layers", "heads", None), dt, "zeros")
+            self.bk = _param(rngs, (l, k, e), ("layers", "kv_heads", None), dt, "zeros")
+            self.bv = _param(rngs, (l, k, e), ("layers", "kv_heads", None), dt, "zeros")
+        if c.o_bias:
+            self.bo = _param(rngs, (l, d), ("layers", None), dt, "zeros")
+        if c.qk_norm:
+            self.q_norm = _param(rngs, (l, e), ("layers", None), dt, "ones")
+            self.k_norm = _param(rngs, (l, e), ("layers", None), dt, "ones")
+        self.mlp_norm = _param(rngs, (l, d), ("layers", None), dt, "ones")
+        self.w_gate = _param(rngs, (l, d, f), ("layers", "embed", "mlp"), dt)
+        self.w_up = _param(rngs, (l, d, f), ("layers", "embed", "mlp"), dt)
+        self.w_down = _param(rngs, (l, f, d), ("layers", "mlp", "embed"), dt)
+
+    def arrays(self) -> dict[str, jax.Array]:
+        """The stacked arrays by name, for the scanned layer function."""
+        return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
+
+
+class Transformer(nnx.Module):
+    """Decoder-only transformer. Build sharded with `sharding.create_sharded` or `hf.load`."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh=None):
+        c = config
+        self.config = c
+        self.mesh = mesh  # only used for activation sharding constraints; None = no constraints
+        dt = jnp.dtype(c.param_dtype)
+        self.embed = _param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"), dt)
+        self.layers = Layers(c, rngs)
+        self.final_norm = _param(rngs, (c.d_model,), (None,), dt, "ones")
+        if not c.tie_embeddings:
+            self.lm_head = _param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"), dt)
+
+    def unembedding_vd(self) -> jax.Array:
+        """The output projection [vocab, d] (the embedding itself when tied)."""
+        w = self.embed if self.config.tie_embeddings else self.lm_head
+        return w[...].astype(self.config.dtype)
+
+    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache=None):
+        """Float32 logits [b, t, v]; with a cache, `(logits, updated_cache)`."""
+        h_btd, new_cache = self.hidden(tokens_bt, positions_bt, segment_ids_bt, cache)
+        logits_btv = jnp.einsum("btd,vd->btv", h_btd, self.unembedding_vd(),
+                                preferred_element_type=jnp.float32)
+        logits_btv = sharding.constrain(logits_btv, ("batch", "seq", "vocab"), self.mesh)
+        return logits_btv if cache is None else (logits_btv, new_cache)
+
+    def hidden(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache=None):
+        """Final-normed hidden states [b, t, d] in the compute dtype, and the updated cache.
+
+        Losses use this with `unembedding_vd()` to compute token log-probs in chunks, so that
+        float32 [b, t, v] is never materialised.
+        """
+        c = self.config
+        b, t = tokens_bt.shape
+        start = jnp.zeros((), jnp.int32) if cache is None else cache.index
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+        if segment_ids_bt is None:
+            segment_ids_bt = jnp.ones((b, t), jnp.int32)
+        positions_bt = positions_bt.astype(jnp.int32)
+        segment_ids_bt = segment_ids_bt.astype(jnp.int32)
+
+        # FSDP gathers the table (as it does every weight) so the lookup stays local.
+        embed_vd = sharding.constrain(self.embed[...], (None, None), self.mesh)
+        x_btd = jnp.take(embed_vd, tokens_bt, axis=0).astype(c.dtype)
+        x_btd = sharding.constrain(x_btd, ("batch", "seq", None), self.mesh)
+        layer = _remat(c.remat, functools.partial(
+            _layer, c=c, mesh=self.mesh, rope=rope_tables(c), q_pos_bt=positions_bt,
+            q_seg_bt=segment_ids_bt, start=start))
+        params = self.layers.arrays()
+
+        if cache is None:
+            def step(x_btd, p):
+                return layer(p, x_btd, None, kv_pos_bs=positions_bt,
+                             kv_seg_bs=segment_ids_bt)[0], None
+
+            x_btd, _ = jax.lax.scan(step, x_btd, params)
+            new_cache = None
+        else:
+            kv_pos_bs = jax.lax.dynamic_update_slice(cache.positions_bs, positions_bt, (0, start))
+            kv_seg_bs = jax.lax.dynamic_update_slice(
+                cache.segment_ids_bs, segment_ids_bt, (0, start))
+
+            def step(x_btd, p_and_kv):
+                p, kv = p_and_kv
+                return layer(p, x_btd, kv, kv_pos_bs=kv_pos_bs, kv_seg_bs=kv_seg_bs)
+
+            x_btd, (k_lbske, v_lbske) = jax.lax.scan(
+                step, x_btd, (params, (cache.k_lbske, cache.v_lbske)))
+            new_cache = KVCache(k_lbske, v_lbske, kv_pos_bs, kv_seg_bs, start + t)
+
+        h_btd = rms_norm(x_btd, self.final_norm[...].astype(c.dtype), c.rms_eps)
+        return h_btd, new_cache
+
+
+def init(config: ModelConfig, *, seed: int = 0, mesh=None) -> Transformer:
+    """A randomly initialised model, its parameters born sharded on `mesh` (if given)."""
+    return sharding.create_sharded(
+        lambda: Transformer(config, rngs=nnx.Rngs(seed), mesh=mesh), mesh)
+
+
+def _remat(policy: str, fn):
+    if policy == "none":
+        return fn
+    if policy == "full":
+        return jax.checkpoint(fn, prevent_cse=False)
+    return jax.checkpoint(fn, prevent_cse=False,
+                          policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+
+def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_pos_bs,
+           kv_seg_bs, start):
+    """One pre-norm decoder layer. `kv` is this layer's (k, v) cache slice, or None."""
+    dt = jnp.dtype(c.dtype)
+    w = {name: a.astype(dt) for name, a in p.items()}
+
+    h_btd = rms_norm(x_btd, w["attn_norm"], c.rms_eps)
+    q_bthe = jnp.einsum("btd,dhe->bthe", h_btd, w["wq"])
+    k_btke = jnp.einsum("btd,dke->btke", h_btd, w["wk"])
+    v_btke = jnp.einsum("btd,dke->btke", h_btd, w["wv"])
+    if c.qkv_bias:
+        q_bthe, k_btke, v_btke = q_bthe + w["bq"], k_btke + w["bk"], v_btke + w["bv"]
+    if c.qk_norm:
+        q_bthe = rms_norm(q_bthe, w["q_norm"], c.rms_eps)
+        k_btke = rms_norm(k_btke, w["k_norm"], c.rms_eps)
+    q_bthe = apply_rope(q_bthe, q_pos_bt, *rope)
+    k_btke = apply_rope(k_btke, q_pos_bt, *rope)
+    q_bthe = sharding.constrain(q_bthe, ("batch", "seq", "heads", None), mesh)
+
+    if kv is None:
+        k_bske, v_bske = k_btke, v_btke
+    else:
+        k_cache, v_cache = kv
+        k_bske = jax.lax.dynamic_update_slice(k_cache, k_btke.astype(k_cache.dtype),
+                                              (0, start, 0, 0))
+        v_bske = jax.lax.dynamic_update_slice(v_cache, v_btke.astype(v_cache.dtype),
+                                              (0, start, 0, 0))
+        kv = (k_bske, v_bske)
+    o_bthe = attention.attend(
+        q_bthe, k_bske, v_bske,
+        q_positions_bt=q_pos_bt, q_segment_ids_bt=q_seg_bt,
+        kv_positions_bs=kv_pos_bs, kv_segment_ids_bs=kv_seg_bs,
+        impl=c.attention_impl, mesh=mesh, block_q=c.attn_block_q, block_k=c.attn_block_k)
+    attn_btd = jnp.einsum("bthe,hed->btd", o_bthe, w["wo"])
+    if c.o_bias:
+        attn_btd = attn_btd + w["bo"]
+    x_btd = sharding.constrain(x_btd + attn_btd, ("batch", "seq", None), mesh)
+
+    h_btd = rms_norm(x_btd, w["mlp_norm"], c.rms_eps)
+    gate_btf = jnp.einsum("btd,df->btf", h_btd, w["w_gate"])
+    up_btf = jnp.einsum("btd,df->btf", h_btd, w["w_up"])
+    act_btf = sharding.constrain(jax.nn.silu(gate_btf) * up_btf, ("batch", "seq", "mlp"), mesh)
+    x_btd = x_btd + jnp.einsum("btf,fd->btd", act_btf, w["w_down"])
+    return sharding.constrain(x_btd, ("batch", "seq", None), mesh), kv
+
+
+def rms_norm(x, weight, eps: float):
+    """RMSNorm as in Llama/Qwen: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope_tables(c: ModelConfig) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [e/2] and the cos/sin scale, for the config's RoPE scaling.
+
+    Follows the published recipes (and Hugging Face's `modeling_rope_utils`): Llama 3.1's
+    wavelength-banded rescaling and YaRN's ramp between interpolation and extrapolation.
+    """
+    e = c.head_dim
+    inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, e, 2, dtype=np.float64) / e))
+    scale = 1.0
+    if c.rope_type == "linear":
+        inv_freq = inv_freq / c.rope_factor
+    elif c.rope_type == "llama3":
+        old_len = c.rope_original_max_position
+        low_wavelen = old_len / c.rope_low_freq_factor
+        high_wavelen = old_len / c.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / c.rope_factor, inv_freq)
+        smooth = (old_len / wavelen - c.rope_low_freq_factor) / (
+            c.rope_high_freq_factor - c.rope_low_freq_factor)
+        smoothed = (1 - smooth) * scaled / c.rope_factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    elif c.rope_type == "yarn":
+        inv_freq, scale = _yarn(c, inv_freq)
+    return inv_freq.astype(np.float32), float(scale)
+
+
+def _yarn(c: ModelConfig, inv_freq):
+    e, base, factor = c.head_dim, c.rope_theta, c.rope_factor
+
+    def mscale(s, m=1.0):
+        return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+    if c.rope_attention_factor:
+        scale = c.rope_attention_factor
+    elif c.rope_mscale and c.rope_mscale_all_dim:
+        scale = mscale(factor, c.rope_mscale) / mscale(factor, c.rope_mscale_all_dim)
+    else:
+        scale = mscale(factor)
+
+    def correction_dim(rotations):
+        return (e * math.log(c.rope_original_max_position / (rotations * 2 * math.pi))
+                ) / (2 * math.log(base))
+
+    low, high = correction_dim(c.rope_beta_fast), correction_dim(c.rope_beta_slow)
+    if c.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, e - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(e // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq, scale
+
+
+def apply_rope(x_bthe, positions_bt, inv_freq: np.ndarray, scale: float):
+    """Rotate the two halves of each head (the Llama/Qwen "rotate_half" convention)."""
+    angles_bte = positions_bt[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    cos = (jnp.cos(angles_bte) * scale)[:, :, None, :]
+    sin = (jnp.sin(angles_bte) * scale)[:, :, None, :]
+    x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_bthe.dtype)
+
+
+def param_count(model: Transformer) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def describe(config: ModelConfig) -> dict[str, Any]:
+    """A JSON-able summary (for logs and plans)."""
+    return {**dataclasses.asdict(config), "n_params": config.n_params}

@@ -1,0 +1,107 @@
+"""ptrain.metrics: JSONL + TensorBoard logs, rollouts, plots, progress bar, resume."""
+
+import glob
+import io
+import json
+import logging
+import os
+import struct
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from ptrain.metrics import MetricsWriter, read_jsonl
+
+
+def read_events(path):
+    """Events of a TensorBoard file (TFRecord: length, crc, payload, crc)."""
+    events, data = [], open(path, "rb").read()
+    while data:
+        (n,) = struct.unpack("<Q", data[:8])
+        events.append(event_pb2.Event.FromString(data[12:12 + n]))
+        data = data[12 + n + 4:]
+    return events
+
+
+def tb_scalars(workdir):
+    out = {}
+    for path in sorted(glob.glob(os.path.join(workdir, "tb", "events.*"))):
+        for e in read_events(path):
+            for v in e.summary.value:
+                out.setdefault(v.tag, []).append((e.step, v.simple_value))
+    return out
+
+
+def sample(i, reward):
+    return {"prompt": f"p{i}", "completion": f"c{i}", "reward": reward, "feedback": "ok",
+            "domain": "code"}
+
+
+def test_writes_jsonl_tensorboard_rollouts_and_plots(tmp_path):
+    with MetricsWriter(tmp_path, total_steps=3) as w:
+        for step in (1, 2, 3):
+            w.write(step, {"reward/mean": jnp.float32(step / 4), "kl": np.float64(0.01 * step),
+                           "response_length": step * 10, "lr": 1e-4})
+            w.write_rollouts(step, [sample(step, np.float32(0.5))])
+        with pytest.raises(ValueError, match="must be a number"):
+            w.write(4, {"reward": [1.0, 2.0]})
+        with pytest.raises(ValueError, match=r"lacks \['completion'\]"):
+            w.write_rollouts(4, [{"prompt": "p", "reward": 1.0}])
+        paths = w.plot()
+        assert w.plot(["lr"]) == [str(tmp_path / "plots" / "lr.png")]
+        with pytest.raises(ValueError, match="no metric named"):
+            w.plot(["accuracy"])
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in lines] == [1, 2, 3] and lines[2]["reward/mean"] == 0.75
+    assert lines[1]["response_length"] == 20.0
+    rollouts = read_jsonl(tmp_path / "rollouts.jsonl")
+    assert rollouts[0] == {"step": 1, **sample(1, 0.5)}
+    assert tb_scalars(tmp_path)["kl"] == [(1, pytest.approx(0.01)), (2, pytest.approx(0.02)),
+                                          (3, pytest.approx(0.03))]
+    assert sorted(os.path.basename(p) for p in paths) == \
+        ["kl.png", "response_length.png", "reward_mean.png"]
+    for p in paths:
+        assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_truncates_past_the_restored_step(tmp_path, caplog):
+    with MetricsWriter(tmp_path) as w:
+        for step in range(1, 6):
+            w.write(step, {"reward": float(step)})
+            w.write_rollouts(step, [sample(step, 1.0), sample(step, 0.0)])
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "rew')  # a write torn by the crash
+    # The run crashed; the latest checkpoint was step 3. Steps 4, 5 are redone.
+    with caplog.at_level(logging.WARNING):
+        with MetricsWriter(tmp_path, start_step=3) as w:
+            for step in (4, 5):
+                w.write(step, {"reward": 10.0 * step})
+                w.write_rollouts(step, [sample(step, 0.5)])
+    assert any("torn last line" in r.getMessage() for r in caplog.records)
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["reward"]) for r in metrics] == \
+        [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+    assert [r["step"] for r in read_jsonl(tmp_path / "rollouts.jsonl")] == [1, 1, 2, 2, 3, 3, 4, 5]
+    # TensorBoard: the second event file asks to purge everything from step 4 on.
+    second = sorted(glob.glob(str(tmp_path / "tb" / "events.*")))[-1]
+    starts = [e.step for e in read_events(second) if e.session_log.status == 1]  # START
+    assert starts == [4]
+
+
+def test_malformed_line_in_the_middle_is_an_error(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not valid JSON"):
+        MetricsWriter(tmp_path, start_step=1)
+
+
+def test_progress_bar_eta_and_quiet_without_tty(tmp_path, capsys):
+    stream = io.StringIO()
+    with MetricsWriter(tmp_path / "a", total_steps=10, start_step=2, progress=stream) as w:
+        w.write(5, {"reward": 0.5})
+    out = stream.getvalue()
+    assert "5/10" in out and "<" in out and "reward=0.5" in out  # elapsed<remaining (ETA)
+    with MetricsWriter(tmp_path / "b", total_steps=10) as w:  # stderr is not a TTY here
+        w.write(1, {"reward": 0.5})
+    assert capsys.readouterr().err == ""
