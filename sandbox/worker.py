@@ -33,7 +33,7 @@ class Worker:
 
     persist=True keeps the work dir (and /tmp) across runs, for sessions; otherwise every run
     starts from an empty work dir. preimport=False starts a bare interpreter (a cold, one-off
-    worker)."""
+    worker). `runs` counts the runs served (a pool may recycle workers by it)."""
 
     def __init__(self, backend="auto", limits: backends.Limits | None = None, *,
                  persist: bool = False, preimport: bool = True):
