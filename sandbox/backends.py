@@ -306,21 +306,21 @@ def _server_source() -> str:
         return f.read()
 
 
-def start(spec, limits: Limits, *, persist: bool, preimport: bool = True) -> Handle:
+def start(spec, limits: Limits, *, preimport: bool = True) -> Handle:
     """Start a fork server in `spec`'s isolation; returns once it is ready to serve."""
     reason = unavailable_reason(spec)
     if reason is not None:
         raise BackendUnavailable(f"backend {spec.name!r} is unavailable: {reason}")
     modules = list(spec.preimport) if preimport else []
     if isinstance(spec, Docker):
-        return _start_docker(spec, limits, persist, modules)
+        return _start_docker(spec, limits, modules)
     host_end, server_end = socket.socketpair()
     handle = Handle(spec.name, host_end)
     try:
         if isinstance(spec, Process):
-            _start_process(handle, spec, limits, persist, modules, server_end)
+            _start_process(handle, spec, limits, modules, server_end)
         else:
-            _start_bwrap(handle, spec, limits, persist, modules, server_end)
+            _start_bwrap(handle, spec, limits, modules, server_end)
         _await_ready(handle)
         _join_cgroup(handle)
     except BaseException:
@@ -370,15 +370,15 @@ def _new_cgroup(limits: Limits) -> cgroups.Cgroup | None:
     return cgroups.Cgroup(limits.memory_mb << 20, limits.max_processes)
 
 
-def _server_config(limits, persist, modules, channel, workdir, tmpdirs, **extra) -> dict:
+def _server_config(modules, channel, workdir, tmpdirs, **extra) -> dict:
     return {
         "channel": channel, "workdir": workdir, "tmpdir": tmpdirs[0],
-        "wipe": list(tmpdirs) + ([] if persist else [workdir]),
+        "wipe": list(tmpdirs) + [workdir],
         "path": _PATH, "preimport": modules, **extra,
     }
 
 
-def _start_process(handle, spec, limits, persist, modules, server_end):
+def _start_process(handle, spec, limits, modules, server_end):
     root = tempfile.mkdtemp(prefix=f"ptrain-sbx-{os.getpid()}-")
     handle.cleanup_paths.append(root)
     handle.cgroup = _new_cgroup(limits)
@@ -389,7 +389,7 @@ def _start_process(handle, spec, limits, persist, modules, server_end):
     else:
         extra.update(address_space_mb=limits.memory_mb,
                      nproc=None if os.geteuid() == 0 else _user_processes() + limits.max_processes)
-    cfg = _server_config(limits, persist, modules, {"fd": server_end.fileno()},
+    cfg = _server_config(modules, {"fd": server_end.fileno()},
                          os.path.join(root, "work"), [os.path.join(root, "tmp")], **extra)
     cfg["path"] = os.path.dirname(spec.python) + ":" + _PATH
     handle.proc = subprocess.Popen(
@@ -468,7 +468,7 @@ def _bwrap_argv(spec, limits, prefix, passwd_fd, join_files=()) -> list[str]:
     return argv + ["--"]
 
 
-def _start_bwrap(handle, spec, limits, persist, modules, server_end):
+def _start_bwrap(handle, spec, limits, modules, server_end):
     uid, handle.uid_lock = _take_uid()
     shown_uid = os.getuid() if uid is None else uid
     passwd_r, passwd_w = os.pipe()
@@ -488,7 +488,7 @@ def _start_bwrap(handle, spec, limits, persist, modules, server_end):
         if uid is not None:
             handle.cgroup.allow_join(uid)
         extra["join_cgroup"] = [f"/.cgroup/{i}" for i in range(len(join_files))]
-    cfg = _server_config(limits, persist, modules, {"fd": server_end.fileno()}, "/work",
+    cfg = _server_config(modules, {"fd": server_end.fileno()}, "/work",
                          ["/tmp", "/dev/shm"], **extra)
     argv = _bwrap_argv(spec, limits, _uid_prefix(uid), passwd_r, join_files)
     try:
@@ -508,7 +508,7 @@ def docker_client():
     return docker.from_env(timeout=60)
 
 
-def _start_docker(spec, limits, persist, modules) -> Handle:
+def _start_docker(spec, limits, modules) -> Handle:
     client = docker_client()
     uid, uid_lock = _take_uid()
     uid = 65534 if uid is None else uid
@@ -518,7 +518,7 @@ def _start_docker(spec, limits, persist, modules) -> Handle:
     listener.bind(os.path.join(chan_dir, "sock"))
     os.chmod(os.path.join(chan_dir, "sock"), 0o666)
     listener.listen(1)
-    cfg = _server_config(limits, persist, modules, {"connect": "/chan/sock"}, "/work",
+    cfg = _server_config(modules, {"connect": "/chan/sock"}, "/work",
                          ["/tmp", "/dev/shm"], oom_adj=True, sysv_ipc=True)
     # The container's one memory limit also covers the server and the tmpfs mounts, whose
     # pages outlive a killed run: the mounts share `memory_mb` between them, so that what a

@@ -794,8 +794,10 @@ def serve(cfg):
                 result["files"] = [name for name, _ in files]
                 blobs.append(stash_files(cfg["workdir"], files))
                 sizes += [size for _, size in files]
-            if not reset(cfg, modes):
+            if not msg.get("keep_state") and not reset(cfg, modes):
                 result["clean"] = False  # the host replaces this worker
+        elif op == "reset":
+            result = {"clean": reset(cfg, modes)}
         elif op == "put":
             result = run_put(cfg, msg, chan, killer, parked or Parked(cfg))
             parked = None

@@ -31,18 +31,15 @@ class WorkerError(RuntimeError):
 class Worker:
     """A fork server inside `backend` with worker-wide `limits`.
 
-    persist=True keeps the work dir (and /tmp) across runs, for sessions; otherwise every run
-    starts from an empty work dir. preimport=False starts a bare interpreter (a cold, one-off
-    worker). `runs` counts the runs served (a pool may recycle workers by it)."""
+    preimport=False starts a bare interpreter (a cold, one-off worker). `runs` counts the
+    runs served (a pool may recycle workers by it)."""
 
     def __init__(self, backend="auto", limits: backends.Limits | None = None, *,
-                 persist: bool = False, preimport: bool = True):
+                 preimport: bool = True):
         self.spec = backends.resolve(backend)
         self.limits = limits or backends.Limits()
-        self.persist = persist
         self._lock = threading.Lock()
-        self._handle = backends.start(self.spec, self.limits, persist=persist,
-                                      preimport=preimport)
+        self._handle = backends.start(self.spec, self.limits, preimport=preimport)
         # Stops the server if the worker is dropped without close() (it would also stop on
         # its own once the socket closes, but the cgroups and locks are ours to release).
         self._finalizer = weakref.finalize(self, self._handle.stop)
@@ -56,14 +53,18 @@ class Worker:
     def alive(self) -> bool:
         return self._handle is not None
 
-    def run(self, request: Request) -> Result:
+    def run(self, request: Request, *, keep_state: bool = False) -> Result:
         """Run one request. Raises WorkerError if the worker failed, ValueError if the files
-        cannot be laid out; everything the program does comes back in the Result."""
+        cannot be laid out; everything the program does comes back in the Result.
+
+        Afterwards every process of the run is killed, and the work dir, /tmp, /dev/shm and
+        SysV IPC objects are emptied, unless keep_state=True (a session's turn: then only
+        the processes go; `reset()` empties the rest)."""
         payload = json.dumps(request.to_wire(), separators=(",", ":")).encode()
         header = {"op": "run", "payload": len(payload), "timeout_s": request.timeout_s,
                   "max_output_bytes": request.max_output_bytes,
                   "return_files": request.return_files,
-                  "max_files_bytes": request.max_files_bytes}
+                  "max_files_bytes": request.max_files_bytes, "keep_state": keep_state}
         with self._lock:
             handle = self._live_handle()
             oom_before = handle.oom_kills()
@@ -77,6 +78,15 @@ class Worker:
                         self.backend)
             self.close()
         return _to_result(reply, blobs, self.backend, oom_before, oom_after)
+
+    def reset(self) -> None:
+        """Empty the work dir, /tmp, /dev/shm and SysV IPC, as after a run without
+        keep_state; a worker that cannot be cleaned is closed (WorkerError)."""
+        with self._lock:
+            clean = self._call({"op": "reset"}, b"", _WATCHDOG_GRACE_S)[0]["clean"]
+        if not clean:
+            self.close()
+            raise WorkerError(f"the {self.backend} worker could not be cleaned; closed it")
 
     def put_files(self, files: dict[str, bytes]) -> None:
         """Write files into the work dir (sessions)."""

@@ -296,15 +296,19 @@ def test_a_run_sees_nothing_a_previous_run_left(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_session_keeps_files_but_not_processes(backend):
+    sandbox.shutdown()  # no idle workers: what the session leaves is all that changes
     before = (own_temp_dirs(), own_cgroups(), own_containers(), open_fds(backend))
     with sandbox.Session(backend=backend, files={"seed.txt": "seed"}) as s:
         assert s.backend == backend
-        r1 = s.run("import subprocess, os\nopen('turn1', 'w').write(open('seed.txt').read())\n"
-                   "subprocess.Popen(['sleep', '1000'])\nprint(os.getpid())")
+        r1 = s.run("import subprocess, os, tempfile\n"
+                   "open('turn1', 'w').write(open('seed.txt').read())\n"
+                   "open(os.path.join(tempfile.gettempdir(), 'scratch'), 'w').write('t')\n"
+                   "subprocess.Popen(['sleep', '1000'])")
         assert r1.ok, r1.stderr
         assert s.worker.processes() == []  # the background sleep died with the run
-        r2 = s.run(command=["bash", "-c", "cat turn1; ls"], files={"more.txt": "m"})
-        assert r2.stdout == b"seedmore.txt\nseed.txt\nturn1\n"
+        r2 = s.run(command=["bash", "-c", "cat turn1 \"$TMPDIR/scratch\"; ls"],
+                   files={"more.txt": "m"})
+        assert r2.stdout == b"seedtmore.txt\nseed.txt\nturn1\n", r2
         s.write_files({"sub/x.py": "X = 1"})
         r3 = s.run("from sub.x import X\nprint(X)")
         assert r3.stdout == b"1\n"
@@ -312,9 +316,15 @@ def test_session_keeps_files_but_not_processes(backend):
                                   "sub/x.py": b"X = 1"}
         with pytest.raises(ValueError, match="max_bytes"):
             s.read_files(max_bytes=3)
+        worker = s.worker
     assert s.closed
     with pytest.raises(sandbox.WorkerError):
         s.run("print(1)")
+    with sandbox.Session(backend=backend) as again:  # the same warm worker, emptied
+        assert again.worker is worker
+        r = again.run(command=["bash", "-c", "ls -A; ls -A \"$TMPDIR\""])
+        assert r.ok and r.stdout == b"", r
+    sandbox.shutdown()
     assert (own_temp_dirs(), own_cgroups(), own_containers(), open_fds(backend)) == before
 
 
