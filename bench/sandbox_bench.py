@@ -100,6 +100,28 @@ def cold_sandbox(backend: str, code: str):
     return fn
 
 
+def session(backend: str, turns: int):
+    """A multi-turn episode: open a Session (on a warm worker), `turns` runs, close."""
+    sandbox.warm(1, backend=backend)
+
+    def fn():
+        with sandbox.Session(backend=backend) as s:
+            for i in range(turns):
+                r = s.run(f"import os\nopen('turn{i}', 'w').write('x')\n"
+                          "print(len(os.listdir('.')))", timeout_s=30)
+                assert r.ok and r.stdout == f"{i + 1}\n".encode(), r
+    return fn
+
+
+def cold_pythons(python: str, code: str, n: int):
+    one = cold_python(python, code)
+
+    def fn():
+        for _ in range(n):
+            one()
+    return fn
+
+
 _workers: list = []
 
 
@@ -139,6 +161,17 @@ def main():
         for worker in _workers:
             worker.close()
         _workers.clear()
+    turns = 3
+    base = cold_pythons(python, PRINT, turns)
+    for backend in args.backends.split(","):
+        if sandbox.unavailable_reason(sandbox.resolve(backend)) is not None:
+            continue
+        episode = session(backend, turns)
+        episode()
+        times, base_times = _interleaved(episode, base, args.runs // 4)
+        med, bmed = statistics.median(times), statistics.median(base_times)
+        rows.append((f"Session, {turns} turns", f"{backend} (warm worker) vs {turns} cold "
+                     "pythons", med, bmed, med / bmed, 1 / statistics.mean(times), None))
     print(f"# {os.cpu_count()} cores, load average {load_before:.1f} before and "
           f"{os.getloadavg()[0]:.1f} after; runs={args.runs}, cold runs={args.cold_runs}")
     print("# each path ran interleaved with cold python runs; the ratio is of the two medians")

@@ -84,12 +84,23 @@ def _recv_exact(sock, n):
 _BUF = bytearray(1 << 18)
 _VIEW = memoryview(_BUF)
 _ZEROS = bytes(len(_BUF))
+_dirty = [0]  # how much of the buffer holds data since it was last zeroed
+
+
+def _used(n):
+    _dirty[0] = max(_dirty[0], n)
+    return n
+
+
+def _zero_buffer():
+    _VIEW[:_dirty[0]] = _ZEROS[:_dirty[0]]
+    _dirty[0] = 0
 
 
 def _pump(src, dst, n):
     """Copy exactly `n` bytes from fd `src` to fd `dst` through the buffer."""
     while n:
-        got = os.readv(src, [_VIEW[:min(n, len(_BUF))]])
+        got = _used(os.readv(src, [_VIEW[:min(n, len(_BUF))]]))
         if not got:
             raise EOFError("stream ended inside a payload")
         _write_all(dst, _VIEW[:got])
@@ -125,7 +136,7 @@ def _send_reply(sock_fd, head, blobs):
                 break
             done += got
         at += size
-    rest = [memoryview(head), _VIEW[:total]]
+    rest = [memoryview(head), _VIEW[:_used(total)]]
     while rest:
         sent = os.writev(sock_fd, rest)
         while rest and sent >= len(rest[0]):
@@ -567,7 +578,7 @@ class Capture:
     def read(self):
         """Read what is there: "eof" at end of stream, "empty" if nothing is there yet."""
         try:
-            got = os.readv(self.fd, [_VIEW])
+            got = _used(os.readv(self.fd, [_VIEW]))
         except BlockingIOError:
             return "empty"
         if not got:
@@ -633,7 +644,7 @@ class Parked:
         try:
             left = size
             while left:  # the rest of it, to nowhere
-                got = os.readv(chan_fd, [_VIEW[:min(left, len(_BUF))]])
+                got = _used(os.readv(chan_fd, [_VIEW[:min(left, len(_BUF))]]))
                 if not got:
                     raise EOFError("stream ended inside a payload")
                 left -= got
@@ -818,7 +829,7 @@ def serve(cfg):
         finally:
             for fd, _ in blobs:
                 os.close(fd)
-        _VIEW[:] = _ZEROS  # nothing of this run stays in memory the next child inherits
+        _zero_buffer()  # nothing of this run stays in memory the next child inherits
         if parked is None:
             parked = Parked(cfg)  # the next run's child, forked while the host reads this
     killer.kill_all({})
