@@ -97,16 +97,6 @@ def _zero_buffer():
     _dirty[0] = 0
 
 
-def _pump(src, dst, n):
-    """Copy exactly `n` bytes from fd `src` to fd `dst` through the buffer."""
-    while n:
-        got = _used(os.readv(src, [_VIEW[:min(n, len(_BUF))]]))
-        if not got:
-            raise EOFError("stream ended inside a payload")
-        _write_all(dst, _VIEW[:got])
-        n -= got
-
-
 def _send_file(sock_fd, fd, size):
     """Send `size` bytes of `fd` from its start (kernel to kernel); zeros if it is short."""
     offset = 0
@@ -634,22 +624,22 @@ class Parked:
         """Pass the request payload (`size` bytes on the host socket) to the child. The
         payload is always consumed, so that the stream stays in step even if the child is
         gone (the run then reports how it ended)."""
+        ctl, alive = self.ctl.fileno(), True
         try:
-            _write_all(self.ctl.fileno(), struct.pack(">Q", size))
-            _pump(chan_fd, self.ctl.fileno(), size)
-            return
+            _write_all(ctl, struct.pack(">Q", size))
         except (BrokenPipeError, ConnectionResetError):
-            pass
-        sink = os.open(os.devnull, os.O_WRONLY)
-        try:
-            left = size
-            while left:  # the rest of it, to nowhere
-                got = _used(os.readv(chan_fd, [_VIEW[:min(left, len(_BUF))]]))
-                if not got:
-                    raise EOFError("stream ended inside a payload")
-                left -= got
-        finally:
-            os.close(sink)
+            alive = False
+        left = size
+        while left:
+            got = _used(os.readv(chan_fd, [_VIEW[:min(left, len(_BUF))]]))
+            if not got:
+                raise EOFError("stream ended inside a payload")
+            left -= got
+            if alive:
+                try:
+                    _write_all(ctl, _VIEW[:got])
+                except (BrokenPipeError, ConnectionResetError):
+                    alive = False
 
     def setup_error(self):
         """What the child reported if it could not set the run up (None if nothing)."""
