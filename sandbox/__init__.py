@@ -18,9 +18,13 @@ Public API
       .run(code=None, *, language, command, files, stdin, timeout_s, return_files, env,
            max_output_bytes, max_file_mb, max_open_files, max_files_bytes) -> Result
       .write_files(files), .read_files(max_bytes) -> dict[str, bytes], .close(), .backend
-  Worker(backend, Limits(memory_mb, max_processes, network), persist=False)
-      .run(Request(...)) -> Result, .close(), .alive: one warm fork server (what run() keeps
-      idle and a pool holds; one run at a time per worker)
+  warm(n, *, backend, memory_mb, max_processes, network): start n idle workers now
+  Worker(backend, Limits(memory_mb, max_processes, network))
+      .run(Request(...), keep_state=False) -> Result, .reset(), .close(), .alive,
+      .processes(): one warm fork server (what run() keeps idle, a Session borrows and a
+      pool holds; one run at a time per worker)
+  Request(code=..., ...): the validated per-run arguments of run(); .to_dict() and
+      Request.from_dict() for JSON (same text / *_b64 convention as Result)
   Process(), Bwrap(), Docker(image=...): backend specs; "auto" = strongest available
   unavailable_reason(spec) -> None | str, resolve(backend) -> spec, shutdown()
   Errors: ValueError/TypeError (bad arguments), BackendUnavailable, WorkerError (the sandbox
@@ -50,12 +54,13 @@ from sandbox.backends import (BackendUnavailable, Bwrap, Docker, Limits, Process
                               unavailable_reason)
 from sandbox.request import Request
 from sandbox.result import Result
-from sandbox.session import Session, run, shutdown
+from sandbox.session import Session, run, shutdown, warm
 from sandbox.worker import Worker, WorkerError
 
 __all__ = [
     "BackendUnavailable", "Bwrap", "Docker", "Limits", "Process", "Request", "Result",
     "Session", "Worker", "WorkerError", "resolve", "run", "shutdown", "unavailable_reason",
+    "warm",
 ]
 
 # Services over run(): the pool, the judge, the tool registry (HTTP: sandbox.server).

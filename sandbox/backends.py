@@ -3,14 +3,14 @@
 - `Process()`: a plain child process: rlimits, its own session, a fresh temp work dir, a
   scrubbed environment, a memory+pids cgroup where the machine allows (else rlimits), and the
   whole tree killed after every run. Not a security boundary.
-- `Bwrap()`: bubblewrap: new user/pid/net/ipc/uts/mount/cgroup namespaces, read-only root
-  with only /usr (and a synthetic /etc/passwd) from the host, private tmpfs /tmp, /work and
-  /dev/shm, an unprivileged host uid of its own per worker (when the caller is root), no new
-  privileges, no nested user namespaces, cgroup memory+pids limits where available.
+- `Bwrap()`: bubblewrap: new user/pid/net/ipc/uts/mount namespaces, read-only root with only
+  /usr (and a synthetic /etc/passwd) from the host, private tmpfs /tmp, /work and /dev/shm,
+  an unprivileged host uid of its own per worker (when the caller is root), no capabilities,
+  no new privileges, no nested user namespaces, cgroup memory+pids limits where available.
 - `Docker()`: a container (docker SDK): network none, memory/pids limits, read-only root,
-  tmpfs /work and /tmp, all capabilities dropped, no new privileges, the default seccomp
-  profile, an unprivileged uid of its own per worker. The container stays warm; the fork
-  server resets it between runs (docs/sandbox.md has the measurement behind this choice).
+  tmpfs /work, /tmp and /dev/shm, all capabilities dropped, no new privileges, the default
+  seccomp profile, an unprivileged uid of its own per worker. The container stays warm; the
+  fork server resets it between runs (docs/sandbox.md has the measurement behind this).
 
 `resolve("auto")` picks the strongest available: docker, then bwrap, then process.
 A backend is a frozen dataclass: `backend="bwrap"` and `backend=Bwrap()` mean the same; pass an
@@ -71,7 +71,7 @@ class Bwrap:
 
 @dataclasses.dataclass(frozen=True)
 class Docker:
-    """A warm docker container per worker. `image` must hold `python` (3.8 or newer)."""
+    """A warm docker container per worker; `image` must have Python >= 3.8 at `python`."""
     image: str = "ptrain-sandbox:latest"
     python: str = "/usr/bin/python3"
     preimport: tuple[str, ...] = PREIMPORT
@@ -178,7 +178,6 @@ class Handle:
         self.server_pid: int | None = None  # host pid of the fork server
         self.cleanup_paths: list[str] = []
         self.uid_lock: int | None = None
-        self.ready: dict = {}
 
     def oom_kills(self) -> int | None:
         """OOM kills in this sandbox so far, or None where it cannot be known."""
@@ -196,7 +195,7 @@ class Handle:
 
     def processes(self) -> list[int]:
         """Host pids of everything in the sandbox except the fork server (and bwrap's own
-        monitor). Empty between runs, whatever the last run did."""
+        monitor): between runs, only the child parked for the next run."""
         if self.cgroup is not None:
             pids = self.cgroup.pids()
         elif self.pids_file is not None:
@@ -205,6 +204,9 @@ class Handle:
                     pids = [int(p) for p in f.read().split()]
             except OSError:
                 pids = []
+        elif self.container is not None:  # a cgroup layout we do not read: ask docker
+            top = self.container.top(ps_args="-o pid")
+            pids = [int(row[0]) for row in top["Processes"] or []]
         else:
             pids = _descendants(self.proc.pid) if self.proc else []
         skip = {self.server_pid} | ({self.proc.pid} if self.proc else set())
@@ -246,7 +248,6 @@ class Handle:
             except Exception:  # noqa: BLE001
                 pass
         self.stop()
-
 
     def _kill_processes(self) -> None:
         # The server first: under bwrap it is PID 1 of the namespace, and takes every
@@ -305,21 +306,21 @@ def _server_source() -> str:
         return f.read()
 
 
-def start(spec, limits: Limits, *, persist: bool, preimport: bool = True) -> Handle:
+def start(spec, limits: Limits, *, preimport: bool = True) -> Handle:
     """Start a fork server in `spec`'s isolation; returns once it is ready to serve."""
     reason = unavailable_reason(spec)
     if reason is not None:
         raise BackendUnavailable(f"backend {spec.name!r} is unavailable: {reason}")
     modules = list(spec.preimport) if preimport else []
     if isinstance(spec, Docker):
-        return _start_docker(spec, limits, persist, modules)
+        return _start_docker(spec, limits, modules)
     host_end, server_end = socket.socketpair()
     handle = Handle(spec.name, host_end)
     try:
         if isinstance(spec, Process):
-            _start_process(handle, spec, limits, persist, modules, server_end)
+            _start_process(handle, spec, limits, modules, server_end)
         else:
-            _start_bwrap(handle, spec, limits, persist, modules, server_end)
+            _start_bwrap(handle, spec, limits, modules, server_end)
         _await_ready(handle)
         _join_cgroup(handle)
     except BaseException:
@@ -341,7 +342,6 @@ def _await_ready(handle: Handle) -> None:
         why = "it exited"
     if not ready or not ready.get("ready"):
         raise BackendUnavailable(f"the {handle.backend} fork server did not start ({why})")
-    handle.ready = ready
     handle.sock.settimeout(None)
 
 
@@ -370,15 +370,15 @@ def _new_cgroup(limits: Limits) -> cgroups.Cgroup | None:
     return cgroups.Cgroup(limits.memory_mb << 20, limits.max_processes)
 
 
-def _server_config(limits, persist, modules, channel, workdir, tmpdirs, **extra) -> dict:
+def _server_config(modules, channel, workdir, tmpdirs, **extra) -> dict:
     return {
         "channel": channel, "workdir": workdir, "tmpdir": tmpdirs[0],
-        "wipe": list(tmpdirs) + ([] if persist else [workdir]),
+        "wipe": list(tmpdirs) + [workdir],
         "path": _PATH, "preimport": modules, **extra,
     }
 
 
-def _start_process(handle, spec, limits, persist, modules, server_end):
+def _start_process(handle, spec, limits, modules, server_end):
     root = tempfile.mkdtemp(prefix=f"ptrain-sbx-{os.getpid()}-")
     handle.cleanup_paths.append(root)
     handle.cgroup = _new_cgroup(limits)
@@ -389,7 +389,7 @@ def _start_process(handle, spec, limits, persist, modules, server_end):
     else:
         extra.update(address_space_mb=limits.memory_mb,
                      nproc=None if os.geteuid() == 0 else _user_processes() + limits.max_processes)
-    cfg = _server_config(limits, persist, modules, {"fd": server_end.fileno()},
+    cfg = _server_config(modules, {"fd": server_end.fileno()},
                          os.path.join(root, "work"), [os.path.join(root, "tmp")], **extra)
     cfg["path"] = os.path.dirname(spec.python) + ":" + _PATH
     handle.proc = subprocess.Popen(
@@ -468,7 +468,7 @@ def _bwrap_argv(spec, limits, prefix, passwd_fd, join_files=()) -> list[str]:
     return argv + ["--"]
 
 
-def _start_bwrap(handle, spec, limits, persist, modules, server_end):
+def _start_bwrap(handle, spec, limits, modules, server_end):
     uid, handle.uid_lock = _take_uid()
     shown_uid = os.getuid() if uid is None else uid
     passwd_r, passwd_w = os.pipe()
@@ -479,7 +479,7 @@ def _start_bwrap(handle, spec, limits, persist, modules, server_end):
     # kill(-1) from PID 1 of the namespace reaches every process of a run; the cgroup (or,
     # without one, RLIMIT_NPROC on the worker's own uid) bounds how many there are.
     handle.cgroup = _new_cgroup(limits)
-    extra = {"oom_adj": True, "sysv_ipc": True, "nproc": limits.max_processes + 2}
+    extra = {"oom_adj": True, "sysv_ipc": True, "nproc": limits.max_processes + 1}  # + server
     join_files = []
     if handle.cgroup is None:
         extra["address_space_mb"] = limits.memory_mb
@@ -488,7 +488,7 @@ def _start_bwrap(handle, spec, limits, persist, modules, server_end):
         if uid is not None:
             handle.cgroup.allow_join(uid)
         extra["join_cgroup"] = [f"/.cgroup/{i}" for i in range(len(join_files))]
-    cfg = _server_config(limits, persist, modules, {"fd": server_end.fileno()}, "/work",
+    cfg = _server_config(modules, {"fd": server_end.fileno()}, "/work",
                          ["/tmp", "/dev/shm"], **extra)
     argv = _bwrap_argv(spec, limits, _uid_prefix(uid), passwd_r, join_files)
     try:
@@ -508,7 +508,7 @@ def docker_client():
     return docker.from_env(timeout=60)
 
 
-def _start_docker(spec, limits, persist, modules) -> Handle:
+def _start_docker(spec, limits, modules) -> Handle:
     client = docker_client()
     uid, uid_lock = _take_uid()
     uid = 65534 if uid is None else uid
@@ -518,7 +518,7 @@ def _start_docker(spec, limits, persist, modules) -> Handle:
     listener.bind(os.path.join(chan_dir, "sock"))
     os.chmod(os.path.join(chan_dir, "sock"), 0o666)
     listener.listen(1)
-    cfg = _server_config(limits, persist, modules, {"connect": "/chan/sock"}, "/work",
+    cfg = _server_config(modules, {"connect": "/chan/sock"}, "/work",
                          ["/tmp", "/dev/shm"], oom_adj=True, sysv_ipc=True)
     # The container's one memory limit also covers the server and the tmpfs mounts, whose
     # pages outlive a killed run: the mounts share `memory_mb` between them, so that what a

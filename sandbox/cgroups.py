@@ -5,10 +5,11 @@ controllers delegated to us) and whether we may write it; never assumes. Without
 backends fall back to rlimits (see docs/sandbox.md).
 
 A worker's cgroup is a child of the caller's own cgroup, so the caller's limits still hold,
-named `ptrain-sbx-<host pid>-<n>`; cgroups left by a crashed host are removed the next time
-one is made.
+named `ptrain-sbx-<host pid>-<n>`, with `server` and `run` below it; cgroups left by a
+crashed host are removed the next time one is made.
 """
 
+import functools
 import itertools
 import os
 import signal
@@ -69,16 +70,10 @@ def _layout() -> tuple[str, dict[str, str]] | None:
     return None
 
 
-_LAYOUT = None
-_LAYOUT_DONE = False
-
-
+@functools.lru_cache(maxsize=1)
 def layout():
     """The cgroup layout worker cgroups use, or None (then rlimits only). Cached."""
-    global _LAYOUT, _LAYOUT_DONE
-    if not _LAYOUT_DONE:
-        _LAYOUT, _LAYOUT_DONE = _layout(), True
-    return _LAYOUT
+    return _layout()
 
 
 class Cgroup:

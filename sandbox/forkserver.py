@@ -2,21 +2,33 @@
 
 It is started once per worker (by `sandbox/backends.py`, as `python3 -I -X utf8 -c <this
 source> <config json>`), imports common modules, then serves runs one at a time over a
-socket. For each run it forks a fresh child, which drops into its own session with rlimits,
-and either runs the Python code in-process (no interpreter start: the fast path) or execs the
-command. When the main process ends or the timeout passes, every other process of the run is
-killed (the server is PID 1 of its PID namespace under bwrap and docker, so `kill(-1)` reaches
-them all; under the process backend it kills its cgroup or, without one, its descendants as a
+socket. Each run gets a fresh child, forked after the previous run was cleaned up and parked
+(own session, run cgroup joined) until its request comes; it then sets its rlimits and either
+runs the Python code in-process (no interpreter start: the fast path) or execs the command.
+When the main process ends or the timeout passes, every other process of the run is killed
+(the server is PID 1 of its PID namespace under bwrap and docker, so `kill(-1)` reaches them
+all; under the process backend it kills the run cgroup or, without one, its descendants as a
 child subreaper), the scratch directories are wiped, and the result goes back.
 
+What a run sends and prints never enters this process's heap, where the next run's child
+(a fork of it) could find it: the request payload goes from the socket to the child, output
+from the pipes to memfds and the files and memfds to the socket, all through one reusable
+buffer that is zeroed after every run (or by sendfile). Only sizes, statuses and file names
+pass through Python objects here.
+
 Standard library only, Python >= 3.8 syntax: it runs on whatever python3 the sandbox image
-has. Wire format: 4-byte big-endian length + UTF-8 JSON, bytes as base64.
+has. Wire format, both ways: a frame (4-byte big-endian length + UTF-8 JSON header), then
+raw bytes whose sizes the header gives (`payload` to the server; `blobs` back).
 """
 
+import atexit
 import base64
+import builtins
 import gc
 import json
+import linecache
 import os
+import resource
 import select
 import shutil
 import signal
@@ -25,14 +37,20 @@ import stat
 import struct
 import sys
 import time
+import traceback
+import types
 
 _MAX_FRAME = 1 << 30
 _READ_CHUNK = 1 << 16
 
 
-def send_frame(sock, obj):
+def frame(obj):
     data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
-    sock.sendall(struct.pack(">I", len(data)) + data)
+    return struct.pack(">I", len(data)) + data
+
+
+def send_frame(sock, obj):
+    sock.sendall(frame(obj))
 
 
 def recv_frame(sock):
@@ -60,6 +78,68 @@ def _recv_exact(sock, n):
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
+
+
+# The one buffer run data passes through in this process (zeroed after every run).
+_BUF = bytearray(1 << 18)
+_VIEW = memoryview(_BUF)
+_ZEROS = bytes(len(_BUF))
+_dirty = [0]  # how much of the buffer holds data since it was last zeroed
+
+
+def _used(n):
+    _dirty[0] = max(_dirty[0], n)
+    return n
+
+
+def _zero_buffer():
+    _VIEW[:_dirty[0]] = _ZEROS[:_dirty[0]]
+    _dirty[0] = 0
+
+
+def _send_file(sock_fd, fd, size):
+    """Send `size` bytes of `fd` from its start (kernel to kernel); zeros if it is short."""
+    offset = 0
+    while offset < size:
+        sent = os.sendfile(sock_fd, fd, offset, size - offset)
+        if not sent:
+            _write_all(sock_fd, _ZEROS[:min(size - offset, len(_ZEROS))])
+            sent = min(size - offset, len(_ZEROS))
+        offset += sent
+
+
+def _send_reply(sock_fd, head, blobs):
+    """The reply header and its blobs (fd, size): in one write through the buffer when they
+    fit in it (one wake-up for the host), else by sendfile."""
+    total = sum(size for _, size in blobs)
+    if total > len(_BUF):
+        _write_all(sock_fd, head)
+        for fd, size in blobs:
+            _send_file(sock_fd, fd, size)
+        return
+    at = 0
+    for fd, size in blobs:
+        done = 0
+        while done < size:
+            got = os.preadv(fd, [_VIEW[at + done:at + size]], done)
+            if not got:  # shorter than listed: the rest stays zero
+                break
+            done += got
+        at += size
+    rest = [memoryview(head), _VIEW[:_used(total)]]
+    while rest:
+        sent = os.writev(sock_fd, rest)
+        while rest and sent >= len(rest[0]):
+            sent -= len(rest[0])
+            rest.pop(0)
+        if rest:
+            rest[0] = rest[0][sent:]
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,31 +275,49 @@ def write_files(root, files_b64):
             f.write(base64.b64decode(b64))
 
 
-def read_files(root, max_bytes):
-    """Regular files under `root` (no symlinks followed), up to `max_bytes` in total."""
-    files, total, truncated = {}, 0, False
+def list_files(root, max_bytes):
+    """[(relative path, size)] of the regular files under `root` (no symlinks followed), up
+    to `max_bytes` in total, and whether some were left out."""
+    files, total, truncated = [], 0, False
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         for name in sorted(filenames):
             path = os.path.join(dirpath, name)
             try:
                 st = os.lstat(path)
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                if total + st.st_size > max_bytes:
-                    truncated = True
-                    continue
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-                with os.fdopen(fd, "rb") as f:
-                    data = f.read(max_bytes - total + 1)
             except OSError:
                 continue
-            if total + len(data) > max_bytes:
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if total + st.st_size > max_bytes:
                 truncated = True
                 continue
-            total += len(data)
-            files[os.path.relpath(path, root)] = base64.b64encode(data).decode("ascii")
+            total += st.st_size
+            files.append((os.path.relpath(path, root), st.st_size))
     return files, truncated
+
+
+def stash_files(root, files):
+    """Copy `files` (from list_files) one after the other into a memfd, kernel to kernel,
+    so that they can be sent after the work dir is wiped. Returns (fd, total size)."""
+    store, total = _memfd("files"), 0
+    for rel, size in files:
+        try:
+            fd = os.open(os.path.join(root, rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            fd = os.open(os.devnull, os.O_RDONLY)
+        try:
+            copied = 0
+            while copied < size:
+                n = os.sendfile(store, fd, copied, size - copied)
+                if not n:  # shorter than it was listed: pad, the host expects `size`
+                    _write_all(store, _ZEROS[:min(size - copied, len(_ZEROS))])
+                    n = min(size - copied, len(_ZEROS))
+                copied += n
+        finally:
+            os.close(fd)
+        total += size
+    return store, total
 
 
 def wipe(path):
@@ -261,9 +359,8 @@ def wipe(path):
 def remove_sysv_ipc():
     """Remove SysV shared memory, semaphores and message queues a run left in this IPC
     namespace (they would outlive its processes)."""
-    kinds = (("shm", 71), ("sem", 66), ("msg", 71))  # (proc file, *ctl function), IPC_RMID=0
     libc = None
-    for name, _ in kinds:
+    for name in ("shm", "sem", "msg"):
         try:
             with open("/proc/sysvipc/" + name) as f:
                 lines = f.read().splitlines()[1:]
@@ -274,43 +371,57 @@ def remove_sysv_ipc():
             if libc is None:
                 import ctypes
                 libc = ctypes.CDLL(None, use_errno=True)
-            if name == "shm":
-                libc.shmctl(ident, 0, None)
-            elif name == "sem":
-                libc.semctl(ident, 0, 0)
+            if name == "sem":
+                libc.semctl(ident, 0, 0)  # IPC_RMID = 0
             else:
-                libc.msgctl(ident, 0, None)
+                getattr(libc, name + "ctl")(ident, 0, None)
 
 
 # ---------------------------------------------------------------------------------------------
 # The child
 # ---------------------------------------------------------------------------------------------
 
-def _child(cfg, req, workdir, stdin_fd, out_w, err_w):
-    """In the forked child: isolate, limit, then run. Never returns."""
+def _child(cfg, out_w, err_w, ctl):
+    """In the forked child: isolate and join the run cgroup, then wait (parked) for the
+    request, lay out its files, limit, and run it. Never returns."""
     try:
         os.setsid()
-        for fd, target in ((stdin_fd, 0), (out_w, 1), (err_w, 2)):
-            os.dup2(fd, target)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.dup2(ctl, 3)
+        os.closerange(4, os.sysconf("SC_OPEN_MAX"))
         for path in cfg.get("join_cgroup", ()):  # first: all the run starts is limited
             with open(path, "w") as f:
                 f.write("0")
-        if cfg.get("oom_adj"):
+        if cfg.get("oom_adj"):  # the OOM killer picks the run, not the server
             try:
                 with open("/proc/self/oom_score_adj", "w") as f:
                     f.write("1000")
             except OSError:
                 pass
-        _set_rlimits(cfg, req)
-        os.chdir(workdir)
-        env = {"PATH": cfg["path"], "HOME": workdir, "TMPDIR": cfg["tmpdir"],
+        env = {"PATH": cfg["path"], "HOME": cfg["workdir"], "TMPDIR": cfg["tmpdir"],
                "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-        env.update(req["env"])
         os.environ.clear()
         os.environ.update(env)
+        req = _read_request(3)
+        try:
+            write_files(cfg["workdir"], req["files"])
+        except (OSError, ValueError) as e:
+            _write_all(3, ("cannot lay out the files: %s" % (e,)).encode())
+            os._exit(126)
+        if req.get("put"):  # a session's files, nothing to run
+            os._exit(0)
+        os.close(3)
+        stdin_fd = _stdin_fd(req["stdin"])
+        os.dup2(stdin_fd, 0)
+        os.close(stdin_fd)
+        _set_rlimits(cfg, req)
+        os.chdir(cfg["workdir"])
+        if req["env"]:
+            os.environ.update(req["env"])
+            env.update(req["env"])
         if req["code"] is not None and req["language"] == "python":
-            _run_python(req["code"], workdir)
+            _run_python(req["code"], cfg["workdir"])
         if req["code"] is not None:
             argv = ["bash", "-c", req["code"]]
         else:
@@ -329,8 +440,23 @@ def _child(cfg, req, workdir, stdin_fd, out_w, err_w):
             os._exit(126)
 
 
+def _read_request(fd):
+    (size,) = struct.unpack(">Q", _read_exact(fd, 8))
+    return json.loads(_read_exact(fd, size).decode("utf-8"))
+
+
+def _read_exact(fd, n):
+    chunks, got = [], 0
+    while got < n:
+        chunk = os.read(fd, min(n - got, 1 << 20))
+        if not chunk:
+            raise EOFError("the server went away")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
 def _set_rlimits(cfg, req):
-    import resource
     timeout = req["timeout_s"]
     limits = [
         (resource.RLIMIT_CORE, 0),
@@ -350,9 +476,6 @@ def _set_rlimits(cfg, req):
 def _run_python(code, workdir):
     """Run `code` as the __main__ of this (forked) interpreter, the way `python main.py`
     would, then exit with the status Python would."""
-    import builtins
-    import linecache
-    import types
     filename = "main.py"
     sys.argv = [filename]
     sys.path.insert(0, workdir)
@@ -388,7 +511,6 @@ def _report(exc_type, exc, tb):
     the traceback module, which reads the program's source from linecache (it is not on
     disk); a hook the program installed is honoured."""
     if sys.excepthook is sys.__excepthook__:
-        import traceback
         traceback.print_exception(exc_type, exc, tb)
     else:
         sys.excepthook(exc_type, exc, tb)
@@ -416,7 +538,6 @@ def _shutdown(status):
     except BaseException:  # noqa: BLE001
         pass
     try:
-        import atexit
         atexit._run_exitfuncs()
     except BaseException:  # noqa: BLE001
         pass
@@ -436,87 +557,121 @@ def _shutdown(status):
 # ---------------------------------------------------------------------------------------------
 
 class Capture:
-    """Reads a pipe, keeping the first `limit` bytes and counting the rest."""
+    """Drains a pipe into a memfd through the buffer, keeping the first `limit` bytes and
+    counting the rest."""
 
     def __init__(self, fd, limit):
         self.fd, self.limit = fd, limit
-        self.chunks, self.kept, self.truncated = [], 0, False
+        self.kept, self.truncated = 0, False
+        self.store = _memfd("out")
 
     def read(self):
         """Read what is there: "eof" at end of stream, "empty" if nothing is there yet."""
         try:
-            data = os.read(self.fd, _READ_CHUNK)
+            got = _used(os.readv(self.fd, [_VIEW]))
         except BlockingIOError:
             return "empty"
-        if not data:
+        if not got:
             return "eof"
-        room = self.limit - self.kept
-        if len(data) > room:
-            self.truncated = True
-            data = data[:room]
-        if data:
-            self.chunks.append(data)
-            self.kept += len(data)
+        keep = min(got, self.limit - self.kept)
+        self.truncated = self.truncated or keep < got
+        if keep:
+            _write_all(self.store, _VIEW[:keep])
+            self.kept += keep
         return "data"
 
-    def value(self):
-        return base64.b64encode(b"".join(self.chunks)).decode("ascii")
+
+def _memfd(name):
+    try:
+        return os.memfd_create(name)
+    except (AttributeError, OSError):
+        import tempfile
+        fd, path = tempfile.mkstemp()
+        os.unlink(path)
+        return fd
 
 
 def _stdin_fd(data):
     if data is None:
         return os.open(os.devnull, os.O_RDONLY)
-    raw = base64.b64decode(data)
-    try:
-        fd = os.memfd_create("stdin")
-    except (AttributeError, OSError):
-        import tempfile
-        fd, path = tempfile.mkstemp()
-        os.unlink(path)
-    _write_all(fd, raw)
+    fd = _memfd("stdin")
+    _write_all(fd, base64.b64decode(data))
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
 
-def _write_all(fd, data):
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+class Parked:
+    """A child forked ahead of its run (after the previous run ended and was cleaned up),
+    parked on a socket until the request comes: the fork and the set-up common to all runs
+    are off the critical path of the next run."""
+
+    def __init__(self, cfg):
+        self.out_r, out_w = os.pipe()
+        self.err_r, err_w = os.pipe()
+        self.ctl, child_ctl = socket.socketpair()
+        self.pid = os.fork()
+        if self.pid == 0:
+            _child(cfg, out_w, err_w, child_ctl.fileno())
+        for fd in (out_w, err_w):
+            os.close(fd)
+        child_ctl.close()
+        try:
+            self.pidfd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            self.pidfd = None
+
+    def start(self, chan_fd, size):
+        """Pass the request payload (`size` bytes on the host socket) to the child. The
+        payload is always consumed, so that the stream stays in step even if the child is
+        gone (the run then reports how it ended)."""
+        ctl, alive = self.ctl.fileno(), True
+        try:
+            _write_all(ctl, struct.pack(">Q", size))
+        except (BrokenPipeError, ConnectionResetError):
+            alive = False
+        left = size
+        while left:
+            got = _used(os.readv(chan_fd, [_VIEW[:min(left, len(_BUF))]]))
+            if not got:
+                raise EOFError("stream ended inside a payload")
+            left -= got
+            if alive:
+                try:
+                    _write_all(ctl, _VIEW[:got])
+                except (BrokenPipeError, ConnectionResetError):
+                    alive = False
+
+    def setup_error(self):
+        """What the child reported if it could not set the run up (None if nothing)."""
+        self.ctl.setblocking(False)
+        try:
+            data = self.ctl.recv(1 << 16)
+        except OSError:
+            data = b""
+        self.ctl.close()
+        return data.decode("utf-8", "replace") if data else None
 
 
-def run_one(cfg, req, chan, killer):
-    """Run one request; returns the result dict (and whether the host went away)."""
-    workdir = cfg["workdir"]
-    os.makedirs(workdir, exist_ok=True)
-    try:
-        write_files(workdir, req["files"])
-    except (OSError, ValueError) as e:
-        return {"error": "cannot lay out the files: %s" % (e,)}, False
-    stdin_fd = _stdin_fd(req["stdin"])
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
+def run_one(cfg, header, chan, killer, parked):
+    """Run one request in the parked child: hand it the payload, collect, kill what is left.
+    Returns the result header, the fds of the captured stdout and stderr, and whether the
+    host went away."""
     statuses = {}
+    pid, pidfd = parked.pid, parked.pidfd
+    chan_fd = chan.fileno()
+    outs = {parked.out_r: Capture(parked.out_r, header["max_output_bytes"]),
+            parked.err_r: Capture(parked.err_r, header["max_output_bytes"])}
     start = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        _child(cfg, req, workdir, stdin_fd, out_w, err_w)
-    for fd in (stdin_fd, out_w, err_w):
-        os.close(fd)
-    outs = {out_r: Capture(out_r, req["max_output_bytes"]),
-            err_r: Capture(err_r, req["max_output_bytes"])}
+    parked.start(chan_fd, header["payload"])
     for fd in outs:
         os.set_blocking(fd, False)
     poller = select.poll()
     for fd in outs:
         poller.register(fd, select.POLLIN)
-    chan_fd = chan.fileno()
     poller.register(chan_fd, select.POLLIN)
-    try:
-        pidfd = os.pidfd_open(pid)
+    if pidfd is not None:
         poller.register(pidfd, select.POLLIN)
-    except (AttributeError, OSError):
-        pidfd = None
-    deadline = start + req["timeout_s"]
+    deadline = start + header["timeout_s"]
     timed_out = host_gone = False
     end = None
     while end is None:
@@ -546,17 +701,33 @@ def run_one(cfg, req, chan, killer):
         while cap.read() == "data":
             pass
         os.close(fd)
+    error = parked.setup_error()
+    out, err = outs[parked.out_r], outs[parked.err_r]
+    if error is not None:
+        os.close(out.store)
+        os.close(err.store)
+        return {"error": error}, [], host_gone
     exit_code, sig = _exit_status(statuses[pid]) if pid in statuses else (None, None)
-    out, err = outs[out_r], outs[err_r]
     result = {
-        "stdout": out.value(), "stderr": err.value(),
         "stdout_truncated": out.truncated, "stderr_truncated": err.truncated,
         "exit_code": exit_code, "signal": sig, "timed_out": timed_out,
         "duration_s": end - start, "clean": clean,
     }
-    if req["return_files"]:
-        result["files"], result["files_truncated"] = read_files(workdir, req["max_files_bytes"])
-    return result, host_gone
+    return result, [(out.store, out.kept), (err.store, err.kept)], host_gone
+
+
+def run_put(cfg, header, chan, killer, parked):
+    """A session's `put`: the parked child lays out the files and exits."""
+    parked.start(chan.fileno(), header["payload"])
+    try:
+        os.waitpid(parked.pid, 0)  # our own code, writing files: it ends
+    except ChildProcessError:
+        pass
+    killer.kill_all({})
+    for fd in (parked.out_r, parked.err_r) + ((parked.pidfd,) if parked.pidfd else ()):
+        os.close(fd)
+    error = parked.setup_error()
+    return {"error": error} if error else {"ok": True}
 
 
 def reset(cfg, modes):
@@ -601,6 +772,8 @@ def serve(cfg):
     gc.collect()
     if hasattr(gc, "freeze"):
         gc.freeze()  # keep the children's copy-on-write pages shared
+    # No child yet: the host moves this process into its cgroup once it reads "ready".
+    parked = None
     send_frame(chan, {"ready": True, "pid": os.getpid(), "python": sys.version.split()[0]})
     while True:
         try:
@@ -609,30 +782,46 @@ def serve(cfg):
             msg = None
         if msg is None or msg.get("op") == "exit":
             break
-        op = msg.get("op")
+        op, blobs, sizes = msg.get("op"), [], []
         if op == "run":
-            result, host_gone = run_one(cfg, msg["request"], chan, killer)
+            result, blobs, host_gone = run_one(cfg, msg, chan, killer, parked or Parked(cfg))
+            parked = None
             if host_gone:
                 break
-            if not reset(cfg, modes):
+            sizes = [size for _, size in blobs]
+            if msg["return_files"] and "error" not in result:
+                files, result["files_truncated"] = list_files(cfg["workdir"],
+                                                              msg["max_files_bytes"])
+                result["files"] = [name for name, _ in files]
+                blobs.append(stash_files(cfg["workdir"], files))
+                sizes += [size for _, size in files]
+            if not msg.get("keep_state") and not reset(cfg, modes):
                 result["clean"] = False  # the host replaces this worker
+        elif op == "reset":
+            result = {"clean": reset(cfg, modes)}
         elif op == "put":
-            try:
-                write_files(cfg["workdir"], msg["files"])
-                result = {"ok": True}
-            except (OSError, ValueError) as e:
-                result = {"error": "cannot lay out the files: %s" % (e,)}
+            result = run_put(cfg, msg, chan, killer, parked or Parked(cfg))
+            parked = None
         elif op == "files":
-            files, truncated = read_files(cfg["workdir"], msg["max_bytes"])
-            result = {"files": files, "files_truncated": truncated}
-        elif op == "ping":
-            result = {"ok": True}
+            files, truncated = list_files(cfg["workdir"], msg["max_bytes"])
+            result = {"files": [name for name, _ in files], "files_truncated": truncated}
+            blobs = [stash_files(cfg["workdir"], files)]
+            sizes = [size for _, size in files]
+        elif op == "status":
+            result = {"parked": parked.pid if parked else None}
         else:
             result = {"error": "unknown op %r" % (op,)}
+        result["blobs"] = sizes
         try:
-            send_frame(chan, result)
+            _send_reply(chan.fileno(), frame(result), blobs)
         except OSError:
             break
+        finally:
+            for fd, _ in blobs:
+                os.close(fd)
+        _zero_buffer()  # nothing of this run stays in memory the next child inherits
+        if parked is None:
+            parked = Parked(cfg)  # the next run's child, forked while the host reads this
     killer.kill_all({})
     for path in cfg.get("remove_on_exit", ()):
         shutil.rmtree(path, ignore_errors=True)

@@ -69,6 +69,48 @@ class Request:
         if self.max_open_files < 16:
             raise ValueError("`max_open_files` below 16 leaves no room for the interpreter")
 
+    def to_dict(self) -> dict:
+        """A JSON-able dict, in the convention of `Result.to_dict`: file contents and stdin
+        that are UTF-8 go as text (`files`, `stdin`), others base64 (`files_b64`,
+        `stdin_b64`)."""
+        d = dataclasses.asdict(self)
+        d["command"] = list(self.command) if self.command is not None else None
+        d["env"] = dict(self.env)
+        d["files"], d["files_b64"] = {}, {}
+        for path, data in self.files.items():
+            try:
+                d["files"][path] = data.decode("utf-8")
+            except UnicodeDecodeError:
+                d["files_b64"][path] = base64.b64encode(data).decode("ascii")
+        if self.stdin is not None:
+            try:
+                d["stdin"] = self.stdin.decode("utf-8")
+            except UnicodeDecodeError:
+                d["stdin"], d["stdin_b64"] = None, base64.b64encode(self.stdin).decode()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Request":
+        """The inverse of `to_dict`; what a service builds from a JSON body. Unknown keys
+        and bad values are errors that say what to fix."""
+        if not isinstance(d, dict):
+            raise TypeError(f"a request must be a JSON object, got {type(d).__name__}")
+        d = dict(d)
+        files = dict(d.pop("files", None) or {})
+        for path, b64 in (d.pop("files_b64", None) or {}).items():
+            files[path] = _b64(b64, f"files_b64[{path!r}]")
+        stdin_b64 = d.pop("stdin_b64", None)
+        if stdin_b64 is not None:
+            if d.get("stdin") is not None:
+                raise ValueError("give `stdin` or `stdin_b64`, not both")
+            d["stdin"] = _b64(stdin_b64, "stdin_b64")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown request keys {sorted(unknown)}; expected some of "
+                             f"{sorted(names | {'files_b64', 'stdin_b64'})}")
+        return cls(files=files, **d)
+
     def to_wire(self) -> dict:
         """The JSON-able form sent to a sandbox worker (bytes base64-encoded)."""
         d = dataclasses.asdict(self)
@@ -77,6 +119,13 @@ class Request:
         d["env"] = dict(self.env)
         d["stdin"] = None if self.stdin is None else base64.b64encode(self.stdin).decode()
         return d
+
+
+def _b64(text, what: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"`{what}` is not valid base64: {e}") from None
 
 
 def check_path(path: str) -> str:

@@ -8,7 +8,7 @@ import weakref
 from sandbox import backends
 from sandbox.request import Request
 from sandbox.result import Result
-from sandbox.worker import Worker
+from sandbox.worker import Worker, WorkerError
 
 # Idle warm workers, by (backend spec, limits). `run` takes one (or starts one), runs, and
 # puts it back, so concurrent callers (threads, a pool) each get their own.
@@ -89,12 +89,40 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 
+def warm(n: int = 1, *, backend="auto", memory_mb: int = 512, max_processes: int = 64,
+         network: bool = False) -> None:
+    """Start `n` workers for these settings (in parallel) and keep them idle, so that the
+    next `run` calls and `Session`s with the same settings start at once."""
+    spec = backends.resolve(backend)
+    limits = backends.Limits(memory_mb=memory_mb, max_processes=max_processes,
+                             network=network)
+    started, errors = [], []
+
+    def start():
+        try:
+            started.append(Worker(spec, limits))
+        except BaseException as e:  # noqa: BLE001 (re-raised below, in the caller's thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=start) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for worker in started:
+        _put_idle((spec, limits), worker)
+    if errors:
+        raise errors[0]
+
+
 class Session:
-    """A sandbox for a multi-turn episode: one work dir that persists across runs.
+    """A sandbox for a multi-turn episode: one work dir (and /tmp) that persists across runs.
 
     Each `run` is still a fresh process (tree) under the same isolation and limits, killed
-    whole when it ends; files in the work dir and /tmp stay until the session closes. Closing
-    (or leaving the `with` block, or the caller dying) removes all of it.
+    whole when it ends; files stay until the session closes. Closing (or leaving the `with`
+    block) empties the work dir, /tmp, /dev/shm and SysV IPC and hands the worker back to the
+    warm ones `run` uses; if the caller dies, the worker dies with everything in it. A
+    session takes a warm worker when there is one (see `warm`), so it starts at once.
 
         with sandbox.Session(backend="bwrap") as s:
             s.run("open('a.txt', 'w').write('hi')")
@@ -103,10 +131,11 @@ class Session:
 
     def __init__(self, *, backend="auto", memory_mb: int = 512, max_processes: int = 64,
                  network: bool = False, files: dict | None = None):
-        limits = backends.Limits(memory_mb=memory_mb, max_processes=max_processes,
-                                 network=network)
-        self._worker = Worker(backend, limits, persist=True)
-        self._finalizer = weakref.finalize(self, self._worker.close)
+        spec = backends.resolve(backend)
+        key = (spec, backends.Limits(memory_mb=memory_mb, max_processes=max_processes,
+                                     network=network))
+        self._worker = _take_idle(key) or Worker(*key)
+        self._finalizer = weakref.finalize(self, _give_back, key, self._worker)
         if files:
             self.write_files(files)
 
@@ -125,11 +154,13 @@ class Session:
             max_output_bytes: int = 1 << 20, max_file_mb: int = 64, max_open_files: int = 256,
             max_files_bytes: int = 16 << 20) -> Result:
         """Like `sandbox.run`, in this session's work dir; `files` are added to it first."""
+        if self.closed:
+            raise WorkerError("the session is closed")
         return self._worker.run(Request(
             code=code, language=language, command=command, files=files or {}, stdin=stdin,
             timeout_s=timeout_s, env=env or {}, return_files=return_files,
             max_output_bytes=max_output_bytes, max_file_mb=max_file_mb,
-            max_open_files=max_open_files, max_files_bytes=max_files_bytes))
+            max_open_files=max_open_files, max_files_bytes=max_files_bytes), keep_state=True)
 
     def write_files(self, files: dict) -> None:
         """Add or overwrite files (relative path -> str or bytes) in the work dir."""
@@ -156,3 +187,13 @@ class Session:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _give_back(key, worker: Worker) -> None:
+    """A closed session's worker: emptied, then warm again for others (or closed)."""
+    try:
+        worker.reset()
+    except WorkerError:
+        worker.close()
+        return
+    _put_idle(key, worker)

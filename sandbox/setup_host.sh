@@ -105,6 +105,9 @@ build_image() {
         [ "$(dirname "$path")" = / ] && continue  # /bin and friends: added below
         [ -e "$path" ] || [ -L "$path" ] && echo "$path"
       done >"$tmp/files"
+  # Byte code: Debian compiles it at install time, so dpkg does not list it; without it every
+  # import in the (read-only) container would compile from source.
+  find /usr/lib/python3.11 -name '*.pyc' -not -path '*/test/*' >>"$tmp/files" 2>/dev/null
   echo /etc/ld.so.cache >>"$tmp/files"
   tar -C / -cf "$tmp/rootfs.tar" --no-recursion -T "$tmp/files" 2>/dev/null
   tar -C "$tmp" -rf "$tmp/rootfs.tar" etc/passwd etc/group work tmp \

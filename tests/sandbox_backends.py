@@ -41,7 +41,7 @@ def own_containers(pid: int | None = None) -> set[str]:
     if sandbox.unavailable_reason(sandbox.Docker()) is not None:
         return set()
     label = f"ptrain-sandbox={pid or os.getpid()}"
-    found = sandbox.backends.docker_client().containers.list(all=True,
+    found = sandbox.backends.docker_client().containers.list(all=True, sparse=True,
                                                              filters={"label": label})
     return {c.id for c in found}
 

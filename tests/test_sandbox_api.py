@@ -58,6 +58,18 @@ def test_result_status_and_describe():
     assert sandbox.Result(signal=9, oom=True).status == "oom"
 
 
+def test_request_dict_round_trips_through_json_and_rejects_unknown_keys():
+    req = sandbox.Request(code="print(1)", files={"a.txt": "hi", "b.bin": b"\xff"},
+                          stdin=b"\x80", env={"K": "V"}, timeout_s=2.5)
+    d = json.loads(json.dumps(req.to_dict()))
+    assert d["files"] == {"a.txt": "hi"} and d["stdin_b64"] == "gA=="
+    assert sandbox.Request.from_dict(d) == req
+    with pytest.raises(ValueError, match="unknown request keys"):
+        sandbox.Request.from_dict({"code": "1", "timeout": 3})
+    with pytest.raises(ValueError, match="base64"):
+        sandbox.Request.from_dict({"code": "1", "stdin_b64": "!!"})
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(), "exactly one"),
     (dict(code="1", command=["true"]), "exactly one"),
@@ -172,6 +184,45 @@ def test_returned_files_respect_the_byte_budget(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_memory_limit_allows_most_of_memory_mb_and_stops_beyond_it(backend):
+    touch = "x = bytearray({mb} << 20)\nx[::4096] = b'y' * len(x[::4096])\nprint('held')"
+    within = run(backend, touch.format(mb=160 - 48), memory_mb=160)
+    beyond = run(backend, touch.format(mb=160 + 64), memory_mb=160)
+    assert within.ok and within.stdout == b"held\n", within
+    assert beyond.oom and not beyond.ok and beyond.stdout == b"", beyond
+
+
+@pytest.mark.parametrize("backend", backend_params(("process", "bwrap")))
+def test_without_cgroups_rlimits_bound_memory_and_processes(backend, monkeypatch):
+    """The fallback on machines without writable cgroups: RLIMIT_AS for memory, and
+    RLIMIT_NPROC on the sandbox's own uid for processes (not for a root caller's
+    process backend, which docs/sandbox.md says)."""
+    monkeypatch.setattr(sandbox.cgroups, "layout", lambda: None)
+    with sandbox.Worker(backend, sandbox.Limits(memory_mb=160, max_processes=8)) as worker:
+        assert worker._handle.cgroup is None
+        big = worker.run(sandbox.Request(code="x = b'x' * (400 << 20)"))
+        assert big.oom and big.stderr.rstrip().endswith(b"MemoryError"), big
+        small = worker.run(sandbox.Request(code="x = b'x' * (40 << 20)\nprint(len(x) >> 20)"))
+        assert small.stdout == b"40\n", small
+        if backend == "process" and os.geteuid() == 0:
+            return
+        forks = worker.run(sandbox.Request(code=textwrap.dedent("""
+            import os
+            n = 0
+            try:
+                while True:
+                    if os.fork() == 0:
+                        import time; time.sleep(100)
+                    n += 1
+            except OSError:
+                print('limited', n)
+        """), timeout_s=5))
+        word, n = forks.stdout.split()
+        assert word == b"limited" and int(n) < 8, forks
+        assert worker.processes() == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_cold_sandbox_gives_the_same_result_as_the_fork_server(backend):
     code = "import sys\nprint(sys.argv, __name__)\nraise SystemExit(5)\n"
     warm, cold = run(backend, code), run(backend, code, fork_server=False)
@@ -245,15 +296,19 @@ def test_a_run_sees_nothing_a_previous_run_left(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_session_keeps_files_but_not_processes(backend):
+    sandbox.shutdown()  # no idle workers: what the session leaves is all that changes
     before = (own_temp_dirs(), own_cgroups(), own_containers(), open_fds(backend))
     with sandbox.Session(backend=backend, files={"seed.txt": "seed"}) as s:
         assert s.backend == backend
-        r1 = s.run("import subprocess, os\nopen('turn1', 'w').write(open('seed.txt').read())\n"
-                   "subprocess.Popen(['sleep', '1000'])\nprint(os.getpid())")
+        r1 = s.run("import subprocess, os, tempfile\n"
+                   "open('turn1', 'w').write(open('seed.txt').read())\n"
+                   "open(os.path.join(tempfile.gettempdir(), 'scratch'), 'w').write('t')\n"
+                   "subprocess.Popen(['sleep', '1000'])")
         assert r1.ok, r1.stderr
         assert s.worker.processes() == []  # the background sleep died with the run
-        r2 = s.run(command=["bash", "-c", "cat turn1; ls"], files={"more.txt": "m"})
-        assert r2.stdout == b"seedmore.txt\nseed.txt\nturn1\n"
+        r2 = s.run(command=["bash", "-c", "cat turn1 \"$TMPDIR/scratch\"; ls"],
+                   files={"more.txt": "m"})
+        assert r2.stdout == b"seedtmore.txt\nseed.txt\nturn1\n", r2
         s.write_files({"sub/x.py": "X = 1"})
         r3 = s.run("from sub.x import X\nprint(X)")
         assert r3.stdout == b"1\n"
@@ -261,9 +316,15 @@ def test_session_keeps_files_but_not_processes(backend):
                                   "sub/x.py": b"X = 1"}
         with pytest.raises(ValueError, match="max_bytes"):
             s.read_files(max_bytes=3)
+        worker = s.worker
     assert s.closed
     with pytest.raises(sandbox.WorkerError):
         s.run("print(1)")
+    with sandbox.Session(backend=backend) as again:  # the same warm worker, emptied
+        assert again.worker is worker
+        r = again.run(command=["bash", "-c", "ls -A; ls -A \"$TMPDIR\""])
+        assert r.ok and r.stdout == b"", r
+    sandbox.shutdown()
     assert (own_temp_dirs(), own_cgroups(), own_containers(), open_fds(backend)) == before
 
 

@@ -11,6 +11,7 @@ sees (interfaces, routes); no test sends a packet beyond this machine.
 """
 
 import dataclasses
+import hashlib
 import os
 import random
 import signal
@@ -516,6 +517,51 @@ def test_hostile_program(worker, case, ctx):
     after = worker.run(sandbox.Request(code="import os\nopen('f', 'w').write('2')\n"
                                             "print(1 + 1, os.listdir('.'))"))
     assert after.stdout == b"2 ['f']\n", after
+
+
+SCAN_OWN_MEMORY = """
+import ctypes, hashlib, re
+ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: /proc/self/mem becomes readable
+candidates = re.compile(rb"LEAK[0-9a-z]{28}")  # cannot match itself
+found = 0
+with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', buffering=0) as mem:
+    for line in maps:
+        span, perms = line.split()[:2]
+        start, end = (int(x, 16) for x in span.split('-'))
+        if not perms.startswith('r') or end - start > 1 << 28:
+            continue
+        try:
+            mem.seek(start)
+            chunk = mem.read(end - start)
+        except (OSError, ValueError, OverflowError):
+            continue
+        found += sum(hashlib.sha256(m.group()).hexdigest() == '$SBX_DIGEST'
+                     for m in candidates.finditer(chunk))
+print('found', found)
+"""
+
+
+@pytest.mark.parametrize("backend", backend_params(("bwrap", "docker")))
+def test_a_run_cannot_find_an_earlier_runs_data_in_its_memory(backend):
+    """Each run's child is a fork of the fork server: nothing of an earlier run (code,
+    stdin, files, output) may be left in the server's memory for it to inherit. The scanner
+    knows only the secret's digest; the control shows it finds the secret when it is there."""
+    secret = "LEAK" + "".join(random.choices(string.ascii_lowercase + string.digits, k=28))
+    scan = string.Template(SCAN_OWN_MEMORY).substitute(
+        SBX_DIGEST=hashlib.sha256(secret.encode()).hexdigest())
+    with sandbox.Worker(backend) as worker:
+        planted = worker.run(sandbox.Request(
+            code=f"import sys\ns = {secret!r}\nprint(s)\nsys.stderr.write(s + sys.stdin.read())"
+                 f"\nopen('out.txt', 'w').write(s + open('in.txt').read())",
+            stdin=secret, files={"in.txt": secret}, return_files=True))
+        assert planted.ok and planted.files["out.txt"] == (secret * 2).encode(), planted
+        for _ in range(2):  # the next run, and the one after (a later parked child)
+            r = worker.run(sandbox.Request(code=scan, timeout_s=30))
+            assert r.stdout == b"found 0\n", r
+        half = len(secret) // 2
+        control = worker.run(sandbox.Request(
+            code=f"s = {secret[:half]!r} + {secret[half:]!r}\n" + scan, timeout_s=30))
+        assert control.ok and int(control.stdout.split()[1]) >= 1, control
 
 
 @pytest.mark.parametrize("backend", backend_params(("bwrap", "docker")))
