@@ -3,6 +3,9 @@
 PYTHON ?= $(shell python3 -c 'import sys; print(sys.executable)')
 WORKDIR ?= runs/quickstart
 PYTEST_ARGS ?=
+# verl's loss functions, read from source by tests/test_losses.py as a second reference
+# (installed without its dependencies; it is never imported by the libraries).
+VERL_DIR := .cache/verl
 
 .PHONY: install install-test system-deps test quickstart bench
 
@@ -11,6 +14,7 @@ install:
 
 install-test:
 	$(PYTHON) -m pip install -q -e '.[test]'
+	test -d $(VERL_DIR)/verl || $(PYTHON) -m pip install -q --no-deps --target $(VERL_DIR) verl==0.9.1
 
 # bubblewrap, the Docker engine and the sandbox test image, where the machine allows;
 # never fails the build (a backend that cannot run is skipped by the tests with the reason).
@@ -18,7 +22,7 @@ system-deps:
 	-bash sandbox/setup_host.sh
 
 test: install-test system-deps
-	$(PYTHON) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS) tests
+	PTRAIN_VERL_SRC=$(VERL_DIR)/verl $(PYTHON) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS) tests
 
 quickstart: install
 	$(PYTHON) -m launch.train --config=configs/quickstart.py --workdir=$(WORKDIR)

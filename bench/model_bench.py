@@ -20,14 +20,18 @@ from flax import nnx
 from ptrain import hf
 
 
-def _time(fn, repeats):
-    fn()  # warm-up (and compilation)
-    times = []
+def _interleaved(fns, repeats):
+    """Median seconds of each function, repetitions interleaved so that load on a shared
+    machine hits both sides alike."""
+    for fn in fns:
+        fn()  # warm-up (and compilation)
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+        for fn, ts in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - start)
+    return [float(np.median(ts)) for ts in times]
 
 
 def main():
@@ -51,11 +55,11 @@ def main():
         model, _ = hf.load(path)
     forward = nnx.jit(lambda m, x: m(x))
     tokens_jax = jax.numpy.asarray(tokens)
-    ours = _time(lambda: forward(model, tokens_jax).block_until_ready(), args.repeats)
-
     tokens_torch = torch.tensor(tokens)
     with torch.inference_mode():
-        theirs = _time(lambda: ref(tokens_torch).logits, args.repeats)
+        ours, theirs = _interleaved(
+            [lambda: forward(model, tokens_jax).block_until_ready(),
+             lambda: ref(tokens_torch).logits], args.repeats)
 
     n = args.batch * args.seq
     print(f"model: Llama-style, {n_params / 1e6:.1f}M params; batch {args.batch} x {args.seq} "

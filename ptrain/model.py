@@ -69,7 +69,9 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype; norms, softmax and RoPE always run in float32
     remat: str = "none"  # none | full | dots (save matmul outputs, recompute the rest)
-    attention_impl: str = "reference"
+    attention_impl: str = "reference"  # attention.IMPLS: reference | blockwise | ring | cudnn
+    attn_block_q: int = 512  # blockwise / ring block sizes (queries, keys)
+    attn_block_k: int = 512
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -315,7 +317,7 @@ def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_p
         q_bthe, k_bske, v_bske,
         q_positions_bt=q_pos_bt, q_segment_ids_bt=q_seg_bt,
         kv_positions_bs=kv_pos_bs, kv_segment_ids_bs=kv_seg_bs,
-        impl=c.attention_impl, mesh=mesh)
+        impl=c.attention_impl, mesh=mesh, block_q=c.attn_block_q, block_k=c.attn_block_k)
     attn_btd = jnp.einsum("bthe,hed->btd", o_bthe, w["wo"])
     if c.o_bias:
         attn_btd = attn_btd + w["bo"]

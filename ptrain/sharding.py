@@ -20,13 +20,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")  # outermost to innermost (tensor: fastest links)
 
-# Logical axis -> mesh axes. Parameters shard their model dim over fsdp and their
-# heads / MLP / vocab dims over tensor; activations shard batch over data x fsdp and
-# time over sequence.
+# Logical axis -> mesh axes. Parameters shard their model dim over fsdp x sequence (the
+# sequence axis holds different tokens, so for weights it is one more data-parallel axis,
+# as in MaxText's context parallelism) and their heads / MLP / vocab dims over tensor;
+# activations shard batch over data x fsdp and time over sequence.
 RULES: Mapping[str, str | tuple[str, ...] | None] = {
     # parameters
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("fsdp", "sequence"),
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
@@ -81,7 +82,7 @@ def spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
             out.append(None)
             continue
         mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
-        mesh_axes = tuple(a for a in mesh_axes if a in mesh.shape)
+        mesh_axes = tuple(a for a in mesh_axes if mesh.shape.get(a, 1) > 1)
         n = math.prod(mesh.shape[a] for a in mesh_axes)
         if n > 1 and size % n:
             key = (name, size, n)

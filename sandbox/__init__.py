@@ -1,0 +1,70 @@
+"""sandbox: run untrusted code in isolation and get back an honest, structured result.
+
+Pure host Python: no JAX, nothing from ptrain. Usable, testable and deployable on its own.
+
+    import sandbox
+    r = sandbox.run("print(1 + 1)", timeout_s=2, memory_mb=256)
+    r.ok, r.stdout, r.backend              # True, b"2\\n", "bwrap"
+    sandbox.run(command=["pytest", "-q"], files={"test_a.py": src}, backend="docker")
+    with sandbox.Session() as s:           # multi-turn: the work dir persists across runs
+        s.run("open('a', 'w').write('x')"); s.run(command=["cat", "a"]).stdout  # b"x"
+
+Public API
+  run(code=None, *, language=None|"python"|"bash", command=None, files=None, stdin=None,
+      timeout_s=10.0, memory_mb=512, network=False, backend="auto", return_files=False,
+      env=None, max_processes=64, max_output_bytes=1 MiB, max_file_mb=64, max_open_files=256,
+      max_files_bytes=16 MiB, fork_server=True) -> Result
+  Session(*, backend="auto", memory_mb=512, max_processes=64, network=False, files=None)
+      .run(code=None, *, language, command, files, stdin, timeout_s, return_files, env,
+           max_output_bytes, max_file_mb, max_open_files, max_files_bytes) -> Result
+      .write_files(files), .read_files(max_bytes) -> dict[str, bytes], .close(), .backend
+  warm(n, *, backend, memory_mb, max_processes, network): start n idle workers now
+  Worker(backend, Limits(memory_mb, max_processes, network))
+      .run(Request(...), keep_state=False) -> Result, .reset(), .close(), .alive,
+      .processes(): one warm fork server (what run() keeps idle, a Session borrows and a
+      pool holds; one run at a time per worker)
+  Request(code=..., ...): the validated per-run arguments of run(); .to_dict() and
+      Request.from_dict() for JSON (same text / *_b64 convention as Result)
+  Process(), Bwrap(), Docker(image=...): backend specs; "auto" = strongest available
+  unavailable_reason(spec) -> None | str, resolve(backend) -> spec, shutdown()
+  Errors: ValueError/TypeError (bad arguments), BackendUnavailable, WorkerError (the sandbox
+  failed, not the program: safe to retry). Nothing the program does raises.
+
+Result fields (a frozen dataclass; `to_dict()` / `Result.from_dict()` round-trip via JSON)
+  stdout, stderr: bytes       captured output, each capped at max_output_bytes; non-UTF-8
+                              bytes survive (`stdout_text` / `stderr_text` decode them with
+                              U+FFFD replacement)
+  stdout_truncated, stderr_truncated: bool   more was written than kept
+  exit_code: int | None       exit status of the main process; None if a signal ended it
+  signal: int | None          the signal that ended the main process
+  timed_out: bool             killed (SIGKILL) at timeout_s
+  oom: bool                   hit the memory limit (cgroup OOM kill or MemoryError)
+  duration_s: float           wall time of the main process
+  backend: str                "process", "bwrap" or "docker": which one really ran it
+  files: dict[str, bytes] | None   regular files left in the work dir (return_files=True)
+  files_truncated: bool       some files were left out (over max_files_bytes)
+  ok / status / describe()    exit 0 / "ok"|"error"|"timeout"|"oom"|"signal" / a sentence
+  to_dict(): bytes that are UTF-8 go as text under their name ("stdout"), others as base64
+  under name + "_b64" ("stdout_b64"); files as "files" (text) and "files_b64".
+
+What each backend guarantees, and what it does not: docs/sandbox.md.
+"""
+
+from sandbox.backends import (BackendUnavailable, Bwrap, Docker, Limits, Process, resolve,
+                              unavailable_reason)
+from sandbox.request import Request
+from sandbox.result import Result
+from sandbox.session import Session, run, shutdown, warm
+from sandbox.worker import Worker, WorkerError
+
+__all__ = [
+    "BackendUnavailable", "Bwrap", "Docker", "Limits", "Process", "Request", "Result",
+    "Session", "Worker", "WorkerError", "resolve", "run", "shutdown", "unavailable_reason",
+    "warm",
+]
+
+# Services over run(): the pool, the judge, the tool registry (HTTP: sandbox.server).
+from sandbox import judge, tools  # noqa: E402
+from sandbox.pool import Pool, PoolFull, WorkerLost  # noqa: E402
+
+__all__ += ["Pool", "PoolFull", "WorkerLost", "judge", "tools"]

@@ -1,0 +1,228 @@
+"""Rewards from running what the model wrote: a task's verifier -> reward + feedback.
+
+Every verifier that executes anything goes through the sandbox (`sandbox.judge` for unit
+tests and stdin/stdout cases, `sandbox.run` for scripts judged by the files they leave), one
+call per answer, submitted to a `sandbox.Pool` so a batch is judged concurrently. Answers and
+formats are compared here. Each `Verdict` keeps the feedback the model sees on a retry: the
+error type, the first failing test and a traceback trimmed to its own code.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+
+import sandbox
+from sandbox import judge
+
+from ptrain.tasks import Answer, Files, Format, Stdio, Task, UnitTests, boxed
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """How one answer fared. `score` is the fraction of checks passed; `reward` is what the
+    learner gets (the score with partial credit, else 1.0 only when everything passed)."""
+
+    reward: float
+    passed: bool
+    score: float
+    feedback: str
+    error_type: str = ""  # "" when passed; an exception name, "timeout", "wrong_answer", ...
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    partial_credit: bool = False  # fraction of tests passed, instead of all-or-nothing
+    timeout_s: float = 10.0  # per judged answer
+    test_timeout_s: float = 2.0  # per unit test / stdio case
+    memory_mb: int = 512
+    backend: str = "auto"
+
+
+# ----------------------------------------------------------------------------- extraction
+
+_FENCE = re.compile(r"```[ \t]*([\w+-]*)[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(text: str, language: str = "python") -> str:
+    """The last fenced block (preferring one tagged `language`), else the whole text."""
+    blocks = _FENCE.findall(text)
+    tagged = [body for tag, body in blocks if tag.lower() in (language, language[:2])]
+    chosen = tagged or [body for _, body in blocks]
+    return chosen[-1] if chosen else text
+
+
+_ANSWER = re.compile(r"(?:final answer|answer)\s*(?:is)?\s*[:=]?\s*(.+)", re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def extract_answer(text: str) -> str:
+    """`\\boxed{x}`, else what follows the last "answer:", else the last number, else ''."""
+    found = boxed(text)
+    if found:
+        return found
+    lines = [m.group(1) for m in _ANSWER.finditer(text)]
+    if lines:
+        return lines[-1].strip().splitlines()[0].strip()
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else ""
+
+
+def _normalise(answer: str) -> str:
+    answer = answer.strip().strip("$").strip().rstrip(".").strip()
+    return re.sub(r"\s+", " ", answer).lower()
+
+
+def _as_number(text: str) -> float | None:
+    text = _normalise(text).replace(",", "")
+    try:
+        return float(text)
+    except ValueError:
+        match = _NUMBER.fullmatch(text)
+        return float(match.group(0)) if match else None
+
+
+# ----------------------------------------------------------------------------- verdicts
+
+def _binary(passed: bool, feedback: str, error_type: str) -> Verdict:
+    return Verdict(float(passed), passed, float(passed), feedback, "" if passed else error_type)
+
+
+def check_answer(v: Answer, completion: str) -> Verdict:
+    got = extract_answer(completion)
+    if not got:
+        return _binary(False, "No answer found: end with 'answer: <value>'.", "no_answer")
+    if v.numeric:
+        a, b = _as_number(got), _as_number(v.answer)
+        ok = a is not None and b is not None and math.isclose(a, b, rel_tol=v.tol, abs_tol=v.tol)
+    else:
+        ok = _normalise(got) == _normalise(v.answer)
+    return _binary(ok, "Correct." if ok else f"Wrong answer: {got!r}.", "wrong_answer")
+
+
+def check_format(v: Format, completion: str) -> Verdict:
+    ok = re.search(v.pattern, completion, re.DOTALL) is not None
+    return _binary(ok, "Format ok." if ok else "The answer does not have the required format.",
+                   "format")
+
+
+def check_files(v: Files, files: dict[str, bytes] | None, run_result=None) -> Verdict:
+    """Compare the work dir's final files with the expected ones."""
+    if run_result is not None and run_result.status in ("timeout", "oom", "signal"):
+        return _binary(False, f"The script did not finish: {run_result.describe()}",
+                       run_result.status)
+    files = files or {}
+    wrong = []
+    for path, want in v.expected.items():
+        have = files.get(path)
+        if want is None and have is not None:
+            wrong.append(f"{path} should not exist")
+        elif want is not None and have is None:
+            wrong.append(f"{path} is missing")
+        elif want is not None and have != want.encode():
+            wrong.append(f"{path} has the wrong content: {have[:80]!r}")
+    total = len(v.expected)
+    score = (total - len(wrong)) / total if total else 0.0
+    feedback = "All files are as expected." if not wrong else "; ".join(wrong) + "."
+    if run_result is not None and run_result.stderr.strip() and wrong:
+        feedback += "\n" + run_result.stderr_text.strip()[-500:]
+    return Verdict(score, not wrong, score, feedback, "" if not wrong else "wrong_files")
+
+
+def from_report(report: judge.Report) -> tuple[float, bool, str, str]:
+    """(score, passed, feedback, error_type) of a judge report."""
+    error_type = ""
+    first = report.first_failure
+    if report.error:
+        error_type = "judge_error"
+    elif first is not None:
+        error_type = first.status
+        last = (first.traceback or first.message).strip().splitlines()[-1:] or [""]
+        match = re.match(r"(\w+(?:Error|Exception|Interrupt|Exit))\b", last[0])
+        if match:
+            error_type = match.group(1)
+    return report.score, report.all_passed, report.feedback, error_type
+
+
+# ----------------------------------------------------------------------------- scoring
+
+def _submit(pool, fn, *args, **kwargs) -> concurrent.futures.Future:
+    if pool is None:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(fn(*args, **kwargs))
+        return future
+    return pool.submit(fn, *args, **kwargs)
+
+
+def score(tasks_: Sequence[Task], completions: Sequence[str], *, pool=None, sessions=None,
+          config: RewardConfig = RewardConfig()) -> list[Verdict]:
+    """Verdicts for a batch, judged concurrently on `pool` (in this process without one).
+
+    sessions: for tasks judged by the files their episode left (`Files(run="")`), the
+    episode's `sandbox.Session`, aligned with the tasks (None elsewhere).
+    """
+    if len(tasks_) != len(completions):
+        raise ValueError(f"{len(tasks_)} tasks but {len(completions)} completions")
+    sessions = sessions if sessions is not None else [None] * len(tasks_)
+    c = config
+    pending = []
+    for task, completion, session in zip(tasks_, completions, sessions):
+        v = task.verifier
+        if isinstance(v, UnitTests):
+            code = (v.setup + "\n" if v.setup else "") + extract_code(completion)
+            pending.append(_submit(pool, judge.unit_tests, code, v.tests,
+                                   entry_point=v.entry_point or None, timeout_s=c.timeout_s,
+                                   test_timeout_s=c.test_timeout_s, memory_mb=c.memory_mb,
+                                   backend=c.backend))
+        elif isinstance(v, Stdio):
+            pending.append(_submit(pool, judge.stdio, extract_code(completion), list(v.cases),
+                                   float_tol=v.float_tol, timeout_s=c.timeout_s,
+                                   case_timeout_s=c.test_timeout_s, memory_mb=c.memory_mb,
+                                   backend=c.backend))
+        elif isinstance(v, Files) and v.run:
+            script = extract_code(completion, v.run)
+            pending.append(_submit(pool, sandbox.run, script, language=v.run,
+                                   files=dict(task.files), return_files=True,
+                                   timeout_s=c.timeout_s, memory_mb=c.memory_mb,
+                                   backend=c.backend))
+        elif isinstance(v, Files):
+            if session is None:
+                raise ValueError(f"task {task.id}: Files(run='') judges an episode's work dir; "
+                                 "pass its session")
+            pending.append(session.read_files())
+        elif isinstance(v, Answer):
+            pending.append(check_answer(v, completion))
+        elif isinstance(v, Format):
+            pending.append(check_format(v, completion))
+        else:
+            raise TypeError(f"task {task.id}: unknown verifier {type(v).__name__}")
+
+    verdicts = []
+    for task, item in zip(tasks_, pending):
+        v = task.verifier
+        if isinstance(item, Verdict):
+            verdicts.append(item)
+            continue
+        if isinstance(v, Files):
+            result = item.result() if isinstance(item, concurrent.futures.Future) else None
+            files = result.files if result is not None else item
+            verdict = check_files(v, files, result)
+        else:
+            score_, passed, feedback, error_type = from_report(item.result())
+            verdict = Verdict(score_, passed, score_, feedback, error_type)
+        if not c.partial_credit:
+            verdict = dataclasses.replace(verdict, reward=float(verdict.passed))
+        verdicts.append(verdict)
+    return verdicts
+
+
+def verify(task: Task, completion: str, *, session=None,
+           config: RewardConfig = RewardConfig()) -> Verdict:
+    """One answer, judged in this process."""
+    return score([task], [completion], sessions=[session], config=config)[0]

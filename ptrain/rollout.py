@@ -1,0 +1,356 @@
+"""Episodes: single- and multi-turn, with tool calls run in the sandbox, and retries.
+
+Token in, token out. An episode's history is a list of token ids that only ever grows: the
+rendered prompt, then each model turn exactly as sampled, then each tool observation (or
+retry feedback) rendered by `ChatFormat` and encoded on its own. Nothing is re-tokenised, so
+the log-probs the sampler reported are those of the very tokens the learner trains on, and
+the loss mask is 1 exactly on the tokens the model produced.
+
+Tool calls use the Hermes / Qwen format, `<tool_call>{"name": ..., "arguments": {...}}
+</tool_call>`: generation stops at the closing tag, the call runs in the episode's
+`sandbox.Session` (one work dir per episode, kept across its turns, removed after it), and
+the output comes back as an observation. A malformed call (not JSON, no name, an unknown or
+disallowed tool) becomes an error observation the model can learn from, never an exception.
+
+Self-correction: after a final answer fails its verifier, the feedback is appended and the
+model tries again, up to `max_attempts`; `attempt_reward` says how attempts make a reward.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import re
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+import sandbox
+from sandbox import tools as sandbox_tools
+
+from ptrain import rewards as rewards_lib
+from ptrain.tasks import Files, Task
+
+ATTEMPT_REWARDS = ("final", "first", "mean", "discounted")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatFormat:
+    """The text around the model's turns. Observations and feedback are model-facing text
+    appended after a turn; `{output}` / `{feedback}` are filled in."""
+
+    tool_call_start: str = "<tool_call>"
+    tool_call_end: str = "</tool_call>"
+    observation: str = "\n<tool_response>\n{output}\n</tool_response>\n"
+    feedback: str = "\n<feedback>\n{feedback}\n</feedback>\n"
+
+
+# Qwen2.5 / Qwen3 chat template: tool responses come back in a user turn.
+QWEN = ChatFormat(
+    observation=("<|im_end|>\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response>"
+                 "<|im_end|>\n<|im_start|>assistant\n"),
+    feedback=("<|im_end|>\n<|im_start|>user\n{feedback}\nPlease fix it.<|im_end|>\n"
+              "<|im_start|>assistant\n"))
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    num_samples: int = 8  # G episodes per task (one prefill)
+    max_new_tokens: int = 64  # per model turn
+    max_turns: int = 4  # model turns per attempt (tool calls + the final answer)
+    max_attempts: int = 1  # self-correction: tries per episode
+    attempt_reward: str = "final"  # ATTEMPT_REWARDS
+    discount: float = 0.5  # "discounted": reward of a pass at attempt k is discount**(k-1)
+    max_len: int = 512  # the whole episode, prompt included
+    max_tool_output_chars: int = 1000
+    tool_timeout_s: float = 5.0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    session_backend: str = "auto"
+
+    def __post_init__(self):
+        if self.attempt_reward not in ATTEMPT_REWARDS:
+            raise ValueError(f"attempt_reward={self.attempt_reward!r}; use {ATTEMPT_REWARDS}")
+        if min(self.num_samples, self.max_new_tokens, self.max_turns, self.max_attempts) < 1:
+            raise ValueError("num_samples, max_new_tokens, max_turns, max_attempts must be >= 1")
+
+
+@dataclasses.dataclass
+class Episode:
+    """One episode on the host. `tokens`, `mask` and `logp` are aligned: token i was produced
+    by the model iff mask[i] == 1, in which case logp[i] is its sampled temperature-1 log-prob.
+    """
+
+    task: Task
+    group_id: int
+    tokens: list[int]
+    mask: list[int]
+    logp: list[float]
+    prompt_len: int
+    answers: list[str] = dataclasses.field(default_factory=list)  # the final text per attempt
+    verdicts: list = dataclasses.field(default_factory=list)  # a rewards.Verdict per attempt
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    finish: str = ""  # answered | max_turns | max_len
+    session: sandbox.Session | None = None
+    _turn_text: str = ""
+
+    @property
+    def attempts(self) -> int:
+        return len(self.answers)
+
+    @property
+    def completion_tokens(self) -> int:
+        return int(sum(self.mask))
+
+    def reward(self, config: RolloutConfig) -> float:
+        if not self.verdicts:
+            return 0.0
+        rewards = [v.reward for v in self.verdicts]
+        if config.attempt_reward == "final":
+            return rewards[-1]
+        if config.attempt_reward == "first":
+            return rewards[0]
+        if config.attempt_reward == "mean":
+            return float(np.mean(rewards))
+        passed = next((k for k, v in enumerate(self.verdicts) if v.passed), None)
+        return 0.0 if passed is None else config.discount ** passed
+
+    def text(self, decode) -> str:
+        """The whole episode after the prompt, as text (for logs)."""
+        return decode(self.tokens[self.prompt_len:])
+
+
+# ----------------------------------------------------------------------------- rendering
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` with no special tokens added (a BOS in mid-episode is wrong)."""
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except TypeError:  # a tokenizer without the keyword adds none anyway
+        return list(tokenizer.encode(text))
+
+
+def render_prompt(task: Task, tokenizer) -> list[int]:
+    """The prompt's token ids: through the tokenizer's chat template when it has one."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        if task.messages:
+            raise ValueError(f"task {task.id} has chat messages but the tokenizer has no chat "
+                             "template; give the task a plain prompt")
+        return encode(tokenizer, task.prompt)
+    messages = list(task.messages) or [{"role": "user", "content": task.prompt}]
+    schemas = sandbox_tools.schemas([t for t in sandbox_tools.TOOLS if t.name in task.tools])
+    ids = tokenizer.apply_chat_template(messages, tools=schemas or None,
+                                        add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_call(text: str, fmt: ChatFormat = ChatFormat()):
+    """The call in a model turn: (name, arguments) if well formed, an error message (str) if
+    malformed, None if the turn makes no call (it is a final answer)."""
+    start = text.rfind(fmt.tool_call_start)
+    if start < 0:
+        return None
+    end = text.find(fmt.tool_call_end, start)
+    if end < 0:
+        return f"Error: the tool call is not closed with {fmt.tool_call_end}."
+    body = text[start + len(fmt.tool_call_start):end].strip()
+    try:
+        call = json.loads(body)
+    except ValueError as e:
+        return f"Error: the tool call is not valid JSON ({e})."
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return 'Error: a tool call is {"name": <tool>, "arguments": {...}}.'
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):  # some models send the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as e:
+            return f"Error: the arguments are not valid JSON ({e})."
+    return call["name"], arguments
+
+
+# ----------------------------------------------------------------------------- episodes
+
+def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
+             config: RolloutConfig = RolloutConfig(), fmt: ChatFormat = ChatFormat(),
+             pool=None, reward_config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
+             first_group_id: int = 0, score_now: bool | None = None) -> list[Episode]:
+    """Runs `num_samples` episodes of every task; rows are task-major (task i owns rows
+    i*G .. i*G+G-1, group id `first_group_id + i`).
+
+    Verdicts come from `score` (the sandbox pool); with one attempt they can be left to the
+    caller (`score_now=False`) so that scoring overlaps the next generation. Sessions of
+    episodes that are not scored yet stay open until `score` closes them.
+    """
+    c = config
+    score_now = c.max_attempts > 1 if score_now is None else score_now
+    if c.max_attempts > 1 and not score_now:
+        raise ValueError("self-correction (max_attempts > 1) needs verdicts during the episode")
+    prompts = [render_prompt(task, tokenizer) for task in tasks]
+    for task, prompt in zip(tasks, prompts):
+        if len(prompt) + c.max_new_tokens > c.max_len:
+            raise ValueError(f"task {task.id}: a {len(prompt)}-token prompt leaves no room for "
+                             f"{c.max_new_tokens} new tokens within max_len={c.max_len}")
+    episodes = [Episode(task=task, group_id=first_group_id + i, tokens=list(prompt),
+                        mask=[0] * len(prompt), logp=[0.0] * len(prompt),
+                        prompt_len=len(prompt))
+                for i, (task, prompt) in enumerate(zip(tasks, prompts))
+                for _ in range(c.num_samples)]
+    for episode in episodes:
+        if episode.task.tools or _needs_session(episode.task):
+            episode.session = sandbox.Session(backend=c.session_backend,
+                                              files=dict(episode.task.files) or None)
+    keys = iter(jax.random.split(key, c.max_attempts * c.max_turns))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as threads:
+        try:
+            for attempt in range(c.max_attempts):
+                active = [e for e in episodes if attempt == 0 or
+                          (e.verdicts and not e.verdicts[-1].passed and e.finish == "answered")]
+                if not active:
+                    break
+                if attempt > 0:
+                    for e in active:
+                        _append(e, tokenizer, fmt.feedback.format(
+                            feedback=e.verdicts[-1].feedback), c)
+                    active = [e for e in active if e.finish != "max_len"]
+                _run_attempt(sampler, params, active, keys, tokenizer, fmt, c, threads,
+                             first=attempt == 0, prompts=prompts)
+                if score_now:
+                    score(active, pool=pool, config=reward_config, close_sessions=False)
+        except BaseException:
+            close(episodes)
+            raise
+    if score_now:
+        close(episodes)
+    return episodes
+
+
+def _needs_session(task: Task) -> bool:
+    return isinstance(task.verifier, Files) and not task.verifier.run
+
+
+def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *, first,
+                 prompts):
+    """Model turns until each episode answers (a turn without a tool call) or hits a cap."""
+    has_tools = any(e.task.tools for e in episodes)
+    active = list(episodes)
+    for turn in range(c.max_turns):
+        if not active:
+            return
+        kwargs = dict(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k,
+                      top_p=c.top_p, greedy=c.greedy, stop_token_ids=c.stop_token_ids,
+                      stop_strings=(fmt.tool_call_end,) if has_tools else (), key=next(keys))
+        if first and turn == 0:  # one prefill per task, G samples each
+            samples = sampler.sample(params, prompts, num_samples=c.num_samples, **kwargs)
+        else:
+            samples = sampler.sample(params, [e.tokens for e in active], **kwargs)
+        calls = []
+        for row, e in enumerate(active):
+            n = int(samples.lengths[row])
+            new = samples.tokens[row, :n].tolist()
+            room = c.max_len - len(e.tokens)
+            truncated = n > room
+            new = new[:room]
+            e.tokens += new
+            e.mask += [1] * len(new)
+            e.logp += samples.logp_t1[row, :len(new)].tolist()
+            e.turns += 1
+            text = tokenizer.decode(new)
+            if truncated:
+                e.finish = "max_len"
+                e.answers.append(text)
+                continue
+            call = parse_tool_call(text, fmt) if e.task.tools else None
+            if call is None:
+                e.finish = "answered"
+                e.answers.append(text)
+            else:
+                calls.append((e, call))
+        # Run this turn's tool calls concurrently, then append their observations.
+        outputs = threads.map(lambda ec: _call(ec[0], ec[1], c), calls)
+        still = []
+        for (e, _), output in zip(calls, outputs):
+            _append(e, tokenizer, fmt.observation.format(output=output), c)
+            if e.finish != "max_len":
+                still.append(e)
+        active = still
+    for e in active:  # out of turns without a final answer
+        e.finish = "max_turns"
+        e.answers.append("")
+
+
+def _call(e: Episode, call, c: RolloutConfig) -> str:
+    e.tool_calls += 1
+    if isinstance(call, str):
+        e.tool_errors += 1
+        return call
+    name, arguments = call
+    if name not in e.task.tools:
+        e.tool_errors += 1
+        allowed = ", ".join(e.task.tools)
+        return f"Error: tool {name!r} is not available here; use one of: {allowed}."
+    output = sandbox_tools.call_tool(e.session, name, arguments, timeout_s=c.tool_timeout_s,
+                                     max_output_chars=c.max_tool_output_chars)
+    if output.startswith("Error:"):
+        e.tool_errors += 1
+    return output
+
+
+def _append(e: Episode, tokenizer, text: str, c: RolloutConfig) -> None:
+    """Appends rendered observation / feedback tokens (not trained on)."""
+    ids = encode(tokenizer, text)
+    room = c.max_len - len(e.tokens)
+    if len(ids) + 1 > room:  # no room left for the model to respond
+        e.finish = "max_len"
+        ids = ids[:room]
+    e.tokens += ids
+    e.mask += [0] * len(ids)
+    e.logp += [0.0] * len(ids)
+
+
+def score(episodes: Sequence[Episode], *, pool=None,
+          config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
+          close_sessions: bool = True) -> None:
+    """Judges each episode's latest answer (adds a verdict), then removes the work dirs."""
+    todo = [e for e in episodes if len(e.verdicts) < len(e.answers)]
+    verdicts = rewards_lib.score([e.task for e in todo], [e.answers[-1] for e in todo],
+                                 pool=pool, sessions=[e.session for e in todo], config=config)
+    for e, v in zip(todo, verdicts):
+        e.verdicts.append(v)
+    if close_sessions:
+        close(episodes)
+
+
+def close(episodes: Sequence[Episode]) -> None:
+    """Removes the episodes' work dirs."""
+    for e in episodes:
+        if e.session is not None:
+            e.session.close()
+            e.session = None
+
+
+def to_rows(episodes: Sequence[Episode], config: RolloutConfig) -> dict:
+    """Per-row lists for `learner.Episodes.from_rows`, plus host-side metadata."""
+    return dict(
+        tokens=[e.tokens for e in episodes], loss_masks=[e.mask for e in episodes],
+        rollout_logps=[e.logp for e in episodes],
+        rewards=[e.reward(config) for e in episodes],
+        group_ids=[e.group_id for e in episodes],
+        meta=[{"task_id": e.task.id, "domain": e.task.domain, "turns": e.turns,
+               "attempts": e.attempts, "tool_calls": e.tool_calls,
+               "tool_errors": e.tool_errors, "finish": e.finish,
+               "passed": bool(e.verdicts and e.verdicts[-1].passed),
+               "feedback": e.verdicts[-1].feedback if e.verdicts else "",
+               "error_type": e.verdicts[-1].error_type if e.verdicts else ""}
+              for e in episodes])

@@ -1,0 +1,226 @@
+"""Per-worker memory and pids cgroups, on the host side, where the machine allows them.
+
+Detects what is there (cgroup v1 `memory` + `pids` hierarchies, or a cgroup v2 tree with both
+controllers delegated to us) and whether we may write it; never assumes. Without cgroups the
+backends fall back to rlimits (see docs/sandbox.md).
+
+A worker's cgroup is a child of the caller's own cgroup, so the caller's limits still hold,
+named `ptrain-sbx-<host pid>-<n>`, with `server` and `run` below it; cgroups left by a
+crashed host are removed the next time one is made.
+"""
+
+import functools
+import itertools
+import os
+import signal
+import time
+
+_ROOT = "/sys/fs/cgroup"
+_PREFIX = "ptrain-sbx-"
+_counter = itertools.count()
+
+
+def _own_paths() -> dict[str, str]:
+    """controller (or "" for the v2 tree) -> this process's cgroup path."""
+    out = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for c in controllers.split(",") if controllers else [""]:
+                out[c] = path
+    return out
+
+
+def _write(path: str, value) -> None:
+    with open(path, "w") as f:
+        f.write(str(value))
+
+
+def _try_mkdir(parent: str) -> str | None:
+    path = os.path.join(parent, f"{_PREFIX}probe-{os.getpid()}-{next(_counter)}")
+    try:
+        os.mkdir(path)
+    except OSError:
+        return None
+    os.rmdir(path)
+    return parent
+
+
+def _layout() -> tuple[str, dict[str, str]] | None:
+    """("v1", {"memory": dir, "pids": dir}) or ("v2", {"": dir}): where worker cgroups go."""
+    try:
+        own = _own_paths()
+    except OSError:
+        return None
+    v1 = {c: os.path.join(_ROOT, c) + own.get(c, "/") for c in ("memory", "pids")}
+    if all(os.path.exists(os.path.join(_ROOT, c, "cgroup.procs")) for c in v1):
+        if all(_try_mkdir(d) for d in v1.values()):
+            return "v1", v1
+        return None
+    controllers = os.path.join(_ROOT, "cgroup.controllers")
+    if os.path.exists(controllers) and "" in own:
+        parent = _ROOT + own[""]
+        try:
+            with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                enabled = f.read().split()
+        except OSError:
+            return None
+        if {"memory", "pids"} <= set(enabled) and _try_mkdir(parent):
+            return "v2", {"": parent}
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def layout():
+    """The cgroup layout worker cgroups use, or None (then rlimits only). Cached."""
+    return _layout()
+
+
+class Cgroup:
+    """The cgroups of one worker: `<name>/server` holds the fork server (no limit of ours),
+    `<name>/run` holds each run (memory and pids limits). Every run child moves itself into
+    `run` before anything else, so the limits cover all it starts, its files on tmpfs too,
+    and the server never competes with a run for memory (an OOM kill always hits the run)."""
+
+    def __init__(self, memory_bytes: int, pids_max: int):
+        found = layout()
+        if found is None:
+            raise OSError("no writable cgroup memory+pids hierarchy")
+        self.version, parents = found
+        _sweep(parents)
+        name = f"{_PREFIX}{os.getpid()}-{next(_counter)}"
+        self.top = {c: os.path.join(p, name) for c, p in parents.items()}
+        self.made: list[str] = []
+        try:
+            for top in self.top.values():
+                self._mkdir(top)
+                if self.version == "v2":
+                    _write(os.path.join(top, "cgroup.subtree_control"), "+memory +pids")
+                self._mkdir(os.path.join(top, "server"))
+                self._mkdir(os.path.join(top, "run"))
+            self._set_limits(memory_bytes, pids_max)
+        except OSError:
+            self.remove()
+            raise
+
+    def _mkdir(self, path: str) -> None:
+        os.mkdir(path)
+        self.made.append(path)
+
+    def _file(self, controller: str, part: str, name: str) -> str:
+        return os.path.join(self.top["" if self.version == "v2" else controller], part, name)
+
+    def _set_limits(self, memory_bytes: int, pids_max: int) -> None:
+        if self.version == "v1":
+            _write(self._file("memory", "run", "memory.limit_in_bytes"), memory_bytes)
+            try:  # no swapping past the limit, where swap accounting exists
+                _write(self._file("memory", "run", "memory.memsw.limit_in_bytes"), memory_bytes)
+            except OSError:
+                pass
+        else:
+            _write(self._file("memory", "run", "memory.max"), memory_bytes)
+            try:
+                _write(self._file("memory", "run", "memory.swap.max"), 0)
+            except OSError:
+                pass
+        _write(self._file("pids", "run", "pids.max"), pids_max)
+
+    def add_server(self, pid: int) -> None:
+        """Move `pid` (one process, all its threads) into the server's cgroup."""
+        for top in self.top.values():
+            _write(os.path.join(top, "server", "cgroup.procs"), pid)
+
+    def run_join_files(self) -> list[str]:
+        """The files a run child writes "0" to, to move itself into the run cgroup."""
+        return [os.path.join(top, "run", "cgroup.procs") for top in self.top.values()]
+
+    def allow_join(self, uid: int) -> None:
+        """Let `uid` (a sandbox's own uid) move its processes into the run cgroup: v1 needs
+        write access to the destination, v2 also to the common ancestor."""
+        for path in self.run_join_files():
+            os.chown(path, uid, -1)
+        if self.version == "v2":
+            for top in self.top.values():
+                os.chown(os.path.join(top, "cgroup.procs"), uid, -1)
+
+    def procs_file(self) -> str:
+        """The file that lists the run's processes."""
+        return self._file("pids", "run", "cgroup.procs")
+
+    def pids(self) -> list[int]:
+        """Processes of the run (there are none between runs)."""
+        try:
+            with open(self.procs_file()) as f:
+                return [int(p) for p in f.read().split()]
+        except OSError:
+            return []
+
+    def oom_kills(self) -> int:
+        """How many processes the OOM killer has killed in the run cgroup so far."""
+        name = "memory.oom_control" if self.version == "v1" else "memory.events"
+        try:
+            with open(self._file("memory", "run", name)) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except OSError:
+            pass
+        return 0
+
+    def remove(self) -> None:
+        """Kill whatever is left in any of the cgroups, then remove them."""
+        for path in reversed(self.made):
+            _kill_all(path)
+            _rmdir(path)
+        self.made = []
+
+
+def _kill_all(path: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                pids = [int(p) for p in f.read().split()]
+        except OSError:
+            return
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.001)
+
+
+def _rmdir(path: str) -> None:
+    for _ in range(100):  # the last exiting tasks may still hold it for a moment
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.005)
+
+
+def _sweep(parents: dict[str, str]) -> None:
+    """Remove worker cgroups whose host process is gone (a crashed caller leaves them)."""
+    for parent in parents.values():
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            continue
+        for name in names:
+            if not name.startswith(_PREFIX) or name.startswith(_PREFIX + "probe"):
+                continue
+            try:
+                host_pid = int(name[len(_PREFIX):].split("-")[0])
+            except ValueError:
+                continue
+            if host_pid != os.getpid() and not os.path.exists(f"/proc/{host_pid}"):
+                path = os.path.join(parent, name)
+                for sub in ("run", "server", ""):
+                    _kill_all(os.path.join(path, sub))
+                    _rmdir(os.path.join(path, sub))

@@ -1,0 +1,831 @@
+"""The fork server: a pre-started interpreter that runs inside a backend's isolation.
+
+It is started once per worker (by `sandbox/backends.py`, as `python3 -I -X utf8 -c <this
+source> <config json>`), imports common modules, then serves runs one at a time over a
+socket. Each run gets a fresh child, forked after the previous run was cleaned up and parked
+(own session, run cgroup joined) until its request comes; it then sets its rlimits and either
+runs the Python code in-process (no interpreter start: the fast path) or execs the command.
+When the main process ends or the timeout passes, every other process of the run is killed
+(the server is PID 1 of its PID namespace under bwrap and docker, so `kill(-1)` reaches them
+all; under the process backend it kills the run cgroup or, without one, its descendants as a
+child subreaper), the scratch directories are wiped, and the result goes back.
+
+What a run sends and prints never enters this process's heap, where the next run's child
+(a fork of it) could find it: the request payload goes from the socket to the child, output
+from the pipes to memfds and the files and memfds to the socket, all through one reusable
+buffer that is zeroed after every run (or by sendfile). Only sizes, statuses and file names
+pass through Python objects here.
+
+Standard library only, Python >= 3.8 syntax: it runs on whatever python3 the sandbox image
+has. Wire format, both ways: a frame (4-byte big-endian length + UTF-8 JSON header), then
+raw bytes whose sizes the header gives (`payload` to the server; `blobs` back).
+"""
+
+import atexit
+import base64
+import builtins
+import gc
+import json
+import linecache
+import os
+import resource
+import select
+import shutil
+import signal
+import socket
+import stat
+import struct
+import sys
+import time
+import traceback
+import types
+
+_MAX_FRAME = 1 << 30
+_READ_CHUNK = 1 << 16
+
+
+def frame(obj):
+    data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    return struct.pack(">I", len(data)) + data
+
+
+def send_frame(sock, obj):
+    sock.sendall(frame(obj))
+
+
+def recv_frame(sock):
+    """The next frame, or None at a clean end of stream."""
+    head = _recv_exact(sock, 4)
+    if head is None:
+        return None
+    (size,) = struct.unpack(">I", head)
+    if size > _MAX_FRAME:
+        raise ValueError("frame of %d bytes is too large" % size)
+    body = _recv_exact(sock, size)
+    if body is None:
+        raise EOFError("stream ended inside a frame")
+    return json.loads(body.decode("utf-8"))
+
+
+def _recv_exact(sock, n):
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            if got == 0:
+                return None
+            raise EOFError("stream ended inside a frame")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+# The one buffer run data passes through in this process (zeroed after every run).
+_BUF = bytearray(1 << 18)
+_VIEW = memoryview(_BUF)
+_ZEROS = bytes(len(_BUF))
+_dirty = [0]  # how much of the buffer holds data since it was last zeroed
+
+
+def _used(n):
+    _dirty[0] = max(_dirty[0], n)
+    return n
+
+
+def _zero_buffer():
+    _VIEW[:_dirty[0]] = _ZEROS[:_dirty[0]]
+    _dirty[0] = 0
+
+
+def _send_file(sock_fd, fd, size):
+    """Send `size` bytes of `fd` from its start (kernel to kernel); zeros if it is short."""
+    offset = 0
+    while offset < size:
+        sent = os.sendfile(sock_fd, fd, offset, size - offset)
+        if not sent:
+            _write_all(sock_fd, _ZEROS[:min(size - offset, len(_ZEROS))])
+            sent = min(size - offset, len(_ZEROS))
+        offset += sent
+
+
+def _send_reply(sock_fd, head, blobs):
+    """The reply header and its blobs (fd, size): in one write through the buffer when they
+    fit in it (one wake-up for the host), else by sendfile."""
+    total = sum(size for _, size in blobs)
+    if total > len(_BUF):
+        _write_all(sock_fd, head)
+        for fd, size in blobs:
+            _send_file(sock_fd, fd, size)
+        return
+    at = 0
+    for fd, size in blobs:
+        done = 0
+        while done < size:
+            got = os.preadv(fd, [_VIEW[at + done:at + size]], done)
+            if not got:  # shorter than listed: the rest stays zero
+                break
+            done += got
+        at += size
+    rest = [memoryview(head), _VIEW[:_used(total)]]
+    while rest:
+        sent = os.writev(sock_fd, rest)
+        while rest and sent >= len(rest[0]):
+            sent -= len(rest[0])
+            rest.pop(0)
+        if rest:
+            rest[0] = rest[0][sent:]
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+# ---------------------------------------------------------------------------------------------
+# Process control
+# ---------------------------------------------------------------------------------------------
+
+def _prctl(option, value):
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, value, 0, 0, 0) == 0
+    except Exception:  # noqa: BLE001 (no ctypes in a minimal image: carry on without)
+        return False
+
+
+_PR_SET_DUMPABLE = 4
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _exit_status(status):
+    """(exit_code, signal) from a wait status."""
+    if os.WIFSIGNALED(status):
+        return None, os.WTERMSIG(status)
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status), None
+    return None, None
+
+
+def _reap_nohang(statuses):
+    """Reap every exited child without blocking; record their statuses."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        statuses[pid] = status
+
+
+class Killer:
+    """Kills every process of the current run except the server itself."""
+
+    def __init__(self, cfg):
+        self.pid1 = os.getpid() == 1
+        self.cgroup_procs = cfg.get("cgroup_procs")
+        if not self.pid1:
+            _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+    def kill_all(self, statuses, limit_s=10.0):
+        """Kill and reap everything; returns False if processes were left after `limit_s`."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            if not self._kill_round():
+                _reap_nohang(statuses)
+                if not self._remaining():
+                    return True
+            _reap_nohang(statuses)
+            time.sleep(0.0005)
+        return False
+
+    def _kill_round(self):
+        """Signal everything once; True if something was signalled."""
+        if self.pid1:
+            try:
+                os.kill(-1, signal.SIGKILL)
+                return True
+            except ProcessLookupError:
+                return False
+        pids = self._remaining()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return bool(pids)
+
+    def _remaining(self):
+        me = os.getpid()
+        if self.pid1:
+            try:
+                os.kill(-1, 0)
+                return [-1]
+            except ProcessLookupError:
+                return []
+        if self.cgroup_procs:
+            with open(self.cgroup_procs) as f:
+                return [p for p in map(int, f.read().split()) if p != me]
+        return _children_of(me)
+
+
+def _children_of(ppid):
+    """Live (non-zombie) children of `ppid`, from /proc."""
+    try:
+        with open("/proc/self/task/%d/children" % ppid) as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        pass  # a kernel without CONFIG_PROC_CHILDREN: scan every process
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name, "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == ppid and fields[0] != b"Z":
+            out.append(int(name))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+
+def _inside(root, rel):
+    """`root/rel`, refusing any path that resolves outside `root` (e.g. through a symlink a
+    previous run of the session left there)."""
+    path = os.path.join(root, rel)
+    real_root = os.path.realpath(root)
+    if not os.path.realpath(path).startswith(real_root + os.sep):
+        raise ValueError("path %r leaves the work dir" % rel)
+    return path
+
+
+def write_files(root, files_b64):
+    for rel, b64 in files_b64.items():
+        path = _inside(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(base64.b64decode(b64))
+
+
+def list_files(root, max_bytes):
+    """[(relative path, size)] of the regular files under `root` (no symlinks followed), up
+    to `max_bytes` in total, and whether some were left out."""
+    files, total, truncated = [], 0, False
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if total + st.st_size > max_bytes:
+                truncated = True
+                continue
+            total += st.st_size
+            files.append((os.path.relpath(path, root), st.st_size))
+    return files, truncated
+
+
+def stash_files(root, files):
+    """Copy `files` (from list_files) one after the other into a memfd, kernel to kernel,
+    so that they can be sent after the work dir is wiped. Returns (fd, total size)."""
+    store, total = _memfd("files"), 0
+    for rel, size in files:
+        try:
+            fd = os.open(os.path.join(root, rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            fd = os.open(os.devnull, os.O_RDONLY)
+        try:
+            copied = 0
+            while copied < size:
+                n = os.sendfile(store, fd, copied, size - copied)
+                if not n:  # shorter than it was listed: pad, the host expects `size`
+                    _write_all(store, _ZEROS[:min(size - copied, len(_ZEROS))])
+                    n = min(size - copied, len(_ZEROS))
+                copied += n
+        finally:
+            os.close(fd)
+        total += size
+    return store, total
+
+
+def wipe(path):
+    """Remove everything inside `path`, also what a run made hard to remove (dirs without
+    permissions, deep trees); True if `path` is empty afterwards. Iterative: a tree can be
+    deeper than the recursion limit."""
+    dirs, stack = [], [path]
+    while stack:
+        d = stack.pop()
+        if d != path:
+            dirs.append(d)
+            try:
+                os.chmod(d, 0o700)
+            except OSError:
+                pass
+        try:
+            with os.scandir(d) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    else:
+                        try:
+                            os.unlink(entry.path)
+                        except OSError:
+                            pass
+        except OSError:
+            pass
+    for d in reversed(dirs):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+    try:
+        return not os.listdir(path)
+    except OSError:
+        return False
+
+
+def remove_sysv_ipc():
+    """Remove SysV shared memory, semaphores and message queues a run left in this IPC
+    namespace (they would outlive its processes)."""
+    libc = None
+    for name in ("shm", "sem", "msg"):
+        try:
+            with open("/proc/sysvipc/" + name) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            ident = int(line.split()[1])
+            if libc is None:
+                import ctypes
+                libc = ctypes.CDLL(None, use_errno=True)
+            if name == "sem":
+                libc.semctl(ident, 0, 0)  # IPC_RMID = 0
+            else:
+                getattr(libc, name + "ctl")(ident, 0, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The child
+# ---------------------------------------------------------------------------------------------
+
+def _child(cfg, out_w, err_w, ctl):
+    """In the forked child: isolate and join the run cgroup, then wait (parked) for the
+    request, lay out its files, limit, and run it. Never returns."""
+    try:
+        os.setsid()
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.dup2(ctl, 3)
+        os.closerange(4, os.sysconf("SC_OPEN_MAX"))
+        for path in cfg.get("join_cgroup", ()):  # first: all the run starts is limited
+            with open(path, "w") as f:
+                f.write("0")
+        if cfg.get("oom_adj"):  # the OOM killer picks the run, not the server
+            try:
+                with open("/proc/self/oom_score_adj", "w") as f:
+                    f.write("1000")
+            except OSError:
+                pass
+        env = {"PATH": cfg["path"], "HOME": cfg["workdir"], "TMPDIR": cfg["tmpdir"],
+               "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+        os.environ.clear()
+        os.environ.update(env)
+        req = _read_request(3)
+        try:
+            write_files(cfg["workdir"], req["files"])
+        except (OSError, ValueError) as e:
+            _write_all(3, ("cannot lay out the files: %s" % (e,)).encode())
+            os._exit(126)
+        if req.get("put"):  # a session's files, nothing to run
+            os._exit(0)
+        os.close(3)
+        stdin_fd = _stdin_fd(req["stdin"])
+        os.dup2(stdin_fd, 0)
+        os.close(stdin_fd)
+        _set_rlimits(cfg, req)
+        os.chdir(cfg["workdir"])
+        if req["env"]:
+            os.environ.update(req["env"])
+            env.update(req["env"])
+        if req["code"] is not None and req["language"] == "python":
+            _run_python(req["code"], cfg["workdir"])
+        if req["code"] is not None:
+            argv = ["bash", "-c", req["code"]]
+        else:
+            argv = req["command"]
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(sig, signal.SIG_DFL)
+        try:
+            os.execvpe(argv[0], argv, env)
+        except OSError as e:
+            os.write(2, ("sandbox: cannot execute %r: %s\n" % (argv[0], e.strerror)).encode())
+            os._exit(127 if isinstance(e, FileNotFoundError) else 126)
+    except BaseException as e:  # noqa: BLE001 (a child must never return into the server)
+        try:
+            os.write(2, ("sandbox: child set-up failed: %r\n" % (e,)).encode())
+        finally:
+            os._exit(126)
+
+
+def _read_request(fd):
+    (size,) = struct.unpack(">Q", _read_exact(fd, 8))
+    return json.loads(_read_exact(fd, size).decode("utf-8"))
+
+
+def _read_exact(fd, n):
+    chunks, got = [], 0
+    while got < n:
+        chunk = os.read(fd, min(n - got, 1 << 20))
+        if not chunk:
+            raise EOFError("the server went away")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _set_rlimits(cfg, req):
+    timeout = req["timeout_s"]
+    limits = [
+        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_FSIZE, req["max_file_mb"] << 20),
+        (resource.RLIMIT_NOFILE, req["max_open_files"]),
+    ]
+    cpu = int(timeout) + 2
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    if cfg.get("nproc"):
+        limits.append((resource.RLIMIT_NPROC, cfg["nproc"]))
+    if cfg.get("address_space_mb"):
+        limits.append((resource.RLIMIT_AS, cfg["address_space_mb"] << 20))
+    for which, value in limits:
+        resource.setrlimit(which, (value, value))
+
+
+def _run_python(code, workdir):
+    """Run `code` as the __main__ of this (forked) interpreter, the way `python main.py`
+    would, then exit with the status Python would."""
+    filename = "main.py"
+    sys.argv = [filename]
+    sys.path.insert(0, workdir)
+    sys.dont_write_bytecode = True  # no __pycache__ in the work dir (the server runs with -I)
+    main = types.ModuleType("__main__")
+    main.__file__ = filename
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    status = 0
+    try:
+        compiled = compile(code, filename, "exec")
+    except SyntaxError:
+        exc_type, exc, _ = sys.exc_info()
+        _report(exc_type, exc.with_traceback(None), None)
+        compiled, status = None, 1
+    if compiled is not None:
+        try:
+            exec(compiled, main.__dict__)
+        except SystemExit as e:
+            status = _system_exit_status(e)
+        except BaseException:  # noqa: BLE001 (the program's exception, reported as Python does)
+            exc_type, exc, tb = sys.exc_info()
+            _report(exc_type, exc.with_traceback(tb.tb_next), tb.tb_next)  # skip our frame
+            status = 1
+            if exc_type is KeyboardInterrupt:
+                status = -signal.SIGINT
+    os._exit(_shutdown(status))
+
+
+def _report(exc_type, exc, tb):
+    """Print an uncaught exception as the interpreter would. The default hook is replaced by
+    the traceback module, which reads the program's source from linecache (it is not on
+    disk); a hook the program installed is honoured."""
+    if sys.excepthook is sys.__excepthook__:
+        traceback.print_exception(exc_type, exc, tb)
+    else:
+        sys.excepthook(exc_type, exc, tb)
+
+
+def _system_exit_status(e):
+    code = e.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        sys.stderr.write(str(code) + "\n")
+    except Exception:  # noqa: BLE001
+        pass
+    return 1
+
+
+def _shutdown(status):
+    """What the interpreter does at exit: join non-daemon threads, atexit, flush."""
+    threading = sys.modules.get("threading")
+    try:
+        if threading is not None:
+            threading._shutdown()
+    except BaseException:  # noqa: BLE001
+        pass
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            status = status or 120
+    if status < 0:  # died of a signal, like CPython after KeyboardInterrupt
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+    return status
+
+
+# ---------------------------------------------------------------------------------------------
+# One run
+# ---------------------------------------------------------------------------------------------
+
+class Capture:
+    """Drains a pipe into a memfd through the buffer, keeping the first `limit` bytes and
+    counting the rest."""
+
+    def __init__(self, fd, limit):
+        self.fd, self.limit = fd, limit
+        self.kept, self.truncated = 0, False
+        self.store = _memfd("out")
+
+    def read(self):
+        """Read what is there: "eof" at end of stream, "empty" if nothing is there yet."""
+        try:
+            got = _used(os.readv(self.fd, [_VIEW]))
+        except BlockingIOError:
+            return "empty"
+        if not got:
+            return "eof"
+        keep = min(got, self.limit - self.kept)
+        self.truncated = self.truncated or keep < got
+        if keep:
+            _write_all(self.store, _VIEW[:keep])
+            self.kept += keep
+        return "data"
+
+
+def _memfd(name):
+    try:
+        return os.memfd_create(name)
+    except (AttributeError, OSError):
+        import tempfile
+        fd, path = tempfile.mkstemp()
+        os.unlink(path)
+        return fd
+
+
+def _stdin_fd(data):
+    if data is None:
+        return os.open(os.devnull, os.O_RDONLY)
+    fd = _memfd("stdin")
+    _write_all(fd, base64.b64decode(data))
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+class Parked:
+    """A child forked ahead of its run (after the previous run ended and was cleaned up),
+    parked on a socket until the request comes: the fork and the set-up common to all runs
+    are off the critical path of the next run."""
+
+    def __init__(self, cfg):
+        self.out_r, out_w = os.pipe()
+        self.err_r, err_w = os.pipe()
+        self.ctl, child_ctl = socket.socketpair()
+        self.pid = os.fork()
+        if self.pid == 0:
+            _child(cfg, out_w, err_w, child_ctl.fileno())
+        for fd in (out_w, err_w):
+            os.close(fd)
+        child_ctl.close()
+        try:
+            self.pidfd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            self.pidfd = None
+
+    def start(self, chan_fd, size):
+        """Pass the request payload (`size` bytes on the host socket) to the child. The
+        payload is always consumed, so that the stream stays in step even if the child is
+        gone (the run then reports how it ended)."""
+        ctl, alive = self.ctl.fileno(), True
+        try:
+            _write_all(ctl, struct.pack(">Q", size))
+        except (BrokenPipeError, ConnectionResetError):
+            alive = False
+        left = size
+        while left:
+            got = _used(os.readv(chan_fd, [_VIEW[:min(left, len(_BUF))]]))
+            if not got:
+                raise EOFError("stream ended inside a payload")
+            left -= got
+            if alive:
+                try:
+                    _write_all(ctl, _VIEW[:got])
+                except (BrokenPipeError, ConnectionResetError):
+                    alive = False
+
+    def setup_error(self):
+        """What the child reported if it could not set the run up (None if nothing)."""
+        self.ctl.setblocking(False)
+        try:
+            data = self.ctl.recv(1 << 16)
+        except OSError:
+            data = b""
+        self.ctl.close()
+        return data.decode("utf-8", "replace") if data else None
+
+
+def run_one(cfg, header, chan, killer, parked):
+    """Run one request in the parked child: hand it the payload, collect, kill what is left.
+    Returns the result header, the fds of the captured stdout and stderr, and whether the
+    host went away."""
+    statuses = {}
+    pid, pidfd = parked.pid, parked.pidfd
+    chan_fd = chan.fileno()
+    outs = {parked.out_r: Capture(parked.out_r, header["max_output_bytes"]),
+            parked.err_r: Capture(parked.err_r, header["max_output_bytes"])}
+    start = time.monotonic()
+    parked.start(chan_fd, header["payload"])
+    for fd in outs:
+        os.set_blocking(fd, False)
+    poller = select.poll()
+    for fd in outs:
+        poller.register(fd, select.POLLIN)
+    poller.register(chan_fd, select.POLLIN)
+    if pidfd is not None:
+        poller.register(pidfd, select.POLLIN)
+    deadline = start + header["timeout_s"]
+    timed_out = host_gone = False
+    end = None
+    while end is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            timed_out = True
+            break
+        wait_ms = remaining * 1000 if pidfd is not None else min(remaining * 1000, 2)
+        for fd, _ in poller.poll(max(1, int(wait_ms + 0.999))):
+            if fd in outs and outs[fd].read() == "eof":
+                poller.unregister(fd)
+            elif fd == chan_fd:
+                host_gone = True
+        if host_gone:
+            break
+        _reap_nohang(statuses)
+        if pid in statuses:
+            end = time.monotonic()
+    clean = killer.kill_all(statuses)
+    if end is None:
+        end = time.monotonic()
+    _reap_nohang(statuses)
+    if pidfd is not None:
+        os.close(pidfd)
+    # Every writer is dead now; what is left in the pipes is the tail of the output.
+    for fd, cap in outs.items():
+        while cap.read() == "data":
+            pass
+        os.close(fd)
+    error = parked.setup_error()
+    out, err = outs[parked.out_r], outs[parked.err_r]
+    if error is not None:
+        os.close(out.store)
+        os.close(err.store)
+        return {"error": error}, [], host_gone
+    exit_code, sig = _exit_status(statuses[pid]) if pid in statuses else (None, None)
+    result = {
+        "stdout_truncated": out.truncated, "stderr_truncated": err.truncated,
+        "exit_code": exit_code, "signal": sig, "timed_out": timed_out,
+        "duration_s": end - start, "clean": clean,
+    }
+    return result, [(out.store, out.kept), (err.store, err.kept)], host_gone
+
+
+def run_put(cfg, header, chan, killer, parked):
+    """A session's `put`: the parked child lays out the files and exits."""
+    parked.start(chan.fileno(), header["payload"])
+    try:
+        os.waitpid(parked.pid, 0)  # our own code, writing files: it ends
+    except ChildProcessError:
+        pass
+    killer.kill_all({})
+    for fd in (parked.out_r, parked.err_r) + ((parked.pidfd,) if parked.pidfd else ()):
+        os.close(fd)
+    error = parked.setup_error()
+    return {"error": error} if error else {"ok": True}
+
+
+def reset(cfg, modes):
+    """Back to a clean state after a run: scratch dirs emptied (and their modes restored, a
+    run may have chmod-ed them), SysV IPC objects removed. False if that failed."""
+    clean = True
+    for path in cfg["wipe"]:
+        try:
+            os.chmod(path, modes[path])
+        except OSError:
+            pass
+        clean = wipe(path) and clean
+    if cfg.get("sysv_ipc"):
+        remove_sysv_ipc()
+    return clean
+
+
+# ---------------------------------------------------------------------------------------------
+# The server loop
+# ---------------------------------------------------------------------------------------------
+
+def _connect(cfg):
+    if "fd" in cfg["channel"]:
+        return socket.socket(fileno=cfg["channel"]["fd"])
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(cfg["channel"]["connect"])
+    return sock
+
+
+def serve(cfg):
+    chan = _connect(cfg)
+    _prctl(_PR_SET_DUMPABLE, 0)  # no ptrace, no /proc/<pid>/{environ,mem,fd} for the runs
+    for name in cfg.get("preimport", ()):
+        try:
+            __import__(name)
+        except Exception:  # noqa: BLE001 (a module the image lacks is simply not pre-imported)
+            pass
+    killer = Killer(cfg)
+    for path in [cfg["workdir"]] + list(cfg["wipe"]):
+        os.makedirs(path, exist_ok=True)
+    modes = {path: stat.S_IMODE(os.stat(path).st_mode) for path in cfg["wipe"]}
+    gc.collect()
+    if hasattr(gc, "freeze"):
+        gc.freeze()  # keep the children's copy-on-write pages shared
+    # No child yet: the host moves this process into its cgroup once it reads "ready".
+    parked = None
+    send_frame(chan, {"ready": True, "pid": os.getpid(), "python": sys.version.split()[0]})
+    while True:
+        try:
+            msg = recv_frame(chan)
+        except (OSError, EOFError, ValueError):
+            msg = None
+        if msg is None or msg.get("op") == "exit":
+            break
+        op, blobs, sizes = msg.get("op"), [], []
+        if op == "run":
+            result, blobs, host_gone = run_one(cfg, msg, chan, killer, parked or Parked(cfg))
+            parked = None
+            if host_gone:
+                break
+            sizes = [size for _, size in blobs]
+            if msg["return_files"] and "error" not in result:
+                files, result["files_truncated"] = list_files(cfg["workdir"],
+                                                              msg["max_files_bytes"])
+                result["files"] = [name for name, _ in files]
+                blobs.append(stash_files(cfg["workdir"], files))
+                sizes += [size for _, size in files]
+            if not msg.get("keep_state") and not reset(cfg, modes):
+                result["clean"] = False  # the host replaces this worker
+        elif op == "reset":
+            result = {"clean": reset(cfg, modes)}
+        elif op == "put":
+            result = run_put(cfg, msg, chan, killer, parked or Parked(cfg))
+            parked = None
+        elif op == "files":
+            files, truncated = list_files(cfg["workdir"], msg["max_bytes"])
+            result = {"files": [name for name, _ in files], "files_truncated": truncated}
+            blobs = [stash_files(cfg["workdir"], files)]
+            sizes = [size for _, size in files]
+        elif op == "status":
+            result = {"parked": parked.pid if parked else None}
+        else:
+            result = {"error": "unknown op %r" % (op,)}
+        result["blobs"] = sizes
+        try:
+            _send_reply(chan.fileno(), frame(result), blobs)
+        except OSError:
+            break
+        finally:
+            for fd, _ in blobs:
+                os.close(fd)
+        _zero_buffer()  # nothing of this run stays in memory the next child inherits
+        if parked is None:
+            parked = Parked(cfg)  # the next run's child, forked while the host reads this
+    killer.kill_all({})
+    for path in cfg.get("remove_on_exit", ()):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    serve(json.loads(sys.argv[1]))

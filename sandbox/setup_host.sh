@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Prepares this machine for the sandbox backends, where it allows: installs bubblewrap and the
+# Docker engine when missing, starts dockerd if none runs, and builds the local test image
+# `ptrain-sandbox:latest` (no registry: a rootfs made of this host's own Debian packages for
+# python3, bash and coreutils, loaded with `docker import`).
+#
+# Idempotent and quick when all is there; never fails (a backend that cannot run is skipped
+# by the tests, with the reason). Called by `make test` as `bash sandbox/setup_host.sh`.
+set -u
+IMAGE="${PTRAIN_SANDBOX_IMAGE:-ptrain-sandbox:latest}"
+ROOTS="bash dash coreutils grep sed findutils diffutils python3.11-minimal python3.11"
+ROOTS="$ROOTS libpython3.11-stdlib python3-minimal python3"
+say() { echo "setup_host: $*"; }
+
+install_packages() {
+  local missing=()
+  command -v bwrap >/dev/null || missing+=(bubblewrap)
+  command -v dockerd >/dev/null || missing+=(docker.io)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    say "not root or no apt-get: cannot install ${missing[*]}"
+    return 0
+  fi
+  say "installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-install-recommends "${missing[@]}" >/tmp/ptrain-apt.log 2>&1 || {
+    apt-get update -q >>/tmp/ptrain-apt.log 2>&1
+    apt-get install -y -q --no-install-recommends "${missing[@]}" >>/tmp/ptrain-apt.log 2>&1
+  } || say "apt-get failed (see /tmp/ptrain-apt.log)"
+}
+
+start_dockerd() {
+  command -v dockerd >/dev/null || return 1
+  docker info >/dev/null 2>&1 && return 0
+  if [ "$(id -u)" != 0 ]; then
+    say "dockerd is not running and we are not root to start it"
+    return 1
+  fi
+  say "starting dockerd"
+  # No bridge and no iptables: sandboxes use network none (or the host's, when asked).
+  nohup setsid dockerd --iptables=false --ip6tables=false --bridge=none \
+    >/var/log/ptrain-dockerd.log 2>&1 </dev/null &
+  for _ in $(seq 1 150); do
+    docker info >/dev/null 2>&1 && return 0
+    sleep 0.2
+  done
+  say "dockerd did not come up (see /var/log/ptrain-dockerd.log)"
+  return 1
+}
+
+# The packages ROOTS need, first alternative of each dependency, as installed here.
+package_closure() {
+  local -A seen=()
+  local queue=($ROOTS) pkg deps dep
+  while [ ${#queue[@]} -gt 0 ]; do
+    pkg="${queue[0]}"
+    queue=("${queue[@]:1}")
+    [ -n "${seen[$pkg]:-}" ] && continue
+    dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null | grep -qx installed || continue
+    seen[$pkg]=1
+    deps=$(dpkg-query -W -f='${Pre-Depends},${Depends}' "$pkg")
+    while IFS= read -r dep; do
+      dep="${dep%%|*}"
+      dep="${dep%%(*}"
+      dep="${dep%%:*}"
+      dep="${dep// /}"
+      [ -n "$dep" ] && queue+=("$dep")
+    done < <(tr ',' '\n' <<<"$deps")
+  done
+  printf '%s\n' "${!seen[@]}" | sort
+}
+
+build_image() {
+  command -v dpkg-query >/dev/null || { say "no dpkg: cannot build $IMAGE"; return 1; }
+  local pkgs hash have
+  pkgs=$(package_closure)
+  hash=$( (dpkg-query -W $pkgs; sha256sum "$0") | sha256sum | cut -c1-16)
+  have=$(docker image inspect -f '{{index .Config.Labels "ptrain.hash"}}' "$IMAGE" 2>/dev/null)
+  if [ "$have" = "$hash" ]; then
+    return 0
+  fi
+  say "building $IMAGE from $(wc -w <<<"$pkgs") host packages"
+  local tmp old
+  old=$(docker image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null)
+  tmp=$(mktemp -d)
+  mkdir -p "$tmp/etc" "$tmp/work" "$tmp/tmp"
+  chmod 1777 "$tmp/work" "$tmp/tmp"  # docker copies these modes onto the tmpfs mounts
+  printf 'root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534::/nonexistent:/bin/false\n' \
+    >"$tmp/etc/passwd"
+  printf 'root:x:0:\nnogroup:x:65534:\n' >"$tmp/etc/group"
+  for link in bin sbin lib lib64; do
+    [ -L "/$link" ] && ln -s "$(readlink "/$link")" "$tmp/$link"
+  done
+  # Every file of every package, minus docs, with merged-/usr prefixes (/bin -> usr/bin)
+  # rewritten to where the files really are.
+  local rewrite=()
+  for link in bin sbin lib lib64; do
+    [ -L "/$link" ] && rewrite+=(-e "s#^/$link/#/$(readlink "/$link")/#")
+  done
+  dpkg -L $pkgs 2>/dev/null | grep -v -e '^/usr/share/doc' -e '^/usr/share/man' \
+    -e '^/usr/share/locale' -e '^/usr/share/info' -e '/__pycache__' -e '/test/' \
+    | sed "${rewrite[@]}" -e 's#^/usr/usr/#/usr/#' | sort -u \
+    | while IFS= read -r path; do
+        [ -d "$path" ] && [ ! -L "$path" ] && continue
+        [ "$(dirname "$path")" = / ] && continue  # /bin and friends: added below
+        [ -e "$path" ] || [ -L "$path" ] && echo "$path"
+      done >"$tmp/files"
+  # Byte code: Debian compiles it at install time, so dpkg does not list it; without it every
+  # import in the (read-only) container would compile from source.
+  find /usr/lib/python3.11 -name '*.pyc' -not -path '*/test/*' >>"$tmp/files" 2>/dev/null
+  echo /etc/ld.so.cache >>"$tmp/files"
+  tar -C / -cf "$tmp/rootfs.tar" --no-recursion -T "$tmp/files" 2>/dev/null
+  tar -C "$tmp" -rf "$tmp/rootfs.tar" etc/passwd etc/group work tmp \
+    $(cd "$tmp" && ls -d bin sbin lib lib64 2>/dev/null)
+  # Tagged only once it runs python3 and bash.
+  docker import -c "LABEL ptrain.hash=$hash" -c 'ENV PATH=/usr/local/bin:/usr/bin:/bin' \
+    -c 'WORKDIR /work' "$tmp/rootfs.tar" "$IMAGE-candidate" >/dev/null \
+    && docker run --rm --network none "$IMAGE-candidate" /usr/bin/python3 -I -c \
+      'import json, unittest, subprocess; subprocess.run(["bash", "-c", "ls /"], check=True)' \
+      >/dev/null \
+    && docker tag "$IMAGE-candidate" "$IMAGE" && say "built $IMAGE" || say "could not build $IMAGE"
+  docker rmi "$IMAGE-candidate" >/dev/null 2>&1
+  [ -n "$old" ] && docker rmi "$old" >/dev/null 2>&1  # the build this one replaces
+  rm -rf "$tmp"
+}
+
+install_packages
+if start_dockerd; then
+  build_image
+fi
+exit 0

@@ -1,0 +1,193 @@
+"""A worker: one fork server in one backend's isolation, serving one run at a time.
+
+`sandbox.run` keeps idle workers warm and `sandbox.Session` owns one; a pool runs many. The
+worker turns what the fork server reports into a `Result` and adds what only the host can see
+(OOM kills counted by the cgroup). If the server dies or stops answering, the worker is
+closed and `WorkerError` raised: that is the sandbox failing, not the program, and the one
+case a caller may retry.
+"""
+
+import json
+import logging
+import threading
+import weakref
+
+from sandbox import backends, forkserver
+from sandbox.request import Request
+from sandbox.result import Result
+
+log = logging.getLogger("sandbox")
+
+# The fork server enforces each timeout itself; the host gives up on it only after this much
+# more (a wedged server, a stopped container).
+_WATCHDOG_GRACE_S = 10.0
+
+
+class WorkerError(RuntimeError):
+    """The sandbox worker died or stopped answering (not something the program did, unless
+    the backend is `process`, which is not a security boundary). Safe to retry."""
+
+
+class Worker:
+    """A fork server inside `backend` with worker-wide `limits`.
+
+    preimport=False starts a bare interpreter (a cold, one-off worker). `runs` counts the
+    runs served (a pool may recycle workers by it)."""
+
+    def __init__(self, backend="auto", limits: backends.Limits | None = None, *,
+                 preimport: bool = True):
+        self.spec = backends.resolve(backend)
+        self.limits = limits or backends.Limits()
+        self._lock = threading.Lock()
+        self._handle = backends.start(self.spec, self.limits, preimport=preimport)
+        # Stops the server if the worker is dropped without close() (it would also stop on
+        # its own once the socket closes, but the cgroups and locks are ours to release).
+        self._finalizer = weakref.finalize(self, self._handle.stop)
+        self.runs = 0
+
+    @property
+    def backend(self) -> str:
+        return self.spec.name
+
+    @property
+    def alive(self) -> bool:
+        return self._handle is not None
+
+    def run(self, request: Request, *, keep_state: bool = False) -> Result:
+        """Run one request. Raises WorkerError if the worker failed, ValueError if the files
+        cannot be laid out; everything the program does comes back in the Result.
+
+        Afterwards every process of the run is killed, and the work dir, /tmp, /dev/shm and
+        SysV IPC objects are emptied, unless keep_state=True (a session's turn: then only
+        the processes go; `reset()` empties the rest)."""
+        payload = json.dumps(request.to_wire(), separators=(",", ":")).encode()
+        header = {"op": "run", "payload": len(payload), "timeout_s": request.timeout_s,
+                  "max_output_bytes": request.max_output_bytes,
+                  "return_files": request.return_files,
+                  "max_files_bytes": request.max_files_bytes, "keep_state": keep_state}
+        with self._lock:
+            handle = self._live_handle()
+            oom_before = handle.oom_kills()
+            reply, blobs = self._call(header, payload, request.timeout_s + _WATCHDOG_GRACE_S)
+            if "error" in reply:
+                raise ValueError(reply["error"])
+            oom_after = handle.oom_kills()
+            self.runs += 1
+        if not reply.pop("clean", True):
+            log.warning("sandbox %s worker could not clean up after a run; closing it",
+                        self.backend)
+            self.close()
+        return _to_result(reply, blobs, self.backend, oom_before, oom_after)
+
+    def reset(self) -> None:
+        """Empty the work dir, /tmp, /dev/shm and SysV IPC, as after a run without
+        keep_state; a worker that cannot be cleaned is closed (WorkerError)."""
+        with self._lock:
+            clean = self._call({"op": "reset"}, b"", _WATCHDOG_GRACE_S)[0]["clean"]
+        if not clean:
+            self.close()
+            raise WorkerError(f"the {self.backend} worker could not be cleaned; closed it")
+
+    def put_files(self, files: dict[str, bytes]) -> None:
+        """Write files into the work dir (sessions)."""
+        wire = {"put": True, "files": Request(code="", files=files).to_wire()["files"]}
+        payload = json.dumps(wire).encode()
+        with self._lock:
+            reply, _ = self._call({"op": "put", "payload": len(payload)}, payload,
+                                  _WATCHDOG_GRACE_S)
+        if "error" in reply:
+            raise ValueError(reply["error"])
+
+    def read_files(self, max_bytes: int) -> tuple[dict[str, bytes], bool]:
+        """The regular files in the work dir, and whether some passed `max_bytes`."""
+        with self._lock:
+            reply, blobs = self._call({"op": "files", "max_bytes": max_bytes}, b"",
+                                      _WATCHDOG_GRACE_S)
+        return dict(zip(reply["files"], blobs)), reply["files_truncated"]
+
+    def processes(self) -> list[int]:
+        """Host pids of every process in the sandbox besides the fork server and the child it
+        keeps parked for the next run: what a run left behind (for checks)."""
+        with self._lock:
+            parked = self._call({"op": "status"}, b"", _WATCHDOG_GRACE_S)[0]["parked"]
+            pids = self._live_handle().processes()
+        return [p for p in pids if _namespace_pid(p) != parked]
+
+    @property
+    def server_pid(self) -> int | None:
+        return self._handle.server_pid if self._handle else None
+
+    def close(self) -> None:
+        """Stop the server and remove all it made (processes, dirs, cgroups); idempotent."""
+        self._handle = None
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _live_handle(self):
+        if self._handle is None:
+            raise WorkerError(f"the {self.backend} worker is closed")
+        return self._handle
+
+    def _call(self, header: dict, payload: bytes, timeout_s: float):
+        """Send a header frame and its payload; returns the reply header and its blobs."""
+        handle = self._live_handle()
+        try:
+            handle.sock.settimeout(timeout_s)
+            handle.sock.sendall(forkserver.frame(header) + payload)
+            reply = forkserver.recv_frame(handle.sock)
+            blobs = [_recv_exactly(handle.sock, n) for n in (reply or {}).get("blobs", [])]
+        except (OSError, EOFError, ValueError) as e:
+            reply, why = None, f"{type(e).__name__}: {e}"
+        else:
+            why = "it closed the connection"
+        if reply is None:
+            self._handle = None
+            self._finalizer.detach()
+            handle.kill()
+            raise WorkerError(f"the {self.backend} sandbox worker failed ({why})")
+        return reply, blobs
+
+
+def _recv_exactly(sock, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise EOFError("the worker closed the connection inside a reply")
+        got += k
+    return bytes(buf)
+
+
+def _namespace_pid(pid: int) -> int | None:
+    """`pid` as its own PID namespace sees it (the innermost NSpid)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except OSError:
+        pass
+    return None
+
+
+def _to_result(reply: dict, blobs: list[bytes], backend: str, oom_before,
+               oom_after) -> Result:
+    stdout, stderr = blobs[0], blobs[1]
+    files = dict(zip(reply["files"], blobs[2:])) if "files" in reply else None
+    oom = oom_before is not None and oom_after is not None and oom_after > oom_before
+    if not oom and not reply["timed_out"] and reply["exit_code"] not in (None, 0):
+        # Under an address-space rlimit (no cgroup) Python fails with MemoryError instead.
+        lines = stderr.rstrip().rsplit(b"\n", 1)
+        oom = bool(lines) and lines[-1].startswith(b"MemoryError")
+    return Result(
+        stdout=stdout, stderr=stderr, stdout_truncated=reply["stdout_truncated"],
+        stderr_truncated=reply["stderr_truncated"], exit_code=reply["exit_code"],
+        signal=reply["signal"], timed_out=reply["timed_out"], oom=oom,
+        duration_s=reply["duration_s"], backend=backend, files=files,
+        files_truncated=reply.get("files_truncated", False))

@@ -1,0 +1,84 @@
+"""Shared by the sandbox tests: every backend as a pytest param, skipped with the reason
+when it cannot run here, and host-side views used to check that a run left nothing behind."""
+
+import os
+import tempfile
+import time
+
+import pytest
+
+import sandbox
+from sandbox import cgroups
+
+
+def backend_params(names=("process", "bwrap", "docker")):
+    params = []
+    for name in names:
+        reason = sandbox.unavailable_reason(sandbox.resolve(name))
+        params.append(pytest.param(name, id=name, marks=pytest.mark.skipif(
+            reason is not None, reason=f"{name} backend unavailable: {reason}")))
+    return params
+
+
+def own_temp_dirs(pid: int | None = None) -> set[str]:
+    """This process's (or `pid`'s) sandbox scratch dirs in the temp dir."""
+    prefix = f"ptrain-sbx-{pid or os.getpid()}-"
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix)}
+
+
+def own_cgroups(pid: int | None = None) -> set[str]:
+    """This process's (or `pid`'s) worker cgroups."""
+    found = cgroups.layout()
+    if found is None:
+        return set()
+    prefix = f"ptrain-sbx-{pid or os.getpid()}-"
+    return {os.path.join(p, n) for p in found[1].values() for n in os.listdir(p)
+            if n.startswith(prefix)}
+
+
+def own_containers(pid: int | None = None) -> set[str]:
+    """Docker containers this process's (or `pid`'s) workers started."""
+    if sandbox.unavailable_reason(sandbox.Docker()) is not None:
+        return set()
+    label = f"ptrain-sandbox={pid or os.getpid()}"
+    found = sandbox.backends.docker_client().containers.list(all=True, sparse=True,
+                                                             filters={"label": label})
+    return {c.id for c in found}
+
+
+def open_fds(backend: str) -> int:
+    """Open fds of this process. Sockets are left out for docker: its SDK keeps a pool of
+    connections to the daemon that grows as it likes (the containers are checked instead)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        n += not (backend == "docker" and target.startswith("socket:"))
+    return n
+
+
+def processes_with(marker: str) -> list[int]:
+    """Host pids whose command line contains `marker` (a survivor a program tried to leave)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        out.append(int(name))
+            except OSError:
+                pass
+    return out
+
+
+def wait_until(condition, timeout_s: float = 20.0) -> bool:
+    """Poll `condition` until it holds (True) or `timeout_s` passes (False): for effects that
+    land asynchronously (a process exiting after its parent died)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()

@@ -1,0 +1,112 @@
+"""Tasks: JSON round trips, the public-format loaders, clear errors on bad records."""
+
+import json
+
+import pytest
+
+from ptrain import data, tasks
+
+HUMANEVAL = {
+    "task_id": "HumanEval/0",
+    "prompt": "def has_close_elements(numbers, threshold):\n    \"\"\"Any two closer than "
+              "threshold?\"\"\"\n",
+    "canonical_solution": "    return any(abs(a - b) < threshold for i, a in enumerate(numbers)"
+                          " for b in numbers[i + 1:])\n",
+    "test": "def check(candidate):\n    assert candidate([1.0, 2.8, 3.0], 0.3) == True\n",
+    "entry_point": "has_close_elements",
+}
+MBPP = {"task_id": 2, "text": "Write a function to find the shared elements of two lists.",
+        "code": "def similar_elements(a, b):\n    return tuple(set(a) & set(b))",
+        "test_list": ["assert set(similar_elements((3, 4), (4, 5))) == set((4,))",
+                      "assert similar_elements((1,), (2,)) == ()"],
+        "test_setup_code": ""}
+APPS = {"problem_id": 7, "question": "Read n, print n squared.",
+        "input_output": json.dumps({"inputs": ["3\n", "4\n"], "outputs": ["9\n", "16\n"]})}
+CODE_CONTESTS = {"name": "1A_theatre", "description": "Tiles.",
+                 "public_tests": {"input": ["6 6 4\n"], "output": ["4\n"]},
+                 "private_tests": {"input": ["1 1 1\n"], "output": ["1\n"]},
+                 "generated_tests": {"input": [], "output": []}}
+GSM8K = {"question": "Tom has 3 apples and buys 4. How many?",
+         "answer": "3 + 4 = <<3+4=7>>7\n#### 1,007"}
+MATH = {"problem": "Compute $\\frac{1}{2}+\\frac{1}{2}$.",
+        "solution": "It is $\\boxed{\\frac{2}{2}}$, i.e. \\boxed{1}.", "level": "Level 1"}
+
+
+def test_every_verifier_round_trips_through_json(tmp_path):
+    examples = [
+        tasks.Task("a", "code", tasks.UnitTests("assert f(1) == 2", setup="import math"),
+                   prompt="write f"),
+        tasks.Task("b", "stdio", tasks.Stdio((("1\n", "2\n"), ("2\n", "4\n")), float_tol=1e-3),
+                   messages=({"role": "user", "content": "double it"},)),
+        tasks.Task("c", "math", tasks.Answer("3.5", numeric=True), prompt="7/2?",
+                   tools=("python",), metadata={"level": 2}),
+        tasks.Task("d", "fs", tasks.Files({"out/a.txt": "hi\n", "tmp.txt": None}),
+                   prompt="make it", tools=("bash", "write_file"), files={"in.txt": "x"}),
+        tasks.Task("e", "format", tasks.Format(r"^ANSWER: \d+$"), prompt="say"),
+    ]
+    path = str(tmp_path / "tasks.jsonl")
+    assert tasks.write_jsonl(examples, path) == len(examples)
+    assert tasks.read_jsonl(path) == examples
+    # and they stream through the data pipeline as plain records
+    batches = data.prompt_batches([path], batch_size=5, seed=0, shuffle=False,
+                                  process_index=0, process_count=1)
+    records = next(batches.iterator())
+    assert [tasks.from_record(r) for r in records] == examples
+
+
+def _jsonl(tmp_path, *records):
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_humaneval_and_mbpp(tmp_path):
+    [he] = tasks.load(_jsonl(tmp_path, HUMANEVAL), "humaneval")
+    assert he.domain == "code" and he.prompt == HUMANEVAL["prompt"]
+    assert he.verifier.tests.rstrip().endswith("check(has_close_elements)")
+    [mb] = tasks.load(_jsonl(tmp_path, MBPP), "mbpp", domain="lists")
+    assert mb.domain == "lists" and mb.id == "mbpp/2"
+    assert mb.verifier.tests.splitlines() == MBPP["test_list"]
+    assert MBPP["test_list"][0] in mb.prompt
+
+
+def test_stdio_formats(tmp_path):
+    [apps] = tasks.load(_jsonl(tmp_path, APPS), "apps")
+    assert apps.verifier.cases == (("3\n", "9\n"), ("4\n", "16\n"))
+    [cc] = tasks.load(_jsonl(tmp_path, CODE_CONTESTS), "code_contests")
+    assert cc.verifier.cases == (("6 6 4\n", "4\n"), ("1 1 1\n", "1\n"))
+
+
+def test_math_formats(tmp_path):
+    [gsm] = tasks.load(_jsonl(tmp_path, GSM8K), "gsm8k")
+    assert gsm.verifier == tasks.Answer("1007", numeric=True)
+    assert gsm.id == tasks.load(_jsonl(tmp_path, GSM8K), "gsm8k")[0].id  # stable ids
+    [math] = tasks.load(_jsonl(tmp_path, MATH), "math")
+    assert math.verifier == tasks.Answer("1", numeric=True)
+    assert tasks.boxed("x \\boxed{\\frac{1}{2}} y") == "\\frac{1}{2}"
+
+
+@pytest.mark.parametrize("fmt, record, message", [
+    ("humaneval", {"task_id": "x", "prompt": "p"}, r"in.jsonl:1: HumanEval record is missing"),
+    ("gsm8k", {"question": "q", "answer": "no marker"}, r"in.jsonl:1: GSM8K answer has no"),
+    ("apps", {**APPS, "input_output": json.dumps({"inputs": [], "outputs": []})},
+     "has no test cases"),
+])
+def test_bad_public_records_name_file_and_line(tmp_path, fmt, record, message):
+    with pytest.raises(ValueError, match=message):
+        tasks.load(_jsonl(tmp_path, record), fmt)
+
+
+def test_bad_task_records(tmp_path):
+    path = tmp_path / "t.jsonl"
+    good = tasks.to_record(tasks.Task("a", "code", tasks.Format("x"), prompt="p"))
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "verifier": {"kind": "vibes"}})
+                    + "\n")
+    with pytest.raises(ValueError, match=r"t.jsonl:2: task record needs a verifier with a kind"):
+        tasks.read_jsonl(str(path))
+    with pytest.raises(ValueError, match=r"unknown tools \['browser'\]"):
+        tasks.Task("a", "code", tasks.Format("x"), prompt="p", tools=("browser",))
+    with pytest.raises(ValueError, match="give a prompt or chat messages"):
+        tasks.Task("a", "code", tasks.Format("x"))
+    with pytest.raises(ValueError, match="unknown task format 'csv'"):
+        tasks.load(str(path), "csv")
