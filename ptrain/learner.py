@@ -257,6 +257,21 @@ class Episodes:
             out.loss_mask_bn[i, :n], out.rollout_logp_bn[i, :n] = mask, logp
         return out
 
+    @classmethod
+    def from_histories(cls, tokens, loss_masks, rollout_logps, rewards, group_ids, *,
+                       prompt_lens, prompt_len, length, meta=None, pad_id=0) -> Episodes:
+        """Like `from_rows`, from whole histories (prompt included): row i's first
+        prompt_lens[i] tokens are its prompt, the rest its continuation."""
+        split = [(list(t[:p]), list(t[p:]), list(m[p:]), list(lp[p:]))
+                 for t, m, lp, p in zip(tokens, loss_masks, rollout_logps, prompt_lens)]
+        for i, (t, m, p) in enumerate(zip(tokens, loss_masks, prompt_lens)):
+            if any(m[:p]):
+                raise ValueError(f"episode {i}: its loss mask is 1 inside the prompt (the "
+                                 f"first {p} tokens); prompt tokens are never trained on")
+        prompts, continuations, masks, logps = zip(*split) if split else ((),) * 4
+        return cls.from_rows(prompts, continuations, masks, logps, rewards, group_ids,
+                             prompt_len=prompt_len, length=length, meta=meta, pad_id=pad_id)
+
     def __len__(self):
         return len(self.tokens_bn)
 

@@ -384,6 +384,17 @@ def test_episodes_rows_are_checked():
         rows(prompt=[1, 2, 3])
     episodes = rows(prompt=[7])
     assert episodes.prompt_bp.tolist() == [[0, 7]] and episodes.tokens_bn.tolist() == [[5, 6, 0, 0]]
+    # Whole histories (a multi-turn producer's view) split at each prompt's length.
+    histories = L.Episodes.from_histories(
+        [[1, 7, 5, 9, 6]], [[0, 0, 1, 0, 1]], [[0.0, 0.0, -1.0, 0.0, -2.0]], [1.0], [0],
+        prompt_lens=[2], prompt_len=3, length=4)
+    assert histories.prompt_bp.tolist() == [[0, 1, 7]]
+    assert histories.tokens_bn.tolist() == [[5, 9, 6, 0]]
+    assert histories.loss_mask_bn.tolist() == [[1, 0, 1, 0]]
+    assert histories.rollout_logp_bn.tolist() == [[-1.0, 0.0, -2.0, 0.0]]
+    with pytest.raises(ValueError, match="loss mask is 1 inside the prompt"):
+        L.Episodes.from_histories([[1, 7, 5]], [[0, 1, 1]], [[0.0] * 3], [1.0], [0],
+                                  prompt_lens=[2], prompt_len=3, length=4)
     two = L.Episodes.from_rows([[1], [2]], [[5], [5]], [[1], [1]], [[0.0], [0.0]], [0, 0],
                                [0, 0], prompt_len=2, length=2)
     with pytest.raises(ValueError, match="must share their prompt; keep each prompt's samples"):
