@@ -156,6 +156,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="alternate the frameworks this many times (a shared machine's "
+                             "load drifts; each is timed in every round)")
     parser.add_argument("--lr", type=float, default=1e-4)
     args = parser.parse_args()
 
@@ -164,37 +167,53 @@ def main():
                .tolist() for _ in range(args.prompts)]
     config = model_lib.ModelConfig(**MODEL, qk_norm=True, family="qwen3", bos_token_id=1,
                                    eos_token_ids=(EOS,))
+    runs = {"ptrain decode": [], "Tunix decode": [], "transformers decode": [],
+            "ptrain RL": [], "Tunix RL": []}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
         hf.save(model_lib.init(config, seed=0), config, model_dir)
-
-        t_tunix, tunix_version = tunix(model_dir, prompts, args)
-        t_ours, greedy_ours = ptrain_decode(model_dir, prompts, args)
-        t_hf, greedy_hf, torch = transformers_decode(model_dir, prompts, args)
-        rl_ours, n_timed, split = ptrain_rl(model_dir, prompts, args,
-                                            os.path.join(tmp, "run"))
+        for r in range(args.rounds):
+            t_tunix, tunix_version = tunix(model_dir, prompts, args)
+            t_ours, greedy_ours = ptrain_decode(model_dir, prompts, args)
+            t_hf, greedy_hf, torch = transformers_decode(model_dir, prompts, args)
+            rl_ours, n_timed, split = ptrain_rl(model_dir, prompts, args,
+                                                os.path.join(tmp, f"run{r}"))
+            for key, value in (("ptrain decode", t_ours), ("Tunix decode", t_tunix["decode_s"]),
+                               ("transformers decode", t_hf), ("ptrain RL", rl_ours),
+                               ("Tunix RL", t_tunix["rl_step_s"])):
+                runs[key].append(value)
+            print(f"round {r}: RL step ptrain {rl_ours[0] * 1e3:.0f} ms (rollout "
+                  f"{split['time/rollout_s'] * 1e3:.0f}, update "
+                  f"{split['time/update_s'] * 1e3:.0f}), Tunix "
+                  f"{t_tunix['rl_step_s'][0] * 1e3:.0f} ms; decode ptrain "
+                  f"{t_ours[0] * 1e3:.0f} ms, Tunix {t_tunix['decode_s'][0] * 1e3:.0f} ms, "
+                  f"transformers {t_hf[0] * 1e3:.0f} ms", flush=True)
+    # best: the minimum over rounds; typical: the median of the rounds' medians
+    best = {k: min(v[0] for v in vs) for k, vs in runs.items()}
+    typical = {k: float(np.median([v[1] for v in vs])) for k, vs in runs.items()}
 
     n = args.prompts * args.samples * args.new_tokens
     print(f"model: Qwen3-style, {config.n_params / 1e6:.2f}M params, float32; "
           f"{args.prompts} prompts x {args.samples} samples, prompts <= {args.prompt_len} "
           f"tokens, {args.new_tokens} new tokens; jax {jax.__version__}, Tunix {tunix_version}, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
-          f"{os.cpu_count()} cores")
+          f"{os.cpu_count()} cores; {args.rounds} rounds")
     print(f"greedy tokens, ptrain == transformers: {np.array_equal(greedy_ours, greedy_hf)}")
-    print(f"decode tokens/s (sampling, temperature 1), best / median of {args.repeats}:")
-    for name, t in (("ptrain", t_ours), ("Tunix", t_tunix["decode_s"]),
-                    ("transformers", t_hf)):
-        print(f"  {name:13s} {n / t[0]:9.0f} / {n / t[1]:6.0f}  ({t[0] * 1e3:.0f} ms)")
-    print(f"  ratio ptrain / Tunix: {t_tunix['decode_s'][0] / t_ours[0]:.2f}x, "
-          f"ptrain / transformers: {t_hf[0] / t_ours[0]:.2f}x (best times)")
-    print(f"RL step (GRPO: generate + rewards + log-probs + update), best / median of "
-          f"{n_timed} steps:")
-    print(f"  ptrain {rl_ours[0] * 1e3:7.0f} / {rl_ours[1] * 1e3:5.0f} ms  (best rollout "
-          f"{split['time/rollout_s'] * 1e3:.0f} ms, update {split['time/update_s'] * 1e3:.0f} ms)")
-    tunix_rl = t_tunix["rl_step_s"]
-    print(f"  Tunix  {tunix_rl[0] * 1e3:7.0f} / {tunix_rl[1] * 1e3:5.0f} ms")
-    print(f"  ratio Tunix / ptrain: {tunix_rl[0] / rl_ours[0]:.2f}x (best), "
-          f"{tunix_rl[1] / rl_ours[1]:.2f}x (median)")
+    print("decode tokens/s (sampling, temperature 1), best / typical:")
+    for name in ("ptrain", "Tunix", "transformers"):
+        key = f"{name} decode"
+        print(f"  {name:13s} {n / best[key]:9.0f} / {n / typical[key]:6.0f}  "
+              f"({best[key] * 1e3:.0f} ms)")
+    print(f"  ratio ptrain / Tunix: {best['Tunix decode'] / best['ptrain decode']:.2f}x, "
+          f"ptrain / transformers: "
+          f"{best['transformers decode'] / best['ptrain decode']:.2f}x (best times)")
+    print(f"RL step (GRPO: generate + rewards + log-probs + update), best / typical, "
+          f"{n_timed} steps a round:")
+    for name in ("ptrain", "Tunix"):
+        key = f"{name} RL"
+        print(f"  {name:7s} {best[key] * 1e3:7.0f} / {typical[key] * 1e3:5.0f} ms")
+    print(f"  ratio Tunix / ptrain: {best['Tunix RL'] / best['ptrain RL']:.2f}x (best), "
+          f"{typical['Tunix RL'] / typical['ptrain RL']:.2f}x (typical)")
 
 
 if __name__ == "__main__":
