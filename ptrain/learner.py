@@ -309,7 +309,6 @@ class _Settings:
     clip_high: float = 0.2
     dual_clip: float | None = 3.0
     agg: str = "token-mean"
-    horizon: int = 0
     gamma: float = 1.0
     entropy_coef: float = 0.0
     tis_cap: float = 0.0
@@ -353,7 +352,7 @@ class Learner:
         self.settings = _Settings(
             kind="rl", group_size=s.num_samples, estimator=rl.estimator, loss=rl.loss,
             clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip or None,
-            agg=rl.agg, horizon=s.max_new_tokens, gamma=rl.gamma, entropy_coef=rl.entropy_coef,
+            agg=rl.agg, gamma=rl.gamma, entropy_coef=rl.entropy_coef,
             tis_cap=rl.tis_cap, tis_level=rl.tis_level, kl_kind=c.kl.kind,
             kl_loss=kl_on and not c.kl.in_reward, kl_in_reward=kl_on and c.kl.in_reward,
             has_old_logp=updates > 1 or (kl_on and c.kl.in_reward), chunk=rl.logprob_chunk,
@@ -573,7 +572,7 @@ def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: _Settings
                                      chunk=s.chunk)
     share = mask_bn.sum() / jnp.maximum(num_tokens, 1)  # this microbatch's share of the tokens
     agg = functools.partial(losses.agg_loss, mask_bt=mask_bn, mode=s.agg, num_tokens=num_tokens,
-                            num_seqs=num_seqs, horizon=s.horizon)
+                            num_seqs=num_seqs)
     if s.kind == "sft":
         loss = -agg(logp_bn)
         return loss, {"sft/loss": loss,
@@ -588,7 +587,7 @@ def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: _Settings
     pg_loss, pg_metrics = losses.policy_loss(
         logp_bn, old_bn, x["adv_bn"], mask_bn, kind=s.loss, clip_low=s.clip_low,
         clip_high=s.clip_high, dual_clip=s.dual_clip, agg=s.agg, is_weights=is_w,
-        num_tokens=num_tokens, num_seqs=num_seqs, horizon=s.horizon)
+        num_tokens=num_tokens, num_seqs=num_seqs)
     loss = pg_loss
     metrics.update({f"actor/{k}": share * v for k, v in pg_metrics.items()})
     metrics["actor/pg_loss"] = pg_loss
