@@ -258,12 +258,17 @@ class Transformer(nnx.Module):
             kv_seg_bs = jax.lax.dynamic_update_slice(
                 cache.segment_ids_bs, segment_ids_bt, (0, start))
 
-            def step(x_btd, p_and_kv):
-                p, kv = p_and_kv
-                return layer(p, x_btd, kv, kv_pos_bs=kv_pos_bs, kv_seg_bs=kv_seg_bs)
+            # The stacked cache rides in the carry and each layer writes only its new slots
+            # in place; scanning over it as xs/ys would copy every layer's cache per token.
+            def step(carry, p_and_l):
+                x_btd, k_all, v_all = carry
+                p, l = p_and_l
+                x_btd, (k_all, v_all, _) = layer(p, x_btd, (k_all, v_all, l),
+                                                 kv_pos_bs=kv_pos_bs, kv_seg_bs=kv_seg_bs)
+                return (x_btd, k_all, v_all), None
 
-            x_btd, (k_lbske, v_lbske) = jax.lax.scan(
-                step, x_btd, (params, (cache.k_lbske, cache.v_lbske)))
+            (x_btd, k_lbske, v_lbske), _ = jax.lax.scan(
+                step, (x_btd, cache.k_lbske, cache.v_lbske), (params, jnp.arange(c.n_layers)))
             new_cache = KVCache(k_lbske, v_lbske, kv_pos_bs, kv_seg_bs, start + t)
 
         h_btd = rms_norm(x_btd, self.final_norm[...].astype(c.dtype), c.rms_eps)
@@ -287,7 +292,7 @@ def _remat(policy: str, fn):
 
 def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_pos_bs,
            kv_seg_bs, start):
-    """One pre-norm decoder layer. `kv` is this layer's (k, v) cache slice, or None."""
+    """One pre-norm decoder layer. `kv` is (stacked k cache, stacked v cache, layer index)."""
     dt = jnp.dtype(c.dtype)
     w = {name: a.astype(dt) for name, a in p.items()}
 
@@ -307,12 +312,13 @@ def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_p
     if kv is None:
         k_bske, v_bske = k_btke, v_btke
     else:
-        k_cache, v_cache = kv
-        k_bske = jax.lax.dynamic_update_slice(k_cache, k_btke.astype(k_cache.dtype),
-                                              (0, start, 0, 0))
-        v_bske = jax.lax.dynamic_update_slice(v_cache, v_btke.astype(v_cache.dtype),
-                                              (0, start, 0, 0))
-        kv = (k_bske, v_bske)
+        k_all, v_all, l = kv  # the whole stacked cache, updated in place at (l, :, start)
+        k_all = jax.lax.dynamic_update_slice(k_all, k_btke.astype(k_all.dtype)[None],
+                                             (l, 0, start, 0, 0))
+        v_all = jax.lax.dynamic_update_slice(v_all, v_btke.astype(v_all.dtype)[None],
+                                             (l, 0, start, 0, 0))
+        k_bske, v_bske = k_all[l], v_all[l]
+        kv = (k_all, v_all, l)
     o_bthe = attention.attend(
         q_bthe, k_bske, v_bske,
         q_positions_bt=q_pos_bt, q_segment_ids_bt=q_seg_bt,
