@@ -519,10 +519,17 @@ def token_logprobs(graphdef, params, batch, *, group_size=1, chunk=256):
     valid_bn = (jnp.arange(n)[None, :] < lengths_b[:, None]).astype(jnp.int32)
     positions_bn = batch["prompt_lens_b"][:, None] + jnp.arange(n)[None, :]
     h_bnd, _ = model.hidden(tokens_bn, positions_bn, valid_bn, cache)
-    # Token j is predicted by the hidden state before it: the prompt's last, then the row's.
-    h_bnd = jnp.concatenate([jnp.repeat(h_gd, group_size, axis=0)[:, None], h_bnd[:, :-1]], 1)
-    return losses.chunked_logprobs(h_bnd, model.unembedding_vd().T, tokens_bn, chunk=chunk,
-                                   return_entropy=True)
+    # Token j is predicted by the hidden state before it: the prompt's last for j = 0, else
+    # the row's state j - 1. The int32 targets shift, not the (time-sharded) hidden states,
+    # so with sequence parallelism each shard scores its own tokens.
+    w_dv = model.unembedding_vd().T
+    next_bn = jnp.pad(tokens_bn[:, 1:], ((0, 0), (0, 1)))
+    logp_bn, ent_bn = losses.chunked_logprobs(h_bnd, w_dv, next_bn, chunk=chunk,
+                                              return_entropy=True, mesh=model.mesh)
+    first_b1 = losses.chunked_logprobs(jnp.repeat(h_gd, group_size, axis=0)[:, None], w_dv,
+                                       tokens_bn[:, :1], return_entropy=True)
+    return tuple(jnp.concatenate([a_b1, a_bn[:, :-1]], axis=1)
+                 for a_b1, a_bn in zip(first_b1, (logp_bn, ent_bn)))
 
 
 def _last_token_onehot(mask_bn):

@@ -18,6 +18,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from ptrain import sharding
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "abs", "k2", "k3", "k1+", "k3+")
@@ -398,23 +401,45 @@ def accumulate_groups(acc, batch, keep_b, *, num_groups, group_key="group_id"):
 
 
 def chunked_logprobs(h_btd, w_dv, tokens_bt, *, chunk=256, temperature=1.0, softcap=None,
-                     return_entropy=False):
+                     return_entropy=False, mesh=None):
     """log softmax(z)[tokens] (and the entropy of softmax(z)), z = softcap(h @ w) / temperature.
 
     h_btd[:, i] is the hidden state that predicts tokens_bt[:, i] (shift before calling).
     Computed `chunk` time steps at a time, with a custom gradient that recomputes each
     chunk's logits, so float32 [b, t, v] exists in neither the forward nor the backward pass.
     softcap: Gemma-style c * tanh(x / c) on the logits, before the temperature.
+    mesh: when time divides over its `sequence` axis (> 1), each sequence shard computes its
+    own tokens (a shard_map; w_dv is gathered whole, as FSDP gathers every weight, and its
+    gradient summed back), so the time-sharded hidden states never move. A scan over a
+    sharded time axis would otherwise make XLA gather them (gigabytes at 1M tokens).
     Returns float32 logp_bt, or (logp_bt, entropy_bt) with return_entropy.
     """
+    fn = functools.partial(_chunked_local, chunk=chunk, temperature=float(temperature),
+                           softcap=softcap, return_entropy=bool(return_entropy))
+    spec_btd = None if mesh is None else sharding.spec(("batch", "seq", None), h_btd.shape, mesh)
+    if spec_btd is None or spec_btd[1] is None:
+        return fn(h_btd, w_dv, tokens_bt)
+    spec_bt = P(*spec_btd[:2])
+    varying = tuple(a for e in spec_bt if e is not None
+                    for a in ((e,) if isinstance(e, str) else e))
+
+    def local(h_btd, w_dv, tokens_bt):
+        # Varying like h, so the custom gradient's per-shard dW is psummed on the way out.
+        return fn(h_btd, jax.lax.pcast(w_dv, varying, to="varying"), tokens_bt)
+
+    out_specs = (spec_bt, spec_bt) if return_entropy else spec_bt
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec_btd, P(), spec_bt),
+                         out_specs=out_specs)(h_btd, w_dv, tokens_bt)
+
+
+def _chunked_local(h_btd, w_dv, tokens_bt, *, chunk, temperature, softcap, return_entropy):
     b, t, d = h_btd.shape
     c = max(1, min(chunk, t))
     n = -(-t // c)
     pad = n * c - t
     h_nbcd = jnp.pad(h_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, d).swapaxes(0, 1)
     tok_nbc = jnp.pad(tokens_bt, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
-    logp_nbc, ent_nbc = _chunked(float(temperature), softcap, bool(return_entropy), h_nbcd,
-                                 w_dv, tok_nbc)
+    logp_nbc, ent_nbc = _chunked(temperature, softcap, return_entropy, h_nbcd, w_dv, tok_nbc)
     logp_bt = logp_nbc.swapaxes(0, 1).reshape(b, n * c)[:, :t]
     if not return_entropy:
         return logp_bt
@@ -474,7 +499,7 @@ def _chunked_bwd(temperature, softcap, with_entropy, res, g):
                                    preferred_element_type=jnp.float32)
         return dw_dv, dh_bcd.astype(h_bcd.dtype)
 
-    dw0 = jnp.zeros(w_dv.shape, jnp.float32)
+    dw0 = jnp.zeros_like(w_dv, jnp.float32)  # varying like w inside a shard_map
     dw_dv, dh_nbcd = jax.lax.scan(step, dw0, (h_nbcd, tok_nbc, g_logp_nbc, g_ent_nbc))
     return dh_nbcd, dw_dv.astype(w_dv.dtype), None
 
