@@ -196,6 +196,15 @@ def make_optimizer(optim, *, total_steps: int, updates_per_step: int = 1):
     return optax.chain(*parts), schedule
 
 
+def opt_state_shardings(tx, params, param_shardings, mesh):
+    """Shardings of tx.init(params) (found abstractly): moments like the parameters they
+    mirror, counters replicated."""
+    abstract = jax.eval_shape(tx.init, params)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return optax.tree_map_params(tx, lambda _, s: s, abstract, param_shardings,
+                                 transform_non_params=lambda _: replicated)
+
+
 # ================================================================================== episodes
 
 
@@ -375,10 +384,7 @@ class Learner:
         tx = tx or self.tx
         shardings = None
         if self.mesh is not None:
-            abstract = jax.eval_shape(tx.init, params)
-            replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-            shardings = optax.tree_map_params(tx, lambda _, s: s, abstract, self.param_shardings,
-                                              transform_non_params=lambda _: replicated)
+            shardings = opt_state_shardings(tx, params, self.param_shardings, self.mesh)
         return jax.jit(tx.init, out_shardings=shardings)(params)
 
     def decode(self, ids) -> str:

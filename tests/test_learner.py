@@ -196,6 +196,43 @@ def test_sharded_update_with_accumulation_equals_unsharded(initial_params):
         np.testing.assert_allclose(prep_sharded[key], prep_plain[key], atol=1e-5, err_msg=key)
 
 
+def test_token_logprobs_sequence_parallel(initial_params):
+    """Continuations over `sequence` (4) x `fsdp` (2): the log-probs, entropies and their
+    gradients equal one device's, and the hidden states [b, n, d] are never all-gathered
+    (each sequence shard scores its own tokens)."""
+    from test_losses import all_gather_shapes
+
+    config, group, n = toy_config(), 8, 16
+    rng = np.random.RandomState(1)
+    prompts = [[1] + rng.randint(2, 32, size=rng.randint(1, 7)).tolist() for _ in range(2)]
+    tokens = [rng.randint(2, 32, size=rng.randint(1, n + 1)).tolist() for _ in range(16)]
+    episodes = L.Episodes.from_rows(
+        [prompts[i // group] for i in range(16)], tokens, [[1] * len(x) for x in tokens],
+        [[0.0] * len(x) for x in tokens], np.zeros(16), np.arange(16) // group, prompt_len=8,
+        length=n)
+    weights = rng.randn(16, n).astype(np.float32)
+
+    def run(mesh):
+        learner = _learner(config, initial_params, mesh)
+        batch = sharding.shard_batch(episodes.arrays(), learner.mesh)
+
+        def f(params):
+            logp, ent = L.token_logprobs(learner.graphdef, params, batch, group_size=group,
+                                         chunk=4)
+            return (weights * logp).sum() + 0.1 * ent.sum(), (logp, ent)
+
+        fn = jax.jit(jax.value_and_grad(f, has_aux=True))
+        hlo = fn.lower(learner.initial_params).compile().as_text()
+        return jax.device_get(fn(learner.initial_params)), all_gather_shapes(hlo)
+
+    expected, _ = run(None)
+    got, gathered = run(sharding.make_mesh(fsdp=2, sequence=4))
+    d = config.model.d_model
+    assert not [s for s in gathered if d in s and np.prod(s) >= 16 // 2 * n * d], gathered
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------ advantages
 
 

@@ -4,6 +4,8 @@ Gradients at ties follow the torch convention verl inherits: a clamp passes the 
 its bounds, and max/min of two equal values splits it in halves.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -438,6 +440,48 @@ def test_chunked_logprobs_sharded_equals_unsharded():
     got = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(*args)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
         close(a, np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def all_gather_shapes(hlo_text):
+    """The result shapes of the all-gathers in compiled HLO text."""
+    return [tuple(int(n) for n in m.group(1).split(",") if n)
+            for m in re.finditer(r"= \w+\[([\d,]*)\][^ ]* all-gather\(", hlo_text)]
+
+
+def test_chunked_logprobs_per_sequence_shard():
+    """Time over `sequence` (4) and batch over `fsdp` (2): with the mesh, each shard scores its
+    own tokens; values and gradients equal the unsharded ones, and the only all-gather is the
+    weight's (FSDP). Without the mesh the scan over chunks gathers the hidden states."""
+    from ptrain import sharding
+
+    rng = np.random.default_rng(5)
+    b, t, d, v = 2, 64, 24, 40
+    h = rng.normal(size=(b, t, d)).astype(np.float32)
+    w = rng.normal(size=(d, v)).astype(np.float32)
+    tok = rng.integers(0, v, size=(b, t))
+    a = rng.normal(size=(b, t)).astype(np.float32)
+
+    def f(h, w, tok, mesh=None):
+        logp, ent = losses.chunked_logprobs(h, w, tok, chunk=4, return_entropy=True, mesh=mesh)
+        return (a * logp + 0.1 * ent).sum(), (logp, ent)
+
+    expected = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(h, w, tok)
+    mesh = sharding.make_mesh(fsdp=2, sequence=4)
+    args = (jax.device_put(h, sharding.named(mesh, ("batch", "seq", None), h.shape)),
+            jax.device_put(w, sharding.named(mesh, ("embed", "vocab"), w.shape)),
+            jax.device_put(tok, sharding.named(mesh, ("batch", "seq"), tok.shape)))
+    for m in (mesh, None):
+        fn = jax.jit(jax.value_and_grad(lambda h, w, tok: f(h, w, tok, m), argnums=(0, 1),
+                                        has_aux=True))
+        gathered = all_gather_shapes(fn.lower(*args).compile().as_text())
+        if m is None:  # what the mesh argument avoids: [b, t, d] in some layout, gathered
+            assert any(d in s and np.prod(s) >= (b // 2) * t * d for s in gathered), gathered
+            continue
+        assert gathered == [(d, v)], gathered
+        got = fn(*args)
+        assert got[0][1][0].sharding.spec == jax.sharding.PartitionSpec("fsdp", "sequence")
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            close(x, np.asarray(y), rtol=1e-5, atol=1e-5)
 
 
 def test_chunked_logprobs_never_materialises_btv():

@@ -1,0 +1,39 @@
+"""The 1M-token plan: Llama-3.1-8B shapes trained on 1,048,576-token sequences (a dry run).
+
+Nothing is downloaded or run: `launch.plan` builds the model abstractly, compiles the
+long-context training step (`ptrain.plan.train_step`: ring attention over the `sequence`
+axis, zigzag layout, full remat per layer, chunked log-probs per sequence shard, AdamW with
+float32 parameters and moments, bfloat16 compute) for the mesh below on simulated CPU
+devices, and reports per-device memory and FLOPs.
+
+Command:  python -m launch.plan --config=configs/long_context_1m.py --out=plan_1m.json
+          python -m launch.plan --config=configs/long_context_1m.py --search --out=search.json
+          (--config.budget_gib=95 for TPU v5p, 141 for H200)
+Hardware: any CPU (it simulates the devices); each compile takes about 10 s on 2 cores.
+Expected: see the `long-context` section of docs/benchmarks.md (filled in by the run).
+"""
+
+import ml_collections
+
+
+def get_config():
+    c = ml_collections.ConfigDict()
+    # Llama-3.1-8B (meta-llama/Llama-3.1-8B config.json), RoPE rescaled for 1M positions
+    # (Llama 3.1's recipe with factor 128 = 1M / 8K).
+    c.model = dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                   d_ff=14336, rms_eps=1e-5, tie_embeddings=False, rope_theta=500000.0,
+                   rope_type="llama3", rope_factor=128.0, rope_low_freq_factor=1.0,
+                   rope_high_freq_factor=4.0, rope_original_max_position=8192,
+                   max_position_embeddings=1048576, param_dtype="float32", dtype="bfloat16",
+                   remat="full", attention_impl="ring", attn_block_q=512, attn_block_k=512)
+    c.seq_len = 1048576
+    c.batch = 1
+    c.mesh = dict(data=1, fsdp=1, sequence=32, tensor=1)
+    c.layout = "zigzag"
+    c.logprob_chunk = 1024
+    c.optim = dict(lr=1e-5, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1,
+                   weight_decay=0.0, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0)
+    c.budget_gib = 80.0  # H100 80 GB
+    c.search = dict(device_counts=(8, 16, 32, 64, 128), confirm=2)
+    c.lock()
+    return c
