@@ -8,9 +8,15 @@ devices, and reports per-device memory and FLOPs.
 
 Command:  python -m launch.plan --config=configs/long_context_1m.py --out=plan_1m.json
           python -m launch.plan --config=configs/long_context_1m.py --search --out=search.json
-          (--config.budget_gib=95 for TPU v5p, 141 for H200)
-Hardware: any CPU (it simulates the devices); each compile takes about 10 s on 2 cores.
-Expected: see the `long-context` section of docs/benchmarks.md (filled in by the run).
+          (--config.budget_gib=95 for TPU v5p, 140 for H200)
+Hardware: any CPU (it simulates the devices); each compile takes 6-8 s on 2 cores. The plan
+          is for 16 accelerators of at least 80 GB (H100 80 GB, TPU v5p, H200).
+Expected: 16 devices (sequence=16): peak 72.1 GiB per device = 5.6 GiB of parameters and
+          AdamW moments + 66.5 GiB of temporaries; 9.12e17 model FLOPs per step. --search
+          (80, 95 or 140 GiB) answers this mesh; the best 8-device meshes need 141.2 GiB
+          (sequence=8) and 218.1 GiB (sequence=4 x tensor=2); sequence=32 needs 37.2 GiB.
+          These numbers need the attention-mask hoisting fix described in the long-context
+          section of docs/benchmarks.md; without it the plan reports 11,445 GiB per device.
 """
 
 import ml_collections
