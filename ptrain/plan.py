@@ -77,17 +77,17 @@ def check_config(config) -> None:
     fields = {f.name for f in dataclasses.fields(model_lib.ModelConfig)}
     unknown = [k for k in unknown if not (k.startswith("model.") and k[6:] in fields)]
     if missing or unknown:
-        raise ValueError(
-            "plan config does not match ptrain.plan.defaults(): "
-            + "; ".join(part for part in (f"missing keys {missing}" if missing else "",
-                                          f"unknown keys {unknown}" if unknown else "") if part)
-            + f". model.* takes ModelConfig fields: {sorted(fields)}")
-    model_config(config)  # ModelConfig checks its own values
-    if set(config.mesh.keys()) != set(sharding.MESH_AXES) or min(config.mesh.values()) < 1:
-        raise ValueError(f"mesh must give a positive size to each of {sharding.MESH_AXES}; "
+        problems = ([f"missing keys {missing}"] if missing else []) + (
+            [f"unknown keys {unknown}"] if unknown else [])
+        raise ValueError(f"plan config does not match ptrain.plan.defaults(): "
+                         f"{'; '.join(problems)}. model.* takes ModelConfig fields: "
+                         f"{sorted(fields)}")
+    mc = model_config(config)  # ModelConfig checks its own values
+    if min(config.mesh.values()) < 1:
+        raise ValueError(f"mesh sizes must be positive (a plan names its devices, no -1); "
                          f"got {dict(config.mesh)}")
-    check_shapes(model_config(config), dict(config.mesh), seq_len=config.seq_len,
-                 batch=config.batch, layout=config.layout)
+    check_shapes(mc, dict(config.mesh), seq_len=config.seq_len, batch=config.batch,
+                 layout=config.layout)
     counts = list(config.search.device_counts)
     if not counts or counts != sorted(set(counts)) or counts[0] < 1:
         raise ValueError(f"search.device_counts must be ascending positive integers; got "
