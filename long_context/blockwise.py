@@ -349,6 +349,9 @@ def _flash(q, k, v, q_pos, q_seg, kv_pos, kv_seg, causal, scale, bq, bk):
 
 
 def _flash_fwd(q, k, v, q_pos, q_seg, kv_pos, kv_seg, causal, scale, bq, bk):
+    # Tie the token arrays to q, or a differentiated scan around this call (the model's
+    # layers) hoists their loop-invariant masks out of it, for all block pairs at once.
+    q, q_pos, q_seg, kv_pos, kv_seg = lax.optimization_barrier((q, q_pos, q_seg, kv_pos, kv_seg))
     axes = varying_axes(q, k, v, q_pos, q_seg, kv_pos, kv_seg)
     q_blocks = split_q(q, k.shape[2], bq)
     state = forward_blocks(q_blocks, split_kv(k, bk), split_kv(v, bk), split_tokens(q_pos, bq),

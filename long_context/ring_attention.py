@@ -161,6 +161,9 @@ def _ring(q, k, v, q_pos, q_seg, kv_pos, kv_seg, axis, causal, scale, bq, bk):
 
 def _ring_fwd(q, k, v, q_pos, q_seg, kv_pos, kv_seg, axis, causal, scale, bq, bk):
     n = lax.axis_size(axis)
+    # Tie the token arrays to q, or a differentiated scan around this call (the model's
+    # layers) hoists their loop-invariant masks out of it, for all block pairs at once.
+    q, q_pos, q_seg, kv_pos, kv_seg = lax.optimization_barrier((q, q_pos, q_seg, kv_pos, kv_seg))
     axes = bw.varying_axes(q, k, v, q_pos, q_seg, kv_pos, kv_seg)
     q_blocks = bw.split_q(q, k.shape[2], bq)
     qpos, qseg = bw.split_tokens(q_pos, bq), bw.split_tokens(q_seg, bq)

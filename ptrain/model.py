@@ -258,17 +258,29 @@ class Transformer(nnx.Module):
             kv_seg_bs = jax.lax.dynamic_update_slice(
                 cache.segment_ids_bs, segment_ids_bt, (0, start))
 
-            # The stacked cache rides in the carry and each layer writes only its new slots
-            # in place; scanning over it as xs/ys would copy every layer's cache per token.
-            def step(carry, p_and_l):
-                x_btd, k_all, v_all = carry
-                p, l = p_and_l
-                x_btd, (k_all, v_all, _) = layer(p, x_btd, (k_all, v_all, l),
-                                                 kv_pos_bs=kv_pos_bs, kv_seg_bs=kv_seg_bs)
-                return (x_btd, k_all, v_all), None
+            kw = dict(kv_pos_bs=kv_pos_bs, kv_seg_bs=kv_seg_bs)
+            if t == 1:
+                # Decoding: the stacked cache rides in the carry and each layer writes its
+                # slot in place (scanned as xs/ys, the whole cache would be copied per token).
+                def step(carry, p_and_l):
+                    x_btd, k_all, v_all = carry
+                    p, l = p_and_l
+                    x_btd, (k_all, v_all, _) = layer(p, x_btd, (k_all, v_all, l), **kw)
+                    return (x_btd, k_all, v_all), None
 
-            (x_btd, k_lbske, v_lbske), _ = jax.lax.scan(
-                step, (x_btd, cache.k_lbske, cache.v_lbske), (params, jnp.arange(c.n_layers)))
+                (x_btd, k_lbske, v_lbske), _ = jax.lax.scan(
+                    step, (x_btd, cache.k_lbske, cache.v_lbske),
+                    (params, jnp.arange(c.n_layers)))
+            else:
+                # Prefill and training: per-layer slices in and out. (Differentiating through
+                # a carried cache would save the whole stack once per layer.)
+                def step(x_btd, p_and_kv):
+                    p, (k, v) = p_and_kv
+                    x_btd, (k, v, _) = layer(p, x_btd, (k, v, None), **kw)
+                    return x_btd, (k, v)
+
+                x_btd, (k_lbske, v_lbske) = jax.lax.scan(
+                    step, x_btd, (params, (cache.k_lbske, cache.v_lbske)))
             new_cache = KVCache(k_lbske, v_lbske, kv_pos_bs, kv_seg_bs, start + t)
 
         h_btd = rms_norm(x_btd, self.final_norm[...].astype(c.dtype), c.rms_eps)
@@ -292,7 +304,8 @@ def _remat(policy: str, fn):
 
 def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_pos_bs,
            kv_seg_bs, start):
-    """One pre-norm decoder layer. `kv` is (stacked k cache, stacked v cache, layer index)."""
+    """One pre-norm decoder layer. `kv`: None, or (k cache, v cache, l) with this layer's
+    cache slices (l None) or every layer's stacked cache and this layer's index l."""
     dt = jnp.dtype(c.dtype)
     w = {name: a.astype(dt) for name, a in p.items()}
 
@@ -312,13 +325,20 @@ def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_p
     if kv is None:
         k_bske, v_bske = k_btke, v_btke
     else:
-        k_all, v_all, l = kv  # the whole stacked cache, updated in place at (l, :, start)
-        k_all = jax.lax.dynamic_update_slice(k_all, k_btke.astype(k_all.dtype)[None],
-                                             (l, 0, start, 0, 0))
-        v_all = jax.lax.dynamic_update_slice(v_all, v_btke.astype(v_all.dtype)[None],
-                                             (l, 0, start, 0, 0))
-        k_bske, v_bske = k_all[l], v_all[l]
-        kv = (k_all, v_all, l)
+        k_cache, v_cache, l = kv
+        if l is None:  # this layer's cache [b, s, k, e]
+            k_bske = jax.lax.dynamic_update_slice(k_cache, k_btke.astype(k_cache.dtype),
+                                                  (0, start, 0, 0))
+            v_bske = jax.lax.dynamic_update_slice(v_cache, v_btke.astype(v_cache.dtype),
+                                                  (0, start, 0, 0))
+            kv = (k_bske, v_bske, None)
+        else:  # every layer's cache [l, b, s, k, e], written in place at (l, :, start)
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k_btke.astype(k_cache.dtype)[None],
+                                                   (l, 0, start, 0, 0))
+            v_cache = jax.lax.dynamic_update_slice(v_cache, v_btke.astype(v_cache.dtype)[None],
+                                                   (l, 0, start, 0, 0))
+            k_bske, v_bske = k_cache[l], v_cache[l]
+            kv = (k_cache, v_cache, l)
     o_bthe = attention.attend(
         q_bthe, k_bske, v_bske,
         q_positions_bt=q_pos_bt, q_segment_ids_bt=q_seg_bt,

@@ -243,14 +243,20 @@ def _needs_session(task: Task) -> bool:
 def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *, first,
                  prompts):
     """Model turns until each episode answers (a turn without a tool call) or hits a cap."""
-    has_tools = any(e.task.tools for e in episodes)
+    stop_ids, stop_strings = tuple(c.stop_token_ids), ()
+    if any(e.task.tools for e in episodes):
+        # A closing tag that is one token (Qwen's </tool_call>, the quickstart's) stops on the
+        # device; otherwise the sampler checks the text every few tokens.
+        end = encode(tokenizer, fmt.tool_call_end)
+        stop_ids, stop_strings = ((stop_ids + tuple(end), ()) if len(end) == 1
+                                  else (stop_ids, (fmt.tool_call_end,)))
     active = list(episodes)
     for turn in range(c.max_turns):
         if not active:
             return
         kwargs = dict(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k,
-                      top_p=c.top_p, greedy=c.greedy, stop_token_ids=c.stop_token_ids,
-                      stop_strings=(fmt.tool_call_end,) if has_tools else (), key=next(keys))
+                      top_p=c.top_p, greedy=c.greedy, stop_token_ids=stop_ids,
+                      stop_strings=stop_strings, key=next(keys))
         if first and turn == 0:  # one prefill per task, G samples each
             samples = sampler.sample(params, prompts, num_samples=c.num_samples, **kwargs)
         else:
@@ -282,7 +288,9 @@ def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *,
         still = []
         for (e, _), output in zip(calls, outputs):
             _append(e, tokenizer, fmt.observation.format(output=output), c)
-            if e.finish != "max_len":
+            if e.finish == "max_len":
+                e.answers.append("")  # out of room before answering
+            else:
                 still.append(e)
         active = still
     for e in active:  # out of turns without a final answer

@@ -51,12 +51,6 @@ def test_report_accounts_for_the_state(by_sequence):
     assert one["model_flops"] == 6 * matmul * SEQ + attention
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "blockwise/ring attention inside the model's differentiated layer scan: JAX hoists the "
-    "loop-invariant block masks out of the scan for all block pairs at once, O(t^2) "
-    "temporaries. Fixed by tying the positions and segment ids to q with "
-    "lax.optimization_barrier in long_context _flash_fwd and _ring_fwd; remove this mark "
-    "with that fix."))
 def test_activation_memory_falls_linearly_with_the_sequence_axis(by_sequence):
     temporaries = [by_sequence[s]["memory"]["temporaries"] for s in (1, 2, 4, 8)]
     for more, fewer in zip(temporaries, temporaries[1:]):

@@ -1,0 +1,192 @@
+"""Synthetic tasks in three domains, their demonstrations, and a word-level tokenizer.
+
+The quickstart's embedded default: everything is generated locally from a seed, so the main
+job runs with no download. Each domain is verified by really running what the model wrote:
+
+  code    write `name(x)` returning `x <op> k`, judged by hidden unit tests (sandbox judge)
+  arith   compute `a <op> b` by calling the python tool, then answer (multi-turn, Answer)
+  files   write a bash script that saves words to a file, judged by the files it leaves
+
+The demonstrations used for the supervised warm start are partly wrong, and wrong in a
+systematic way: a visible feature of the task triggers the bug most of the time (in `code`
+"minus" and "times" are often written with the wrong operator, in `arith` subtraction swaps
+its operands, in `files` a folder is forgotten). Trained to convergence on them, the model
+copies the majority behaviour greedily while still sampling the right one now and then:
+exactly what RL on executable feedback can fix, and what a held-out split can measure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+
+from ptrain.tasks import Answer, Files, Task, UnitTests
+
+DOMAINS = ("code", "arith", "files")
+WORDS = ("red", "blue", "green", "gold", "gray", "pink", "fox", "owl", "cat", "dog", "bee",
+         "elk", "ant", "yak", "emu", "cod", "sun", "moon", "star", "rain", "snow", "wind",
+         "tree", "leaf", "rock", "sand", "lake", "hill", "road", "door", "lamp", "book",
+         "cup", "key", "ring", "coin", "bell", "drum", "kite", "boat")
+OPS = {"plus": "+", "minus": "-", "times": "*"}
+SPECIAL = ("<pad>", "<eos>", "<tool_call>", "</tool_call>", "<tool_response>",
+           "</tool_response>", "<feedback>", "</feedback>")
+PAD, EOS = 0, 1
+
+# Pieces: special tags, runs of spaces, words, single digits, any other single character.
+_PIECES = re.compile("|".join(re.escape(s) for s in SPECIAL) + r"|\n| +|[A-Za-z]+|\d|.",
+                     re.DOTALL)
+
+
+class WordTokenizer:
+    """Text <-> ids over a closed vocabulary of pieces (words, digits, symbols, space runs).
+
+    Decoding concatenates pieces, so text made of known pieces (all the model can write)
+    round-trips exactly. Text from outside (a traceback in a tool observation) may hold
+    unknown words, which are spelled letter by letter, and unknown characters, which become
+    "?". `<pad>` and `<eos>` are dropped when decoding.
+    """
+
+    def __init__(self, pieces):
+        self.pieces = list(SPECIAL) + sorted(set(pieces) - set(SPECIAL))
+        self.ids = {p: i for i, p in enumerate(self.pieces)}
+        self.pad_token_id, self.eos_token_id = PAD, EOS
+        self.chat_template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.pieces)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        del add_special_tokens  # there is no BOS
+        ids = []
+        for piece in _PIECES.findall(text):
+            if piece in self.ids:
+                ids.append(self.ids[piece])
+            elif piece.isascii() and piece.isalpha():
+                ids += [self.ids[ch] for ch in piece]
+            elif piece.startswith(" "):
+                ids += [self.ids[" " * 8]] * (len(piece) // 8) + \
+                    ([self.ids[" " * (len(piece) % 8)]] if len(piece) % 8 else [])
+            else:
+                ids.append(self.ids["?"])
+        return ids
+
+    def decode(self, ids) -> str:
+        return "".join(self.pieces[i] for i in ids if i not in (PAD, EOS))
+
+    @classmethod
+    def for_tasks(cls) -> WordTokenizer:
+        """The vocabulary of every text the generator can produce, plus every printable
+        ASCII character and letter, so tool output can always be spelled."""
+        words = " ".join(WORDS + tuple(OPS) + _TEMPLATE_TEXT)
+        singles = [chr(i) for i in range(33, 127)]
+        return cls(_PIECES.findall(words) + singles + [" " * n for n in range(1, 9)] + ["\n"])
+
+
+_TEMPLATE_TEXT = (
+    "code: write a function", "that takes x and returns x", "def", "return",
+    "arith: what is", "use python", "answer", "name", "arguments", "print",
+    "files: save the words", "to file", "in folder", "mkdir", "echo", "Error", "Traceback",
+    "most recent call last", "File", "line", "module", "NameError", "SyntaxError",
+    "ZeroDivisionError", "TypeError", "is not defined", "invalid syntax", "No such file or "
+    "directory", "tests passed", "First failure", "failed", "assert", "Wrong answer",
+    "exit code", "stderr", "Wrote bytes to", "test", "bash", "sh",
+)
+
+
+# ----------------------------------------------------------------------------- tasks
+
+@dataclasses.dataclass(frozen=True)
+class Generated:
+    """A task with a correct and a buggy demonstration: texts alternating between the model's
+    turns (even indices) and tool outputs (odd). `triggered`: the task shows the bug's
+    trigger."""
+
+    task: Task
+    good: tuple[str, ...]
+    bad: tuple[str, ...]
+    triggered: bool
+
+
+def _name(rng) -> str:
+    return f"{rng.choice(WORDS)}_{rng.choice(WORDS)}"
+
+
+def code_task(rng: random.Random, index: int, split: str) -> Generated:
+    op = rng.choice(tuple(OPS))
+    k = rng.randint(2, 9)
+    name = _name(rng)
+    prompt = f"code: {name}(x) = x {op} {k}\n"
+    body = "def {name}(x):\n    return x {sym} {k}\n"
+    good = body.format(name=name, sym=OPS[op], k=k)
+    wrong = {"plus": "+", "minus": "+", "times": "**"}[op]  # the systematic bug
+    bad = body.format(name=name, sym=wrong, k=k)
+    tests = "".join(f"assert {name}({x}) == {eval(f'{x} {OPS[op]} {k}')}\n"
+                    for x in (0, 1, 3, -2, 7))
+    task = Task(id=f"{split}/code/{index}", domain="code", prompt=prompt,
+                verifier=UnitTests(tests=tests), metadata={"op": op})
+    return Generated(task, (good,), (bad,), op != "plus")
+
+
+def arith_task(rng: random.Random, index: int, split: str) -> Generated:
+    op = rng.choice(tuple(OPS))
+    a, b = rng.randint(10, 99), rng.randint(2, 99)
+    if op == "minus":  # a > b, so that the swapped (buggy) operands give another answer
+        a, b = max(a, b), min(a, b)
+        a += a == b
+    prompt = f"arith: {a} {op} {b} = ? (python)\n"
+
+    def episode(x, y):
+        code = f"print({x}{OPS[op]}{y})"
+        value = eval(f"{x} {OPS[op]} {y}")
+        call = json.dumps({"name": "python", "arguments": {"code": code}}, separators=(",", ":"))
+        call = f"<tool_call>{call}</tool_call>"
+        return (call, f"{value}\n", f"answer: {value}\n"), value
+
+    good, right = episode(a, b)
+    bad, _ = episode(b, a) if op == "minus" else episode(a, b)  # subtraction swaps operands
+    task = Task(id=f"{split}/arith/{index}", domain="arith", prompt=prompt,
+                verifier=Answer(answer=str(right), numeric=True), tools=("python",),
+                metadata={"op": op})
+    return Generated(task, good, bad, op == "minus")
+
+
+def files_task(rng: random.Random, index: int, split: str) -> Generated:
+    words = f"{rng.choice(WORDS)} {rng.choice(WORDS)}"
+    file = f"{rng.choice(WORDS)}.txt"
+    folder = rng.choice(WORDS) if rng.random() < 0.5 else ""
+    path = f"{folder}/{file}" if folder else file
+    prompt = f"files: write {words} to {path}\n"
+    write = f"echo {words} > {path}\n"
+    good = (f"mkdir -p {folder}\n" if folder else "") + write
+    bad = write  # the systematic bug: the folder is never created
+    task = Task(id=f"{split}/files/{index}", domain="files", prompt=prompt,
+                verifier=Files(expected={path: f"{words}\n"}, run="bash"),
+                metadata={"folder": bool(folder)})
+    return Generated(task, (good,), (bad,), bool(folder))
+
+
+GENERATORS = {"code": code_task, "arith": arith_task, "files": files_task}
+
+
+def generate(domain: str, n: int, *, seed: int, split: str, exclude=frozenset()):
+    """n distinct tasks of a domain whose prompts are not in `exclude` (another split's)."""
+    rng = random.Random(f"{seed}/{domain}/{split}")
+    out, seen = [], set(exclude)
+    attempts = 0
+    while len(out) < n:
+        attempts += 1
+        if attempts > 100 * n:
+            raise ValueError(f"cannot draw {n} distinct {domain} tasks; lower n")
+        g = GENERATORS[domain](rng, len(out), split)
+        if g.task.prompt not in seen:
+            seen.add(g.task.prompt)
+            out.append(g)
+    return out
+
+
+def demonstration(g: Generated, rng: random.Random, bug_rate: float) -> tuple[str, ...]:
+    """The buggy demonstration with probability `bug_rate` when the task is triggered."""
+    return g.bad if g.triggered and rng.random() < bug_rate else g.good
