@@ -67,9 +67,9 @@ def extract_answer(text: str) -> str:
     found = boxed(text)
     if found:
         return found
-    lines = [m.group(1) for m in _ANSWER.finditer(text)]
-    if lines:
-        return lines[-1].strip().splitlines()[0].strip()
+    lines = [m.group(1).strip() for m in _ANSWER.finditer(text)]
+    if lines and lines[-1]:
+        return lines[-1].splitlines()[0].strip()
     numbers = _NUMBER.findall(text)
     return numbers[-1] if numbers else ""
 

@@ -9,8 +9,8 @@ job runs with no download. Each domain is verified by really running what the mo
 
 The demonstrations used for the supervised warm start are partly wrong, and wrong in a
 systematic way: a visible feature of the task triggers the bug most of the time (in `code`
-"minus" and "times" are often written with the wrong operator, in `arith` subtraction swaps
-its operands, in `files` a folder is forgotten). Trained to convergence on them, the model
+"minus" and "times" are often written with the wrong operator, in `arith` the tool is asked
+to add instead of subtract, in `files` a folder is forgotten). Trained to convergence on them, the model
 copies the majority behaviour greedily while still sampling the right one now and then:
 exactly what RL on executable feedback can fix, and what a held-out split can measure.
 """
@@ -132,21 +132,17 @@ def code_task(rng: random.Random, index: int, split: str) -> Generated:
 
 def arith_task(rng: random.Random, index: int, split: str) -> Generated:
     op = rng.choice(tuple(OPS))
-    a, b = rng.randint(10, 99), rng.randint(2, 99)
-    if op == "minus":  # a > b, so that the swapped (buggy) operands give another answer
-        a, b = max(a, b), min(a, b)
-        a += a == b
+    a, b = rng.randint(10, 99), rng.randint(2, 9 if op == "times" else 99)  # <= 3 digits
     prompt = f"arith: {a} {op} {b} = ? (python)\n"
 
-    def episode(x, y):
-        code = f"print({x}{OPS[op]}{y})"
-        value = eval(f"{x} {OPS[op]} {y}")
-        call = json.dumps({"name": "python", "arguments": {"code": code}}, separators=(",", ":"))
-        call = f"<tool_call>{call}</tool_call>"
-        return (call, f"{value}\n", f"answer: {value}\n"), value
+    def episode(sym):
+        value = eval(f"{a} {sym} {b}")
+        call = json.dumps({"name": "python", "arguments": {"code": f"print({a}{sym}{b})"}},
+                          separators=(",", ":"))
+        return (f"<tool_call>{call}</tool_call>", f"{value}\n", f"answer: {value}\n"), value
 
-    good, right = episode(a, b)
-    bad, _ = episode(b, a) if op == "minus" else episode(a, b)  # subtraction swaps operands
+    good, right = episode(OPS[op])
+    bad, _ = episode("+" if op == "minus" else OPS[op])  # the bug: subtraction adds
     task = Task(id=f"{split}/arith/{index}", domain="arith", prompt=prompt,
                 verifier=Answer(answer=str(right), numeric=True), tools=("python",),
                 metadata={"op": op})
