@@ -47,7 +47,7 @@ def get_config():
     c.rl = dict(estimator="grpo", loss="ppo", clip_low=0.2, clip_high=0.28, dual_clip=3.0,
                 agg="token-mean", ppo_epochs=1, num_minibatches=2, microbatch_size=16,
                 gamma=1.0, entropy_coef=0.0, tis_cap=2.0, tis_level="token",
-                logprob_chunk=256)
+                logprob_chunk=256, staleness=0)
     c.kl = dict(coef=0.0, kind="k3", in_reward=False, target=0.0, horizon=10000.0)
     c.dapo = dict(overlong_buffer=0, overlong_penalty=1.0, dynamic_sampling=False,
                   max_gen_batches=4)

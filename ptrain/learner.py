@@ -21,6 +21,7 @@ completion lengths, batch sizes), so every program compiles once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -89,6 +90,10 @@ def defaults() -> ml_collections.ConfigDict:
         tis_cap=0.0,  # truncated importance sampling against the sampler's log-probs; 0: off
         tis_level="token",  # token | sequence
         logprob_chunk=256,  # time steps per chunk of the log-prob computation
+        # 0: on-policy. 1: batch t is scored (in the sandbox) while batch t+1 is generated
+        # from the same parameters, so batch t+1 trains one update late; needs a producer
+        # with separate generate/score (see `train`) and tis_cap > 0 to correct for it.
+        staleness=0,
     )
     # KL to the frozen initial policy: coef 0 turns it (and the reference model) off.
     c.kl = dict(coef=0.0, kind="k3", in_reward=False,
@@ -152,6 +157,10 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         (config.dapo.max_gen_batches >= 1, "dapo.max_gen_batches must be >= 1"),
         (config.kl.target == 0 or config.kl.in_reward,
          "kl.target (adaptive KL) applies to the KL in the reward: set kl.in_reward=True"),
+        (rl.staleness in (0, 1), "rl.staleness must be 0 (on-policy) or 1 (overlapped)"),
+        (rl.staleness == 0 or not config.dapo.dynamic_sampling,
+         "dynamic sampling needs the rewards before the next batch is drawn: set "
+         "rl.staleness=0 or dapo.dynamic_sampling=False"),
     ]
     for ok, message in checks:
         if not ok:
@@ -672,17 +681,31 @@ def _update(params, opt_state, batch, kl_coef, *, graphdef, s: _Settings, tx, me
 # ================================================================================ the loop
 
 
-def train(config, workdir, *, params=None, rollout_fn=None, mesh=None):
+def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=None,
+          tokenizer=None):
     """Runs RL from the config; resumes from the latest checkpoint in `workdir`.
 
     params: initial parameters (e.g. from `sft`); default: the config's model.
     rollout_fn(params, records, key) -> Episodes replaces the default single-turn rollout
       (`Learner.rollout`); records are one batch of data.prompts_per_step prompt records.
+    producer: instead of rollout_fn, an object with `generate(params, records, key)` (the
+      device part: sampling, tool calls) and `score(generated) -> Episodes` (verdicts from
+      the sandbox). With rl.staleness=1, batch t is scored in a thread while batch t+1 is
+      generated, so the accelerator does not wait for the sandbox.
+    tokenizer: default config.tokenizer.
     Returns the final parameters.
     """
     # ---------------------------------------------------------------- set-up
     c = config
-    learner = Learner(c, mesh=mesh, params=params)
+    learner = Learner(c, mesh=mesh, params=params, tokenizer=tokenizer)
+    if rollout_fn is not None and producer is not None:
+        raise ValueError("give rollout_fn or producer, not both")
+    if c.rl.staleness and producer is None:
+        raise ValueError("rl.staleness=1 overlaps scoring with generation: pass a producer "
+                         "with separate generate() and score()")
+    if producer is not None:
+        def rollout_fn(params, records, key):
+            return producer.score(producer.generate(params, records, key))
     rollout_fn = rollout_fn or learner.rollout
     os.makedirs(workdir, exist_ok=True)
     prompts = _prompt_stream(c.data, c.data.prompts_per_step, c.seed, workdir, "prompts",
@@ -705,18 +728,35 @@ def train(config, workdir, *, params=None, rollout_fn=None, mesh=None):
         logging.info("resumed from step %d", start)
     batches = prompts.iterator(data_state)
     writer = metrics_lib.MetricsWriter(workdir, total_steps=c.steps, start_step=start)
+    scorer = concurrent.futures.ThreadPoolExecutor(1) if c.rl.staleness else None
+    ahead = None  # staleness 1: batch t+1, generated while batch t is scored
 
     for step in range(start + 1, c.steps + 1):
         t0 = time.perf_counter()
         key = jax.random.fold_in(root_key, step)
 
         # ------------------------------------------------------------ rollouts
-        # With DAPO dynamic sampling, groups whose rewards are all equal carry no signal:
-        # sample more prompts until the batch is full of informative groups (or the cap).
-        episodes, gen_metrics = collect_episodes(
-            lambda records, attempt: rollout_fn(params, records,
-                                                jax.random.fold_in(key, attempt)),
-            batches, c)
+        if c.rl.staleness:
+            # Batch t was generated last step (from the parameters before that update);
+            # score it while batch t+1 is generated from the current parameters.
+            if ahead is None:  # the first step of a run (or of a resumed run)
+                ahead = producer.generate(params, next(batches), key)
+            scoring = scorer.submit(producer.score, ahead)
+            data_state = batches.get_state()  # batch t drawn, t+1 not yet
+            if step < c.steps:
+                ahead = producer.generate(params, next(batches),
+                                          jax.random.fold_in(root_key, step + 1))
+            # (collect_episodes draws nothing here: the batch is the one just scored.)
+            episodes, gen_metrics = collect_episodes(lambda records, attempt: scoring.result(),
+                                                     iter([None]), c)
+        else:
+            # With DAPO dynamic sampling, groups whose rewards are all equal carry no signal:
+            # sample more prompts until the batch is full of informative groups (or the cap).
+            episodes, gen_metrics = collect_episodes(
+                lambda records, attempt: rollout_fn(params, records,
+                                                    jax.random.fold_in(key, attempt)),
+                batches, c)
+            data_state = batches.get_state()
         t1 = time.perf_counter()
 
         # ------------------------------------------------------------ advantages, update
@@ -738,10 +778,14 @@ def train(config, workdir, *, params=None, rollout_fn=None, mesh=None):
             writer.write_rollouts(step, rollout_samples(episodes, c.log.num_rollouts))
 
         # ------------------------------------------------------------ checkpoint
+        # (With staleness 1 the saved data state is the one before batch t+1 was drawn: a
+        # resumed run draws it again and generates it from the restored parameters.)
         if step % c.checkpoint.every == 0 or step == c.steps:
             ckpt.save(step, params=params, opt_state=opt_state, rng=root_key,
-                      data_state=batches.get_state(), extra={"kl_coef": kl_ctl.value})
+                      data_state=data_state, extra={"kl_coef": kl_ctl.value})
 
+    if scorer is not None:
+        scorer.shutdown()
     ckpt.wait()
     ckpt.close()
     writer.plot()
@@ -806,7 +850,26 @@ def collect_episodes(rollout, batches, config):
     reasons = [m.get("finish_reason") for m in episodes.meta]
     if any(r is not None for r in reasons):
         metrics["response/clip_ratio"] = np.mean([r == "length" for r in reasons])
+    metrics.update(domain_metrics(episodes))
     return episodes, metrics
+
+
+def domain_metrics(episodes: Episodes) -> dict[str, float]:
+    """Per-domain means when the rows' meta name a domain: reward/<domain>/mean, and the
+    numeric episode fields a producer reports (pass rate, turns, tool calls and errors)."""
+    fields = ("passed", "turns", "tool_calls", "tool_errors", "attempts")
+    by_domain: dict[str, list[int]] = {}
+    for i, meta in enumerate(episodes.meta):
+        if "domain" in meta:
+            by_domain.setdefault(meta["domain"], []).append(i)
+    out = {}
+    for domain, rows in sorted(by_domain.items()):
+        out[f"reward/{domain}/mean"] = float(np.mean(episodes.rewards_b[rows]))
+        for field in fields:
+            values = [episodes.meta[i][field] for i in rows if field in episodes.meta[i]]
+            if values:
+                out[f"episode/{domain}/{field}"] = float(np.mean(values))
+    return out
 
 
 def _check_episodes(episodes, config):
@@ -851,21 +914,26 @@ def _prompt_stream(data, batch_size, seed, workdir, name, *, on_error):
 
 
 def sft_episodes(learner: Learner, records, *, prompt_len, length) -> Episodes:
-    """(prompt, completion) records as rows with the loss mask on the completion only."""
+    """(prompt, completion) records as rows with the loss mask on the completion only.
+
+    A record may carry `completion_mask` (0/1 per completion token): a multi-turn
+    demonstration is trained on the model's turns, not on the tool observations in between.
+    """
     prompts = [learner.encode(r, "prompt_ids", "prompt") for r in records]
     completions = [learner.encode(r, "completion_ids", "completion") for r in records]
-    return Episodes.from_rows(prompts, completions, [[1] * len(c) for c in completions],
+    masks = [list(r.get("completion_mask", [1] * len(c))) for r, c in zip(records, completions)]
+    return Episodes.from_rows(prompts, completions, masks,
                               [[0.0] * len(c) for c in completions], np.zeros(len(records)),
                               np.arange(len(records)), prompt_len=prompt_len, length=length,
                               pad_id=learner.pad_id)
 
 
-def sft(config, workdir, *, params=None, mesh=None):
+def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
     """Supervised training on config.sft's (prompt, completion) records: token-mean negative
     log-likelihood of the completion tokens. Resumes from `workdir`; returns the parameters."""
     # ---------------------------------------------------------------- set-up
     c, sc = config, config.sft
-    learner = Learner(c, mesh=mesh, params=params)
+    learner = Learner(c, mesh=mesh, params=params, tokenizer=tokenizer)
     os.makedirs(workdir, exist_ok=True)
     records = _prompt_stream(sc, sc.batch_size, c.seed, workdir, "sft", on_error="raise")
     # ---------------------------------------------------------------- restore or start

@@ -58,7 +58,7 @@ def extract_code(text: str, language: str = "python") -> str:
     return chosen[-1] if chosen else text
 
 
-_ANSWER = re.compile(r"(?:final answer|answer)\s*(?:is)?\s*[:=]?\s*(.+)", re.IGNORECASE)
+_ANSWER = re.compile(r"(?:final answer|answer)\s*(?:is)?\s*[:=]?[ \t]*(.*)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 

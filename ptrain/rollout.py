@@ -63,7 +63,7 @@ class RolloutConfig:
     max_attempts: int = 1  # self-correction: tries per episode
     attempt_reward: str = "final"  # ATTEMPT_REWARDS
     discount: float = 0.5  # "discounted": reward of a pass at attempt k is discount**(k-1)
-    max_len: int = 512  # the whole episode, prompt included
+    max_len: int = 512  # tokens after the prompt: model turns, observations, feedback
     max_tool_output_chars: int = 1000
     tool_timeout_s: float = 5.0
     temperature: float = 1.0
@@ -78,6 +78,9 @@ class RolloutConfig:
             raise ValueError(f"attempt_reward={self.attempt_reward!r}; use {ATTEMPT_REWARDS}")
         if min(self.num_samples, self.max_new_tokens, self.max_turns, self.max_attempts) < 1:
             raise ValueError("num_samples, max_new_tokens, max_turns, max_attempts must be >= 1")
+        if self.max_new_tokens > self.max_len:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} exceeds the episode's "
+                             f"max_len={self.max_len} (tokens after the prompt)")
 
 
 @dataclasses.dataclass
@@ -198,10 +201,6 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
     if c.max_attempts > 1 and not score_now:
         raise ValueError("self-correction (max_attempts > 1) needs verdicts during the episode")
     prompts = [render_prompt(task, tokenizer) for task in tasks]
-    for task, prompt in zip(tasks, prompts):
-        if len(prompt) + c.max_new_tokens > c.max_len:
-            raise ValueError(f"task {task.id}: a {len(prompt)}-token prompt leaves no room for "
-                             f"{c.max_new_tokens} new tokens within max_len={c.max_len}")
     episodes = [Episode(task=task, group_id=first_group_id + i, tokens=list(prompt),
                         mask=[0] * len(prompt), logp=[0.0] * len(prompt),
                         prompt_len=len(prompt))
@@ -265,7 +264,7 @@ def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *,
         for row, e in enumerate(active):
             n = int(samples.lengths[row])
             new = samples.tokens[row, :n].tolist()
-            room = c.max_len - len(e.tokens)
+            room = c.max_len - (len(e.tokens) - e.prompt_len)
             truncated = n > room
             new = new[:room]
             e.tokens += new
@@ -318,7 +317,7 @@ def _call(e: Episode, call, c: RolloutConfig) -> str:
 def _append(e: Episode, tokenizer, text: str, c: RolloutConfig) -> None:
     """Appends rendered observation / feedback tokens (not trained on)."""
     ids = encode(tokenizer, text)
-    room = c.max_len - len(e.tokens)
+    room = c.max_len - (len(e.tokens) - e.prompt_len)
     if len(ids) + 1 > room:  # no room left for the model to respond
         e.finish = "max_len"
         ids = ids[:room]

@@ -1,0 +1,44 @@
+"""Train from a config file: the closed loop (SFT, RL on sandbox verdicts, held-out evals).
+
+    python -m launch.train --config=configs/quickstart.py --workdir=runs/quickstart
+    python -m launch.train --config=configs/quickstart.py:short --config.steps=50 ...
+
+Every host of a multi-host run starts this same command (launch/tpu_pod.sh, launch/gpu.sh);
+JAX's distributed runtime is initialised first when more than one process takes part.
+"""
+
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/*.py file[:arg].",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and evals go.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _initialize_distributed():
+    """Multi-host: explicit coordinates (launch/gpu.sh ssh mode), or what JAX detects itself
+    (TPU pod slices, SLURM). A single host needs nothing."""
+    import jax
+    if "PTRAIN_COORDINATOR" in os.environ:
+        jax.distributed.initialize(os.environ["PTRAIN_COORDINATOR"],
+                                   int(os.environ["PTRAIN_NUM_PROCESSES"]),
+                                   int(os.environ["PTRAIN_PROCESS_ID"]))
+    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 or \
+            "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
+        jax.distributed.initialize()
+
+
+def main(argv):
+    del argv
+    _initialize_distributed()
+    from ptrain import closed_loop
+    lines = closed_loop.run(_CONFIG.value, _WORKDIR.value)
+    for line in lines:
+        logging.info("eval %s", line)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,370 @@
+"""The main job: a policy that writes code and calls tools, rewarded by really running them.
+
+`run(config, workdir)` reads top to bottom:
+
+  tasks     per domain, a training split and a held-out split (instances never trained on):
+            generated (`ptrain.synthetic_tasks`, the quickstart's default) or read from
+            task JSONL files (`ptrain.tasks`); mixed by the config's domain weights
+  SFT       a warm start on demonstrations, loss on the model's own turns only
+  eval      greedy pass rate on the held-out split, per domain -> <workdir>/eval.jsonl
+  RL        `learner.train` with `TaskProducer`: multi-turn episodes whose tool calls run in
+            the sandbox (`ptrain.rollout`), verdicts from the sandbox pool (`ptrain.rewards`),
+            scoring of batch t overlapped with generating batch t+1 when rl.staleness=1
+  eval      again, after RL; a reward-curve PNG
+
+Everything lands in the work dir and the job resumes where it stopped: SFT and RL from their
+checkpoints, evaluations that are already in eval.jsonl are not repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+import sandbox
+from ptrain import learner as learner_lib
+from ptrain import metrics as metrics_lib
+from ptrain import model as model_lib
+from ptrain import rewards as rewards_lib
+from ptrain import rollout as rollout_lib
+from ptrain import sampler as sampler_lib
+from ptrain import sharding
+from ptrain import synthetic_tasks
+from ptrain import tasks as tasks_lib
+
+SECTIONS = ("tasks", "rollout", "reward", "sandbox", "eval")  # beyond the learner's
+CHAT_FORMATS = {"plain": rollout_lib.ChatFormat(), "qwen": rollout_lib.QWEN}
+
+
+# ==================================================================================== config
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """The learner's keys (`learner.defaults`) plus the closed loop's sections."""
+    c = learner_lib.defaults()
+    c.tasks = dict(
+        source="synthetic",  # synthetic | jsonl
+        domains=("code", "arith", "files"),  # synthetic: a subset of synthetic_tasks.DOMAINS
+        weights=(1.0, 1.0, 1.0),  # sampling weight of each domain in RL
+        n_train=3000, n_heldout=100,  # synthetic: instances per domain
+        bug_rate=0.7,  # synthetic: how often a triggered demonstration carries its bug
+        train=(), heldout=(),  # jsonl: one task file per domain (ptrain.tasks records)
+    )
+    c.rollout = dict(max_turns=3, max_attempts=1, attempt_reward="final", discount=0.5,
+                     max_len=72,  # tokens after the prompt (turns, observations, feedback)
+                     max_tool_output_chars=1000, tool_timeout_s=5.0,
+                     chat_format="plain")  # plain | qwen
+    c.reward = dict(partial_credit=False, timeout_s=10.0, test_timeout_s=2.0, memory_mb=512)
+    c.sandbox = dict(backend="auto", workers=2)
+    c.eval = dict(n=100,  # held-out tasks per domain (at most the held-out split)
+                  sample=False)  # also pass@1 at the sampling temperature
+    return c
+
+
+def check_config(config) -> None:
+    """The learner's checks on its part, then the closed loop's sections."""
+    learner_lib.check_config(learner_part(config))
+    ref = defaults()
+    for name in SECTIONS:
+        if name not in config:
+            raise ValueError(f"config: missing section {name!r} (see closed_loop.defaults())")
+        unknown = sorted(set(config[name].keys()) - set(ref[name].keys()))
+        missing = sorted(set(ref[name].keys()) - set(config[name].keys()))
+        if unknown or missing:
+            raise ValueError(f"config.{name}: unknown keys {unknown}, missing keys {missing}")
+    t = config.tasks
+    checks = [
+        (t.source in ("synthetic", "jsonl"), "tasks.source must be 'synthetic' or 'jsonl'"),
+        (len(t.weights) == len(t.domains), "tasks.weights needs one weight per domain"),
+        (t.source != "synthetic" or set(t.domains) <= set(synthetic_tasks.DOMAINS),
+         f"synthetic domains are {synthetic_tasks.DOMAINS}"),
+        (t.source != "jsonl" or len(t.train) == len(t.heldout) == len(t.domains),
+         "tasks.train and tasks.heldout need one task file per domain"),
+        (config.rollout.chat_format in CHAT_FORMATS,
+         f"rollout.chat_format must be one of {sorted(CHAT_FORMATS)}"),
+        (config.rollout.max_attempts == 1 or not config.rl.staleness,
+         "self-correction (rollout.max_attempts > 1) scores during the episode: rl.staleness=0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(f"config: {message}")
+
+
+def learner_part(config) -> ml_collections.ConfigDict:
+    """A copy of the config without the closed loop's sections: what the learner reads."""
+    out = ml_collections.ConfigDict(
+        {k: v for k, v in config.items() if k not in SECTIONS})
+    out.lock()
+    return out
+
+
+# ===================================================================================== tasks
+
+
+def make_tasks(config, tokenizer, workdir):
+    """(train, heldout): {domain: [Task]} each; written under <workdir>/tasks/, plus the SFT
+    demonstrations of the synthetic source (token ids with their loss masks)."""
+    t = config.tasks
+    os.makedirs(os.path.join(workdir, "tasks"), exist_ok=True)
+    train, heldout, demos = {}, {}, []
+    for i, domain in enumerate(t.domains):
+        if t.source == "synthetic":
+            held = synthetic_tasks.generate(domain, t.n_heldout, seed=config.seed,
+                                            split="heldout")
+            gen = synthetic_tasks.generate(domain, t.n_train, seed=config.seed, split="train",
+                                           exclude={g.task.prompt for g in held})
+            train[domain], heldout[domain] = [g.task for g in gen], [g.task for g in held]
+            rng = random.Random(f"{config.seed}/demos/{domain}")
+            demos += [(g.task, synthetic_tasks.demonstration(g, rng, t.bug_rate)) for g in gen]
+        else:
+            train[domain] = tasks_lib.read_jsonl(t.train[i])
+            heldout[domain] = tasks_lib.read_jsonl(t.heldout[i])
+        overlap = {x.prompt for x in train[domain]} & {x.prompt for x in heldout[domain]}
+        if overlap:
+            raise ValueError(f"{len(overlap)} {domain} held-out prompt(s) also appear in its "
+                             f"training split, e.g. {sorted(overlap)[0]!r}")
+        tasks_lib.write_jsonl(train[domain], _task_file(workdir, domain, "train"))
+        tasks_lib.write_jsonl(heldout[domain], _task_file(workdir, domain, "heldout"))
+    if demos:
+        fmt = CHAT_FORMATS[config.rollout.chat_format]
+        rows = [demo_record(task, demo, tokenizer, fmt) for task, demo in demos]
+        random.Random(config.seed).shuffle(rows)
+        _write_jsonl(rows, os.path.join(workdir, "tasks", "sft.jsonl"))
+    return train, heldout
+
+
+def _task_file(workdir, domain, split):
+    return os.path.join(workdir, "tasks", f"{domain}.{split}.jsonl")
+
+
+def _write_jsonl(rows, path):
+    with open(path + ".tmp", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(path + ".tmp", path)
+
+
+def demo_record(task, demo, tokenizer, fmt) -> dict:
+    """A demonstration as an SFT record: the prompt's ids, then the model's turns (trained
+    on, the last one ending with EOS) and the tool outputs rendered as observations (not)."""
+    ids, mask = [], []
+    for i, text in enumerate(demo):
+        if i % 2:  # a tool's output
+            part = rollout_lib.encode(tokenizer, fmt.observation.format(output=text))
+        else:
+            part = rollout_lib.encode(tokenizer, text)
+            if i == len(demo) - 1:
+                part.append(tokenizer.eos_token_id)
+        ids += part
+        mask += [1 - i % 2] * len(part)
+    return {"prompt_ids": rollout_lib.render_prompt(task, tokenizer), "completion_ids": ids,
+            "completion_mask": mask, "domain": task.domain}
+
+
+# ================================================================================ episodes
+
+
+class TaskProducer:
+    """Episodes for the learner: `generate` runs the model and its tool calls, `score` judges
+    the answers in the sandbox pool and packs the rows (the learner may run the two in
+    different threads, overlapping batch t's scoring with batch t+1's generation)."""
+
+    def __init__(self, sampler, tokenizer, config, pool):
+        self.sampler, self.tokenizer, self.pool = sampler, tokenizer, pool
+        self.rollout_config = rollout_config(config)
+        self.reward_config = reward_config(config)
+        self.fmt = CHAT_FORMATS[config.rollout.chat_format]
+        self.prompt_len = config.data.max_prompt_len
+        self.length = config.rollout.max_len
+        self.pad_id = tokenizer.pad_token_id or 0
+
+    def generate(self, params, records, key):
+        tasks = [tasks_lib.from_record(r) for r in records]
+        return rollout_lib.generate(
+            self.sampler, params, tasks, tokenizer=self.tokenizer, key=key,
+            config=self.rollout_config, fmt=self.fmt, pool=self.pool,
+            reward_config=self.reward_config)
+
+    def score(self, episodes) -> learner_lib.Episodes:
+        rollout_lib.score(episodes, pool=self.pool, config=self.reward_config)
+        rows = rollout_lib.to_rows(episodes, self.rollout_config)
+        for meta, e in zip(rows["meta"], episodes):
+            meta["prompt"] = self.tokenizer.decode(e.tokens[:e.prompt_len])
+            meta["completion"] = self.tokenizer.decode(e.tokens[e.prompt_len:])
+        return learner_lib.Episodes.from_histories(
+            **rows, prompt_lens=[e.prompt_len for e in episodes], prompt_len=self.prompt_len,
+            length=self.length, pad_id=self.pad_id)
+
+
+def rollout_config(config, **changes) -> rollout_lib.RolloutConfig:
+    r, s = config.rollout, config.sampling
+    fields = dict(
+        num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, max_turns=r.max_turns,
+        max_attempts=r.max_attempts, attempt_reward=r.attempt_reward, discount=r.discount,
+        max_len=r.max_len, max_tool_output_chars=r.max_tool_output_chars,
+        tool_timeout_s=r.tool_timeout_s, temperature=s.temperature, top_k=s.top_k,
+        top_p=s.top_p, stop_token_ids=tuple(s.stop_token_ids),
+        session_backend=config.sandbox.backend)
+    fields.update(changes)
+    return rollout_lib.RolloutConfig(**fields)
+
+
+def reward_config(config) -> rewards_lib.RewardConfig:
+    r = config.reward
+    return rewards_lib.RewardConfig(partial_credit=r.partial_credit, timeout_s=r.timeout_s,
+                                    test_timeout_s=r.test_timeout_s, memory_mb=r.memory_mb,
+                                    backend=config.sandbox.backend)
+
+
+# ================================================================================ evaluation
+
+
+def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step):
+    """Pass rates on the held-out split, per domain: greedy (and sampled, if configured).
+    Returns eval.jsonl lines."""
+    lines = []
+    decodings = [("greedy", dict(greedy=True))]
+    if config.eval.sample:
+        decodings.append(("sample", {}))
+    for decoding, change in decodings:
+        rc = rollout_config(config, num_samples=1, **change)
+        for domain, tasks in heldout.items():
+            tasks = tasks[:config.eval.n]
+            episodes = rollout_lib.generate(
+                sampler, params, tasks, tokenizer=tokenizer, key=jax.random.key(config.seed),
+                config=rc, fmt=CHAT_FORMATS[config.rollout.chat_format], pool=pool,
+                reward_config=reward_config(config), score_now=rc.max_attempts > 1)
+            rollout_lib.score(episodes, pool=pool, config=reward_config(config))
+            passed = [bool(e.verdicts and e.verdicts[-1].passed) for e in episodes]
+            lines.append({"stage": stage, "step": step, "split": "heldout", "domain": domain,
+                          "decoding": decoding, "pass_rate": float(np.mean(passed)),
+                          "n": len(passed)})
+    return lines
+
+
+def _evaluate_once(path, stage, **kwargs):
+    """Evaluates unless eval.jsonl already has this stage (a resumed run)."""
+    done = [r for r in metrics_lib.read_jsonl(path) if r.get("stage") == stage]
+    if done:
+        return done
+    lines = evaluate(stage=stage, **kwargs)
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(line) + "\n" for line in lines))
+    for line in lines:
+        logging.info("eval %(stage)s %(domain)s %(decoding)s: %(pass_rate).3f (n=%(n)d)", line)
+    return lines
+
+
+# ======================================================================================= run
+
+
+def run(config, workdir, *, mesh=None):
+    """The main job (see the module docstring). Configs without a `tasks` section run the
+    learner alone (SFT if sft.steps, then RL with its own rollout). Returns the eval lines."""
+    os.makedirs(workdir, exist_ok=True)
+    if "tasks" not in config:
+        learner_lib.check_config(config)
+        params = learner_lib.sft(config, os.path.join(workdir, "sft"), mesh=mesh) \
+            if config.sft.steps else None
+        learner_lib.train(config, workdir, params=params, mesh=mesh)
+        return []
+
+    # ------------------------------------------------------------ set-up
+    check_config(config)
+    tokenizer = _tokenizer(config)
+    config = resolve(config, workdir, tokenizer)
+    train, heldout = make_tasks(config, tokenizer, workdir)
+    lcfg = learner_part(config)
+    mesh = sharding.mesh_from_config(lcfg.mesh) if mesh is None else mesh
+    abstract_model = nnx.eval_shape(lambda: model_lib.Transformer(
+        learner_lib.model_config(lcfg), rngs=nnx.Rngs(0), mesh=mesh))
+    sampler = sampler_lib.Sampler(abstract_model, seed=config.seed,
+                                  pad_id=tokenizer.pad_token_id or 0, decode=tokenizer.decode)
+    eval_path = os.path.join(workdir, "eval.jsonl")
+
+    with sandbox.Pool(config.sandbox.workers, backend=config.sandbox.backend) as pool:
+        ev = dict(sampler=sampler, heldout=heldout, tokenizer=tokenizer, config=config,
+                  pool=pool)
+        # -------------------------------------------------------- SFT, then its evaluation
+        params = None
+        if config.sft.steps:
+            params = learner_lib.sft(lcfg, os.path.join(workdir, "sft"), mesh=mesh,
+                                     tokenizer=tokenizer)
+            _evaluate_once(eval_path, "sft", params=params, step=config.sft.steps, **ev)
+        # -------------------------------------------------------- RL, then its evaluation
+        producer = TaskProducer(sampler, tokenizer, config, pool)
+        params = learner_lib.train(lcfg, workdir, params=params, producer=producer, mesh=mesh,
+                                   tokenizer=tokenizer)
+        _evaluate_once(eval_path, "rl", params=params, step=config.steps, **ev)
+    plot_rewards(workdir, config.tasks.domains)
+    return metrics_lib.read_jsonl(eval_path)
+
+
+def resolve(config, workdir, tokenizer) -> ml_collections.ConfigDict:
+    """A copy with what the run derives filled in: the vocabulary (model.vocab_size 0 means
+    the tokenizer's), the RL prompt stream (one task file per domain, with its weight), the
+    synthetic SFT demonstrations, and the tokenizer's EOS among the stop tokens."""
+    out = ml_collections.ConfigDict(config.to_dict())
+    if out.model.vocab_size == 0:
+        out.model.vocab_size = tokenizer.vocab_size
+    out.data.sources = tuple((_task_file(workdir, d, "train"), float(w))
+                             for d, w in zip(out.tasks.domains, out.tasks.weights))
+    out.data.records_fn = None
+    if out.tasks.source == "synthetic":
+        out.sft.sources = (os.path.join(workdir, "tasks", "sft.jsonl"),)
+        out.sft.records_fn = None
+    stop = tuple(out.sampling.stop_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stop:
+        out.sampling.stop_token_ids = stop + (tokenizer.eos_token_id,)
+    out.lock()
+    return out
+
+
+def _tokenizer(config):
+    if config.tasks.source == "synthetic":
+        return synthetic_tasks.WordTokenizer.for_tasks()
+    if not config.tokenizer:
+        raise ValueError("tasks.source='jsonl' needs config.tokenizer (a local HF directory)")
+    from ptrain import hf
+    return hf.load_tokenizer(config.tokenizer)
+
+
+def plot_rewards(workdir, domains) -> str:
+    """<workdir>/reward_curve.png: RL reward per domain, and the held-out pass rates."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    evals = metrics_lib.read_jsonl(os.path.join(workdir, "eval.jsonl"))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    for domain in domains:
+        key = f"reward/{domain}/mean"
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            steps, values = zip(*points)
+            window = max(1, len(values) // 20)
+            smooth = np.convolve(values, np.ones(window) / window, mode="valid")
+            ax.plot(steps[window - 1:], smooth, label=domain)
+    ax.set(xlabel="RL step", ylabel="mean reward", title="training reward", ylim=(-0.02, 1.02))
+    ax.legend()
+    greedy = [e for e in evals if e["decoding"] == "greedy"]
+    width = 0.38
+    for j, stage in enumerate(("sft", "rl")):
+        values = [next((e["pass_rate"] for e in greedy
+                        if e["stage"] == stage and e["domain"] == d), 0.0) for d in domains]
+        bx.bar(np.arange(len(domains)) + (j - 0.5) * width, values, width, label=f"after {stage}")
+    bx.set(xticks=range(len(domains)), xticklabels=domains, ylim=(0, 1),
+           ylabel="held-out pass rate (greedy)", title="held-out evaluation")
+    bx.legend()
+    fig.tight_layout()
+    path = os.path.join(workdir, "reward_curve.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
