@@ -311,7 +311,10 @@ def lay_state(fd, root, entries):
     for entry in entries:
         rel, kind, mode, mtime = entry[:4]
         path = os.path.join(root, rel)
-        if kind == "d":
+        if rel == ".":
+            if mode != stat.S_IMODE(os.stat(root).st_mode):
+                dirs.insert(0, (root, mode, None))
+        elif kind == "d":
             os.mkdir(path, 0o700)
             dirs.append((path, mode, mtime))
         elif kind == "f":
@@ -335,12 +338,14 @@ def lay_state(fd, root, entries):
         os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
     for path, mode, mtime in reversed(dirs):  # deepest first: a read-only dir is filled
         os.chmod(path, mode)
-        os.utime(path, ns=(mtime, mtime))
+        if mtime is not None:
+            os.utime(path, ns=(mtime, mtime))
 
 
 def collect_state(root, max_bytes, max_entries):
     """The work dir as entries [path, kind, mode, mtime_ns(, size | symlink target)] in an
-    order `lay_state` can replay (kind: d, f, l, p; sockets and device nodes are left out)
+    order `lay_state` can replay (kind: d, f, l, p; sockets and device nodes are left out;
+    the first, ".", is the work dir itself, for its mode)
     and its regular files [(path, size)] in entry order; or (None, None, why) when its files
     and names pass `max_bytes` or its entries `max_entries`, or it cannot be read whole (the
     modes changed to read it are put back then). Names and symlink targets are the only
@@ -349,6 +354,11 @@ def collect_state(root, max_bytes, max_entries):
     entries, files, total, changed = [], [], 0, []
     stack = [""]
     try:
+        mode = stat.S_IMODE(os.stat(root).st_mode)
+        entries.append([".", "d", mode, 0])  # its mode only (docker's /work is root's)
+        if mode & 0o700 != 0o700:
+            os.chmod(root, mode | 0o700)
+            changed.append((root, mode))
         while stack:
             top = stack.pop()
             with os.scandir(os.path.join(root, top) if top else root) as found:
@@ -394,25 +404,39 @@ def _put_back(changed, why):
 
 
 def list_files(root, max_bytes):
-    """[(relative path, size)] of the regular files under `root` (no symlinks followed), up
-    to `max_bytes` in total, and whether some were left out."""
-    files, total, truncated = [], 0, False
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(filenames):
-            path = os.path.join(dirpath, name)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                continue
-            if total + st.st_size > max_bytes:
-                truncated = True
-                continue
-            total += st.st_size
-            files.append((os.path.relpath(path, root), st.st_size))
-    return files, truncated
+    """[(relative path, size)] of the regular files under `root` (no symlinks followed; in
+    each directory its files by name, then its subdirectories), up to `max_bytes` in total;
+    whether some were left out (past `max_bytes`, or unreadable); and the modes opened up to
+    read them, [(path, mode)], to put back (`_put_back`) once they are stashed."""
+    files, total, truncated, changed = [], 0, False, []
+    stack = [""]
+    while stack:
+        top = stack.pop()
+        try:
+            with os.scandir(os.path.join(root, top) if top else root) as found:
+                items = sorted(found, key=lambda item: item.name)
+            subdirs = []
+            for item in items:
+                st = item.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    need = 0o500
+                    subdirs.append(os.path.join(top, item.name) if top else item.name)
+                elif stat.S_ISREG(st.st_mode) and total + st.st_size <= max_bytes:
+                    need = 0o400
+                    total += st.st_size
+                    files.append((os.path.join(top, item.name) if top else item.name,
+                                  st.st_size))
+                else:
+                    truncated = truncated or stat.S_ISREG(st.st_mode)
+                    continue
+                mode = stat.S_IMODE(st.st_mode)
+                if mode & need != need:
+                    os.chmod(item.path, mode | need)
+                    changed.append((item.path, mode))
+            stack.extend(reversed(subdirs))
+        except OSError:
+            truncated = True  # a directory it cannot read (deeper than PATH_MAX, ...)
+    return files, truncated, changed
 
 
 def stash_files(root, files):
@@ -857,6 +881,17 @@ def reset(cfg, modes):
     return clean
 
 
+def _return_files(cfg, max_bytes, result, blobs, sizes):
+    """The work dir's regular files into the reply: names in `files`, contents as blobs."""
+    files, truncated, changed = list_files(cfg["workdir"], max_bytes)
+    fd, total, whole = stash_files(cfg["workdir"], files)
+    _put_back(changed, None)
+    result["files"] = [name for name, _ in files]
+    result["files_truncated"] = truncated or not whole
+    blobs.append((fd, total))
+    sizes += [size for _, size in files]
+
+
 def _collect(cfg, caps, result, blobs, sizes):
     """A session's work dir after its run, to go back to the host: its entries in the reply
     (`state`) and its files as one more blob; True if so, False (and why in `state_kept`)
@@ -928,11 +963,7 @@ def serve(cfg):
             sizes = [size for _, size in blobs]
             done = "error" not in result
             if done and msg.get("return_files"):
-                files, result["files_truncated"] = list_files(cfg["workdir"],
-                                                              msg["max_files_bytes"])
-                result["files"] = [name for name, _ in files]
-                blobs.append(stash_files(cfg["workdir"], files)[:2])
-                sizes += [size for _, size in files]
+                _return_files(cfg, msg["max_files_bytes"], result, blobs, sizes)
             keep = msg.get("keep_state")
             if done and msg.get("collect"):
                 keep = not _collect(cfg, msg["collect"], result, blobs, sizes)
@@ -941,10 +972,8 @@ def serve(cfg):
         elif op == "reset":
             result = {"clean": reset(cfg, modes)}
         elif op == "files":
-            files, truncated = list_files(cfg["workdir"], msg["max_bytes"])
-            result = {"files": [name for name, _ in files], "files_truncated": truncated}
-            blobs = [stash_files(cfg["workdir"], files)[:2]]
-            sizes = [size for _, size in files]
+            result = {}
+            _return_files(cfg, msg["max_bytes"], result, blobs, sizes)
         elif op == "status":
             result = {"parked": parked.pid if parked else None}
         else:

@@ -3,8 +3,8 @@ its own: each run lays it into whichever warm worker is free and collects it bac
 
 The fork server collects it (`forkserver.collect_state`) as entries in an order it can
 replay, `[path, kind, mode, mtime_ns]` plus the size of a file (kind "f") or the target of a
-symlink ("l"); kinds "d" (directory) and "p" (fifo) have nothing more. The regular files'
-contents are one byte string, in entry order.
+symlink ("l"); kinds "d" (directory) and "p" (fifo) have nothing more; path "." is the work
+dir itself. The regular files' contents are one byte string, in entry order.
 """
 
 import dataclasses
@@ -70,7 +70,9 @@ class WorkDir:
 
 
 def _parents(path: str):
+    """The directories `path` is in, up to the work dir itself (".")."""
     parent = posixpath.dirname(path)
     while parent:
         yield parent
         parent = posixpath.dirname(parent)
+    yield "."
