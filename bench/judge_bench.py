@@ -5,7 +5,8 @@
 
 Prints the median wall time per call, calls/s for one caller and through a Pool, and the ratio
 to the cold interpreter. Trials are interleaved (cold, run, judge, ...) so a busy machine
-slows all of them alike.
+slows all of them alike. The "shipped" rows are the judge's paths for executors other than
+sandbox.run, which were also its default before (see the comments in `main`).
 """
 
 import argparse
@@ -50,11 +51,18 @@ def main():
                 judge.unit_tests(CODE, TESTS, backend=b), 10),
             "judge 10 stdio cases": lambda b=backend: _check(
                 judge.stdio(STDIO_CODE, CASES, backend=b), 10),
-            # What a fork server whose runs inherit no request data would allow (the zygote
-            # forked, not a fresh interpreter); not safe on one that does not declare it.
-            "judge 10 unit, forked Z": lambda b=backend: _check(judge.unit_tests(
+            # The default above forks the zygote (sandbox.run's fork server declares clean
+            # memory) and calls the harness its fork server preloaded. Without the preload
+            # (any `run=` executor: the harness is shipped and loaded per call):
+            "judge 10 unit, shipped": lambda b=backend: _check(judge.unit_tests(
                 CODE, TESTS, backend=judge.judge_backend(b), run=functools.partial(
                     sandbox.run, env={"SANDBOX_CLEAN_FORK": "1"})), 10),
+            # ... and without the clean-fork declaration (a fresh interpreter as zygote): the
+            # default path before both.
+            "judge 10 unit, shipped, fresh Z": lambda b=backend: _check(judge.unit_tests(
+                CODE, TESTS, backend=judge.judge_backend(b), run=sandbox.run), 10),
+            "judge 10 stdio, shipped, fresh Z": lambda b=backend: _check(judge.stdio(
+                STDIO_CODE, CASES, backend=judge.judge_backend(b), run=sandbox.run), 10),
         }
         for fn in calls.values():  # warm up: fork servers start, caches fill
             fn()
@@ -68,7 +76,12 @@ def main():
         print(f"\n[{backend}]  median ms/call   calls/s (1 caller)   x cold python")
         for name, ts in times.items():
             med = statistics.median(ts)
-            print(f"  {name:22s} {med * 1e3:8.2f}   {1 / med:10.1f}   {med / base:10.2f}")
+            print(f"  {name:32s} {med * 1e3:8.2f}   {1 / med:10.1f}   {med / base:10.2f}")
+        for kind, now, before in (
+                ("unit", "judge 10 unit tests", "judge 10 unit, shipped, fresh Z"),
+                ("stdio", "judge 10 stdio cases", "judge 10 stdio, shipped, fresh Z")):
+            ratio = statistics.median(times[now]) / statistics.median(times[before])
+            print(f"  {kind} judge now / the path before (shipped, fresh Z): {ratio:.2f}")
         unit = functools.partial(judge.unit_tests, backend=backend)
         with sandbox.Pool(args.pool_workers, backend=backend) as pool:
             list(pool.map(unit, [CODE] * 4, [TESTS] * 4))

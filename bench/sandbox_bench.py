@@ -3,13 +3,17 @@ server and cold, against a cold `python -I -S -c` measured in the same run.
 
     python bench/sandbox_bench.py [--runs 200] [--backends process,bwrap,docker]
 
-Workloads: `print(1+1)`, and a 10-test unittest file (what judging a solution costs).
+Workloads: `print(1+1)`, a 10-test unittest file (what judging a solution costs), a 3-turn
+Session alone, and the tool episodes of an RL step: many 3-turn Sessions at once, unpinned
+(the default: work dirs on the host, runs borrow warm workers) against pinned (a worker per
+session) in the same run.
 "cold" starts a fresh sandbox per run (for docker: a container per run); "fork server"
 forks a warm, pre-started interpreter inside the same isolation. runs/s is measured with one
 worker and with 2 workers in parallel (2 threads, as a pool on 2 cores would).
 """
 
 import argparse
+import concurrent.futures
 import os
 import statistics
 import subprocess
@@ -100,17 +104,64 @@ def cold_sandbox(backend: str, code: str):
     return fn
 
 
-def session(backend: str, turns: int):
-    """A multi-turn episode: open a Session (on a warm worker), `turns` runs, close."""
+def session(backend: str, turns: int, pinned: bool):
+    """A multi-turn episode: open a Session (warm workers are there), `turns` runs, close."""
     sandbox.warm(1, backend=backend)
 
     def fn():
-        with sandbox.Session(backend=backend) as s:
+        with sandbox.Session(backend=backend, pinned=pinned) as s:
             for i in range(turns):
                 r = s.run(f"import os\nopen('turn{i}', 'w').write('x')\n"
                           "print(len(os.listdir('.')))", timeout_s=30)
                 assert r.ok and r.stdout == f"{i + 1}\n".encode(), r
     return fn
+
+
+def concurrent_step(backend: str, n: int, turns: int, pinned: bool,
+                    threads: int) -> tuple[float, int]:
+    """The tool episodes of one RL step, as ptrain/rollout.py runs them: `n` Sessions opened
+    one after the other (each with its task's files), `turns` turns in which every session
+    runs one program (spread over `threads` threads), then all closed. Returns the wall time
+    and the most workers alive at once."""
+    peak = [0]
+
+    def turn(job):
+        i, s, t = job
+        r = s.run(f"import os\nopen('turn{t}', 'w').write(open('task.txt').read())\n"
+                  "print(len(os.listdir('.')))", timeout_s=30)
+        assert r.ok and r.stdout == f"{t + 2}\n".encode(), r
+        peak[0] = max(peak[0], len(sandbox.live_workers()))
+
+    start = time.perf_counter()
+    sessions = [sandbox.Session(backend=backend, pinned=pinned, files={"task.txt": str(i)})
+                for i in range(n)]
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for t in range(turns):
+            list(pool.map(turn, [(i, s, t) for i, s in enumerate(sessions)]))
+    for i, s in enumerate(sessions):
+        assert s.read_files()["turn0"] == str(i).encode()
+        s.close()
+    return time.perf_counter() - start, peak[0]
+
+
+def concurrent_rows(backend: str, n: int, turns: int, steps: int, threads: int) -> list:
+    """Pinned vs unpinned sessions, `steps` + 1 RL steps each: the first from no warm
+    worker, the others alternating between the modes (they share the warm workers)."""
+    first, later = {}, {True: [], False: []}
+    for pinned in (True, False):
+        sandbox.shutdown()
+        first[pinned] = concurrent_step(backend, n, turns, pinned, threads)
+    for _ in range(steps):
+        for pinned in (True, False):
+            later[pinned].append(concurrent_step(backend, n, turns, pinned, threads))
+    base = statistics.median(wall for wall, _ in later[True])
+    rows = []
+    for pinned in (True, False):
+        wall = statistics.median(w for w, _ in later[pinned])
+        peak = max(p for _, p in later[pinned] + [first[pinned]])
+        rows.append((backend, "pinned" if pinned else "unpinned", first[pinned][0] / n,
+                     wall / n, peak, wall / base))
+    return rows
 
 
 def cold_pythons(python: str, code: str, n: int):
@@ -130,6 +181,9 @@ def main():
     parser.add_argument("--runs", type=int, default=200, help="runs per warm measurement")
     parser.add_argument("--cold-runs", type=int, default=20, help="runs per cold sandbox")
     parser.add_argument("--backends", default="process,bwrap,docker")
+    parser.add_argument("--sessions", type=int, default=40, help="concurrent sessions per step")
+    parser.add_argument("--session-steps", type=int, default=3, help="steps per session mode")
+    parser.add_argument("--threads", type=int, default=8, help="threads running tool calls")
     args = parser.parse_args()
     python = "/usr/bin/python3" if sys.platform == "linux" else sys.executable
     rows = []
@@ -163,15 +217,19 @@ def main():
         _workers.clear()
     turns = 3
     base = cold_pythons(python, PRINT, turns)
-    for backend in args.backends.split(","):
-        if sandbox.unavailable_reason(sandbox.resolve(backend)) is not None:
-            continue
-        episode = session(backend, turns)
-        episode()
-        times, base_times = _interleaved(episode, base, args.runs // 4)
-        med, bmed = statistics.median(times), statistics.median(base_times)
-        rows.append((f"Session, {turns} turns", f"{backend} (warm worker) vs {turns} cold "
-                     "pythons", med, bmed, med / bmed, 1 / statistics.mean(times), None))
+    available = [b for b in args.backends.split(",")
+                 if sandbox.unavailable_reason(sandbox.resolve(b)) is None]
+    for backend in available:
+        for pinned in (False, True):
+            episode = session(backend, turns, pinned)
+            episode()
+            times, base_times = _interleaved(episode, base, args.runs // 4)
+            med, bmed = statistics.median(times), statistics.median(base_times)
+            mode = "pinned" if pinned else "unpinned"
+            rows.append((f"Session, {turns} turns", f"{backend} {mode} (warm) vs {turns} cold "
+                         "pythons", med, bmed, med / bmed, 1 / statistics.mean(times), None))
+    concurrent = [row for backend in available for row in concurrent_rows(
+        backend, args.sessions, turns, args.session_steps, args.threads)]
     print(f"# {os.cpu_count()} cores, load average {load_before:.1f} before and "
           f"{os.getloadavg()[0]:.1f} after; runs={args.runs}, cold runs={args.cold_runs}")
     print("# each path ran interleaved with cold python runs; the ratio is of the two medians")
@@ -182,6 +240,15 @@ def main():
         fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
         print(f"| {label} | {path} | {med * 1e3:.1f} | {bmed * 1e3:.1f} | {ratio:.2f} "
               f"| {fmt(tp1)} | {fmt(tp2)} |")
+    print(f"\n# {args.sessions} concurrent {turns}-turn sessions per RL step (opened one after "
+          f"the other, each turn's runs over {args.threads} threads, then closed); first step "
+          f"from no warm worker, then {args.session_steps} steps per mode, alternating")
+    print("| backend | sessions | first step ms/episode | later steps ms/episode (median) "
+          "| peak live workers | x pinned (later steps) |")
+    print("|---|---|---:|---:|---:|---:|")
+    for backend, mode, first, later, peak, ratio in concurrent:
+        print(f"| {backend} | {mode} | {first * 1e3:.1f} | {later * 1e3:.1f} | {peak} "
+              f"| {ratio:.2f} |")
     sandbox.shutdown()
 
 

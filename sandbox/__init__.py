@@ -14,15 +14,20 @@ Public API
       timeout_s=10.0, memory_mb=512, network=False, backend="auto", return_files=False,
       env=None, max_processes=64, max_output_bytes=1 MiB, max_file_mb=64, max_open_files=256,
       max_files_bytes=16 MiB, fork_server=True) -> Result
-  Session(*, backend="auto", memory_mb=512, max_processes=64, network=False, files=None)
+  Session(*, backend="auto", memory_mb=512, max_processes=64, network=False, files=None,
+          pinned=False, max_state_bytes=16 MiB, max_state_files=10000)
       .run(code=None, *, language, command, files, stdin, timeout_s, return_files, env,
            max_output_bytes, max_file_mb, max_open_files, max_files_bytes) -> Result
-      .write_files(files), .read_files(max_bytes) -> dict[str, bytes], .close(), .backend
+      .write_files(files), .read_files(max_bytes) -> dict[str, bytes], .close(), .backend,
+      .pinned, .worker: unpinned, the work dir lives on the host between runs and each run
+      borrows a warm worker; pinned, it holds one worker (and /tmp) for its life
   warm(n, *, backend, memory_mb, max_processes, network): start n idle workers now
+  live_workers() -> list[Worker]: those run/warm/Session started that are alive (at most
+      session.MAX_WORKERS_PER_KEY idle or lent per settings, plus one per pinned session)
   Worker(backend, Limits(memory_mb, max_processes, network))
       .run(Request(...), keep_state=False) -> Result, .reset(), .close(), .alive,
-      .processes(): one warm fork server (what run() keeps idle, a Session borrows and a
-      pool holds; one run at a time per worker)
+      .processes(): one warm fork server (what run() keeps idle and lends, a pinned Session
+      holds and a pool holds; one run at a time per worker)
   Request(code=..., ...): the validated per-run arguments of run(); .to_dict() and
       Request.from_dict() for JSON (same text / *_b64 convention as Result)
   Process(), Bwrap(), Docker(image=...): backend specs; "auto" = strongest available
@@ -54,13 +59,13 @@ from sandbox.backends import (BackendUnavailable, Bwrap, Docker, Limits, Process
                               unavailable_reason)
 from sandbox.request import Request
 from sandbox.result import Result
-from sandbox.session import Session, run, shutdown, warm
+from sandbox.session import Session, live_workers, run, shutdown, warm
 from sandbox.worker import Worker, WorkerError
 
 __all__ = [
     "BackendUnavailable", "Bwrap", "Docker", "Limits", "Process", "Request", "Result",
-    "Session", "Worker", "WorkerError", "resolve", "run", "shutdown", "unavailable_reason",
-    "warm",
+    "Session", "Worker", "WorkerError", "live_workers", "resolve", "run", "shutdown",
+    "unavailable_reason", "warm",
 ]
 
 # Services over run(): the pool, the judge, the tool registry (HTTP: sandbox.server).

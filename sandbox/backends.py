@@ -52,11 +52,17 @@ _UID_BASE = 500_000  # per-worker uids when the caller is root: 500000 + slot
 _UID_SLOTS = 4096
 
 
+# Each spec also has `preload`: (module name, Python source) pairs the fork server executes
+# once, as the bodies of modules of those names, after `preimport` and before it forks any
+# run (the judge's harness: sandbox/judge.py). Runs find them in sys.modules.
+
+
 @dataclasses.dataclass(frozen=True)
 class Process:
     """Plain processes on the host (weakest, needs nothing). Not a security boundary."""
     python: str = sys.executable
     preimport: tuple[str, ...] = PREIMPORT
+    preload: tuple[tuple[str, str], ...] = ()
     name = "process"
 
 
@@ -66,6 +72,7 @@ class Bwrap:
     python: str = "/usr/bin/python3"
     ro_binds: tuple[str, ...] = ()
     preimport: tuple[str, ...] = PREIMPORT
+    preload: tuple[tuple[str, str], ...] = ()
     name = "bwrap"
 
 
@@ -75,6 +82,7 @@ class Docker:
     image: str = "ptrain-sandbox:latest"
     python: str = "/usr/bin/python3"
     preimport: tuple[str, ...] = PREIMPORT
+    preload: tuple[tuple[str, str], ...] = ()
     name = "docker"
 
 
@@ -311,7 +319,8 @@ def start(spec, limits: Limits, *, preimport: bool = True) -> Handle:
     reason = unavailable_reason(spec)
     if reason is not None:
         raise BackendUnavailable(f"backend {spec.name!r} is unavailable: {reason}")
-    modules = list(spec.preimport) if preimport else []
+    modules = {"preimport": list(spec.preimport) if preimport else [],
+               "preload": [list(p) for p in spec.preload] if preimport else []}
     if isinstance(spec, Docker):
         return _start_docker(spec, limits, modules)
     host_end, server_end = socket.socketpair()
@@ -371,10 +380,10 @@ def _new_cgroup(limits: Limits) -> cgroups.Cgroup | None:
 
 
 def _server_config(modules, channel, workdir, tmpdirs, **extra) -> dict:
+    """`modules`: {"preimport": [names], "preload": [[name, source]]}."""
     return {
         "channel": channel, "workdir": workdir, "tmpdir": tmpdirs[0],
-        "wipe": list(tmpdirs) + [workdir],
-        "path": _PATH, "preimport": modules, **extra,
+        "wipe": list(tmpdirs) + [workdir], "path": _PATH, **modules, **extra,
     }
 
 

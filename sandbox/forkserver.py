@@ -22,7 +22,6 @@ raw bytes whose sizes the header gives (`payload` to the server; `blobs` back).
 """
 
 import atexit
-import base64
 import builtins
 import gc
 import json
@@ -266,58 +265,202 @@ def _inside(root, rel):
     return path
 
 
-def write_files(root, files_b64):
-    for rel, b64 in files_b64.items():
-        path = _inside(root, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(base64.b64decode(b64))
+def _pump(src, dst, n):
+    """Copy `n` bytes from fd `src` to fd `dst` through the buffer (never a Python object)."""
+    while n:
+        got = _used(os.readv(src, [_VIEW[:min(n, len(_BUF))]]))
+        if not got:
+            raise EOFError("the request ended early")
+        _write_all(dst, _VIEW[:got])
+        n -= got
+
+
+def lay_in(fd, root, req):
+    """Read the raw part of a request from `fd`: its stdin into a memfd (returned, or
+    /dev/null), a session's work dir (`state`), then its `files`, each straight from the
+    socket to its destination through the buffer, which is zeroed afterwards: no byte of it
+    becomes a Python object of the run's process (the judge forks from it, see
+    judge_harness.py)."""
+    try:
+        if req["stdin"] is None:
+            stdin = os.open(os.devnull, os.O_RDONLY)
+        else:
+            stdin = _memfd("stdin")
+            _pump(fd, stdin, req["stdin"])
+            os.lseek(stdin, 0, os.SEEK_SET)
+        if req.get("state"):
+            lay_state(fd, root, req["state"])
+        for rel, size in req["files"]:
+            path = _inside(root, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            try:
+                _pump(fd, out, size)
+            finally:
+                os.close(out)
+        return stdin
+    finally:
+        _zero_buffer()
+
+
+def lay_state(fd, root, entries):
+    """Recreate a work dir from `collect_state`'s entries (parents before children) into the
+    empty `root`, file contents read from `fd`: directories, files and fifos with their modes
+    and mtimes, then symlinks (last: no entry is laid through one)."""
+    dirs, links = [], []
+    for entry in entries:
+        rel, kind, mode, mtime = entry[:4]
+        path = os.path.join(root, rel)
+        if rel == ".":
+            if mode != stat.S_IMODE(os.stat(root).st_mode):
+                dirs.insert(0, (root, mode, None))
+        elif kind == "d":
+            os.mkdir(path, 0o700)
+            dirs.append((path, mode, mtime))
+        elif kind == "f":
+            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                _pump(fd, out, entry[4])
+                os.fchmod(out, mode)
+                os.utime(out, ns=(mtime, mtime))
+            finally:
+                os.close(out)
+        elif kind == "p":
+            os.mkfifo(path, 0o600)
+            os.chmod(path, mode)
+            os.utime(path, ns=(mtime, mtime))
+        elif kind == "l":
+            links.append((path, entry[4], mtime))
+        else:
+            raise ValueError("unknown work dir entry %r" % (kind,))
+    for path, target, mtime in links:
+        os.symlink(target, path)
+        os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
+    for path, mode, mtime in reversed(dirs):  # deepest first: a read-only dir is filled
+        os.chmod(path, mode)
+        if mtime is not None:
+            os.utime(path, ns=(mtime, mtime))
+
+
+def collect_state(root, max_bytes, max_entries):
+    """The work dir as entries [path, kind, mode, mtime_ns(, size | symlink target)] in an
+    order `lay_state` can replay (kind: d, f, l, p; sockets and device nodes are left out;
+    the first, ".", is the work dir itself, for its mode)
+    and its regular files [(path, size)] in entry order; or (None, None, why) when its files
+    and names pass `max_bytes` or its entries `max_entries`, or it cannot be read whole (the
+    modes changed to read it are put back then). Names and symlink targets are the only
+    part of it that become Python objects here: they count towards `max_bytes`, and the
+    walk stops as soon as a cap is passed."""
+    entries, files, total, changed = [], [], 0, []
+    stack = [""]
+    try:
+        mode = stat.S_IMODE(os.stat(root).st_mode)
+        entries.append([".", "d", mode, 0])  # its mode only (docker's /work is root's)
+        if mode & 0o700 != 0o700:
+            os.chmod(root, mode | 0o700)
+            changed.append((root, mode))
+        while stack:
+            top = stack.pop()
+            with os.scandir(os.path.join(root, top) if top else root) as found:
+                for item in found:
+                    rel = os.path.join(top, item.name) if top else item.name
+                    st = item.stat(follow_symlinks=False)
+                    mode, mtime = stat.S_IMODE(st.st_mode), st.st_mtime_ns
+                    need, total = 0, total + len(rel) + 64
+                    if stat.S_ISDIR(st.st_mode):
+                        entries.append([rel, "d", mode, mtime])
+                        stack.append(rel)
+                        need = 0o700
+                    elif stat.S_ISREG(st.st_mode):
+                        entries.append([rel, "f", mode, mtime, st.st_size])
+                        files.append((rel, st.st_size))
+                        total += st.st_size
+                        need = 0o400
+                    elif stat.S_ISLNK(st.st_mode):
+                        if total + st.st_size <= max_bytes:  # the target's length
+                            entries.append([rel, "l", 0, mtime, os.readlink(item.path)])
+                        total += st.st_size
+                    elif stat.S_ISFIFO(st.st_mode):
+                        entries.append([rel, "p", mode, mtime])
+                    if total > max_bytes or len(entries) > max_entries:
+                        return _put_back(changed, "its files and names pass max_state_bytes"
+                                         "=%d or its entries max_state_files=%d"
+                                         % (max_bytes, max_entries))
+                    if mode & need != need:
+                        os.chmod(item.path, mode | need)
+                        changed.append((item.path, mode))
+    except OSError as e:
+        return _put_back(changed, "it cannot be read whole (%s)" % (e,))
+    return entries, files, None
+
+
+def _put_back(changed, why):
+    for path, mode in reversed(changed):
+        try:
+            os.chmod(path, mode)
+        except OSError:
+            pass
+    return None, None, why
 
 
 def list_files(root, max_bytes):
-    """[(relative path, size)] of the regular files under `root` (no symlinks followed), up
-    to `max_bytes` in total, and whether some were left out."""
-    files, total, truncated = [], 0, False
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(filenames):
-            path = os.path.join(dirpath, name)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                continue
-            if total + st.st_size > max_bytes:
-                truncated = True
-                continue
-            total += st.st_size
-            files.append((os.path.relpath(path, root), st.st_size))
-    return files, truncated
+    """[(relative path, size)] of the regular files under `root` (no symlinks followed; in
+    each directory its files by name, then its subdirectories), up to `max_bytes` in total;
+    whether some were left out (past `max_bytes`, or unreadable); and the modes opened up to
+    read them, [(path, mode)], to put back (`_put_back`) once they are stashed."""
+    files, total, truncated, changed = [], 0, False, []
+    stack = [""]
+    while stack:
+        top = stack.pop()
+        try:
+            with os.scandir(os.path.join(root, top) if top else root) as found:
+                items = sorted(found, key=lambda item: item.name)
+            subdirs = []
+            for item in items:
+                st = item.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    need = 0o500
+                    subdirs.append(os.path.join(top, item.name) if top else item.name)
+                elif stat.S_ISREG(st.st_mode) and total + st.st_size <= max_bytes:
+                    need = 0o400
+                    total += st.st_size
+                    files.append((os.path.join(top, item.name) if top else item.name,
+                                  st.st_size))
+                else:
+                    truncated = truncated or stat.S_ISREG(st.st_mode)
+                    continue
+                mode = stat.S_IMODE(st.st_mode)
+                if mode & need != need:
+                    os.chmod(item.path, mode | need)
+                    changed.append((item.path, mode))
+            stack.extend(reversed(subdirs))
+        except OSError:
+            truncated = True  # a directory it cannot read (deeper than PATH_MAX, ...)
+    return files, truncated, changed
 
 
 def stash_files(root, files):
     """Copy `files` (from list_files) one after the other into a memfd, kernel to kernel,
-    so that they can be sent after the work dir is wiped. Returns (fd, total size)."""
-    store, total = _memfd("files"), 0
+    so that they can be sent after the work dir is wiped. Returns (fd, total size, whether
+    every file was read in full: one that could not be is sent as zeros)."""
+    store, total, whole = _memfd("files"), 0, True
     for rel, size in files:
         try:
             fd = os.open(os.path.join(root, rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
-            fd = os.open(os.devnull, os.O_RDONLY)
+            fd, whole = os.open(os.devnull, os.O_RDONLY), False
         try:
             copied = 0
             while copied < size:
                 n = os.sendfile(store, fd, copied, size - copied)
                 if not n:  # shorter than it was listed: pad, the host expects `size`
                     _write_all(store, _ZEROS[:min(size - copied, len(_ZEROS))])
-                    n = min(size - copied, len(_ZEROS))
+                    n, whole = min(size - copied, len(_ZEROS)), False
                 copied += n
         finally:
             os.close(fd)
         total += size
-    return store, total
+    return store, total, whole
 
 
 def wipe(path):
@@ -405,14 +548,13 @@ def _child(cfg, out_w, err_w, ctl):
         os.environ.update(env)
         req = _read_request(3)
         try:
-            write_files(cfg["workdir"], req["files"])
+            stdin_fd = lay_in(3, cfg["workdir"], req)
         except (OSError, ValueError) as e:
             _write_all(3, ("cannot lay out the files: %s" % (e,)).encode())
             os._exit(126)
         if req.get("put"):  # a session's files, nothing to run
             os._exit(0)
         os.close(3)
-        stdin_fd = _stdin_fd(req["stdin"])
         os.dup2(stdin_fd, 0)
         os.close(stdin_fd)
         _set_rlimits(cfg, req)
@@ -441,6 +583,9 @@ def _child(cfg, out_w, err_w, ctl):
 
 
 def _read_request(fd):
+    """The request's JSON part (code, names, sizes; never stdin or file contents, which
+    follow it raw and are read by `lay_in`)."""
+    _read_exact(fd, 8)  # the size of the whole payload
     (size,) = struct.unpack(">Q", _read_exact(fd, 8))
     return json.loads(_read_exact(fd, size).decode("utf-8"))
 
@@ -591,15 +736,6 @@ def _memfd(name):
         return fd
 
 
-def _stdin_fd(data):
-    if data is None:
-        return os.open(os.devnull, os.O_RDONLY)
-    fd = _memfd("stdin")
-    _write_all(fd, base64.b64decode(data))
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
 class Parked:
     """A child forked ahead of its run (after the previous run ended and was cleaned up),
     parked on a socket until the request comes: the fork and the set-up common to all runs
@@ -745,6 +881,35 @@ def reset(cfg, modes):
     return clean
 
 
+def _return_files(cfg, max_bytes, result, blobs, sizes):
+    """The work dir's regular files into the reply: names in `files`, contents as blobs."""
+    files, truncated, changed = list_files(cfg["workdir"], max_bytes)
+    fd, total, whole = stash_files(cfg["workdir"], files)
+    _put_back(changed, None)
+    result["files"] = [name for name, _ in files]
+    result["files_truncated"] = truncated or not whole
+    blobs.append((fd, total))
+    sizes += [size for _, size in files]
+
+
+def _collect(cfg, caps, result, blobs, sizes):
+    """A session's work dir after its run, to go back to the host: its entries in the reply
+    (`state`) and its files as one more blob; True if so, False (and why in `state_kept`)
+    when it is too large or unreadable, and so stays where it is."""
+    entries, files, why = collect_state(cfg["workdir"], caps["max_bytes"], caps["max_files"])
+    if entries is not None:
+        fd, total, whole = stash_files(cfg["workdir"], files)
+        if whole:
+            result["state"] = entries
+            blobs.append((fd, total))
+            sizes.append(total)
+            return True
+        os.close(fd)
+        why = "a file of it could not be read"
+    result["state_kept"] = why
+    return False
+
+
 # ---------------------------------------------------------------------------------------------
 # The server loop
 # ---------------------------------------------------------------------------------------------
@@ -765,6 +930,10 @@ def serve(cfg):
             __import__(name)
         except Exception:  # noqa: BLE001 (a module the image lacks is simply not pre-imported)
             pass
+    for name, source in cfg.get("preload", ()):  # trusted code of the host's (the judge's)
+        module = types.ModuleType(name)
+        sys.modules[name] = module
+        exec(compile(source, name + ".py", "exec"), module.__dict__)
     killer = Killer(cfg)
     for path in [cfg["workdir"]] + list(cfg["wipe"]):
         os.makedirs(path, exist_ok=True)
@@ -783,30 +952,28 @@ def serve(cfg):
         if msg is None or msg.get("op") == "exit":
             break
         op, blobs, sizes = msg.get("op"), [], []
-        if op == "run":
-            result, blobs, host_gone = run_one(cfg, msg, chan, killer, parked or Parked(cfg))
-            parked = None
-            if host_gone:
-                break
+        if op in ("run", "put"):
+            child, parked = parked or Parked(cfg), None
+            if op == "run":
+                result, blobs, host_gone = run_one(cfg, msg, chan, killer, child)
+                if host_gone:
+                    break
+            else:
+                result = run_put(cfg, msg, chan, killer, child)
             sizes = [size for _, size in blobs]
-            if msg["return_files"] and "error" not in result:
-                files, result["files_truncated"] = list_files(cfg["workdir"],
-                                                              msg["max_files_bytes"])
-                result["files"] = [name for name, _ in files]
-                blobs.append(stash_files(cfg["workdir"], files))
-                sizes += [size for _, size in files]
-            if not msg.get("keep_state") and not reset(cfg, modes):
+            done = "error" not in result
+            if done and msg.get("return_files"):
+                _return_files(cfg, msg["max_files_bytes"], result, blobs, sizes)
+            keep = msg.get("keep_state")
+            if done and msg.get("collect"):
+                keep = not _collect(cfg, msg["collect"], result, blobs, sizes)
+            if not keep and not reset(cfg, modes):
                 result["clean"] = False  # the host replaces this worker
         elif op == "reset":
             result = {"clean": reset(cfg, modes)}
-        elif op == "put":
-            result = run_put(cfg, msg, chan, killer, parked or Parked(cfg))
-            parked = None
         elif op == "files":
-            files, truncated = list_files(cfg["workdir"], msg["max_bytes"])
-            result = {"files": [name for name, _ in files], "files_truncated": truncated}
-            blobs = [stash_files(cfg["workdir"], files)]
-            sizes = [size for _, size in files]
+            result = {}
+            _return_files(cfg, msg["max_bytes"], result, blobs, sizes)
         elif op == "status":
             result = {"parked": parked.pid if parked else None}
         else:

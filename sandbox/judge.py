@@ -42,14 +42,26 @@ def _payload(name: str):
 
 @functools.lru_cache(maxsize=None)
 def harness_code() -> str:
-    """The program of a judge run. Compiling the harness costs ~20 ms, more than the rest of
-    a judge call: an interpreter of our version gets it compiled (marshal), any other its
-    source. Built once per process, on first use."""
+    """The program of a judge run on any executor. Compiling the harness costs ~20 ms, more
+    than the rest of a judge call: an interpreter of our version gets it compiled (marshal),
+    any other its source. Built once per process, on first use."""
+    return _bootstrap(f"sys.implementation.cache_tag == {sys.implementation.cache_tag!r}",
+                      {name: _payload(name) for name in _MODULES})
+
+
+@functools.lru_cache(maxsize=None)
+def preload_source() -> str:
+    """The harness as the body of a module `judge_harness` that a fork server executes once,
+    before it forks any run (`judge_backend`); a run then only calls its `main`. Sources
+    only (the server compiles them in its own Python, whatever its version)."""
+    return _bootstrap("False", {name: ("", _payload(name)[1]) for name in _MODULES}) + (
+        '_load_module("judge_pytest")\n')
+
+
+def _bootstrap(use_marshal: str, payload: dict) -> str:
     return f"""import sys
-_JUDGE_MARSHAL = sys.implementation.cache_tag == {sys.implementation.cache_tag!r}
-_JUDGE_PAYLOAD = {{"judge_harness": {_payload("judge_harness")!r},
-                  "judge_rpc": {_payload("judge_rpc")!r},
-                  "judge_pytest": {_payload("judge_pytest")!r}}}
+_JUDGE_MARSHAL = {use_marshal}
+_JUDGE_PAYLOAD = {payload!r}
 import binascii, zlib
 _code = _JUDGE_PAYLOAD["judge_harness"]
 if _JUDGE_MARSHAL:
@@ -58,6 +70,11 @@ if _JUDGE_MARSHAL:
 else:
     exec(compile(zlib.decompress(binascii.a2b_base64(_code[1])), "judge_harness.py", "exec"))
 """
+
+
+_MODULES = ("judge_harness", "judge_rpc", "judge_pytest")
+# A judge run on a fork server that preloaded the harness (see `judge_backend`).
+_PRELOADED_RUN = "import sys\nsys.modules['judge_harness'].main()\n"
 
 # What the harness's trusted process imports beyond a fork server's defaults: judge runs go
 # to fork servers that import these once, before they fork.
@@ -223,11 +240,16 @@ def parse_report(stdout: bytes, key: bytes):
 
 def _execute(mode, code, payload, timeout_s, memory_mb, backend, run):
     if run is None:
+        # sandbox.run's fork server hands a run its stdin (the key, the tests) without it
+        # ever becoming an object in the run's memory (forkserver.lay_in), so the harness may
+        # fork its zygote before it reads them (judge_harness.py) rather than start one.
         import sandbox
-        run = sandbox.run
-        backend = judge_backend(backend)
+        run = functools.partial(sandbox.run, env={"SANDBOX_CLEAN_FORK": "1"})
+        backend, program = judge_backend(backend), _PRELOADED_RUN
+    else:
+        program = harness_code()
     key = secrets.token_bytes(_harness().KEY_BYTES)
-    result = run(code=harness_code(), language="python",
+    result = run(code=program, language="python",
                  stdin=build_stdin(mode, code, payload, key),
                  timeout_s=float(timeout_s) + _SLACK_S, memory_mb=memory_mb, backend=backend)
     report = parse_report(_as_bytes(result.stdout), key)
@@ -245,10 +267,13 @@ def _harness():
 
 
 def judge_backend(backend):
-    """`backend` (a name, "auto" or a spec) with the harness's modules pre-imported."""
+    """`backend` (a name, "auto" or a spec) with the harness's modules pre-imported and the
+    harness itself preloaded in its fork servers."""
     spec = backends.resolve(backend)
     preimport = tuple(dict.fromkeys(tuple(spec.preimport) + JUDGE_PREIMPORT))
-    return dataclasses.replace(spec, preimport=preimport)
+    preload = tuple(p for p in spec.preload if p[0] != "judge_harness") + (
+        ("judge_harness", preload_source()),)
+    return dataclasses.replace(spec, preimport=preimport, preload=preload)
 
 
 def _as_bytes(data):

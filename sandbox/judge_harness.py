@@ -43,9 +43,15 @@ REPORT_PREFIX = b"JUDGE-REPORT "
 KEY_BYTES = 32
 
 
+_LOADED = {}
+
+
 def _load_module(name):
-    """Another module of the judge: from the payload the run was given (the bootstrap's
-    globals, see sandbox/judge.py), else from beside this file (on the host)."""
+    """Another module of the judge (once per process): from the payload the run was given
+    (the bootstrap's globals, see sandbox/judge.py), else from beside this file (on the
+    host)."""
+    if name in _LOADED:
+        return _LOADED[name]
     payload = globals().get("_JUDGE_PAYLOAD", {}).get(name)
     module = type(sys)(name)
     if payload is None:
@@ -59,6 +65,7 @@ def _load_module(name):
         import zlib
         code = compile(zlib.decompress(binascii.a2b_base64(payload[1])), name + ".py", "exec")
     exec(code, module.__dict__)
+    _LOADED[name] = module
     return module
 
 

@@ -111,14 +111,15 @@ class Request:
                              f"{sorted(names | {'files_b64', 'stdin_b64'})}")
         return cls(files=files, **d)
 
-    def to_wire(self) -> dict:
-        """The JSON-able form sent to a sandbox worker (bytes base64-encoded)."""
+    def to_wire(self) -> tuple[dict, list[bytes]]:
+        """What a sandbox worker is sent: a JSON-able dict (sizes in place of stdin and file
+        contents) and the raw bytes it announces, in order: stdin, then the files."""
         d = dataclasses.asdict(self)
         d["command"] = list(self.command) if self.command is not None else None
-        d["files"] = {p: base64.b64encode(b).decode("ascii") for p, b in self.files.items()}
+        d["files"] = [[path, len(data)] for path, data in self.files.items()]
         d["env"] = dict(self.env)
-        d["stdin"] = None if self.stdin is None else base64.b64encode(self.stdin).decode()
-        return d
+        d["stdin"] = None if self.stdin is None else len(self.stdin)
+        return d, ([self.stdin] if self.stdin is not None else []) + list(self.files.values())
 
 
 def _b64(text, what: str) -> bytes:

@@ -9,12 +9,14 @@ case a caller may retry.
 
 import json
 import logging
+import struct
 import threading
 import weakref
 
 from sandbox import backends, forkserver
 from sandbox.request import Request
 from sandbox.result import Result
+from sandbox.workdir import WorkDir
 
 log = logging.getLogger("sandbox")
 
@@ -58,26 +60,29 @@ class Worker:
         cannot be laid out; everything the program does comes back in the Result.
 
         Afterwards every process of the run is killed, and the work dir, /tmp, /dev/shm and
-        SysV IPC objects are emptied, unless keep_state=True (a session's turn: then only
-        the processes go; `reset()` empties the rest)."""
-        payload = json.dumps(request.to_wire(), separators=(",", ":")).encode()
-        header = {"op": "run", "payload": len(payload), "timeout_s": request.timeout_s,
-                  "max_output_bytes": request.max_output_bytes,
-                  "return_files": request.return_files,
-                  "max_files_bytes": request.max_files_bytes, "keep_state": keep_state}
-        with self._lock:
-            handle = self._live_handle()
-            oom_before = handle.oom_kills()
-            reply, blobs = self._call(header, payload, request.timeout_s + _WATCHDOG_GRACE_S)
-            if "error" in reply:
-                raise ValueError(reply["error"])
-            oom_after = handle.oom_kills()
-            self.runs += 1
-        if not reply.pop("clean", True):
-            log.warning("sandbox %s worker could not clean up after a run; closing it",
-                        self.backend)
-            self.close()
-        return _to_result(reply, blobs, self.backend, oom_before, oom_after)
+        SysV IPC objects are emptied, unless keep_state=True (a pinned session's turn: then
+        only the processes go; `reset()` empties the rest)."""
+        reply, blobs, oom = self._send("run", *request.to_wire(), _run_header(request, {
+            "keep_state": keep_state}), request.timeout_s + _WATCHDOG_GRACE_S)
+        return _to_result(reply, blobs, self.backend, oom)
+
+    def run_in(self, workdir: WorkDir, request: Request, *, max_bytes: int,
+               max_files: int) -> tuple[Result, WorkDir | None]:
+        """Run `request` in `workdir` (laid into the empty work dir first, the request's files
+        on top) and collect the work dir back afterwards (an unpinned session's turn). Returns
+        the Result and the new WorkDir, or None if the work dir passed `max_bytes` of files or
+        `max_files` entries (or could not be read whole): then it stays in this worker, as
+        after keep_state=True, and the caller holds on to the worker. Raises as `run`."""
+        wire, parts = request.to_wire()
+        entries, pending, state_parts = workdir.to_wire()
+        wire = {**wire, "state": entries, "files": pending + wire["files"]}
+        n_stdin = request.stdin is not None  # the raw bytes go stdin, state, files
+        parts = parts[:n_stdin] + state_parts + parts[n_stdin:]
+        collect = {"max_bytes": max_bytes, "max_files": max_files}
+        reply, blobs, oom = self._send("run", wire, parts, _run_header(request, {
+            "collect": collect}), request.timeout_s + _WATCHDOG_GRACE_S)
+        state = _take_state(reply, blobs)
+        return _to_result(reply, blobs, self.backend, oom), state
 
     def reset(self) -> None:
         """Empty the work dir, /tmp, /dev/shm and SysV IPC, as after a run without
@@ -89,14 +94,20 @@ class Worker:
             raise WorkerError(f"the {self.backend} worker could not be cleaned; closed it")
 
     def put_files(self, files: dict[str, bytes]) -> None:
-        """Write files into the work dir (sessions)."""
-        wire = {"put": True, "files": Request(code="", files=files).to_wire()["files"]}
-        payload = json.dumps(wire).encode()
-        with self._lock:
-            reply, _ = self._call({"op": "put", "payload": len(payload)}, payload,
-                                  _WATCHDOG_GRACE_S)
-        if "error" in reply:
-            raise ValueError(reply["error"])
+        """Write files into the work dir (pinned sessions); the work dir is kept."""
+        self._send("put", _put_wire(files), list(files.values()), {"keep_state": True},
+                   _WATCHDOG_GRACE_S)
+
+    def put_in(self, workdir: WorkDir, files: dict[str, bytes], *, max_bytes: int,
+               max_files: int) -> WorkDir | None:
+        """Lay in `workdir`, write `files` over it, and collect it back (as `run_in`, with
+        nothing run)."""
+        entries, pending, parts = workdir.to_wire()
+        wire = {**_put_wire(files), "state": entries}
+        wire["files"] = pending + wire["files"]
+        reply, blobs, _ = self._send("put", wire, parts + list(files.values()), {
+            "collect": {"max_bytes": max_bytes, "max_files": max_files}}, _WATCHDOG_GRACE_S)
+        return _take_state(reply, blobs)
 
     def read_files(self, max_bytes: int) -> tuple[dict[str, bytes], bool]:
         """The regular files in the work dir, and whether some passed `max_bytes`."""
@@ -132,6 +143,28 @@ class Worker:
         if self._handle is None:
             raise WorkerError(f"the {self.backend} worker is closed")
         return self._handle
+
+    def _send(self, op: str, wire: dict, parts: list[bytes], header: dict, timeout_s: float):
+        """A run or put: the JSON part of the request and its raw bytes, as the fork server's
+        child reads them (forkserver.lay_in). Returns the reply, its blobs, and whether the
+        cgroup counted an OOM kill meanwhile (None where it cannot know)."""
+        body = json.dumps(wire, separators=(",", ":")).encode()
+        payload = b"".join([struct.pack(">Q", len(body)), body, *parts])
+        with self._lock:
+            handle = self._live_handle()
+            oom_before = handle.oom_kills()
+            reply, blobs = self._call({"op": op, "payload": len(payload), **header}, payload,
+                                      timeout_s)
+            oom_after = handle.oom_kills()
+            self.runs += op == "run"
+        if not reply.pop("clean", True):
+            log.warning("sandbox %s worker could not clean up after a run; closing it",
+                        self.backend)
+            self.close()
+        if "error" in reply:
+            raise ValueError(reply["error"])
+        oom = None if oom_before is None or oom_after is None else oom_after > oom_before
+        return reply, blobs, oom
 
     def _call(self, header: dict, payload: bytes, timeout_s: float):
         """Send a header frame and its payload; returns the reply header and its blobs."""
@@ -176,11 +209,28 @@ def _namespace_pid(pid: int) -> int | None:
     return None
 
 
-def _to_result(reply: dict, blobs: list[bytes], backend: str, oom_before,
-               oom_after) -> Result:
+def _run_header(request: Request, extra: dict) -> dict:
+    return {"timeout_s": request.timeout_s, "max_output_bytes": request.max_output_bytes,
+            "return_files": request.return_files,
+            "max_files_bytes": request.max_files_bytes, **extra}
+
+
+def _put_wire(files: dict[str, bytes]) -> dict:
+    return {"put": True, "stdin": None, "files": [[p, len(d)] for p, d in files.items()]}
+
+
+def _take_state(reply: dict, blobs: list[bytes]) -> WorkDir | None:
+    """The collected work dir (its blob is the last), or None if the worker kept it."""
+    if "state" not in reply:
+        log.info("sandbox: a session's work dir stays in its worker: %s", reply["state_kept"])
+        return None
+    return WorkDir.from_reply(reply["state"], blobs.pop())
+
+
+def _to_result(reply: dict, blobs: list[bytes], backend: str, oom: bool | None) -> Result:
     stdout, stderr = blobs[0], blobs[1]
     files = dict(zip(reply["files"], blobs[2:])) if "files" in reply else None
-    oom = oom_before is not None and oom_after is not None and oom_after > oom_before
+    oom = bool(oom)
     if not oom and not reply["timed_out"] and reply["exit_code"] not in (None, 0):
         # Under an address-space rlimit (no cgroup) Python fails with MemoryError instead.
         lines = stderr.rstrip().rsplit(b"\n", 1)

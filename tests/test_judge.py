@@ -3,7 +3,6 @@
 Semantics run on the process backend; the programs that try to fake a pass run on every
 backend available here, next to an honest solution that must pass the same tests."""
 
-import functools
 import secrets
 
 import pytest
@@ -309,12 +308,30 @@ def scan(token_re):
 '''
 
 
-def test_the_expected_values_are_nowhere_in_the_solution_process(backend):  # noqa: F811
+# Which zygote the solution process came from: a fresh interpreter runs the judge's boot
+# script, a fork has the fork server's command line.
+ZYGOTE = ("import os\ndef zygote():\n"
+          "    with open(f'/proc/{os.getppid()}/cmdline', 'rb') as f:\n"
+          "        return 'fresh' if b'zygote_entry' in f.read() else 'forked'\n")
+ZYGOTE_PATHS = {"forked": None,  # sandbox.run: its fork server declares clean memory
+                "fresh": sandbox.run}  # an executor that does not declare it
+
+
+@pytest.mark.parametrize("zygote", sorted(ZYGOTE_PATHS))
+def test_the_expected_values_are_nowhere_in_the_solution_process(backend, zygote):  # noqa: F811
+    """The tests (and the key) reach the judge only after its zygote exists; the control
+    shows the scan finds a token that is in the solution's memory."""
     token = "EXPECT" + secrets.token_hex(8)
-    code = SCAN + "def f():\n    hits = scan('EXPECT' + '[0-9a-f]{16}')\n" \
-                  "    return hits[0] if hits else 'nothing found'\n"
-    r = judge.unit_tests(code, f"SECRET = {token!r}\nassert f() == SECRET\n", backend=backend)
-    assert r.passed == 0 and "nothing found" in r.tests[0].message, r.feedback
+    code = SCAN + ZYGOTE + (
+        "def f():\n    hits = scan('EXPECT' + '[0-9a-f]{16}')\n"
+        "    return hits[0] if hits else 'nothing found'\n"
+        "def control():\n    planted = 'CONT' + 'ROL' + '0123456789abcdef'\n"
+        "    return 'found' if scan('CONTROL' + '[0-9a-f]{16}') == [planted] else 'missed'\n")
+    r = judge.unit_tests(code, f"assert zygote() == {zygote!r}\nassert control() == 'found'\n"
+                               f"SECRET = {token!r}\nassert f() == SECRET\n",
+                         backend=backend, run=ZYGOTE_PATHS[zygote])
+    assert statuses(r) == ["passed", "passed", "failed"], r.feedback
+    assert "nothing found" in r.tests[2].message, r.feedback
 
 
 # -- stdin/stdout -------------------------------------------------------------------------------
@@ -366,14 +383,15 @@ def test_a_stdio_program_cannot_fake_a_pass(backend):  # noqa: F811
     assert r.passed == 0, r.feedback
 
 
-def test_with_a_fork_server_that_declares_clean_memory_the_zygote_is_forked():
-    run = functools.partial(sandbox.run, env={"SANDBOX_CLEAN_FORK": "1"})
-    code = "import os\ndef f(x):\n    if x == 0:\n        os._exit(3)\n    return x * x\n"
-    r = judge.unit_tests(code, "assert f(2) == 4\nassert f(0) == 0\nassert f(3) == 8\n"
-                                "assert f(3) == 9\n", run=run, **P)
-    assert statuses(r) == ["passed", "crashed", "failed", "passed"]
-    assert "exited with code 3" in r.tests[1].message
-    r = judge.stdio("print(int(input()) * 2)", [("2", "4"), ("3", "7")], run=run, **P)
+def test_on_an_executor_that_does_not_declare_clean_memory_the_zygote_is_fresh():
+    """What `run=` callers get (the verdicts are the same as with a forked zygote)."""
+    code = ZYGOTE + ("def f(x):\n    if x == 0:\n        os._exit(3)\n    return x * x\n")
+    tests = ("assert zygote() == 'fresh'\nassert f(2) == 4\nassert f(0) == 0\n"
+             "assert f(3) == 8\nassert f(3) == 9\n")
+    r = judge.unit_tests(code, tests, run=sandbox.run, **P)
+    assert statuses(r) == ["passed", "passed", "crashed", "failed", "passed"]
+    assert "exited with code 3" in r.tests[2].message
+    r = judge.stdio("print(int(input()) * 2)", [("2", "4"), ("3", "7")], run=sandbox.run, **P)
     assert statuses(r) == ["passed", "failed"]
 
 

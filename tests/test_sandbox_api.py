@@ -1,4 +1,4 @@
-"""sandbox.run / Session / Result: behaviour on every available backend.
+"""sandbox.run / Result on every available backend (sessions: test_sandbox_session.py).
 
 The reference for what a Python program prints and how it exits is CPython itself, run on
 the same source in a plain subprocess.
@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import textwrap
 import threading
@@ -17,8 +16,7 @@ import threading
 import pytest
 
 import sandbox
-from sandbox_backends import (backend_params, open_fds, own_cgroups, own_containers,
-                              own_temp_dirs, wait_until)
+from sandbox_backends import backend_params
 
 BACKENDS = backend_params()
 
@@ -288,77 +286,6 @@ def test_a_run_sees_nothing_a_previous_run_left(backend):
         assert second.stdout.startswith(b"[] [] ")
     else:
         assert second.stdout == b"[] [] [] []\n"
-
-
-# ---------------------------------------------------------------------------------------------
-# Sessions
-# ---------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_session_keeps_files_but_not_processes(backend):
-    sandbox.shutdown()  # no idle workers: what the session leaves is all that changes
-    before = (own_temp_dirs(), own_cgroups(), own_containers(), open_fds(backend))
-    with sandbox.Session(backend=backend, files={"seed.txt": "seed"}) as s:
-        assert s.backend == backend
-        r1 = s.run("import subprocess, os, tempfile\n"
-                   "open('turn1', 'w').write(open('seed.txt').read())\n"
-                   "open(os.path.join(tempfile.gettempdir(), 'scratch'), 'w').write('t')\n"
-                   "subprocess.Popen(['sleep', '1000'])")
-        assert r1.ok, r1.stderr
-        assert s.worker.processes() == []  # the background sleep died with the run
-        r2 = s.run(command=["bash", "-c", "cat turn1 \"$TMPDIR/scratch\"; ls"],
-                   files={"more.txt": "m"})
-        assert r2.stdout == b"seedtmore.txt\nseed.txt\nturn1\n", r2
-        s.write_files({"sub/x.py": "X = 1"})
-        r3 = s.run("from sub.x import X\nprint(X)")
-        assert r3.stdout == b"1\n"
-        assert s.read_files() == {"seed.txt": b"seed", "turn1": b"seed", "more.txt": b"m",
-                                  "sub/x.py": b"X = 1"}
-        with pytest.raises(ValueError, match="max_bytes"):
-            s.read_files(max_bytes=3)
-        worker = s.worker
-    assert s.closed
-    with pytest.raises(sandbox.WorkerError):
-        s.run("print(1)")
-    with sandbox.Session(backend=backend) as again:  # the same warm worker, emptied
-        assert again.worker is worker
-        r = again.run(command=["bash", "-c", "ls -A; ls -A \"$TMPDIR\""])
-        assert r.ok and r.stdout == b"", r
-    sandbox.shutdown()
-    assert (own_temp_dirs(), own_cgroups(), own_containers(), open_fds(backend)) == before
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_session_refuses_files_that_escape_through_a_symlink(backend):
-    with sandbox.Session(backend=backend) as s:
-        s.run(command=["ln", "-s", "/", "escape"])
-        with pytest.raises(ValueError, match="leaves the work dir"):
-            s.write_files({"escape/tmp/planted": "x"})
-    assert not os.path.exists("/tmp/planted")
-
-
-CRASHING_CALLER = textwrap.dedent("""
-    import os, sys, signal, sandbox
-    s = sandbox.Session(backend=sys.argv[1])
-    s.run("open('f', 'w').write('x')")
-    print(os.getpid(), s.worker.server_pid, flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
-""")
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_session_is_removed_when_the_caller_dies(backend):
-    out = subprocess.run([sys.executable, "-c", CRASHING_CALLER, backend], capture_output=True,
-                         cwd=os.path.dirname(os.path.dirname(sandbox.__file__)), timeout=60)
-    assert out.returncode == -signal.SIGKILL, out.stderr
-    caller_pid, server_pid = map(int, out.stdout.split())
-    assert wait_until(lambda: not os.path.exists(f"/proc/{server_pid}"))  # it saw EOF
-    prefix = f"ptrain-sbx-{caller_pid}-"
-    assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix)]
-    if backend == "docker":
-        assert wait_until(lambda: not own_containers(caller_pid))
-    sandbox.Worker(backend).close()  # a new worker sweeps cgroups a dead caller left
-    assert not [c for c in own_cgroups(caller_pid)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import pytest
 
 import sandbox
 from sandbox import cgroups
+from sandbox.workdir import WorkDir
 from sandbox_backends import (backend_params, open_fds, own_cgroups, own_containers,
                               own_temp_dirs, processes_with)
 
@@ -519,6 +520,52 @@ def test_hostile_program(worker, case, ctx):
     assert after.stdout == b"2 ['f']\n", after
 
 
+# Programs that leave processes, files or a locked-up work dir behind, run through an unpinned
+# session: its work dir is collected after the run and laid into a worker for the next one.
+SESSION_CASES = ("sleep_forever", "fork_bomb", "double_fork_survivor", "stdout_flood",
+                 "huge_file_from_bash", "locks_up_its_work_dir", "symlinks_to_the_host",
+                 "writes_outside_the_work_dir")
+
+
+@pytest.fixture(scope="module", params=backend_params())
+def session_backend(request):
+    """A backend with one warm worker of the suite's limits, which each session borrows."""
+    sandbox.warm(1, backend=request.param, memory_mb=MEMORY_MB, max_processes=MAX_PROCESSES)
+    _host_view(request.param)  # the docker SDK opens its connection on first use
+    yield request.param
+    sandbox.shutdown()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in SESSION_CASES],
+                         ids=lambda c: c.name)
+def test_hostile_program_in_a_session(session_backend, case, ctx):
+    backend = session_backend
+    if backend == "process" and case.process_skip:
+        pytest.skip(case.process_skip)
+    code = string.Template(case.code).safe_substitute(ctx.subs())
+    before, workers = _host_view(backend), sandbox.live_workers()
+    with sandbox.Session(backend=backend, memory_mb=MEMORY_MB,
+                         max_processes=MAX_PROCESSES) as s:
+        start = time.monotonic()
+        r = s.run(code, language=case.language, stdin=case.stdin, timeout_s=case.timeout_s,
+                  max_output_bytes=MAX_OUTPUT, max_file_mb=MAX_FILE_MB,
+                  max_open_files=MAX_OPEN_FILES)
+        wall_s = time.monotonic() - start
+        case.check(r, ctx)
+        assert wall_s <= case.timeout_s + 1.0
+        assert processes_with(ctx.marker) == []
+        assert all(w.processes() == [] for w in sandbox.live_workers())
+        left = s.read_files()
+        after = s.run("import os\nprint(sorted(os.listdir('.')))")
+        assert after.ok, after
+        assert s.read_files() == left and not s.pinned
+    assert sandbox.live_workers() == workers  # the one warm worker, handed back clean
+    assert _host_view(backend) == before
+    clean = sandbox.run("import os\nprint(os.listdir('.'))", backend=backend,
+                        memory_mb=MEMORY_MB, max_processes=MAX_PROCESSES)
+    assert clean.stdout == b"[]\n", clean
+
+
 SCAN_OWN_MEMORY = """
 import ctypes, hashlib, re
 ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: /proc/self/mem becomes readable
@@ -544,7 +591,8 @@ print('found', found)
 @pytest.mark.parametrize("backend", backend_params(("bwrap", "docker")))
 def test_a_run_cannot_find_an_earlier_runs_data_in_its_memory(backend):
     """Each run's child is a fork of the fork server: nothing of an earlier run (code,
-    stdin, files, output) may be left in the server's memory for it to inherit. The scanner
+    stdin, files, output, a session's work dir) may be left in the server's memory for it to
+    inherit. The scanner
     knows only the secret's digest; the control shows it finds the secret when it is there."""
     secret = "LEAK" + "".join(random.choices(string.ascii_lowercase + string.digits, k=28))
     scan = string.Template(SCAN_OWN_MEMORY).substitute(
@@ -555,6 +603,12 @@ def test_a_run_cannot_find_an_earlier_runs_data_in_its_memory(backend):
                  f"\nopen('out.txt', 'w').write(s + open('in.txt').read())",
             stdin=secret, files={"in.txt": secret}, return_files=True))
         assert planted.ok and planted.files["out.txt"] == (secret * 2).encode(), planted
+        # A session's work dir: collected after its run, laid into the next one.
+        caps = {"max_bytes": 1 << 20, "max_files": 100}
+        _, kept = worker.run_in(WorkDir(pending={"in.txt": secret.encode()}), sandbox.Request(
+            code="open('kept.txt', 'w').write(open('in.txt').read())"), **caps)
+        assert kept.files()["kept.txt"] == secret.encode()
+        assert worker.run_in(kept, sandbox.Request(code="open('kept.txt').read()"), **caps)[0].ok
         for _ in range(2):  # the next run, and the one after (a later parked child)
             r = worker.run(sandbox.Request(code=scan, timeout_s=30))
             assert r.stdout == b"found 0\n", r
