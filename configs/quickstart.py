@@ -46,7 +46,7 @@ def get_config(arg: str = ""):
                   max_gen_batches=4)
     c.optim = dict(lr=1e-4, warmup_steps=0, schedule="constant", min_lr_ratio=0.0,
                    weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0)
-    c.sft = dict(sources=(), records_fn=None, steps=300 if short else 1000, batch_size=32,
+    c.sft = dict(sources=(), records_fn=None, steps=300 if short else 1000, batch_size=64,
                  max_prompt_len=24, max_completion_len=56, microbatch_size=0,
                  optim=dict(lr=3e-3, warmup_steps=20, schedule="cosine", min_lr_ratio=0.0,
                             weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0))
