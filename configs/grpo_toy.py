@@ -54,7 +54,7 @@ def get_config():
     c.optim = dict(lr=1e-2, warmup_steps=0, schedule="constant", min_lr_ratio=0.0,
                    weight_decay=0.0, b1=0.9, b2=0.99, eps=1e-8, grad_clip=1.0)
     c.sft = dict(sources=(), records_fn=None, steps=0, batch_size=8, max_prompt_len=8,
-                 max_completion_len=8, microbatch_size=0,
+                 max_completion_len=8, microbatch_size=0, checkpoint_every=0,
                  optim=dict(lr=1e-3, warmup_steps=0, schedule="constant", min_lr_ratio=0.0,
                             weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0))
     c.log = dict(every=1, rollouts_every=10, num_rollouts=4)

@@ -11,9 +11,11 @@ trained on) are measured after SFT and after RL.
 
 Command:  make quickstart   (python -m launch.train --config=configs/quickstart.py
           --workdir=runs/quickstart)
-Hardware: 2 CPU cores, about 5 minutes; the sandbox uses the strongest backend available.
-Expected: <workdir>/eval.jsonl: greedy held-out pass rate per domain rises from about 0.25
-          (code), 0.35-0.65 (arith), 0.5 (files) after SFT to >= 0.9 after RL.
+Hardware: 2 CPU cores, 6-8 minutes (SFT 1000 steps ~2.5 min, RL 120 steps ~1.2 s each, two
+          evaluations of 300 episodes); the sandbox uses the strongest backend available.
+Expected: <workdir>/eval.jsonl: greedy held-out pass rate per domain (n=100) rises from
+          0.23 (code), 0.66 (arith), 0.48 (files) after SFT to 1.00, 1.00, 0.98 after RL
+          (a run on 2 CPU cores, docker backend; README "The closed loop").
 """
 
 import ml_collections
@@ -31,7 +33,7 @@ def get_config(arg: str = ""):
                    param_dtype="float32", remat="none")
     c.hf_model = ""
     c.tokenizer = ""
-    c.mesh = dict(data=1, fsdp=1, sequence=1, tensor=1)
+    c.mesh = dict(data=-1, fsdp=1, sequence=1, tensor=1)  # data parallel over all devices
     c.data = dict(sources=(), records_fn=None, prompts_per_step=16, max_prompt_len=24,
                   on_error="raise")
     c.reward_fn = None
@@ -46,8 +48,9 @@ def get_config(arg: str = ""):
                   max_gen_batches=4)
     c.optim = dict(lr=1e-4, warmup_steps=0, schedule="constant", min_lr_ratio=0.0,
                    weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0)
-    c.sft = dict(sources=(), records_fn=None, steps=300 if short else 1000, batch_size=64,
+    c.sft = dict(sources=(), records_fn=None, steps=400 if short else 1000, batch_size=64,
                  max_prompt_len=24, max_completion_len=56, microbatch_size=0,
+                 checkpoint_every=250,
                  optim=dict(lr=3e-3, warmup_steps=20, schedule="cosine", min_lr_ratio=0.0,
                             weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0))
     c.log = dict(every=1, rollouts_every=10, num_rollouts=8)

@@ -7,6 +7,7 @@ Every host of a multi-host run starts this same command (launch/tpu_pod.sh, laun
 JAX's distributed runtime is initialised first when more than one process takes part.
 """
 
+import logging as pylogging
 import os
 
 from absl import app, flags, logging
@@ -31,8 +32,15 @@ def _initialize_distributed():
         jax.distributed.initialize()
 
 
+def _quiet_orbax():
+    """Orbax logs every step of every save at INFO; keep its warnings and errors."""
+    logging.get_absl_handler().addFilter(
+        lambda r: r.levelno >= pylogging.WARNING or f"{os.sep}orbax{os.sep}" not in r.pathname)
+
+
 def main(argv):
     del argv
+    _quiet_orbax()
     _initialize_distributed()
     from ptrain import closed_loop
     lines = closed_loop.run(_CONFIG.value, _WORKDIR.value)

@@ -111,6 +111,7 @@ def defaults() -> ml_collections.ConfigDict:
     # completion text with a tokenizer); the loss covers completion tokens only.
     c.sft = dict(sources=(), records_fn=None, steps=0, batch_size=8, max_prompt_len=64,
                  max_completion_len=64, microbatch_size=0,
+                 checkpoint_every=0,  # 0: checkpoint.every (SFT steps are often much shorter)
                  optim=dict(lr=1e-3, warmup_steps=0, schedule="cosine", min_lr_ratio=0.0,
                             weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0))
     c.log = dict(every=1, rollouts_every=10, num_rollouts=4)
@@ -962,7 +963,7 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
                                 "sft/grad_norm": metrics["optim/grad_norm"],
                                 "optim/lr": float(learner.sft_schedule(step - 1)),
                                 "time/step_s": time.perf_counter() - t0})
-        if step % c.checkpoint.every == 0 or step == sc.steps:
+        if step % (sc.checkpoint_every or c.checkpoint.every) == 0 or step == sc.steps:
             ckpt.save(step, params=params, opt_state=opt_state, rng=root_key,
                       data_state=batches.get_state())
     ckpt.wait()

@@ -1,0 +1,193 @@
+"""The closed loop: overlapped scoring (rl.staleness), on-policy exactness, the main job end to
+end through `launch/train.py`, and its resume.
+
+Everything is real: the model samples, the tools and verdicts run in the sandbox. The
+producer is instrumented (it records the order of its calls and the parameters it was given)
+but does all of its work.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from configs import quickstart
+from ptrain import closed_loop, metrics, sharding
+
+pytestmark = pytest.mark.xdist_group("closed_loop")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WAIT_S = 120.0  # generous: only a broken overlap waits this long (and then fails)
+
+
+def _tiny_config(staleness, steps=4):
+    """A random tiny model on two synthetic domains (code: one turn; arith: tool calls)."""
+    c = quickstart.get_config("short")
+    c.unlock()
+    c.steps = steps
+    c.model.update(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
+    c.sft.steps = 0
+    c.tasks.update(domains=("code", "arith"), weights=(1.0, 1.0), n_train=16, n_heldout=2)
+    c.eval.n = 2
+    c.data.prompts_per_step = 2
+    c.sampling.num_samples = 4
+    c.sampling.max_new_tokens = 16
+    c.rollout.max_len = 40
+    c.rl.staleness = staleness
+    c.optim.lr = 3e-2  # big steps: parameters one update apart give clearly different log-probs
+    c.rl.entropy_coef = 0.05  # a random model never passes: this keeps every update non-zero
+    c.sandbox.backend = "process"  # the overlap does not depend on the isolation
+    c.checkpoint.every = 100
+    c.lock()
+    return c
+
+
+class Watched(closed_loop.TaskProducer):
+    """A real TaskProducer that records the order of its calls and the parameters each
+    generate() got. With `hold`, score(i) waits (bounded) until generate(i+1) has started:
+    only an overlapped loop lets it through."""
+
+    hold = False
+    steps = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events, self.fingerprints = [], []
+        self.changed = threading.Condition()
+        self.generated = 0
+
+    def _log(self, event):
+        with self.changed:
+            self.events.append(event)
+            self.changed.notify_all()
+
+    def generate(self, params, records, key):
+        self.generated += 1
+        i = self.generated
+        leaves = jax.tree.leaves(params)
+        self.fingerprints.append(float(sum(np.abs(np.asarray(x)).sum() for x in leaves)))
+        self._log(("generate", i))
+        episodes = super().generate(params, records, key)
+        for e in episodes:
+            e.batch_index = i
+        return episodes
+
+    def score(self, episodes):
+        i = episodes[0].batch_index
+        self._log(("score_start", i))
+        if self.hold and i < self.steps:
+            with self.changed:
+                self.changed.wait_for(lambda: ("generate", i + 1) in self.events,
+                                      timeout=WAIT_S)
+        out = super().score(episodes)
+        self._log(("score_end", i))
+        return out
+
+
+def _run(tmp_path, monkeypatch, staleness, hold):
+    config = _tiny_config(staleness)
+    watched = type("W", (Watched,), {"hold": hold, "steps": config.steps})
+    instances = []
+    monkeypatch.setattr(closed_loop, "TaskProducer",
+                        lambda *a, **k: instances.append(watched(*a, **k)) or instances[-1])
+    workdir = str(tmp_path / f"staleness{staleness}")
+    mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
+    evals = closed_loop.run(config, workdir, mesh=mesh)
+    rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    return config, instances[0], rows, evals
+
+
+def test_staleness_one_scores_batch_t_while_generating_batch_t_plus_1(tmp_path, monkeypatch):
+    config, p, rows, evals = _run(tmp_path, monkeypatch, staleness=1, hold=True)
+    ev = p.events
+    assert p.generated == config.steps  # no batch generated beyond the last step
+    for i in range(1, config.steps):
+        # score(i) was let through only because generate(i+1) began while it was scoring.
+        assert ev.index(("generate", i + 1)) < ev.index(("score_end", i)), ev
+    # Staleness exactly 1: batches 1 and 2 come from the initial parameters, batch k >= 3
+    # from the parameters after k - 2 updates (each one different).
+    f = p.fingerprints
+    assert f[0] == f[1]
+    assert len(set(f[1:])) == len(f) - 1
+    # The learner sees the mismatch (one update late) and corrects it with truncated IS.
+    assert len(rows) == config.steps
+    late = [r["rollout/logp_mismatch"] for r in rows[1:]]
+    assert min(late) > 1e-3, late
+    assert all(r["tis/weight_mean"] != 1.0 for r in rows[1:])
+    assert {(e["stage"], e["domain"]) for e in evals} == {("rl", "code"), ("rl", "arith")}
+
+
+def test_staleness_zero_is_exactly_on_policy(tmp_path, monkeypatch):
+    config, p, rows, _ = _run(tmp_path, monkeypatch, staleness=0, hold=False)
+    ev = p.events
+    for i in range(1, config.steps):  # strictly serial: score(i) ends before generate(i+1)
+        assert ev.index(("score_end", i)) < ev.index(("generate", i + 1)), ev
+    assert len(set(p.fingerprints)) == config.steps  # every batch from the newest parameters
+    # The sampler's log-probs are the learner's (same parameters, same tokens).
+    assert len(rows) == config.steps
+    assert max(r["rollout/logp_mismatch"] for r in rows) < 1e-4
+    assert all(abs(r["tis/weight_mean"] - 1.0) < 1e-4 for r in rows)
+
+
+# ------------------------------------------------------------------------- the main job
+
+
+def _launch(workdir, *overrides):
+    cmd = [sys.executable, "-m", "launch.train", "--config=configs/quickstart.py:short",
+           f"--workdir={workdir}", *overrides]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,  # on a laptop
+                          timeout=1200)
+
+
+def test_quickstart_short_end_to_end_and_resume(tmp_path):
+    """`make quickstart`'s command on the short config: SFT, held-out eval, RL on sandbox
+    verdicts, eval again; every artefact it promises; the training reward rises; a second
+    launch resumes and repeats nothing."""
+    workdir = str(tmp_path / "qs")
+    config = quickstart.get_config("short")
+    proc = _launch(workdir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    evals = metrics.read_jsonl(os.path.join(workdir, "eval.jsonl"))
+    domains = config.tasks.domains
+    assert [(e["stage"], e["domain"]) for e in evals] == \
+        [(s, d) for s in ("sft", "rl") for d in domains]
+    for e in evals:
+        assert set(e) == {"stage", "step", "split", "domain", "decoding", "pass_rate", "n"}
+        assert e["split"] == "heldout" and e["decoding"] == "greedy"
+        assert e["n"] == config.eval.n and 0.0 <= e["pass_rate"] <= 1.0
+        assert e["step"] == (config.sft.steps if e["stage"] == "sft" else config.steps)
+
+    rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == list(range(1, config.steps + 1))
+    for d in domains:
+        assert all(f"reward/{d}/mean" in r for r in rows), d
+    # RL improves on the SFT policy: the training reward of the last steps beats the first.
+    reward = np.array([r["reward/mean"] for r in rows])
+    k = max(2, len(reward) // 4)
+    assert reward[-k:].mean() > reward[:k].mean() + 0.05, reward.round(2).tolist()
+
+    rollouts = metrics.read_jsonl(os.path.join(workdir, "rollouts.jsonl"))
+    assert rollouts and {"prompt", "completion", "feedback", "reward", "domain"} <= set(
+        rollouts[0])
+    assert os.path.getsize(os.path.join(workdir, "reward_curve.png")) > 1000
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(
+        os.path.join(workdir, "tb")))
+    held = {json.loads(line)["prompt"]
+            for d in domains for line in open(os.path.join(workdir, "tasks",
+                                                            f"{d}.heldout.jsonl"))}
+    train = {json.loads(line)["prompt"]
+             for d in domains for line in open(os.path.join(workdir, "tasks",
+                                                             f"{d}.train.jsonl"))}
+    assert held and train and not held & train
+
+    # A second launch finds everything done: no training step, no evaluation repeated.
+    proc = _launch(workdir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert metrics.read_jsonl(os.path.join(workdir, "eval.jsonl")) == evals
+    assert metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl")) == rows
