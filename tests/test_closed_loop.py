@@ -146,7 +146,7 @@ def _launch(workdir, *overrides):
 
 def test_quickstart_short_end_to_end_and_resume(tmp_path):
     """`make quickstart`'s command on the short config: SFT, held-out eval, RL on sandbox
-    verdicts, eval again; every artefact it promises; the training reward rises; a second
+    verdicts, eval again; every artefact it promises; held-out pass rates rise; a second
     launch resumes and repeats nothing."""
     workdir = str(tmp_path / "qs")
     config = quickstart.get_config("short")
@@ -167,10 +167,11 @@ def test_quickstart_short_end_to_end_and_resume(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, config.steps + 1))
     for d in domains:
         assert all(f"reward/{d}/mean" in r for r in rows), d
-    # RL improves on the SFT policy: the training reward of the last steps beats the first.
-    reward = np.array([r["reward/mean"] for r in rows])
-    k = max(2, len(reward) // 4)
-    assert reward[-k:].mean() > reward[:k].mean() + 0.05, reward.round(2).tolist()
+    # RL improves on the SFT policy where it counts: greedy, on the held-out split (the short
+    # run's SFT has not converged on arith's copying yet; code and files gain most).
+    rate = {(e["stage"], e["domain"]): e["pass_rate"] for e in evals}
+    gains = [rate["rl", d] - rate["sft", d] for d in domains]
+    assert np.mean(gains) >= 0.15, rate
 
     rollouts = metrics.read_jsonl(os.path.join(workdir, "rollouts.jsonl"))
     assert rollouts and {"prompt", "completion", "feedback", "reward", "domain"} <= set(
