@@ -284,14 +284,16 @@ class _Checkpoint:
 
 # ----------------------------------------------------------------------------- load / save
 
-def load(path: str, *, mesh=None, dtype: str | None = None,
-         param_dtype: str | None = None) -> tuple[Transformer, ModelConfig]:
+def load(path: str, *, mesh=None, dtype: str | None = None, param_dtype: str | None = None,
+         overrides: dict | None = None) -> tuple[Transformer, ModelConfig]:
     """Model and config from a local Hugging Face directory, each tensor placed on its shards.
 
     `dtype` sets the compute dtype (and the parameter dtype unless `param_dtype` is given);
-    both default to the checkpoint's dtype.
+    both default to the checkpoint's dtype. `overrides`: ModelConfig fields that do not change
+    the parameters, e.g. {"attention_impl": "ring", "remat": "full"}.
     """
     config = config_from_hf(read_config(path), dtype=dtype, param_dtype=param_dtype)
+    config = dataclasses.replace(config, **(overrides or {}))
     ckpt = _Checkpoint(path)
     tensors = _tensors(config)
     _check_tensors(ckpt, tensors, config)

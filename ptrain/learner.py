@@ -58,7 +58,8 @@ def defaults() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # the one seed: model init, data order, sampling
     c.steps = 100  # RL steps; each draws data.prompts_per_step prompts
-    # ModelConfig fields for a randomly initialised model (ignored when hf_model is set).
+    # ModelConfig fields for a randomly initialised model; with hf_model only the
+    # RUNTIME_MODEL_KEYS among them apply (attention implementation, block sizes, remat).
     c.model = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
                    tie_embeddings=False, rope_theta=10000.0, dtype="float32",
                    param_dtype="float32", remat="none")
@@ -475,10 +476,19 @@ def _jit_update(graphdef, settings, tx, mesh):
                    donate_argnums=(0, 1))
 
 
+# With hf_model, these keys of config.model still apply (they do not change the parameters).
+RUNTIME_MODEL_KEYS = ("attention_impl", "attn_block_q", "attn_block_k", "remat")
+
+
+def _runtime_overrides(config) -> dict:
+    return {k: config.model[k] for k in RUNTIME_MODEL_KEYS if k in config.model}
+
+
 def model_config(config) -> model_lib.ModelConfig:
     if config.hf_model:
         from ptrain import hf
-        return hf.config_from_hf(hf.read_config(config.hf_model))
+        return dataclasses.replace(hf.config_from_hf(hf.read_config(config.hf_model)),
+                                   **_runtime_overrides(config))
     return model_lib.ModelConfig(**config.model.to_dict())
 
 
@@ -486,7 +496,7 @@ def build_model(config, mesh) -> model_lib.Transformer:
     """The config's model, born sharded: loaded from hf_model, or initialised from the seed."""
     if config.hf_model:
         from ptrain import hf
-        return hf.load(config.hf_model, mesh=mesh)[0]
+        return hf.load(config.hf_model, mesh=mesh, overrides=_runtime_overrides(config))[0]
     return model_lib.init(model_config(config), seed=config.seed, mesh=mesh)
 
 

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch (CPU) is the reference; pip install '.[test]'")
 transformers = pytest.importorskip("transformers", reason="pip install '.[test]'")
 
-from ptrain import hf, safetensors_io, sharding  # noqa: E402
+from ptrain import hf, learner, safetensors_io, sharding  # noqa: E402
 
 VOCAB = 128
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -66,14 +66,29 @@ def checkpoint(request, tmp_path_factory):
     return path, model
 
 
-def test_logits_match_transformers(checkpoint):
+@pytest.mark.parametrize("impl", ["blockwise", "reference"])  # the default, and dense
+def test_logits_match_transformers(checkpoint, impl):
     path, ref_model = checkpoint
     tokens = _tokens()
-    model, config = hf.load(path)
+    model, config = hf.load(path, overrides={"attention_impl": impl, "attn_block_q": 32,
+                                             "attn_block_k": 16})
+    assert config.attention_impl == impl
     ours = np.asarray(model(tokens))
     assert ours.dtype == np.float32
     np.testing.assert_allclose(ours, _hf_logits(ref_model, tokens), atol=2e-4, rtol=0)
     assert config.vocab_size == VOCAB
+
+
+def test_learner_applies_runtime_model_keys_to_a_checkpoint(checkpoint):
+    path, _ = checkpoint
+    c = learner.defaults()
+    c.hf_model = path
+    c.model.attention_impl = "reference"
+    c.model.remat = "full"
+    c.model.d_model = 12345  # a parameter shape: the checkpoint's wins
+    config = learner.model_config(c)
+    assert (config.attention_impl, config.remat) == ("reference", "full")
+    assert config.d_model == hf.config_from_hf(hf.read_config(path)).d_model
 
 
 def test_round_trip_identical_tensors_and_transformers_loads_it(checkpoint, tmp_path):
