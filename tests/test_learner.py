@@ -92,7 +92,6 @@ CHILD = textwrap.dedent("""
     import sys
     import jax
     from configs import grpo_toy
-from configs import ppo_toy
     from ptrain import learner, metrics, sharding
 
     workdir, (kill_at, steps, every) = sys.argv[1], map(int, sys.argv[2:5])
