@@ -401,12 +401,12 @@ class Learner:
             has_old_logp=updates > 1 or (kl_on and c.kl.in_reward), chunk=rl.logprob_chunk,
             epochs=rl.ppo_epochs, minibatches=rl.num_minibatches,
             microbatch=rl.microbatch_size)
-        # PPO's value function (rl.estimator="gae"): own parameters, optimizer and settings.
-        self.critic_graphdef = self.critic_initial_params = None
+        # PPO's value function (rl.estimator="gae"): own parameters (`init_critic`),
+        # optimizer and settings.
+        self.critic_graphdef = None
         if rl.estimator == "gae":
-            self.critic_graphdef, self.critic_initial_params = init_critic(
-                self.model_config, seed=c.seed + 1, mesh=self.mesh,
-                policy_params=self.initial_params if c.critic.init == "policy" else None)
+            self.critic_graphdef = nnx.split(nnx.eval_shape(lambda: Critic(
+                self.model_config, rngs=nnx.Rngs(0), mesh=self.mesh)))[0]
             self.critic_tx, self.critic_schedule = make_optimizer(
                 c.critic.optim, total_steps=c.steps, updates_per_step=updates)
             self.critic_settings = dataclasses.replace(self.settings, kind="critic")
@@ -431,6 +431,17 @@ class Learner:
             shardings = opt_state_shardings(tx, params, jax.tree.map(lambda x: x.sharding, params),
                                             self.mesh)
         return jax.jit(tx.init, out_shardings=shardings)(params)
+
+    def init_critic(self):
+        """Fresh critic parameters (rl.estimator="gae"), sharded like the policy's: the
+        decoder of `initial_params` (critic.init="policy"; call this before they are donated
+        to an update) or a random one (seed + 1), and a new value head."""
+        c = self.config
+        if self.critic_graphdef is None:
+            raise ValueError(f"rl.estimator={c.rl.estimator!r} has no critic; use 'gae'")
+        policy = self.initial_params if c.critic.init == "policy" else None
+        return init_critic(self.model_config, seed=c.seed + 1, mesh=self.mesh,
+                           policy_params=policy)[1]
 
     def decode(self, ids) -> str:
         if self.tokenizer is None:
@@ -855,9 +866,9 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     opt_state = learner.init_opt_state(params)
     critic = None  # PPO's value function: {"params": ..., "opt_state": ...}
     if learner.critic_graphdef is not None:
-        critic = {"params": learner.critic_initial_params,
-                  "opt_state": learner.init_opt_state(learner.critic_initial_params,
-                                                      learner.critic_tx)}
+        critic_params = learner.init_critic()
+        critic = {"params": critic_params,
+                  "opt_state": learner.init_opt_state(critic_params, learner.critic_tx)}
     ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        max_to_keep=c.checkpoint.keep,
                                        async_save=c.checkpoint.async_save)

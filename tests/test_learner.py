@@ -15,6 +15,7 @@ import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from configs import grpo_toy
 from configs import ppo_toy
@@ -161,7 +162,8 @@ def _random_episodes(groups, per_group, seed=0):
 
 
 def test_sharded_update_with_accumulation_equals_unsharded(initial_params):
-    """fsdp=4 x tensor=2 with 2 microbatches per minibatch == one device, no accumulation.
+    """fsdp=4 x tensor=2 with 2 microbatches per minibatch == one device, no accumulation,
+    for the policy and its critic (PPO with GAE).
 
     Rows differ in length, so seq-mean-token-sum depends on the whole minibatch's sequence
     count. Adam's eps is large so that the update is linear in the gradient (float noise in
@@ -178,19 +180,20 @@ def test_sharded_update_with_accumulation_equals_unsharded(initial_params):
     episodes = _random_episodes(groups=8, per_group=8)
 
     def run(learner):
-        params, critic = learner.initial_params, learner.critic_initial_params
+        params, critic = learner.initial_params, learner.init_critic()
+        if learner is sharded:  # the critic is sharded like the policy
+            for decoder in (params, critic["decoder"]):
+                assert decoder["layers"]["wq"][...].sharding.spec == P(None, "fsdp", "tensor",
+                                                                       None)
         batch, prep = learner.prepare(params, episodes, 0.05, critic_params=critic)
         critic, _, critic_metrics = learner.update_critic(
             critic, learner.init_opt_state(critic, learner.critic_tx), batch)
         params, _, metrics = learner.update(params, learner.init_opt_state(params), batch, 0.05)
         return jax.device_get(((params, critic), prep, {**metrics, **critic_metrics}))
 
-    critic0 = jax.device_get(plain.critic_initial_params)
+    critic0 = jax.device_get(plain.init_critic())
     p_plain, prep_plain, m_plain = run(plain)
     p_sharded, prep_sharded, m_sharded = run(sharded)
-    for learner in (sharded.initial_params, sharded.critic_initial_params["decoder"]):
-        wq = learner["layers"]["wq"][...]
-        assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
     for got, expected, before in zip(p_sharded, p_plain, (initial_params, critic0)):
         moved = 0.0
         for a, b, p0 in zip(jax.tree.leaves(got), jax.tree.leaves(expected),
@@ -339,7 +342,7 @@ def test_gae_advantages_from_the_critic_values(initial_params):
     config = toy_config(**{"rl.estimator": "gae", "rl.gamma": 0.9, "rl.lam": 0.8},
                         **THREE_GROUPS_OF_3)
     learner = _learner(config, initial_params)
-    critic = learner.critic_initial_params
+    critic = learner.init_critic()
     np.testing.assert_array_equal(critic["decoder"]["layers"]["wq"][...],
                                   initial_params["layers"]["wq"][...])
     assert "lm_head" not in critic["decoder"]  # the critic carries no output projection
@@ -389,7 +392,7 @@ def test_critic_learns_the_returns_of_a_fixed_batch(initial_params):
                            "critic.optim.lr": 1e-2, "critic.optim.weight_decay": 0.0},
                         **THREE_GROUPS_OF_3)
     learner = _learner(config, initial_params)
-    critic = learner.critic_initial_params
+    critic = learner.init_critic()
     assert not np.allclose(critic["decoder"]["layers"]["wq"][...],
                            initial_params["layers"]["wq"][...])
     opt_state = learner.init_opt_state(critic, learner.critic_tx)
