@@ -428,8 +428,8 @@ class Learner:
         tx = tx or self.tx
         shardings = None
         if self.mesh is not None:
-            shardings = opt_state_shardings(tx, params, jax.tree.map(lambda x: x.sharding, params),
-                                            self.mesh)
+            param_shardings = jax.tree.map(lambda x: x.sharding, params)
+            shardings = opt_state_shardings(tx, params, param_shardings, self.mesh)
         return jax.jit(tx.init, out_shardings=shardings)(params)
 
     def init_critic(self):

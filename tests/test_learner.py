@@ -336,12 +336,15 @@ def test_kl_in_reward_lowers_the_sequence_score(initial_params):
 def test_gae_advantages_from_the_critic_values(initial_params):
     """The critic starts as the policy's decoder with a value head; its value of token j is
     read at the state before j (the prompt's last token for j = 0) in a plain full forward of
-    prompt + continuation; GAE over those values skips the observation token."""
+    prompt + continuation; GAE over those values skips the observation token, and its token
+    rewards carry the KL penalty when the KL is in the reward."""
     from test_losses import ref_gae, ref_whiten
 
-    config = toy_config(**{"rl.estimator": "gae", "rl.gamma": 0.9, "rl.lam": 0.8},
+    config = toy_config(**{"rl.estimator": "gae", "rl.gamma": 0.9, "rl.lam": 0.8,
+                           "kl.coef": 0.5, "kl.in_reward": True, "kl.kind": "k1"},
                         **THREE_GROUPS_OF_3)
     learner = _learner(config, initial_params)
+    learner.ref_params = jax.tree.map(lambda x: x * 1.5, learner.ref_params)
     critic = learner.init_critic()
     np.testing.assert_array_equal(critic["decoder"]["layers"]["wq"][...],
                                   initial_params["layers"]["wq"][...])
@@ -349,7 +352,8 @@ def test_gae_advantages_from_the_critic_values(initial_params):
     episodes = _fixed_episodes()
     with pytest.raises(ValueError, match="pass critic_params exactly when"):
         learner.prepare(learner.initial_params, episodes)
-    batch, metrics = learner.prepare(learner.initial_params, episodes, critic_params=critic)
+    batch, metrics = learner.prepare(learner.initial_params, episodes, 0.5,
+                                     critic_params=critic)
 
     model = nnx.merge(learner.critic_graphdef, critic)
     lengths = episodes.lengths_b
@@ -369,9 +373,12 @@ def test_gae_advantages_from_the_critic_values(initial_params):
     np.testing.assert_allclose(np.where(valid, batch["old_values_bn"], 0), values, atol=1e-5)
 
     mask = episodes.loss_mask_bn.astype(np.float64)
-    rewards = np.zeros((9, 8))
+    kl_bn = (np.asarray(batch["old_logp_bn"], np.float64)
+             - np.asarray(batch["ref_logp_bn"], np.float64)) * mask
+    assert np.abs(kl_bn).max() > 1e-2
+    rewards = -0.5 * kl_bn
     for i in range(9):
-        rewards[i, np.flatnonzero(mask[i])[-1]] = episodes.rewards_b[i]
+        rewards[i, np.flatnonzero(mask[i])[-1]] += episodes.rewards_b[i]
     adv = ref_gae(rewards, values, mask, 0.9, 0.8)
     np.testing.assert_allclose(batch["adv_bn"], ref_whiten(adv, mask), atol=1e-5)
     np.testing.assert_allclose(np.asarray(batch["returns_bn"]) * mask, (adv + values) * mask,
