@@ -2,11 +2,12 @@
 
 One step is one orbax checkpoint with two items: `state` (the arrays, saved sharded) and
 `meta` (JSON: the grain iterator state and any small host-side values, such as a KL
-coefficient). Saves are asynchronous; orbax writes each step into a temporary directory and
-renames it when complete, so a process killed mid-save leaves the previous checkpoint intact
-and the incomplete one is never listed. Restores go onto the shardings of a target pytree
-(concrete arrays or `jax.ShapeDtypeStruct`s with `.sharding`), which may differ from the
-shardings at save time.
+coefficient). `aux_state` holds more named array pytrees saved next to the parameters (the
+PPO critic's parameters and optimizer state). Saves are asynchronous; orbax writes each step
+into a temporary directory and renames it when complete, so a process killed mid-save leaves
+the previous checkpoint intact and the incomplete one is never listed. Restores go onto the
+shardings of a target pytree (concrete arrays or `jax.ShapeDtypeStruct`s with `.sharding`),
+which may differ from the shardings at save time.
 
 Multi-host: every process calls `save` / `restore`; `meta` is written once, so the data state
 must be the same on all hosts (true for `ptrain.data` streams, which advance in lockstep).
@@ -28,6 +29,7 @@ class Restored:
     rng: Any
     data_state: Any
     extra: dict
+    aux_state: dict = dataclasses.field(default_factory=dict)
 
 
 def _is_typed_key(x):
@@ -52,13 +54,20 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(os.path.abspath(directory), options=options,
                                               item_names=("state", "meta"))
 
-    def save(self, step, *, params, opt_state, rng, data_state=None, extra=None):
-        """Starts saving `step` (returns before the arrays are written when async)."""
+    def save(self, step, *, params, opt_state, rng, data_state=None, extra=None,
+             aux_state=None):
+        """Starts saving `step` (returns before the arrays are written when async).
+
+        aux_state: None or a dict of named array pytrees, restored by name.
+        """
         typed = _is_typed_key(rng)
         state = {"params": params, "opt_state": opt_state,
                  "rng": jax.random.key_data(rng) if typed else rng}
+        if aux_state:
+            state["aux_state"] = dict(aux_state)
         meta = {"data_state": data_state, "extra": extra or {},
-                "rng_impl": str(jax.random.key_impl(rng)) if typed else None}
+                "rng_impl": str(jax.random.key_impl(rng)) if typed else None,
+                "aux_state": sorted(aux_state or {})}
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
 
@@ -69,29 +78,40 @@ class Checkpointer:
     def all_steps(self):
         return list(self._manager.all_steps())
 
-    def restore(self, step=None, *, params, opt_state, rng):
+    def restore(self, step=None, *, params, opt_state, rng, aux_state=None):
         """Restores `step` (default: the latest complete one) onto the targets' shardings.
 
         params / opt_state / rng are targets: arrays or ShapeDtypeStructs (with sharding),
         e.g. from `jax.eval_shape`. A typed PRNG key target gets a typed key back.
+        aux_state: targets of the named pytrees saved with the step; the names must match.
         """
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {self._manager.directory}")
+        meta = self._manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"]
+        saved, wanted = meta.get("aux_state", []), sorted(aux_state or {})
+        if saved != wanted:
+            raise ValueError(
+                f"checkpoint step {step} in {self._manager.directory} holds aux state {saved} "
+                f"but the restore asks for {wanted}: resume with the config that wrote it "
+                "(a run with rl.estimator='gae' saves its critic), or start a new workdir")
         rng_target = rng
         if _is_typed_key(rng):  # saved as its key data
             data = jax.eval_shape(jax.random.key_data, rng)
             rng_target = jax.ShapeDtypeStruct(data.shape, data.dtype,
                                               sharding=getattr(rng, "sharding", None))
-        target = _abstract({"params": params, "opt_state": opt_state, "rng": rng_target})
-        out = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-        state, meta = out["state"], out["meta"]
+        target = {"params": params, "opt_state": opt_state, "rng": rng_target}
+        if aux_state:
+            target["aux_state"] = dict(aux_state)
+        state = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_abstract(target))))["state"]
         rng_out = state["rng"]
         if _is_typed_key(rng):
             rng_out = jax.random.wrap_key_data(rng_out, impl=meta["rng_impl"])
         return Restored(step=step, params=state["params"], opt_state=state["opt_state"],
-                        rng=rng_out, data_state=meta["data_state"], extra=meta["extra"])
+                        rng=rng_out, data_state=meta["data_state"], extra=meta["extra"],
+                        aux_state=state.get("aux_state", {}))
 
     def wait(self):
         """Blocks until pending asynchronous saves are complete."""

@@ -11,6 +11,12 @@ loops (multi-turn tool episodes, sandbox rewards, overlapped scoring) reuse them
   update   `Learner.update(params, opt_state, batch) -> params, opt_state, metrics`: PPO epochs
            over minibatches, gradients accumulated over microbatches, one jitted call.
 
+PPO with a learned value function (rl.estimator="gae") adds a critic: the policy's decoder with
+a scalar value head (`Critic`), its own parameters and optimizer (config.critic). `prepare`
+then takes `critic_params` (old values, GAE advantages and returns) and
+`Learner.update_critic` trains it on the same minibatches and epochs as the actor (verl updates
+the critic, then the actor).
+
 `sft(config, workdir)` trains on (prompt, completion) pairs with the loss on completion tokens
 only, as a warm start; `train(..., params=...)` continues from its result.
 
@@ -45,7 +51,8 @@ from ptrain import model as model_lib
 from ptrain import sampler as sampler_lib
 from ptrain import sharding
 
-ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline")
+ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "gae")
+CRITIC_INITS = ("policy", "random")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 
 
@@ -86,7 +93,8 @@ def defaults() -> ml_collections.ConfigDict:
         # Rows per gradient-accumulation step, a multiple of sampling.num_samples (groups
         # stay whole: their prompt is computed once); 0: the whole minibatch.
         microbatch_size=0,
-        gamma=1.0,  # reinforce++ discount
+        gamma=1.0,  # discount (reinforce++, gae)
+        lam=1.0,  # GAE lambda (gae)
         entropy_coef=0.0,
         tis_cap=0.0,  # truncated importance sampling against the sampler's log-probs; 0: off
         tis_level="token",  # token | sequence
@@ -96,6 +104,13 @@ def defaults() -> ml_collections.ConfigDict:
         # with separate generate/score (see `train`) and tis_cap > 0 to correct for it.
         staleness=0,
     )
+    # The value function of rl.estimator="gae" (PPO), ignored otherwise. init "policy": the
+    # policy's decoder (verl's default) with a new value head; "random": a fresh decoder
+    # (seed + 1). clip_value: verl's cliprange_value. The loss aggregates like the actor's
+    # (rl.agg); the optimizer is the critic's own (verl: lr 1e-5, weight decay 0.01, constant).
+    c.critic = dict(init="policy", clip_value=0.5,
+                    optim=dict(lr=1e-5, warmup_steps=0, schedule="constant", min_lr_ratio=0.0,
+                               weight_decay=0.01, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0))
     # KL to the frozen initial policy: coef 0 turns it (and the reference model) off.
     c.kl = dict(coef=0.0, kind="k3", in_reward=False,
                 target=0.0, horizon=10000.0)  # target > 0: adaptive coefficient (in-reward)
@@ -152,9 +167,16 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         (config.sft.microbatch_size == 0
          or config.sft.batch_size % config.sft.microbatch_size == 0,
          "sft.microbatch_size must divide sft.batch_size"),
-        (config.optim.schedule in ("cosine", "constant")
-         and config.sft.optim.schedule in ("cosine", "constant"),
-         "optim.schedule must be 'cosine' or 'constant'"),
+        (all(o.schedule in ("cosine", "constant")
+             for o in (config.optim, config.sft.optim, config.critic.optim)),
+         "optim.schedule (and sft.optim's, critic.optim's) must be 'cosine' or 'constant'"),
+        (rl.estimator != "gae" or (0 <= rl.gamma <= 1 and 0 <= rl.lam <= 1),
+         f"rl.estimator='gae' needs 0 <= rl.gamma <= 1 and 0 <= rl.lam <= 1; got "
+         f"gamma={rl.gamma}, lam={rl.lam}"),
+        (config.critic.init in CRITIC_INITS,
+         f"critic.init={config.critic.init!r}; use one of {CRITIC_INITS}"),
+        (config.critic.clip_value > 0,
+         f"critic.clip_value={config.critic.clip_value} must be > 0 (large: no clipping)"),
         (not (d.sources and d.records_fn), "set data.sources or data.records_fn, not both"),
         (config.dapo.max_gen_batches >= 1, "dapo.max_gen_batches must be >= 1"),
         (config.kl.target == 0 or config.kl.in_reward,
@@ -321,7 +343,7 @@ class Episodes:
 class _Settings:
     """The static part of the compiled steps (hashable)."""
 
-    kind: str  # "rl" | "sft"
+    kind: str  # "rl" | "sft" | "critic"
     group_size: int = 1  # rows sharing one prompt
     estimator: str = "grpo"
     loss: str = "ppo"
@@ -330,6 +352,8 @@ class _Settings:
     dual_clip: float | None = 3.0
     agg: str = "token-mean"
     gamma: float = 1.0
+    lam: float = 1.0
+    clip_value: float = 0.5
     entropy_coef: float = 0.0
     tis_cap: float = 0.0
     tis_level: str = "token"
@@ -362,7 +386,6 @@ class Learner:
                 self.model_config, rngs=nnx.Rngs(0), mesh=self.mesh), self.mesh)
             self.initial_params = jax.device_put(params, jax.tree.map(
                 lambda x: x.sharding, abstract) if self.mesh is not None else None)
-        self.param_shardings = jax.tree.map(lambda x: x.sharding, self.initial_params)
         self.pad_id = _pad_id(self.tokenizer)
         rl, s = c.rl, c.sampling
         updates = rl.ppo_epochs * rl.num_minibatches
@@ -372,12 +395,22 @@ class Learner:
         self.settings = _Settings(
             kind="rl", group_size=s.num_samples, estimator=rl.estimator, loss=rl.loss,
             clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip or None,
-            agg=rl.agg, gamma=rl.gamma, entropy_coef=rl.entropy_coef,
+            agg=rl.agg, gamma=rl.gamma, lam=rl.lam, clip_value=c.critic.clip_value,
+            entropy_coef=rl.entropy_coef,
             tis_cap=rl.tis_cap, tis_level=rl.tis_level, kl_kind=c.kl.kind,
             kl_loss=kl_on and not c.kl.in_reward, kl_in_reward=kl_on and c.kl.in_reward,
             has_old_logp=updates > 1 or (kl_on and c.kl.in_reward), chunk=rl.logprob_chunk,
             epochs=rl.ppo_epochs, minibatches=rl.num_minibatches,
             microbatch=rl.microbatch_size)
+        # PPO's value function (rl.estimator="gae"): own parameters (`init_critic`),
+        # optimizer and settings.
+        self.critic_graphdef = None
+        if rl.estimator == "gae":
+            self.critic_graphdef = nnx.split(nnx.eval_shape(lambda: Critic(
+                self.model_config, rngs=nnx.Rngs(0), mesh=self.mesh)))[0]
+            self.critic_tx, self.critic_schedule = make_optimizer(
+                c.critic.optim, total_steps=c.steps, updates_per_step=updates)
+            self.critic_settings = dataclasses.replace(self.settings, kind="critic")
         self.sft_tx, self.sft_schedule = make_optimizer(c.sft.optim, total_steps=c.sft.steps)
         self.sft_settings = _Settings(kind="sft", chunk=rl.logprob_chunk,
                                       microbatch=c.sft.microbatch_size)
@@ -391,12 +424,25 @@ class Learner:
     # ------------------------------------------------------------------ state
 
     def init_opt_state(self, params, tx=None):
-        """Optimizer state, sharded like the parameters it mirrors."""
+        """Optimizer state (default `tx`: the policy's), sharded like the parameters it
+        mirrors (the critic's: `init_opt_state(critic_params, learner.critic_tx)`)."""
         tx = tx or self.tx
         shardings = None
         if self.mesh is not None:
-            shardings = opt_state_shardings(tx, params, self.param_shardings, self.mesh)
+            param_shardings = jax.tree.map(lambda x: x.sharding, params)
+            shardings = opt_state_shardings(tx, params, param_shardings, self.mesh)
         return jax.jit(tx.init, out_shardings=shardings)(params)
+
+    def init_critic(self):
+        """Fresh critic parameters (rl.estimator="gae"), sharded like the policy's: the
+        decoder of `initial_params` (critic.init="policy"; call this before they are donated
+        to an update) or a random one (seed + 1), and a new value head."""
+        c = self.config
+        if self.critic_graphdef is None:
+            raise ValueError(f"rl.estimator={c.rl.estimator!r} has no critic; use 'gae'")
+        policy = self.initial_params if c.critic.init == "policy" else None
+        return init_critic(self.model_config, seed=c.seed + 1, mesh=self.mesh,
+                           policy_params=policy)[1]
 
     def decode(self, ids) -> str:
         if self.tokenizer is None:
@@ -448,19 +494,32 @@ class Learner:
             rewards, out.prompt_index, prompt_len=c.data.max_prompt_len,
             length=s.max_new_tokens, meta=meta, pad_id=self.pad_id)
 
-    def prepare(self, params, episodes: Episodes, kl_coef: float = 0.0):
+    def prepare(self, params, episodes: Episodes, kl_coef: float = 0.0, *,
+                critic_params=None):
         """Device batch for `update`: advantages, log-probs of the current (when needed) and
-        reference policies, KL in the reward. Returns (batch, metrics)."""
+        reference policies, KL in the reward; with rl.estimator="gae", the critic's values
+        (`critic_params`), GAE advantages and returns. Returns (batch, metrics)."""
+        if (critic_params is None) != (self.critic_graphdef is None):
+            raise ValueError("prepare: pass critic_params exactly when rl.estimator='gae' "
+                             f"(here {self.settings.estimator!r})")
         episodes.check_groups(self.settings.group_size)
         batch = sharding.shard_batch(episodes.arrays(), self.mesh)
-        return _prepare(params, self.ref_params, batch, jnp.float32(kl_coef),
-                        graphdef=self.graphdef, s=self.settings)
+        return _prepare(params, self.ref_params, critic_params, batch, jnp.float32(kl_coef),
+                        graphdef=self.graphdef, critic_graphdef=self.critic_graphdef,
+                        s=self.settings)
 
     def update(self, params, opt_state, batch, kl_coef: float = 0.0):
         """PPO epochs over minibatches; the inputs are donated. Returns (params, opt_state,
         metrics) with metrics averaged over the optimizer updates."""
         fn = _jit_update(self.graphdef, self.settings, self.tx, self.mesh)
         return fn(params, opt_state, batch, jnp.float32(kl_coef))
+
+    def update_critic(self, critic_params, critic_opt_state, batch):
+        """The critic's clipped value-loss updates on the minibatches and epochs of `update`
+        (optimizer `critic_tx`); the inputs but the batch are donated. Returns (critic_params,
+        critic_opt_state, metrics) with metrics averaged over the updates."""
+        fn = _jit_update(self.critic_graphdef, self.critic_settings, self.critic_tx, self.mesh)
+        return fn(critic_params, critic_opt_state, batch, jnp.float32(0.0))
 
     def sft_update(self, params, opt_state, episodes: Episodes):
         """One supervised step (optimizer `sft_tx`) on the loss-masked tokens; the inputs are
@@ -500,6 +559,51 @@ def build_model(config, mesh) -> model_lib.Transformer:
     return model_lib.init(model_config(config), seed=config.seed, mesh=mesh)
 
 
+class Critic(nnx.Module):
+    """PPO's value function: a decoder whose final hidden states feed a scalar head (verl's
+    critic, AutoModelForTokenClassification with one label: a Linear d -> 1 with a bias,
+    weight ~ N(0, 0.02), bias 0). The decoder is built tied, so it carries no [v, d] output
+    projection: `hidden` never reads it."""
+
+    def __init__(self, config: model_lib.ModelConfig, *, rngs: nnx.Rngs, mesh=None):
+        self.decoder = model_lib.Transformer(config.replace(tie_embeddings=True), rngs=rngs,
+                                             mesh=mesh)
+        dt = jnp.dtype(config.param_dtype)
+        self.value_head_d = nnx.Param(
+            (0.02 * jax.random.normal(rngs.params(), (config.d_model,))).astype(dt),
+            axes=("embed",))
+        self.value_bias = nnx.Param(jnp.zeros((), dt), axes=())
+
+    def values(self, h_xd):
+        """Float32 values of hidden states [..., d] -> [...]."""
+        w_d = self.value_head_d[...].astype(h_xd.dtype)
+        return (jnp.einsum("...d,d->...", h_xd, w_d, preferred_element_type=jnp.float32)
+                + self.value_bias[...].astype(jnp.float32))
+
+
+def init_critic(config: model_lib.ModelConfig, *, seed, mesh, policy_params=None):
+    """(graphdef, params) of a `Critic` born sharded like the policy. policy_params: the
+    decoder starts as a copy of the policy's (its output projection dropped) and only the
+    value head is drawn from `seed`; None: everything is drawn from `seed`."""
+    def make():
+        return Critic(config, rngs=nnx.Rngs(seed), mesh=mesh)
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    decoder_keys = tuple(abstract["decoder"].keys())
+
+    def init(policy):
+        critic = make()
+        if policy is not None:  # the random decoder is dead code, removed by XLA
+            nnx.update(critic.decoder, policy)
+        return nnx.split(critic)[1]
+
+    policy = None
+    if policy_params is not None:
+        policy = nnx.State({k: policy_params[k] for k in decoder_keys})
+    shardings = None if mesh is None else sharding.state_shardings(abstract, mesh)
+    return graphdef, jax.jit(init, out_shardings=shardings)(policy)
+
+
 def _load_tokenizer(path):
     if not path:
         return None
@@ -537,14 +641,8 @@ def token_logprobs(graphdef, params, batch, *, group_size=1, chunk=256):
     repeated for the G continuations, so gradients from all G reach the one prompt forward.
     """
     model = nnx.merge(graphdef, params)
-    tokens_bn, lengths_b = batch["tokens_bn"], batch["lengths_b"]
-    b, n = tokens_bn.shape
-    h_gd, cache = sampler_lib.prefill_shared(
-        model, batch["prompt_bp"][::group_size], batch["prompt_lens_b"][::group_size],
-        repeats=group_size, extra_slots=n)
-    valid_bn = (jnp.arange(n)[None, :] < lengths_b[:, None]).astype(jnp.int32)
-    positions_bn = batch["prompt_lens_b"][:, None] + jnp.arange(n)[None, :]
-    h_bnd, _ = model.hidden(tokens_bn, positions_bn, valid_bn, cache)
+    tokens_bn = batch["tokens_bn"]
+    h_gd, h_bnd = _continuation_hidden(model, batch, group_size)
     # Token j is predicted by the hidden state before it: the prompt's last for j = 0, else
     # the row's state j - 1. The int32 targets shift, not the (time-sharded) hidden states,
     # so with sequence parallelism each shard scores its own tokens.
@@ -558,6 +656,30 @@ def token_logprobs(graphdef, params, batch, *, group_size=1, chunk=256):
                  for a_b1, a_bn in zip(first_b1, (logp_bn, ent_bn)))
 
 
+def token_values(critic_graphdef, critic_params, batch, *, group_size=1):
+    """The critic's value of the state before each continuation token, float32 [b, n]: for
+    token j, the value at the prompt's last token (j = 0) or at the row's token j - 1, the
+    alignment of `token_logprobs` (verl's values[:, -response_length - 1:-1])."""
+    critic = nnx.merge(critic_graphdef, critic_params)
+    h_gd, h_bnd = _continuation_hidden(critic.decoder, batch, group_size)
+    first_b = jnp.repeat(critic.values(h_gd), group_size)
+    return jnp.concatenate([first_b[:, None], critic.values(h_bnd)[:, :-1]], axis=1)
+
+
+def _continuation_hidden(model, batch, group_size):
+    """Final hidden states of each group's prompt (its last token, [b / G, d]) and of every
+    continuation token ([b, n, d]); the prompt runs once, its KV cache repeated G times."""
+    tokens_bn, lengths_b = batch["tokens_bn"], batch["lengths_b"]
+    n = tokens_bn.shape[1]
+    h_gd, cache = sampler_lib.prefill_shared(
+        model, batch["prompt_bp"][::group_size], batch["prompt_lens_b"][::group_size],
+        repeats=group_size, extra_slots=n)
+    valid_bn = (jnp.arange(n)[None, :] < lengths_b[:, None]).astype(jnp.int32)
+    positions_bn = batch["prompt_lens_b"][:, None] + jnp.arange(n)[None, :]
+    h_bnd, _ = model.hidden(tokens_bn, positions_bn, valid_bn, cache)
+    return h_gd, h_bnd
+
+
 def _last_token_onehot(mask_bn):
     """1 on the last token of each row where the mask is 1 (the sequence reward goes there)."""
     n = mask_bn.shape[1]
@@ -565,8 +687,9 @@ def _last_token_onehot(mask_bn):
     return (jnp.arange(n)[None, :] == last_b[:, None]) & (mask_bn.sum(-1, keepdims=True) > 0)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "s"))
-def _prepare(params, ref_params, batch, kl_coef, *, graphdef, s: _Settings):
+@functools.partial(jax.jit, static_argnames=("graphdef", "critic_graphdef", "s"))
+def _prepare(params, ref_params, critic_params, batch, kl_coef, *, graphdef, critic_graphdef,
+             s: _Settings):
     mask_bn = batch["loss_mask_bn"]
     logp = functools.partial(token_logprobs, graphdef, batch=batch, group_size=s.group_size,
                              chunk=s.chunk)
@@ -588,9 +711,17 @@ def _prepare(params, ref_params, batch, kl_coef, *, graphdef, s: _Settings):
                                          mask_bt=mask_bn)
     elif s.estimator == "reinforce++":
         adv_bn = losses.reinforce_pp_advantages(scores_bn, mask_bn, gamma=s.gamma)[0]
-    else:
+    elif s.estimator == "reinforce++-baseline":
         adv_bn = losses.reinforce_pp_baseline_advantages(scores_bn, mask_bn,
                                                          batch["group_ids_b"])
+    else:  # gae: the critic's values before the update are the old values of its loss
+        values_bn = token_values(critic_graphdef, critic_params, batch, group_size=s.group_size)
+        adv_bn, returns_bn = losses.gae(scores_bn, values_bn, mask_bn, gamma=s.gamma, lam=s.lam)
+        out["old_values_bn"], out["returns_bn"] = values_bn, returns_bn
+        metrics["critic/values_mean"] = losses.masked_mean(values_bn, mask_bn)
+        metrics["critic/returns_mean"] = losses.masked_mean(returns_bn, mask_bn)
+        metrics["critic/vf_explained_var"] = losses.explained_variance(returns_bn, values_bn,
+                                                                       mask_bn)
     out["adv_bn"] = adv_bn
     metrics["adv/mean"] = losses.masked_mean(adv_bn, mask_bn)
     metrics["adv/abs_mean"] = losses.masked_mean(jnp.abs(adv_bn), mask_bn)
@@ -641,6 +772,20 @@ def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: _Settings
     return loss, metrics
 
 
+def _critic_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: _Settings):
+    """The clipped value loss of one microbatch, normalised like `_rl_loss`."""
+    del kl_coef
+    mask_bn = x["loss_mask_bn"]
+    vpreds_bn = token_values(graphdef, params, x, group_size=s.group_size)
+    share = mask_bn.sum() / jnp.maximum(num_tokens, 1)
+    loss, clipfrac = losses.value_loss(vpreds_bn, x["returns_bn"], x["old_values_bn"], mask_bn,
+                                       clip_value=s.clip_value, agg=s.agg,
+                                       num_tokens=num_tokens, num_seqs=num_seqs)
+    return loss, {"critic/vf_clipfrac": share * clipfrac,
+                  "critic/vpred_mean": share * losses.masked_mean(
+                      jax.lax.stop_gradient(vpreds_bn), mask_bn)}
+
+
 def _update(params, opt_state, batch, kl_coef, *, graphdef, s: _Settings, tx, mesh):
     """All optimizer updates of one step: epochs x minibatches, each minibatch's gradient
     accumulated over microbatches (a scan, so the program does not grow with their number).
@@ -663,7 +808,9 @@ def _update(params, opt_state, batch, kl_coef, *, graphdef, s: _Settings, tx, me
         return sharding.constrain(x, (None, None, "batch") + (None,) * len(rest), mesh)
 
     split = {name: split(x) for name, x in batch.items() if name != "rewards_b"}
-    grad_fn = jax.value_and_grad(functools.partial(_rl_loss, graphdef=graphdef, s=s),
+    loss_fn, prefix = (_critic_loss, "critic") if s.kind == "critic" else (_rl_loss, "optim")
+    loss_key = "critic/vf_loss" if s.kind == "critic" else "optim/loss"
+    grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef, s=s),
                                  has_aux=True)
 
     def minibatch(carry, i):
@@ -675,12 +822,12 @@ def _update(params, opt_state, batch, kl_coef, *, graphdef, s: _Settings, tx, me
 
         def accumulate(grads, x):
             (loss, metrics), g = grad_fn(params, x, num_tokens, num_seqs, kl_coef)
-            return jax.tree.map(jnp.add, grads, g), {"optim/loss": loss, **metrics}
+            return jax.tree.map(jnp.add, grads, g), {loss_key: loss, **metrics}
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         grads, metrics = jax.lax.scan(accumulate, zeros, mb)
         metrics = jax.tree.map(lambda v: v.sum(0), metrics)
-        metrics["optim/grad_norm"] = optax.global_norm(grads)
+        metrics[f"{prefix}/grad_norm"] = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), metrics
 
@@ -727,13 +874,20 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     # ---------------------------------------------------------------- restore or start
     params = learner.initial_params
     opt_state = learner.init_opt_state(params)
+    critic = None  # PPO's value function: {"params": ..., "opt_state": ...}
+    if learner.critic_graphdef is not None:
+        critic_params = learner.init_critic()
+        critic = {"params": critic_params,
+                  "opt_state": learner.init_opt_state(critic_params, learner.critic_tx)}
     ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        max_to_keep=c.checkpoint.keep,
                                        async_save=c.checkpoint.async_save)
     start, data_state = 0, None
     if ckpt.latest_step() is not None:
-        restored = ckpt.restore(params=params, opt_state=opt_state, rng=root_key)
+        restored = ckpt.restore(params=params, opt_state=opt_state, rng=root_key,
+                                aux_state=critic and {"critic": critic})
         start, params, opt_state = restored.step, restored.params, restored.opt_state
+        critic = restored.aux_state.get("critic")
         data_state = restored.data_state
         kl_ctl = dataclasses.replace(kl_ctl, value=restored.extra["kl_coef"])
         logging.info("resumed from step %d", start)
@@ -771,9 +925,17 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
         t1 = time.perf_counter()
 
         # ------------------------------------------------------------ advantages, update
-        batch, prep_metrics = learner.prepare(params, episodes, kl_ctl.value)
+        batch, prep_metrics = learner.prepare(params, episodes, kl_ctl.value,
+                                              critic_params=critic and critic["params"])
+        critic_metrics = {}
+        if critic is not None:  # verl: the critic, then the actor, on the same minibatches
+            critic_params, critic_opt, critic_metrics = learner.update_critic(
+                critic["params"], critic["opt_state"], batch)
+            critic = {"params": critic_params, "opt_state": critic_opt}
+            critic_metrics["critic/lr"] = learner.critic_schedule(step - 1)
         params, opt_state, upd_metrics = learner.update(params, opt_state, batch, kl_ctl.value)
-        prep_metrics, upd_metrics = jax.device_get((prep_metrics, upd_metrics))
+        prep_metrics, upd_metrics, critic_metrics = jax.device_get(
+            (prep_metrics, upd_metrics, critic_metrics))
         if c.kl.coef > 0 and c.kl.in_reward:
             kl_ctl = kl_ctl.update(prep_metrics["kl/in_reward"], n_steps=len(episodes))
         t2 = time.perf_counter()
@@ -781,7 +943,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
         # ------------------------------------------------------------ log
         if step % c.log.every == 0 or step == c.steps:
             writer.write(step, {
-                **gen_metrics, **prep_metrics, **upd_metrics,
+                **gen_metrics, **prep_metrics, **critic_metrics, **upd_metrics,
                 "optim/lr": float(learner.schedule(step - 1)), "kl/coef": kl_ctl.value,
                 "time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/step_s": t2 - t0,
             })
@@ -793,7 +955,8 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
         # resumed run draws it again and generates it from the restored parameters.)
         if step % c.checkpoint.every == 0 or step == c.steps:
             ckpt.save(step, params=params, opt_state=opt_state, rng=root_key,
-                      data_state=data_state, extra={"kl_coef": kl_ctl.value})
+                      data_state=data_state, extra={"kl_coef": kl_ctl.value},
+                      aux_state=critic and {"critic": critic})
 
     if scorer is not None:
         scorer.shutdown()

@@ -1,4 +1,4 @@
-"""RL losses and advantage estimators as pure JAX functions.
+"""RL losses, advantage estimators and the value loss as pure JAX functions.
 
 The math follows verl (`verl/trainer/ppo/core_algos.py`, `verl/utils/torch_functional.py`,
 `verl/trainer/ppo/rollout_corr_helper.py`, `verl/workers/reward_manager/dapo.py`, release 0.9)
@@ -43,15 +43,20 @@ def masked_mean(x, mask, axis=None):
     return total / jnp.maximum(mask.sum(axis), 1)
 
 
+def masked_var(x_bt, mask_bt):
+    """Bessel-corrected variance over the valid tokens (verl masked_var(unbiased=True))."""
+    n = mask_bt.sum()
+    mean = masked_mean(x_bt, mask_bt)
+    return masked_mean((x_bt - mean) ** 2, mask_bt) * n / jnp.maximum(n - 1, 1)
+
+
 def masked_whiten(x_bt, mask_bt):
     """(x - mean) * rsqrt(var + 1e-8) over the valid tokens, Bessel-corrected, 0 on padding.
 
-    verl's `masked_whiten` / `masked_var(unbiased=True)`. verl raises on an empty mask and
-    returns nan for a single valid token; here both give zeros.
+    verl's `masked_whiten`. verl raises on an empty mask and returns nan for a single valid
+    token; here both give zeros.
     """
-    n = mask_bt.sum()
-    mean = masked_mean(x_bt, mask_bt)
-    var = masked_mean((x_bt - mean) ** 2, mask_bt) * n / jnp.maximum(n - 1, 1)
+    mean, var = masked_mean(x_bt, mask_bt), masked_var(x_bt, mask_bt)
     return jnp.where(mask_bt > 0, (x_bt - mean) * jax.lax.rsqrt(var + 1e-8), 0.0)
 
 
@@ -255,6 +260,43 @@ def policy_loss(logp_bt, old_logp_bt, adv_bt, mask_bt, *, kind="ppo", clip_low=0
         "ppo_kl": jax.lax.stop_gradient(masked_mean(-log_ratio_bt, mask_bt)),
     }
     return loss, metrics
+
+
+# --------------------------------------------------------------------------------- value loss
+
+
+def value_loss(vpreds_bt, returns_bt, old_values_bt, mask_bt, *, clip_value=0.5,
+               agg="token-mean", num_tokens=None, num_seqs=None, horizon=None):
+    """PPO's clipped value loss for the critic; returns (loss, clipfrac).
+
+    0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)) with c = clip_value
+    (verl compute_value_loss; its critic's cliprange_value defaults to 0.5). The prediction
+    is clipped as torch.max(torch.min(v, hi), lo), whose gradient at a bound is split in
+    halves, as jnp.minimum / jnp.maximum split it. clipfrac: the fraction of valid tokens
+    where the clipped term is larger. num_tokens / num_seqs / horizon as in `agg_loss`.
+    """
+    if not clip_value > 0:
+        raise ValueError(f"clip_value must be > 0 (a large value turns clipping off); got "
+                         f"{clip_value}")
+    mask_bt = jnp.asarray(mask_bt, jnp.float32)
+    vpreds_bt = jnp.asarray(vpreds_bt, jnp.float32)
+    old_bt = jax.lax.stop_gradient(jnp.asarray(old_values_bt, jnp.float32))
+    returns_bt = jax.lax.stop_gradient(jnp.asarray(returns_bt, jnp.float32))
+    clipped_bt = jnp.maximum(jnp.minimum(vpreds_bt, old_bt + clip_value), old_bt - clip_value)
+    vf1_bt = (vpreds_bt - returns_bt) ** 2
+    vf2_bt = (clipped_bt - returns_bt) ** 2
+    loss = 0.5 * agg_loss(jnp.maximum(vf1_bt, vf2_bt), mask_bt, agg, num_tokens=num_tokens,
+                          num_seqs=num_seqs, horizon=horizon)
+    clipfrac = masked_mean(vf2_bt > vf1_bt, mask_bt)
+    return loss, jax.lax.stop_gradient(clipfrac)
+
+
+def explained_variance(returns_bt, values_bt, mask_bt):
+    """1 - var(R - V) / (var(R) + 1e-5) over the valid tokens, variances Bessel-corrected
+    (verl's critic/vf_explained_var): 1 when the critic predicts the returns exactly."""
+    mask_bt = jnp.asarray(mask_bt, jnp.float32)
+    return 1.0 - (masked_var(returns_bt - values_bt, mask_bt)
+                  / (masked_var(returns_bt, mask_bt) + 1e-5))
 
 
 # ----------------------------------------------------------------------------------------- KL

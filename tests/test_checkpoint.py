@@ -1,4 +1,5 @@
-"""ptrain.checkpoint: round trip, keep-N, resharding on restore, SIGKILL mid-save."""
+"""ptrain.checkpoint: round trip, keep-N, named aux state, resharding on restore, SIGKILL
+mid-save."""
 
 import os
 import signal
@@ -60,6 +61,35 @@ def test_round_trip_keep_n_and_latest(tmp_path):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(jax.random.key_data(from_abstract.rng),
                                   jax.random.key_data(out.rng))
+
+
+def test_aux_state_round_trip_and_mismatch(tmp_path):
+    """Named pytrees next to the parameters (the PPO critic) come back by name; a restore
+    that asks for other names than were saved fails and says what to do."""
+    rng = jax.random.key(0)
+    params, opt_state = state_at(1)
+    critic_params, critic_opt = state_at(9)
+    with Checkpointer(tmp_path / "with") as ckpt:
+        ckpt.save(1, params=params, opt_state=opt_state, rng=rng,
+                  aux_state={"critic": {"params": critic_params, "opt_state": critic_opt}})
+        ckpt.wait()
+    with Checkpointer(tmp_path / "without") as ckpt:
+        ckpt.save(1, params=params, opt_state=opt_state, rng=rng)
+        ckpt.wait()
+    target = {"critic": {"params": state_at(0)[0], "opt_state": state_at(0)[1]}}
+    with Checkpointer(tmp_path / "with") as ckpt:
+        out = ckpt.restore(params=params, opt_state=opt_state, rng=rng, aux_state=target)
+        with pytest.raises(ValueError, match=r"holds aux state \['critic'\] but the restore "
+                                             r"asks for \[\]"):
+            ckpt.restore(params=params, opt_state=opt_state, rng=rng)
+    np.testing.assert_array_equal(out.aux_state["critic"]["params"]["w_dv"], np.full((8, 4), 9.0))
+    assert (jax.tree.structure(out.aux_state["critic"]["opt_state"])
+            == jax.tree.structure(critic_opt))
+    np.testing.assert_array_equal(out.params["w_dv"], np.full((8, 4), 1.0))
+    with Checkpointer(tmp_path / "without") as ckpt:
+        assert ckpt.restore(params=params, opt_state=opt_state, rng=rng).aux_state == {}
+        with pytest.raises(ValueError, match="rl.estimator='gae' saves its critic"):
+            ckpt.restore(params=params, opt_state=opt_state, rng=rng, aux_state=target)
 
 
 def test_restore_onto_a_different_sharding(tmp_path):

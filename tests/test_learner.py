@@ -1,7 +1,9 @@
 """ptrain.learner: the toy GRPO run learns, SIGKILL + resume is exact, sharding changes nothing,
-advantages match their formulas, SFT trains on completion tokens only, DAPO sampling, config."""
+advantages match their formulas, PPO's critic (values, GAE, training, resume), SFT trains on
+completion tokens only, DAPO sampling, config."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,8 +15,10 @@ import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from configs import grpo_toy
+from configs import ppo_toy
 from ptrain import learner as L
 from ptrain import sharding
 from ptrain.metrics import read_jsonl
@@ -27,8 +31,8 @@ def one_device():
     return sharding.make_mesh(fsdp=1, devices=jax.devices()[:1])
 
 
-def toy_config(**changes):
-    c = grpo_toy.get_config()
+def toy_config(_module=grpo_toy, **changes):
+    c = _module.get_config()
     for dotted, value in changes.items():
         *parents, name = dotted.split(".")
         node = c
@@ -158,14 +162,16 @@ def _random_episodes(groups, per_group, seed=0):
 
 
 def test_sharded_update_with_accumulation_equals_unsharded(initial_params):
-    """fsdp=4 x tensor=2 with 2 microbatches per minibatch == one device, no accumulation.
+    """fsdp=4 x tensor=2 with 2 microbatches per minibatch == one device, no accumulation,
+    for the policy and its critic (PPO with GAE).
 
     Rows differ in length, so seq-mean-token-sum depends on the whole minibatch's sequence
     count. Adam's eps is large so that the update is linear in the gradient (float noise in
     near-zero gradients cannot flip their sign).
     """
     changes = {"rl.agg": "seq-mean-token-sum", "rl.entropy_coef": 0.01, "kl.coef": 0.05,
-               "kl.kind": "k3", "optim.eps": 1.0, "rl.tis_cap": 1.5}
+               "kl.kind": "k3", "optim.eps": 1.0, "rl.tis_cap": 1.5, "rl.estimator": "gae",
+               "rl.lam": 0.9, "critic.optim.eps": 1.0, "critic.optim.lr": 1e-3}
     plain = _learner(toy_config(**changes, **{"rl.microbatch_size": 0}), initial_params)
     mesh = sharding.make_mesh(fsdp=4, tensor=2)
     sharded = _learner(toy_config(**changes, **{"rl.microbatch_size": 16}), initial_params,
@@ -174,21 +180,27 @@ def test_sharded_update_with_accumulation_equals_unsharded(initial_params):
     episodes = _random_episodes(groups=8, per_group=8)
 
     def run(learner):
-        params = learner.initial_params
-        batch, prep = learner.prepare(params, episodes, 0.05)
+        params, critic = learner.initial_params, learner.init_critic()
+        if learner is sharded:  # the critic is sharded like the policy
+            for decoder in (params, critic["decoder"]):
+                assert decoder["layers"]["wq"][...].sharding.spec == P(None, "fsdp", "tensor",
+                                                                       None)
+        batch, prep = learner.prepare(params, episodes, 0.05, critic_params=critic)
+        critic, _, critic_metrics = learner.update_critic(
+            critic, learner.init_opt_state(critic, learner.critic_tx), batch)
         params, _, metrics = learner.update(params, learner.init_opt_state(params), batch, 0.05)
-        return jax.device_get((params, prep, metrics))
+        return jax.device_get(((params, critic), prep, {**metrics, **critic_metrics}))
 
+    critic0 = jax.device_get(plain.init_critic())
     p_plain, prep_plain, m_plain = run(plain)
     p_sharded, prep_sharded, m_sharded = run(sharded)
-    wq = sharded.initial_params["layers"]["wq"][...]
-    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-    moved = 0.0
-    for a, b, p0 in zip(jax.tree.leaves(p_sharded), jax.tree.leaves(p_plain),
-                        jax.tree.leaves(initial_params)):
-        np.testing.assert_allclose(a, b, atol=2e-6, rtol=0)
-        moved = max(moved, float(np.abs(b - p0).max()))
-    assert moved > 1e-4  # the update did something
+    for got, expected, before in zip(p_sharded, p_plain, (initial_params, critic0)):
+        moved = 0.0
+        for a, b, p0 in zip(jax.tree.leaves(got), jax.tree.leaves(expected),
+                            jax.tree.leaves(before)):
+            np.testing.assert_allclose(a, b, atol=2e-6, rtol=0)
+            moved = max(moved, float(np.abs(b - p0).max()))
+        assert moved > 1e-4  # the update did something
     for key in m_plain:
         np.testing.assert_allclose(m_sharded[key], m_plain[key], atol=1e-5, rtol=1e-5,
                                    err_msg=key)
@@ -288,7 +300,7 @@ def _expected_advantages(estimator, rewards, groups, mask_bn):
     return adv_bn
 
 
-@pytest.mark.parametrize("estimator", L.ESTIMATORS)
+@pytest.mark.parametrize("estimator", [e for e in L.ESTIMATORS if e != "gae"])
 def test_advantages_follow_the_published_formulas(estimator, initial_params):
     learner = _learner(toy_config(**{"rl.estimator": estimator}, **THREE_GROUPS_OF_3),
                        initial_params)
@@ -316,6 +328,130 @@ def test_kl_in_reward_lowers_the_sequence_score(initial_params):
     np.testing.assert_allclose(np.asarray(batch["adv_bn"]), expected, atol=1e-4)
     per_seq = kl_bn.sum(-1) / mask.sum(-1)
     np.testing.assert_allclose(metrics["kl/in_reward"], per_seq.mean(), rtol=1e-4)
+
+
+# ------------------------------------------------------------------------- PPO's critic
+
+
+def test_gae_advantages_from_the_critic_values(initial_params):
+    """The critic starts as the policy's decoder with a value head; its value of token j is
+    read at the state before j (the prompt's last token for j = 0) in a plain full forward of
+    prompt + continuation; GAE over those values skips the observation token, and its token
+    rewards carry the KL penalty when the KL is in the reward."""
+    from test_losses import ref_gae, ref_whiten
+
+    config = toy_config(**{"rl.estimator": "gae", "rl.gamma": 0.9, "rl.lam": 0.8,
+                           "kl.coef": 0.5, "kl.in_reward": True, "kl.kind": "k1"},
+                        **THREE_GROUPS_OF_3)
+    learner = _learner(config, initial_params)
+    learner.ref_params = jax.tree.map(lambda x: x * 1.5, learner.ref_params)
+    critic = learner.init_critic()
+    np.testing.assert_array_equal(critic["decoder"]["layers"]["wq"][...],
+                                  initial_params["layers"]["wq"][...])
+    assert "lm_head" not in critic["decoder"]  # the critic carries no output projection
+    episodes = _fixed_episodes()
+    with pytest.raises(ValueError, match="pass critic_params exactly when"):
+        learner.prepare(learner.initial_params, episodes)
+    batch, metrics = learner.prepare(learner.initial_params, episodes, 0.5,
+                                     critic_params=critic)
+
+    model = nnx.merge(learner.critic_graphdef, critic)
+    lengths = episodes.lengths_b
+    rows = np.zeros((9, 6 + 8), np.int32)
+    for i in range(9):
+        p = episodes.prompt_lens_b[i]
+        rows[i, :p + lengths[i]] = np.concatenate([episodes.prompt_bp[i, -p:],
+                                                   episodes.tokens_bn[i, :lengths[i]]])
+    v_full = np.asarray(nnx.jit(lambda m, x: m.values(m.decoder.hidden(x)[0]))(
+        model, jnp.asarray(rows)), np.float64)
+    values = np.zeros((9, 8))
+    for i in range(9):
+        p = episodes.prompt_lens_b[i]
+        values[i, :lengths[i]] = v_full[i, p - 1:p - 1 + lengths[i]]
+    assert values.std() > 1e-3  # the values differ: the alignment is tested
+    valid = np.arange(8)[None] < lengths[:, None]
+    np.testing.assert_allclose(np.where(valid, batch["old_values_bn"], 0), values, atol=1e-5)
+
+    mask = episodes.loss_mask_bn.astype(np.float64)
+    kl_bn = (np.asarray(batch["old_logp_bn"], np.float64)
+             - np.asarray(batch["ref_logp_bn"], np.float64)) * mask
+    assert np.abs(kl_bn).max() > 1e-2
+    rewards = -0.5 * kl_bn
+    for i in range(9):
+        rewards[i, np.flatnonzero(mask[i])[-1]] += episodes.rewards_b[i]
+    adv = ref_gae(rewards, values, mask, 0.9, 0.8)
+    np.testing.assert_allclose(batch["adv_bn"], ref_whiten(adv, mask), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(batch["returns_bn"]) * mask, (adv + values) * mask,
+                               atol=1e-5)
+    ret = (adv + values)[mask > 0]
+    np.testing.assert_allclose(metrics["critic/returns_mean"], ret.mean(), atol=1e-5)
+    np.testing.assert_allclose(
+        metrics["critic/vf_explained_var"],
+        1 - (ret - values[mask > 0]).var(ddof=1) / (ret.var(ddof=1) + 1e-5), atol=1e-4)
+
+
+def test_critic_learns_the_returns_of_a_fixed_batch(initial_params):
+    """Repeated prepare + update_critic on one batch: the clipped value loss falls and the
+    values come to explain much of the returns (not all: the first token's value is its
+    group's prompt's, shared by rows of different returns). A critic init "random" is not
+    the policy's."""
+    config = toy_config(**{"rl.estimator": "gae", "critic.init": "random",
+                           "critic.optim.lr": 1e-2, "critic.optim.weight_decay": 0.0},
+                        **THREE_GROUPS_OF_3)
+    learner = _learner(config, initial_params)
+    critic = learner.init_critic()
+    assert not np.allclose(critic["decoder"]["layers"]["wq"][...],
+                           initial_params["layers"]["wq"][...])
+    opt_state = learner.init_opt_state(critic, learner.critic_tx)
+    episodes = _fixed_episodes()
+    history = []
+    for _ in range(30):
+        batch, prep = learner.prepare(learner.initial_params, episodes, critic_params=critic)
+        critic, opt_state, metrics = learner.update_critic(critic, opt_state, batch)
+        history.append(jax.device_get({**prep, **metrics}))
+    first, last = history[0], history[-1]
+    assert set(first) >= {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean",
+                          "critic/grad_norm", "critic/values_mean", "critic/returns_mean"}
+    assert last["critic/vf_loss"] < 0.25 * first["critic/vf_loss"]
+    assert first["critic/vf_explained_var"] < 0.1 and last["critic/vf_explained_var"] > 0.5
+
+
+PPO_STEPS, PPO_EVERY = 12, 4
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory):
+    """The uninterrupted toy PPO run (configs/ppo_toy.py)."""
+    workdir = str(tmp_path_factory.mktemp("ppo"))
+    config = toy_config(ppo_toy, steps=PPO_STEPS, **{"checkpoint.every": PPO_EVERY})
+    L.train(config, workdir, mesh=one_device())
+    return workdir
+
+
+def test_ppo_toy_run_trains_the_critic_and_the_policy(ppo_run):
+    records = _metrics(ppo_run)
+    assert [r["step"] for r in records] == list(range(1, PPO_STEPS + 1))
+    assert records[0]["reward/mean"] < 0.2 and records[-1]["reward/mean"] >= 0.9
+    # The returns climb from about 0 to about 1: a critic that did not learn would lag them.
+    first, last = records[:3], records[-3:]
+    assert np.mean([r["critic/vf_loss"] for r in last]) < 0.3 * np.mean(
+        [r["critic/vf_loss"] for r in first])
+    assert last[-1]["critic/returns_mean"] > 0.8
+    assert abs(last[-1]["critic/values_mean"] - last[-1]["critic/returns_mean"]) < 0.1
+    assert all(r["critic/grad_norm"] > 0 and "critic/vf_clipfrac" in r for r in records)
+
+
+def test_ppo_resume_restores_the_critic_exactly(ppo_run, tmp_path):
+    """A run restarted from the step-8 checkpoint (params, optimizer states of the policy and
+    the critic, data and PRNG state) logs what the uninterrupted run logged after it."""
+    workdir = tmp_path / "resumed"
+    shutil.copytree(os.path.join(ppo_run, "checkpoints", str(2 * PPO_EVERY)),
+                    workdir / "checkpoints" / str(2 * PPO_EVERY))
+    config = toy_config(ppo_toy, steps=PPO_STEPS, **{"checkpoint.every": PPO_EVERY})
+    L.train(config, str(workdir), mesh=one_device())
+    resumed = _metrics(workdir)
+    assert [r["step"] for r in resumed] == list(range(2 * PPO_EVERY + 1, PPO_STEPS + 1))
+    assert resumed == _metrics(ppo_run)[2 * PPO_EVERY:]
 
 
 # ------------------------------------------------------------------------------------- SFT
@@ -450,7 +586,12 @@ def test_config_keys_and_values_are_checked():
                                          r"\['rl.clip_hihg'\]"):
         L.check_config(config)
     for change, message in [({"rl.loss": "gspo"}, "aggregates seq-mean-token-mean"),
-                            ({"rl.estimator": "gae"}, "rl.estimator='gae'"),
+                            ({"rl.estimator": "ppo"}, "rl.estimator='ppo'"),
+                            ({"rl.estimator": "gae", "rl.lam": -0.5},
+                             "needs 0 <= rl.gamma <= 1 and 0 <= rl.lam <= 1; got gamma=1.0, "
+                             "lam=-0.5"),
+                            ({"critic.init": "sft"}, "critic.init='sft'; use one of"),
+                            ({"critic.clip_value": 0.0}, "critic.clip_value=0.0 must be > 0"),
                             ({"rl.num_minibatches": 3}, "must divide into rl.num_minibatches"),
                             ({"rl.microbatch_size": 12}, "a multiple of sampling.num_samples=8"),
                             ({"rl.microbatch_size": 24}, "divides the minibatch of 32 rows"),

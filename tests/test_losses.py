@@ -283,6 +283,85 @@ def test_cispo():
     close(metrics["pg_clipfrac"], ((np.abs(r - cr) > 1e-6) * mask).sum() / n)
 
 
+# --------------------------------------------------------------------------------- value loss
+
+CLIP_V = 0.5
+
+
+def value_case():
+    """Predictions inside the clip range, beyond it on either side with the return on either
+    side (so either term can be the larger), exactly on both bounds, a masked token holding
+    garbage and a fully masked row. Bounds are exact in float32 (old values are quarters)."""
+    old = np.array([[0.25, 0.25, 0.25, 0.25, -1.0, 0.0],
+                    [1.0, 1.0, -0.5, -0.5, 0.25, 2.0],
+                    [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]], np.float32)
+    v = np.array([[0.5, 1.5, 1.5, 0.75, -1.5, 7.0],  # in, out (R above), out (R below), ties
+                  [-0.2, 0.1, -2.0, 0.7, 0.0, 1e3],  # below lo (R above, below), in, ...
+                  [3.0, 3.0, 3.0, 3.0, 3.0, 3.0]], np.float32)
+    ret = np.array([[0.4, 3.0, -1.0, 2.0, 0.0, 0.0],
+                    [2.0, -1.0, -0.3, -0.4, 0.2, 0.0],
+                    [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]], np.float32)
+    mask = np.array([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0]], np.float32)
+    return v, ret, old, mask
+
+
+def ref_value_tokens(v, ret, old, c):
+    """Per-token max(vf1, vf2) and its derivative in v, float64 (torch tie rules)."""
+    v, ret, old = (np.asarray(x, np.float64) for x in (v, ret, old))
+    lo, hi = old - c, old + c
+    vc = np.maximum(np.minimum(v, hi), lo)
+    on_bound = np.isclose(v, hi, rtol=0, atol=1e-7) | np.isclose(v, lo, rtol=0, atol=1e-7)
+    dvc = np.where(on_bound, 0.5, np.where((v > lo) & (v < hi), 1.0, 0.0))
+    vf1, vf2 = (v - ret) ** 2, (vc - ret) ** 2
+    return np.maximum(vf1, vf2), split(vf1, vf2, 2 * (v - ret), 2 * (vc - ret) * dvc, True), \
+        vf1, vf2
+
+
+@pytest.mark.parametrize("agg", losses.AGG_MODES)
+def test_value_loss_clipped_and_unclipped(agg):
+    v, ret, old, mask = value_case()
+    tok, grad_tok, vf1, vf2 = ref_value_tokens(v, ret, old, CLIP_V)
+    valid = mask > 0
+    # The case covers both regions: clipped term larger on some valid tokens, not on others.
+    assert (vf2 > vf1)[valid].any() and (vf2 < vf1)[valid].any()
+    fn = lambda x: losses.value_loss(x, ret, old, mask, clip_value=CLIP_V, agg=agg)
+    (loss, clipfrac), grad = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(v))
+    tok, grad_tok = np.where(valid, tok, 0.0), np.where(valid, grad_tok, 0.0)
+    close(loss, 0.5 * ref_agg(tok, mask, agg))
+    eye = np.eye(v.size).reshape(v.size, *v.shape)
+    weights = np.array([ref_agg(e, mask, agg) for e in eye]).reshape(v.shape)
+    close(grad, 0.5 * grad_tok * weights)
+    close(clipfrac, ((vf2 > vf1) & valid).sum() / valid.sum())
+    # On the bounds the clip passes half the gradient and the tied max splits it again.
+    if agg == "token-mean":
+        n = mask.sum()
+        close(grad[0, 3], 0.5 * (0.5 * 2 * (0.75 - 2.0) + 0.5 * 0.5 * 2 * (0.75 - 2.0)) / n)
+        close(grad[0, 1], 0.0)  # clipped term wins: no gradient to the prediction
+
+
+def test_value_loss_global_denominators_and_bad_clip():
+    v, ret, old, mask = value_case()
+    tok = np.where(mask > 0, ref_value_tokens(v, ret, old, CLIP_V)[0], 0.0)
+    loss, _ = losses.value_loss(v, ret, old, mask, clip_value=CLIP_V, num_tokens=20)
+    close(loss, 0.5 * tok.sum() / 20)
+    # A clip wide enough never binds: the plain squared error.
+    loss, clipfrac = losses.value_loss(v, ret, old, mask, clip_value=1e6)
+    close(loss, 0.5 * ((v - ret) ** 2 * mask).sum() / mask.sum())
+    assert float(clipfrac) == 0.0
+    with pytest.raises(ValueError, match="clip_value must be > 0"):
+        losses.value_loss(v, ret, old, mask, clip_value=0.0)
+
+
+def test_explained_variance():
+    rng = np.random.default_rng(4)
+    ret, val = rng.normal(size=(2, 3, 5))
+    mask = np.array([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], np.float32)
+    r, d = ret[mask > 0], (ret - val)[mask > 0]
+    close(losses.explained_variance(ret, val, mask),
+          1 - d.var(ddof=1) / (r.var(ddof=1) + 1e-5))
+    close(losses.explained_variance(ret, ret, mask), 1.0)
+
+
 # ----------------------------------------------------------------------------------------- KL
 
 
@@ -505,13 +584,14 @@ def test_chunked_logprobs_never_materialises_btv():
 # ------------------------------------------- cross-check against verl's own torch functions
 
 VERL_FUNCS = {
-    "utils/torch_functional.py": ["masked_sum", "masked_mean", "masked_var", "masked_whiten"],
+    "utils/torch_functional.py": ["masked_sum", "masked_mean", "masked_var", "masked_whiten",
+                                  "clip_by_value"],
     "trainer/ppo/core_algos.py": [
         "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
         "compute_reinforce_plus_plus_outcome_advantage", "compute_gae_advantage_return",
         "compute_reinforce_plus_plus_baseline_outcome_advantage", "agg_loss",
         "compute_policy_loss_vanilla", "compute_policy_loss_gspo", "compute_policy_loss_cispo",
-        "kl_penalty", "kl_penalty_forward", "AdaptiveKLController"],
+        "kl_penalty", "kl_penalty_forward", "AdaptiveKLController", "compute_value_loss"],
     "trainer/ppo/rollout_corr_helper.py": [
         "_parse_rollout_is_threshold", "compute_rollout_correction_weights",
         "compute_is_metrics"],
@@ -645,3 +725,17 @@ def test_verl_agg_is_weights_and_kl_controller(verl):
         ref_ctl.update(kl_value, 32)
         ctl = ctl.update(kl_value, 32)
         close(ctl.value, ref_ctl.value, rtol=1e-12)
+
+
+def test_verl_value_loss(verl):
+    v, ret, old, mask = value_case()
+    for agg in losses.AGG_MODES:
+        v_t = t(v, grad=True)
+        ref_loss, ref_clipfrac = verl.compute_value_loss(v_t, t(ret), t(old), t(mask) > 0,
+                                                         CLIP_V, agg)
+        ref_loss.backward()
+        fn = lambda x: losses.value_loss(x, ret, old, mask, clip_value=CLIP_V, agg=agg)
+        (loss, clipfrac), grad = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(v))
+        close(loss, float(ref_loss.detach()), rtol=1e-5)
+        close(grad, v_t.grad.numpy(), rtol=1e-5)
+        close(clipfrac, float(ref_clipfrac))
