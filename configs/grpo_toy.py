@@ -35,7 +35,8 @@ def get_config():
     c.steps = 30
     c.model = dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                    tie_embeddings=False, rope_theta=10000.0, dtype="float32",
-                   param_dtype="float32", remat="none")
+                   param_dtype="float32", remat="none", attention_impl="blockwise",
+                   attn_block_q=512, attn_block_k=512)
     c.hf_model = ""
     c.tokenizer = ""
     c.mesh = dict(data=1, fsdp=-1, sequence=1, tensor=1)

@@ -31,7 +31,8 @@ def get_config(arg: str = ""):
                    d_model=128, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=256,
                    tie_embeddings=True, rope_theta=10000.0, dtype="float32",
                    param_dtype="float32", remat="none",
-                   attention_impl="reference")  # <= 96 tokens: dense is as fast
+                   attention_impl="reference",  # <= 96 tokens: dense is as fast
+                   attn_block_q=512, attn_block_k=512)
     c.hf_model = ""
     c.tokenizer = ""
     c.mesh = dict(data=-1, fsdp=1, sequence=1, tensor=1)  # data parallel over all devices

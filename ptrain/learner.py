@@ -69,7 +69,8 @@ def defaults() -> ml_collections.ConfigDict:
     # RUNTIME_MODEL_KEYS among them apply (attention implementation, block sizes, remat).
     c.model = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
                    tie_embeddings=False, rope_theta=10000.0, dtype="float32",
-                   param_dtype="float32", remat="none")
+                   param_dtype="float32", remat="none", attention_impl="blockwise",
+                   attn_block_q=512, attn_block_k=512)
     c.hf_model = ""  # a local Hugging Face model directory to start from
     c.tokenizer = ""  # a local Hugging Face tokenizer directory; "" means records carry ids
     c.mesh = dict(data=1, fsdp=-1, sequence=1, tensor=1)
