@@ -11,8 +11,8 @@ trained on) are measured after SFT and after RL.
 
 Command:  make quickstart   (python -m launch.train --config=configs/quickstart.py
           --workdir=runs/quickstart)
-Hardware: 2 CPU cores, 6-8 minutes (SFT 1000 steps ~2.5 min, RL 120 steps ~1.2 s each, two
-          evaluations of 300 episodes); the sandbox uses the strongest backend available.
+Hardware: 2 CPU cores, about 5 minutes (SFT 1000 steps ~2.5 min, RL 120 steps ~1.2 s each,
+          two evaluations of 300 episodes); the sandbox uses the strongest backend available.
 Expected: <workdir>/eval.jsonl: greedy held-out pass rate per domain (n=100) rises from
           0.23 (code), 0.66 (arith), 0.48 (files) after SFT to 1.00, 1.00, 0.98 after RL
           (a run on 2 CPU cores, docker backend; README "The closed loop").
