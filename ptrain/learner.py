@@ -12,7 +12,7 @@ loops (multi-turn tool episodes, sandbox rewards, overlapped scoring) reuse them
            over minibatches, gradients accumulated over microbatches, one jitted call.
 
 PPO with a learned value function (rl.estimator="gae") adds a critic: the policy's decoder with
-a scalar value head (`Critic`), its own parameters and optimizer (config.critic). `prepare`
+a scalar value head (`ptrain/critic.py`), its own parameters and optimizer (config.critic). `prepare`
 then takes `critic_params` (old values, GAE advantages and returns) and
 `Learner.update_critic` trains it on the same minibatches and epochs as the actor (verl updates
 the critic, then the actor).
@@ -44,6 +44,7 @@ import optax
 from flax import nnx
 
 from ptrain import checkpoint as checkpoint_lib
+from ptrain import critic as critic_lib
 from ptrain import data as data_lib
 from ptrain import losses
 from ptrain import metrics as metrics_lib
@@ -407,7 +408,7 @@ class Learner:
         # optimizer and settings.
         self.critic_graphdef = None
         if rl.estimator == "gae":
-            self.critic_graphdef = nnx.split(nnx.eval_shape(lambda: Critic(
+            self.critic_graphdef = nnx.split(nnx.eval_shape(lambda: critic_lib.Critic(
                 self.model_config, rngs=nnx.Rngs(0), mesh=self.mesh)))[0]
             self.critic_tx, self.critic_schedule = make_optimizer(
                 c.critic.optim, total_steps=c.steps, updates_per_step=updates)
@@ -442,7 +443,7 @@ class Learner:
         if self.critic_graphdef is None:
             raise ValueError(f"rl.estimator={c.rl.estimator!r} has no critic; use 'gae'")
         policy = self.initial_params if c.critic.init == "policy" else None
-        return init_critic(self.model_config, seed=c.seed + 1, mesh=self.mesh,
+        return critic_lib.init(self.model_config, seed=c.seed + 1, mesh=self.mesh,
                            policy_params=policy)[1]
 
     def decode(self, ids) -> str:
@@ -558,51 +559,6 @@ def build_model(config, mesh) -> model_lib.Transformer:
         from ptrain import hf
         return hf.load(config.hf_model, mesh=mesh, overrides=_runtime_overrides(config))[0]
     return model_lib.init(model_config(config), seed=config.seed, mesh=mesh)
-
-
-class Critic(nnx.Module):
-    """PPO's value function: a decoder whose final hidden states feed a scalar head (verl's
-    critic, AutoModelForTokenClassification with one label: a Linear d -> 1 with a bias,
-    weight ~ N(0, 0.02), bias 0). The decoder is built tied, so it carries no [v, d] output
-    projection: `hidden` never reads it."""
-
-    def __init__(self, config: model_lib.ModelConfig, *, rngs: nnx.Rngs, mesh=None):
-        self.decoder = model_lib.Transformer(config.replace(tie_embeddings=True), rngs=rngs,
-                                             mesh=mesh)
-        dt = jnp.dtype(config.param_dtype)
-        self.value_head_d = nnx.Param(
-            (0.02 * jax.random.normal(rngs.params(), (config.d_model,))).astype(dt),
-            axes=("embed",))
-        self.value_bias = nnx.Param(jnp.zeros((), dt), axes=())
-
-    def values(self, h_xd):
-        """Float32 values of hidden states [..., d] -> [...]."""
-        w_d = self.value_head_d[...].astype(h_xd.dtype)
-        return (jnp.einsum("...d,d->...", h_xd, w_d, preferred_element_type=jnp.float32)
-                + self.value_bias[...].astype(jnp.float32))
-
-
-def init_critic(config: model_lib.ModelConfig, *, seed, mesh, policy_params=None):
-    """(graphdef, params) of a `Critic` born sharded like the policy. policy_params: the
-    decoder starts as a copy of the policy's (its output projection dropped) and only the
-    value head is drawn from `seed`; None: everything is drawn from `seed`."""
-    def make():
-        return Critic(config, rngs=nnx.Rngs(seed), mesh=mesh)
-
-    graphdef, abstract = nnx.split(nnx.eval_shape(make))
-    decoder_keys = tuple(abstract["decoder"].keys())
-
-    def init(policy):
-        critic = make()
-        if policy is not None:  # the random decoder is dead code, removed by XLA
-            nnx.update(critic.decoder, policy)
-        return nnx.split(critic)[1]
-
-    policy = None
-    if policy_params is not None:
-        policy = nnx.State({k: policy_params[k] for k in decoder_keys})
-    shardings = None if mesh is None else sharding.state_shardings(abstract, mesh)
-    return graphdef, jax.jit(init, out_shardings=shardings)(policy)
 
 
 def _load_tokenizer(path):
