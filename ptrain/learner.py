@@ -12,8 +12,8 @@ loops (multi-turn tool episodes, sandbox rewards, overlapped scoring) reuse them
            over minibatches, gradients accumulated over microbatches, one jitted call.
 
 PPO with a learned value function (rl.estimator="gae") adds a critic: the policy's decoder with
-a scalar value head (`ptrain/critic.py`), its own parameters and optimizer (config.critic). `prepare`
-then takes `critic_params` (old values, GAE advantages and returns) and
+a scalar value head (`ptrain/critic.py`), its own parameters and optimizer (config.critic).
+`prepare` then takes `critic_params` (old values, GAE advantages and returns) and
 `Learner.update_critic` trains it on the same minibatches and epochs as the actor (verl updates
 the critic, then the actor).
 
