@@ -9,8 +9,10 @@ calls (multi-turn arith episodes) and shorter answers, closer to the quickstart'
 rl.staleness=1 (batch t scored in a thread while batch t+1 is generated), the two
 interleaved `--repeats` times so that other load on the machine hits both. Per-step times
 come from <workdir>/metrics.jsonl (time/step_s, time/rollout_s, time/update_s); the parts
-(producer.generate, producer.score) are timed inside the serial runs by wrapping the
-producer. Per run, the first `--warmup` steps (compilation) and the last step (which has no
+(producer.generate, producer.score) are timed by wrapping the producer. The ideal step takes
+its parts from the serial runs, where they do not compete. "busy cores" is the whole
+machine's CPU use during each run (other processes included): it tells a saturated machine,
+on which overlapping cannot gain. Per run, the first `--warmup` steps (compilation) and the last step (which has no
 batch t+1 to generate) are left out.
 
     python bench/loop_bench.py [--steps 8 --warmup 2 --repeats 2 --sft_steps 0]
@@ -108,42 +110,55 @@ def main():
                                  os.path.join(root, "sft"), tokenizer=tokenizer)
     total = args.warmup + args.steps + 1  # + the last step, left out
     timed = slice(args.warmup, args.warmup + args.steps)
-    steps = {0: [], 1: []}  # staleness -> per-step metrics lines
-    parts = {"generate": [], "score": [], "update": []}  # from the serial runs
+    # With staleness 1, step s scores batch s and generates batch s + 1 (step 1 makes two).
+    generated = {0: timed, 1: slice(args.warmup + 1, args.warmup + args.steps + 1)}
+    lines, parts, busy = {0: [], 1: []}, {0: {}, 1: {}}, {0: [], 1: []}
+    load = os.getloadavg()[0]
     start = time.perf_counter()
     with sandbox.Pool(config.sandbox.workers, backend=config.sandbox.backend) as pool:
         producer = closed_loop.TaskProducer(sampler, tokenizer, config, pool)
         for _ in range(args.repeats):
-            for staleness in (0, 1):
-                lines, times = run_once(config, params, producer, staleness, total, root)
-                steps[staleness] += lines[timed]
-                if staleness == 0:  # one generate and one score per step, in order
-                    parts["generate"] += times["generate"][timed]
-                    parts["score"] += times["score"][timed]
-                    parts["update"] += [r["time/update_s"] for r in lines[timed]]
+            for s in (0, 1):
+                cpu0, t0 = _busy_s(), time.perf_counter()
+                run, times = run_once(config, params, producer, s, total, root)
+                busy[s].append((_busy_s() - cpu0) / (time.perf_counter() - t0))
+                lines[s] += run[timed]
+                parts[s].setdefault("generate", []).extend(times["generate"][generated[s]])
+                parts[s].setdefault("score", []).extend(times["score"][timed])
 
-    med = {k: float(np.median(v)) for k, v in parts.items()}
-    col = {(s, k): float(np.median([r[f"time/{k}_s"] for r in steps[s]]))
-           for s in (0, 1) for k in ("step", "rollout", "update")}
-    serial, overlapped = col[0, "step"], col[1, "step"]
-    ideal = max(med["generate"], med["score"] + med["update"])
+    def median(s, key):
+        values = parts[s][key] if key in parts[s] else [r[f"time/{key}_s"] for r in lines[s]]
+        return float(np.median(values))
+
+    ideal = max(median(0, "generate"), median(0, "score") + median(0, "update"))
+    serial, overlapped = median(0, "step"), median(1, "step")
     c = config
     print(f"quickstart RL step: {c.data.prompts_per_step} prompts x {c.sampling.num_samples} "
           f"samples, {c.sampling.max_new_tokens} new tokens/turn, {c.sandbox.workers} sandbox "
-          f"workers ({backend.name}), jax {jax.__version__} on "
-          f"{jax.devices()[0].platform}; policy after {args.sft_steps} SFT steps; "
-          f"{args.repeats} x {args.steps} steps per mode "
-          f"(medians), {time.perf_counter() - start:.0f} s in all")
-    print(f"parts (serial runs): generate {med['generate']:.3f} s, score {med['score']:.3f} s, "
-          f"update {med['update']:.3f} s")
-    print(f"{'seconds':<30} {'step':>7} {'rollout':>8} {'update':>7}")
+          f"workers ({backend.name}), jax {jax.__version__} on {jax.devices()[0].platform}, "
+          f"policy after {args.sft_steps} SFT steps; medians of {args.repeats} x {args.steps} "
+          f"steps per mode, {time.perf_counter() - start:.0f} s; load average "
+          f"{load:.1f} -> {os.getloadavg()[0]:.1f}")
+    keys = ("step", "rollout", "update", "generate", "score")
+    print(f"{'seconds':<30}" + "".join(f"{k:>9}" for k in keys) + f"{'busy cores':>11}")
     for s, name in ((0, "serial (rl.staleness=0)"), (1, "overlapped (rl.staleness=1)")):
-        print(f"{name:<30} {col[s, 'step']:7.3f} {col[s, 'rollout']:8.3f} "
-              f"{col[s, 'update']:7.3f}")
-    print(f"{'ideal: max(gen, score + upd)':<30} {ideal:7.3f}")
+        print(f"{name:<30}" + "".join(f"{median(s, k):9.3f}" for k in keys)
+              + f"{np.median(busy[s]):11.2f}")
+    print(f"{'ideal max(gen, score + upd)':<30}{ideal:9.3f}  (parts from the serial runs)")
     print(f"overlapped / serial: {overlapped / serial:.2f}x")
     print(f"overlapped / ideal:  {overlapped / ideal:.2f}x  (target <= 1.15x)")
 
+
+def _busy_s() -> float:
+    """CPU seconds the whole machine has spent busy (all processes, all cores), or nan off
+    Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 if __name__ == "__main__":
     main()
