@@ -12,10 +12,10 @@ come from <workdir>/metrics.jsonl (time/step_s, time/rollout_s, time/update_s); 
 (producer.generate, producer.score) are timed by wrapping the producer. The ideal step takes
 its parts from the serial runs, where they do not compete. "busy cores" is the whole
 machine's CPU use during each run (other processes included): it tells a saturated machine,
-on which overlapping cannot gain. Per run, the first `--warmup` steps (compilation) and the last step (which has no
-batch t+1 to generate) are left out.
+on which overlapping cannot gain. Per run, the first `--warmup` steps (compilation) and the
+last step (which has no batch t+1 to generate) are left out.
 
-    python bench/loop_bench.py [--steps 8 --warmup 2 --repeats 2 --sft_steps 0]
+    python bench/loop_bench.py [--steps 8 --warmup 2 --repeats 2 --sft_steps 0 --workers 2]
 """
 
 import argparse
@@ -90,10 +90,14 @@ def main():
     parser.add_argument("--repeats", type=int, default=2, help="runs of each mode, interleaved")
     parser.add_argument("--sft_steps", type=int, default=0,
                         help="SFT warm-start steps before RL (0: a fresh model)")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="sandbox pool workers (0: the quickstart's)")
     args = parser.parse_args()
 
     root = tempfile.mkdtemp(prefix="loop_bench_")
     config = quickstart.get_config("short")
+    if args.workers:
+        config.sandbox.workers = args.workers
     tokenizer = closed_loop._tokenizer(config)
     config = closed_loop.resolve(config, root, tokenizer)
     closed_loop.make_tasks(config, tokenizer, root)
