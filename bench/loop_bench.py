@@ -15,7 +15,7 @@ machine's CPU use during each run (other processes included): it tells a saturat
 on which overlapping cannot gain. Per run, the first `--warmup` steps (compilation) and the
 last step (which has no batch t+1 to generate) are left out.
 
-    python bench/loop_bench.py [--steps 8 --warmup 2 --repeats 2 --sft_steps 0 --workers 2]
+    python bench/loop_bench.py [--steps 8 --warmup 2 --repeats 3 --sft_steps 0 --workers 2]
 """
 
 import argparse
@@ -87,48 +87,48 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8, help="timed RL steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out (compilation)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each mode, interleaved")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each mode, interleaved")
     parser.add_argument("--sft_steps", type=int, default=0,
                         help="SFT warm-start steps before RL (0: a fresh model)")
     parser.add_argument("--workers", type=int, default=0,
                         help="sandbox pool workers (0: the quickstart's)")
     args = parser.parse_args()
 
-    root = tempfile.mkdtemp(prefix="loop_bench_")
-    config = quickstart.get_config("short")
-    if args.workers:
-        config.sandbox.workers = args.workers
-    tokenizer = closed_loop._tokenizer(config)
-    config = closed_loop.resolve(config, root, tokenizer)
-    closed_loop.make_tasks(config, tokenizer, root)
-    lcfg = closed_loop.learner_part(config)
-    mesh = sharding.mesh_from_config(lcfg.mesh)
-    abstract_model = nnx.eval_shape(lambda: model_lib.Transformer(
-        learner_lib.model_config(lcfg), rngs=nnx.Rngs(0), mesh=mesh))
-    sampler = sampler_lib.Sampler(abstract_model, seed=config.seed,
-                                  pad_id=tokenizer.pad_token_id or 0, decode=tokenizer.decode)
-    backend = sandbox.backends.resolve(config.sandbox.backend)
-    params = None
-    if args.sft_steps:
-        params = learner_lib.sft(learner_config(config, **{"sft.steps": args.sft_steps}),
-                                 os.path.join(root, "sft"), tokenizer=tokenizer)
-    total = args.warmup + args.steps + 1  # + the last step, left out
-    timed = slice(args.warmup, args.warmup + args.steps)
-    # With staleness 1, step s scores batch s and generates batch s + 1 (step 1 makes two).
-    generated = {0: timed, 1: slice(args.warmup + 1, args.warmup + args.steps + 1)}
-    lines, parts, busy = {0: [], 1: []}, {0: {}, 1: {}}, {0: [], 1: []}
-    load = os.getloadavg()[0]
-    start = time.perf_counter()
-    with sandbox.Pool(config.sandbox.workers, backend=config.sandbox.backend) as pool:
-        producer = closed_loop.TaskProducer(sampler, tokenizer, config, pool)
-        for _ in range(args.repeats):
-            for s in (0, 1):
-                cpu0, t0 = _busy_s(), time.perf_counter()
-                run, times = run_once(config, params, producer, s, total, root)
-                busy[s].append((_busy_s() - cpu0) / (time.perf_counter() - t0))
-                lines[s] += run[timed]
-                parts[s].setdefault("generate", []).extend(times["generate"][generated[s]])
-                parts[s].setdefault("score", []).extend(times["score"][timed])
+    with tempfile.TemporaryDirectory(prefix="loop_bench_") as root:
+        config = quickstart.get_config("short")
+        if args.workers:
+            config.sandbox.workers = args.workers
+        tokenizer = closed_loop._tokenizer(config)
+        config = closed_loop.resolve(config, root, tokenizer)
+        closed_loop.make_tasks(config, tokenizer, root)
+        lcfg = closed_loop.learner_part(config)
+        mesh = sharding.mesh_from_config(lcfg.mesh)
+        abstract_model = nnx.eval_shape(lambda: model_lib.Transformer(
+            learner_lib.model_config(lcfg), rngs=nnx.Rngs(0), mesh=mesh))
+        sampler = sampler_lib.Sampler(abstract_model, seed=config.seed,
+                                      pad_id=tokenizer.pad_token_id or 0, decode=tokenizer.decode)
+        backend = sandbox.backends.resolve(config.sandbox.backend)
+        params = None
+        if args.sft_steps:
+            params = learner_lib.sft(learner_config(config, **{"sft.steps": args.sft_steps}),
+                                     os.path.join(root, "sft"), tokenizer=tokenizer)
+        total = args.warmup + args.steps + 1  # + the last step, left out
+        timed = slice(args.warmup, args.warmup + args.steps)
+        # With staleness 1, step s scores batch s and generates batch s + 1 (step 1 makes two).
+        generated = {0: timed, 1: slice(args.warmup + 1, args.warmup + args.steps + 1)}
+        lines, parts, busy = {0: [], 1: []}, {0: {}, 1: {}}, {0: [], 1: []}
+        load = os.getloadavg()[0]
+        start = time.perf_counter()
+        with sandbox.Pool(config.sandbox.workers, backend=config.sandbox.backend) as pool:
+            producer = closed_loop.TaskProducer(sampler, tokenizer, config, pool)
+            for _ in range(args.repeats):
+                for s in (0, 1):
+                    cpu0, t0 = _busy_s(), time.perf_counter()
+                    run, times = run_once(config, params, producer, s, total, root)
+                    busy[s].append((_busy_s() - cpu0) / (time.perf_counter() - t0))
+                    lines[s] += run[timed]
+                    parts[s].setdefault("generate", []).extend(times["generate"][generated[s]])
+                    parts[s].setdefault("score", []).extend(times["score"][timed])
 
     def median(s, key):
         values = parts[s][key] if key in parts[s] else [r[f"time/{key}_s"] for r in lines[s]]
@@ -163,6 +163,7 @@ def _busy_s() -> float:
         return float("nan")
     idle = fields[3] + fields[4]  # idle, iowait
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
 
 if __name__ == "__main__":
     main()
