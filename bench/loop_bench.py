@@ -1,0 +1,169 @@
+"""The closed loop's RL step: sandbox scoring overlapped with generation vs serial, against
+the ideal overlapped step max(generate, score + update), all measured in one run.
+
+The quickstart's model, tasks, sandbox pool and `TaskProducer` are built as
+`closed_loop.run` builds them. The policy is the config's fresh initialisation, or with
+`--sft_steps N` the quickstart's SFT warm start cut to N steps: a policy that makes tool
+calls (multi-turn arith episodes) and shorter answers, closer to the quickstart's RL phase.
+`learner.train` runs with rl.staleness=0 (serial: generate, score, update) and with
+rl.staleness=1 (batch t scored in a thread while batch t+1 is generated), the two
+interleaved `--repeats` times so that other load on the machine hits both. Per-step times
+come from <workdir>/metrics.jsonl (time/step_s, time/rollout_s, time/update_s); the parts
+(producer.generate, producer.score) are timed by wrapping the producer. The ideal step takes
+its parts from the serial runs, where they do not compete. "busy cores" is the whole
+machine's CPU use during each run (other processes included): it tells a saturated machine,
+on which overlapping cannot gain. Per run, the first `--warmup` steps (compilation) and the
+last step (which has no batch t+1 to generate) are left out.
+
+    python bench/loop_bench.py [--steps 8 --warmup 2 --repeats 3 --sft_steps 0 --workers 2]
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import sandbox  # noqa: E402
+from configs import quickstart  # noqa: E402
+from ptrain import closed_loop  # noqa: E402
+from ptrain import learner as learner_lib  # noqa: E402
+from ptrain import metrics as metrics_lib  # noqa: E402
+from ptrain import model as model_lib  # noqa: E402
+from ptrain import sampler as sampler_lib  # noqa: E402
+from ptrain import sharding  # noqa: E402
+
+
+class TimedProducer:
+    """A TaskProducer that records how long each generate and score call took."""
+
+    def __init__(self, producer):
+        self.producer, self.times = producer, {"generate": [], "score": []}
+
+    def _timed(self, name, fn, *args):
+        start = time.perf_counter()
+        out = fn(*args)
+        self.times[name].append(time.perf_counter() - start)
+        return out
+
+    def generate(self, params, records, key):
+        return self._timed("generate", self.producer.generate, params, records, key)
+
+    def score(self, episodes):
+        return self._timed("score", self.producer.score, episodes)
+
+
+def learner_config(config, **changes):
+    """The learner's part of the config, with dotted-key changes."""
+    lcfg = ml_collections.ConfigDict(closed_loop.learner_part(config).to_dict())
+    lcfg.update_from_flattened_dict(changes)
+    return lcfg
+
+
+def run_once(config, params, producer, staleness, steps, root):
+    """learner.train for `steps` steps from `params` (None: a fresh model); returns the
+    metrics.jsonl lines and the producer's call times."""
+    lcfg = learner_config(config, **{"steps": steps, "rl.staleness": staleness,
+                                     "checkpoint.every": steps, "log.rollouts_every": 0})
+    workdir = tempfile.mkdtemp(dir=root)
+    timed = TimedProducer(producer)
+    if params is not None:  # train donates them
+        params = jax.tree.map(jnp.copy, params)
+    learner_lib.train(lcfg, workdir, params=params, producer=timed,
+                      tokenizer=producer.tokenizer)
+    return metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")), timed.times
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=8, help="timed RL steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out (compilation)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each mode, interleaved")
+    parser.add_argument("--sft_steps", type=int, default=0,
+                        help="SFT warm-start steps before RL (0: a fresh model)")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="sandbox pool workers (0: the quickstart's)")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="loop_bench_") as root:
+        config = quickstart.get_config("short")
+        if args.workers:
+            config.sandbox.workers = args.workers
+        tokenizer = closed_loop._tokenizer(config)
+        config = closed_loop.resolve(config, root, tokenizer)
+        closed_loop.make_tasks(config, tokenizer, root)
+        lcfg = closed_loop.learner_part(config)
+        mesh = sharding.mesh_from_config(lcfg.mesh)
+        abstract_model = nnx.eval_shape(lambda: model_lib.Transformer(
+            learner_lib.model_config(lcfg), rngs=nnx.Rngs(0), mesh=mesh))
+        sampler = sampler_lib.Sampler(abstract_model, seed=config.seed,
+                                      pad_id=tokenizer.pad_token_id or 0, decode=tokenizer.decode)
+        backend = sandbox.backends.resolve(config.sandbox.backend)
+        params = None
+        if args.sft_steps:
+            params = learner_lib.sft(learner_config(config, **{"sft.steps": args.sft_steps}),
+                                     os.path.join(root, "sft"), tokenizer=tokenizer)
+        total = args.warmup + args.steps + 1  # + the last step, left out
+        timed = slice(args.warmup, args.warmup + args.steps)
+        # With staleness 1, step s scores batch s and generates batch s + 1 (step 1 makes two).
+        generated = {0: timed, 1: slice(args.warmup + 1, args.warmup + args.steps + 1)}
+        lines, parts, busy = {0: [], 1: []}, {0: {}, 1: {}}, {0: [], 1: []}
+        load = os.getloadavg()[0]
+        start = time.perf_counter()
+        with sandbox.Pool(config.sandbox.workers, backend=config.sandbox.backend) as pool:
+            producer = closed_loop.TaskProducer(sampler, tokenizer, config, pool)
+            for _ in range(args.repeats):
+                for s in (0, 1):
+                    cpu0, t0 = _busy_s(), time.perf_counter()
+                    run, times = run_once(config, params, producer, s, total, root)
+                    busy[s].append((_busy_s() - cpu0) / (time.perf_counter() - t0))
+                    lines[s] += run[timed]
+                    parts[s].setdefault("generate", []).extend(times["generate"][generated[s]])
+                    parts[s].setdefault("score", []).extend(times["score"][timed])
+
+    def median(s, key):
+        values = parts[s][key] if key in parts[s] else [r[f"time/{key}_s"] for r in lines[s]]
+        return float(np.median(values))
+
+    ideal = max(median(0, "generate"), median(0, "score") + median(0, "update"))
+    serial, overlapped = median(0, "step"), median(1, "step")
+    c = config
+    print(f"quickstart RL step: {c.data.prompts_per_step} prompts x {c.sampling.num_samples} "
+          f"samples, {c.sampling.max_new_tokens} new tokens/turn, {c.sandbox.workers} sandbox "
+          f"workers ({backend.name}), jax {jax.__version__} on {jax.devices()[0].platform}, "
+          f"policy after {args.sft_steps} SFT steps; medians of {args.repeats} x {args.steps} "
+          f"steps per mode, {time.perf_counter() - start:.0f} s; load average "
+          f"{load:.1f} -> {os.getloadavg()[0]:.1f}")
+    keys = ("step", "rollout", "update", "generate", "score")
+    print(f"{'seconds':<30}" + "".join(f"{k:>9}" for k in keys) + f"{'busy cores':>11}")
+    for s, name in ((0, "serial (rl.staleness=0)"), (1, "overlapped (rl.staleness=1)")):
+        print(f"{name:<30}" + "".join(f"{median(s, k):9.3f}" for k in keys)
+              + f"{np.median(busy[s]):11.2f}")
+    print(f"{'ideal max(gen, score + upd)':<30}{ideal:9.3f}  (parts from the serial runs)")
+    print(f"overlapped / serial: {overlapped / serial:.2f}x")
+    print(f"overlapped / ideal:  {overlapped / ideal:.2f}x  (target <= 1.15x)")
+
+
+def _busy_s() -> float:
+    """CPU seconds the whole machine has spent busy (all processes, all cores), or nan off
+    Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+if __name__ == "__main__":
+    main()
