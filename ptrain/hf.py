@@ -20,7 +20,7 @@ from flax import nnx
 
 from ptrain import safetensors_io
 from ptrain import sharding
-from ptrain.model import ModelConfig, Transformer
+from ptrain.model import RUNTIME_FIELDS, ModelConfig, Transformer
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3"}
@@ -289,11 +289,16 @@ def load(path: str, *, mesh=None, dtype: str | None = None, param_dtype: str | N
     """Model and config from a local Hugging Face directory, each tensor placed on its shards.
 
     `dtype` sets the compute dtype (and the parameter dtype unless `param_dtype` is given);
-    both default to the checkpoint's dtype. `overrides`: ModelConfig fields that do not change
-    the parameters, e.g. {"attention_impl": "ring", "remat": "full"}.
+    both default to the checkpoint's dtype. `overrides`: run-time ModelConfig fields
+    (`model.RUNTIME_FIELDS`), e.g. {"attention_impl": "ring", "remat": "full"}.
     """
+    overrides = dict(overrides or {})
+    fixed = sorted(set(overrides) - set(RUNTIME_FIELDS))
+    if fixed:
+        raise ValueError(f"hf.load overrides {fixed}: the checkpoint's config.json sets these; "
+                         f"only {RUNTIME_FIELDS} may be overridden")
     config = config_from_hf(read_config(path), dtype=dtype, param_dtype=param_dtype)
-    config = dataclasses.replace(config, **(overrides or {}))
+    config = dataclasses.replace(config, **overrides)
     ckpt = _Checkpoint(path)
     tensors = _tensors(config)
     _check_tensors(ckpt, tensors, config)

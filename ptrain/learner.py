@@ -67,7 +67,7 @@ def defaults() -> ml_collections.ConfigDict:
     c.seed = 0  # the one seed: model init, data order, sampling
     c.steps = 100  # RL steps; each draws data.prompts_per_step prompts
     # ModelConfig fields for a randomly initialised model; with hf_model only the
-    # RUNTIME_MODEL_KEYS among them apply (attention implementation, block sizes, remat).
+    # model.RUNTIME_FIELDS among them apply (attention implementation, block sizes, remat).
     c.model = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
                    tie_embeddings=False, rope_theta=10000.0, dtype="float32",
                    param_dtype="float32", remat="none", attention_impl="blockwise",
@@ -537,12 +537,9 @@ def _jit_update(graphdef, settings, tx, mesh):
                    donate_argnums=(0, 1))
 
 
-# With hf_model, these keys of config.model still apply (they do not change the parameters).
-RUNTIME_MODEL_KEYS = ("attention_impl", "attn_block_q", "attn_block_k", "remat")
-
-
 def _runtime_overrides(config) -> dict:
-    return {k: config.model[k] for k in RUNTIME_MODEL_KEYS if k in config.model}
+    """With hf_model, config.model's run-time keys still apply (model.RUNTIME_FIELDS)."""
+    return {k: config.model[k] for k in model_lib.RUNTIME_FIELDS if k in config.model}
 
 
 def model_config(config) -> model_lib.ModelConfig:

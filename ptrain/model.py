@@ -31,6 +31,11 @@ REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16")
 
 
+# ModelConfig fields that choose how the model runs, not what its parameters are: they may
+# differ from a checkpoint's (hf.load overrides, the learner's config.model with hf_model).
+RUNTIME_FIELDS = ("attention_impl", "attn_block_q", "attn_block_k", "remat")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture and numerics of a decoder. `hf.config_from_hf` builds one from config.json.

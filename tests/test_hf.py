@@ -79,6 +79,11 @@ def test_logits_match_transformers(checkpoint, impl):
     assert config.vocab_size == VOCAB
 
 
+def test_overriding_a_parameter_field_is_refused(checkpoint):
+    with pytest.raises(ValueError, match=r"overrides \['d_model'\].*config.json"):
+        hf.load(checkpoint[0], overrides={"d_model": 64})
+
+
 def test_learner_applies_runtime_model_keys_to_a_checkpoint(checkpoint):
     path, _ = checkpoint
     c = learner.defaults()
