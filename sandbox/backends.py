@@ -132,7 +132,11 @@ def resolve(backend):
 
 @functools.lru_cache(maxsize=None)
 def _log_auto_once(name, skipped):
-    log.info("sandbox backend 'auto' uses %r (not available: %s)", name, dict(skipped) or "-")
+    if skipped:
+        log.info("sandbox backend 'auto' uses %r; stronger ones not available: %s", name,
+                 dict(skipped))
+    else:
+        log.info("sandbox backend 'auto' uses %r, the strongest", name)
 
 
 @functools.lru_cache(maxsize=None)
