@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from flax import nnx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -38,8 +37,6 @@ from configs import quickstart  # noqa: E402
 from ptrain import closed_loop  # noqa: E402
 from ptrain import learner as learner_lib  # noqa: E402
 from ptrain import metrics as metrics_lib  # noqa: E402
-from ptrain import model as model_lib  # noqa: E402
-from ptrain import sampler as sampler_lib  # noqa: E402
 from ptrain import sharding  # noqa: E402
 
 
@@ -98,15 +95,12 @@ def main():
         config = quickstart.get_config("short")
         if args.workers:
             config.sandbox.workers = args.workers
-        tokenizer = closed_loop._tokenizer(config)
+        tokenizer = closed_loop.make_tokenizer(config)
         config = closed_loop.resolve(config, root, tokenizer)
         closed_loop.make_tasks(config, tokenizer, root)
         lcfg = closed_loop.learner_part(config)
         mesh = sharding.mesh_from_config(lcfg.mesh)
-        abstract_model = nnx.eval_shape(lambda: model_lib.Transformer(
-            learner_lib.model_config(lcfg), rngs=nnx.Rngs(0), mesh=mesh))
-        sampler = sampler_lib.Sampler(abstract_model, seed=config.seed,
-                                      pad_id=tokenizer.pad_token_id or 0, decode=tokenizer.decode)
+        sampler = closed_loop.make_sampler(lcfg, mesh, tokenizer)
         backend = sandbox.backends.resolve(config.sandbox.backend)
         params = None
         if args.sft_steps:

@@ -136,18 +136,12 @@ def make_tasks(config, tokenizer, workdir):
         fmt = CHAT_FORMATS[config.rollout.chat_format]
         rows = [demo_record(task, demo, tokenizer, fmt) for task, demo in demos]
         random.Random(config.seed).shuffle(rows)
-        _write_jsonl(rows, os.path.join(workdir, "tasks", "sft.jsonl"))
+        metrics_lib.write_jsonl(rows, os.path.join(workdir, "tasks", "sft.jsonl"))
     return train, heldout
 
 
 def _task_file(workdir, domain, split):
     return os.path.join(workdir, "tasks", f"{domain}.{split}.jsonl")
-
-
-def _write_jsonl(rows, path):
-    with open(path + ".tmp", "w") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(path + ".tmp", path)
 
 
 def demo_record(task, demo, tokenizer, fmt) -> dict:
@@ -277,15 +271,12 @@ def run(config, workdir, *, mesh=None):
 
     # ------------------------------------------------------------ set-up
     check_config(config)
-    tokenizer = _tokenizer(config)
+    tokenizer = make_tokenizer(config)
     config = resolve(config, workdir, tokenizer)
     train, heldout = make_tasks(config, tokenizer, workdir)
     lcfg = learner_part(config)
     mesh = sharding.mesh_from_config(lcfg.mesh) if mesh is None else mesh
-    abstract_model = nnx.eval_shape(lambda: model_lib.Transformer(
-        learner_lib.model_config(lcfg), rngs=nnx.Rngs(0), mesh=mesh))
-    sampler = sampler_lib.Sampler(abstract_model, seed=config.seed,
-                                  pad_id=tokenizer.pad_token_id or 0, decode=tokenizer.decode)
+    sampler = make_sampler(lcfg, mesh, tokenizer)
     eval_path = os.path.join(workdir, "eval.jsonl")
 
     with sandbox.Pool(config.sandbox.workers, backend=config.sandbox.backend) as pool:
@@ -326,7 +317,16 @@ def resolve(config, workdir, tokenizer) -> ml_collections.ConfigDict:
     return out
 
 
-def _tokenizer(config):
+def make_sampler(lcfg, mesh, tokenizer) -> sampler_lib.Sampler:
+    """A sampler for the learner config's model, built abstractly (parameters come with each
+    call)."""
+    abstract_model = nnx.eval_shape(lambda: model_lib.Transformer(
+        learner_lib.model_config(lcfg), rngs=nnx.Rngs(0), mesh=mesh))
+    return sampler_lib.Sampler(abstract_model, seed=lcfg.seed,
+                               pad_id=tokenizer.pad_token_id or 0, decode=tokenizer.decode)
+
+
+def make_tokenizer(config):
     if config.tasks.source == "synthetic":
         return synthetic_tasks.WordTokenizer.for_tasks()
     if not config.tokenizer:

@@ -444,7 +444,7 @@ class Learner:
             raise ValueError(f"rl.estimator={c.rl.estimator!r} has no critic; use 'gae'")
         policy = self.initial_params if c.critic.init == "policy" else None
         return critic_lib.init(self.model_config, seed=c.seed + 1, mesh=self.mesh,
-                           policy_params=policy)[1]
+                               policy_params=policy)[1]
 
     def decode(self, ids) -> str:
         if self.tokenizer is None:
@@ -762,8 +762,8 @@ def _update(params, opt_state, batch, kl_coef, *, graphdef, s: _Settings, tx, me
         return sharding.constrain(x, (None, None, "batch") + (None,) * len(rest), mesh)
 
     split = {name: split(x) for name, x in batch.items() if name != "rewards_b"}
-    loss_fn, prefix = (_critic_loss, "critic") if s.kind == "critic" else (_rl_loss, "optim")
-    loss_key = "critic/vf_loss" if s.kind == "critic" else "optim/loss"
+    loss_fn, prefix, loss_key = ((_critic_loss, "critic", "critic/vf_loss")
+                                 if s.kind == "critic" else (_rl_loss, "optim", "optim/loss"))
     grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef, s=s),
                                  has_aux=True)
 
@@ -1026,10 +1026,7 @@ def _prompt_stream(data, batch_size, seed, workdir, name, *, on_error):
     sources = list(data.sources)
     if data.records_fn is not None:
         path = os.path.join(workdir, f"{name}.jsonl")
-        records = data.records_fn(seed)
-        with open(path + ".tmp", "w") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in records))
-        os.replace(path + ".tmp", path)
+        metrics_lib.write_jsonl(data.records_fn(seed), path)
         sources = [path]
     if not sources:
         raise ValueError(f"no {name}: set data.sources (JSONL / ArrayRecord files) or "

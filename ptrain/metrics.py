@@ -34,6 +34,13 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def write_jsonl(records, path):
+    """Writes the records as JSONL atomically (a temp file renamed into place)."""
+    with open(path + ".tmp", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(path + ".tmp", path)
+
+
 def truncate_jsonl(path, max_step):
     """Drops the lines of `path` whose "step" is > max_step; returns how many were dropped."""
     if not os.path.exists(path):
