@@ -73,18 +73,15 @@ def run(code: str | None = None, *, language: str | None = None,
 def _borrow(key) -> Worker:
     """An idle worker for one run, or a new one while fewer than MAX_WORKERS_PER_KEY are lent
     or idle; otherwise waits for one to come back. Pair with `_hand_back`."""
-    with _changed:
+    with _changed:  # an RLock: _take_idle and _unlend take it again
         while True:
-            idle = _idle.get(key, [])
-            while idle:
-                worker = idle.pop()
-                if worker.alive:
-                    _lent[key] = _lent.get(key, 0) + 1
-                    return worker
-            if _lent.get(key, 0) < MAX_WORKERS_PER_KEY:
+            worker = _take_idle(key)
+            if worker is not None or _lent.get(key, 0) < MAX_WORKERS_PER_KEY:
                 _lent[key] = _lent.get(key, 0) + 1
                 break
             _changed.wait()
+    if worker is not None:
+        return worker
     try:
         return _new_worker(key)
     except BaseException:
@@ -96,18 +93,14 @@ def _hand_back(key, worker: Worker, *, keep: bool = True) -> None:
     """A borrowed worker, emptied by its run: idle again (or closed if it is dead, if
     keep=False, or if the idle ones fill the bound already)."""
     with _changed:
-        _lent[key] -= 1
-        idle = _idle.setdefault(key, [])
-        if keep and worker.alive and len(idle) + _lent[key] < MAX_WORKERS_PER_KEY:
-            idle.append(worker)
-            worker = None
-        _changed.notify()
-    if worker is not None:
-        worker.close()
+        _unlend(key)
+        if keep and _park(key, worker):
+            return
+    worker.close()
 
 
 def _unlend(key) -> None:
-    """A borrowed worker that will not come back (kept by a session, or never started)."""
+    """One fewer worker lent for `key` (handed back, kept by a session, or never started)."""
     with _changed:
         _lent[key] -= 1
         _changed.notify()
@@ -131,14 +124,20 @@ def _take_idle(key) -> Worker | None:
 
 
 def _put_idle(key, worker: Worker) -> None:
-    if worker.alive:
-        with _changed:
-            workers = _idle.setdefault(key, [])
-            if len(workers) + _lent.get(key, 0) < MAX_WORKERS_PER_KEY:
-                workers.append(worker)
-                _changed.notify()
-                return
+    with _changed:
+        if _park(key, worker):
+            _changed.notify()
+            return
     worker.close()
+
+
+def _park(key, worker: Worker) -> bool:
+    """Under `_changed`: make `worker` idle if it is alive and the bound allows."""
+    idle = _idle.setdefault(key, [])
+    if worker.alive and len(idle) + _lent.get(key, 0) < MAX_WORKERS_PER_KEY:
+        idle.append(worker)
+        return True
+    return False
 
 
 def shutdown() -> None:

@@ -64,10 +64,6 @@ class WorkDir:
         pending = [[path, len(data)] for path, data in self.pending.items()]
         return list(self.entries), pending, [self.data, *self.pending.values()]
 
-    @property
-    def size(self) -> int:
-        return len(self.data) + sum(len(d) for d in self.pending.values())
-
 
 def _parents(path: str):
     """The directories `path` is in, up to the work dir itself (".")."""

@@ -73,11 +73,7 @@ class Worker:
         the Result and the new WorkDir, or None if the work dir passed `max_bytes` of files or
         `max_files` entries (or could not be read whole): then it stays in this worker, as
         after keep_state=True, and the caller holds on to the worker. Raises as `run`."""
-        wire, parts = request.to_wire()
-        entries, pending, state_parts = workdir.to_wire()
-        wire = {**wire, "state": entries, "files": pending + wire["files"]}
-        n_stdin = request.stdin is not None  # the raw bytes go stdin, state, files
-        parts = parts[:n_stdin] + state_parts + parts[n_stdin:]
+        wire, parts = _in_workdir(workdir, *request.to_wire(), n_stdin=request.stdin is not None)
         collect = {"max_bytes": max_bytes, "max_files": max_files}
         reply, blobs, oom = self._send("run", wire, parts, _run_header(request, {
             "collect": collect}), request.timeout_s + _WATCHDOG_GRACE_S)
@@ -102,10 +98,8 @@ class Worker:
                max_files: int) -> WorkDir | None:
         """Lay in `workdir`, write `files` over it, and collect it back (as `run_in`, with
         nothing run)."""
-        entries, pending, parts = workdir.to_wire()
-        wire = {**_put_wire(files), "state": entries}
-        wire["files"] = pending + wire["files"]
-        reply, blobs, _ = self._send("put", wire, parts + list(files.values()), {
+        wire, parts = _in_workdir(workdir, _put_wire(files), list(files.values()), n_stdin=0)
+        reply, blobs, _ = self._send("put", wire, parts, {
             "collect": {"max_bytes": max_bytes, "max_files": max_files}}, _WATCHDOG_GRACE_S)
         return _take_state(reply, blobs)
 
@@ -217,6 +211,14 @@ def _run_header(request: Request, extra: dict) -> dict:
 
 def _put_wire(files: dict[str, bytes]) -> dict:
     return {"put": True, "stdin": None, "files": [[p, len(d)] for p, d in files.items()]}
+
+
+def _in_workdir(workdir: WorkDir, wire: dict, parts: list[bytes], *, n_stdin: int):
+    """A run's or put's `wire` and raw `parts` with `workdir` laid in first: its entries as
+    `state`, its pending files ahead of the request's; the raw bytes go stdin, state, files."""
+    entries, pending, state_parts = workdir.to_wire()
+    wire = {**wire, "state": entries, "files": pending + wire["files"]}
+    return wire, parts[:n_stdin] + state_parts + parts[n_stdin:]
 
 
 def _take_state(reply: dict, blobs: list[bytes]) -> WorkDir | None:
