@@ -350,16 +350,20 @@ def turn_text(tokenizer, ids: Sequence[int], stop_ids_: Iterable[int] = ()) -> s
     the trailing stop tokens dropped."""
     ids = _strip_stops(ids, stop_ids_)
     if _is_hf(tokenizer):
-        return tokenizer.decode(ids, skip_special_tokens=False)
+        return tokenizer.decode(ids, skip_special_tokens=False,
+                                clean_up_tokenization_spaces=False)
     return tokenizer.decode(ids)
 
 
 def verifier_text(tokenizer, ids: Sequence[int], stop_ids_: Iterable[int] = ()) -> str:
     """The text a verifier judges: the turn without its trailing stop tokens and without any
-    special token (an HF tokenizer's; the word tokenizer's decode drops <pad> and <eos>)."""
+    special token (an HF tokenizer's; the word tokenizer's decode drops <pad> and <eos>), and
+    exactly as sampled otherwise: no clean-up of spaces (Llama 3's tokenizer_config asks for
+    it, and it rewrites code: `"a ."` would become `"a."`)."""
     ids = _strip_stops(ids, stop_ids_)
     if _is_hf(tokenizer):
-        return tokenizer.decode(ids, skip_special_tokens=True)
+        return tokenizer.decode(ids, skip_special_tokens=True,
+                                clean_up_tokenization_spaces=False)
     return tokenizer.decode(ids)
 
 

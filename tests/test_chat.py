@@ -240,6 +240,17 @@ def test_the_stop_token_never_reaches_a_verifier(family):
     assert chat.parse_tool_calls(fmt, chat.turn_text(tok, ids, stops)) == [PY]
 
 
+def test_verifier_text_is_exactly_what_was_sampled(hf_dir):
+    tok = hf.load_tokenizer(hf_dir("llama3.1-instruct"))
+    tok.clean_up_tokenization_spaces = True  # as Llama 3's own tokenizer_config.json sets it
+    # (transformers >= 5.x skips the clean-up for BPE unless forced; earlier versions did not)
+    tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    code = "print('a .', \"it 's\" , 1 !=2)"
+    ids = chat.encode(tok, code)
+    assert tok.decode(ids) != code  # the clean-up rewrites the program
+    assert chat.verifier_text(tok, ids) == chat.turn_text(tok, ids) == code
+
+
 def test_texts_with_the_word_tokenizer():
     words = synthetic_tasks.WordTokenizer.for_tasks()
     stops = chat.stop_ids(chat.PLAIN, words)
