@@ -3,8 +3,9 @@
 Every verifier that executes anything goes through the sandbox (`sandbox.judge` for unit
 tests and stdin/stdout cases, `sandbox.run` for scripts judged by the files they leave), one
 call per answer, submitted to a `sandbox.Pool` so a batch is judged concurrently. Final
-answers are compared by `ptrain.answers`, formats here. Each `Verdict` keeps the feedback the model sees on a retry: the
-error type, the first failing test and a traceback trimmed to its own code.
+answers are compared by `ptrain.answers`, formats here. Each `Verdict` keeps the feedback the
+model sees on a retry: the error type, the first failing test and a traceback trimmed to its
+own code.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def extract_code(text: str, language: str = "python") -> str:
     return chosen[-1] if chosen else text
 
 
-extract_answer = answers.extract
+extract_answer = answers.extract  # the name callers know
 
 
 def _defines(code: str, name: str) -> bool:

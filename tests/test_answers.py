@@ -30,7 +30,8 @@ HENDRYCKS = [
 CONVENTIONS = [
     ("90^\\circ", "90", True), ("30^{\\circ}", "30", True),
     ("1,\\!000", "1000", True), ("1{,}000", "1,000", True), ("10,\\!080", "10080", True),
-    ("\\text{(C)}", "(C)", True), ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})", True),
+    ("\\text{(C)}", "(C)", True),
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})", True),
     ("\\$18.90", "18.9", True), ("x = 5", "5", True), ("k=-3", "-3", True),
     ("0.5", "\\dfrac{1}{2}", True), ("5.0", "5", True), ("-\\frac{1}{3}", "-1/3", True),
     ("\\frac{2}{4}", "\\frac{1}{2}", True), ("0.333", "\\frac13", False),

@@ -84,7 +84,7 @@ def test_humaneval_tests_hold_the_prompts_helpers(tmp_path):
     record = {"task_id": "HumanEval/38", "entry_point": "decode_cyclic",
               "prompt": "import math\n\n\ndef encode_cyclic(s: str):\n    return s[1:] + s[:1]"
                         "\n\n\ndef decode_cyclic(s: str):\n    \"\"\"Undo it.\"\"\"\n",
-              "test": "def check(candidate):\n    assert candidate(encode_cyclic('abc')) == 'abc'\n"}
+              "test": "def check(c):\n    assert c(encode_cyclic('abc')) == 'abc'\n"}
     [task] = tasks.load(_jsonl(tmp_path, record), "humaneval")
     tests = task.verifier.tests
     assert tests.startswith("import math\n\ndef encode_cyclic(s: str):")
