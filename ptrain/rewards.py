@@ -2,23 +2,25 @@
 
 Every verifier that executes anything goes through the sandbox (`sandbox.judge` for unit
 tests and stdin/stdout cases, `sandbox.run` for scripts judged by the files they leave), one
-call per answer, submitted to a `sandbox.Pool` so a batch is judged concurrently. Answers and
-formats are compared here. Each `Verdict` keeps the feedback the model sees on a retry: the
-error type, the first failing test and a traceback trimmed to its own code.
+call per answer, submitted to a `sandbox.Pool` so a batch is judged concurrently. Final
+answers are compared by `ptrain.answers`, formats here. Each `Verdict` keeps the feedback the
+model sees on a retry: the error type, the first failing test and a traceback trimmed to its
+own code.
 """
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import dataclasses
-import math
 import re
 from collections.abc import Sequence
 
 import sandbox
 from sandbox import judge
 
-from ptrain.tasks import Answer, Files, Format, Stdio, Task, UnitTests, boxed
+from ptrain import answers
+from ptrain.tasks import Answer, Files, Format, Stdio, Task, UnitTests
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,34 +60,30 @@ def extract_code(text: str, language: str = "python") -> str:
     return chosen[-1] if chosen else text
 
 
-_ANSWER = re.compile(r"(?:final answer|answer)\s*(?:is)?\s*[:=]?[ \t]*(.*)", re.IGNORECASE)
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+extract_answer = answers.extract  # the name callers know
 
 
-def extract_answer(text: str) -> str:
-    """`\\boxed{x}`, else what follows the last "answer:", else the last number, else ''."""
-    found = boxed(text)
-    if found:
-        return found
-    lines = [m.group(1).strip() for m in _ANSWER.finditer(text)]
-    if lines and lines[-1]:
-        return lines[-1].splitlines()[0].strip()
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else ""
-
-
-def _normalise(answer: str) -> str:
-    answer = answer.strip().strip("$").strip().rstrip(".").strip()
-    return re.sub(r"\s+", " ", answer).lower()
-
-
-def _as_number(text: str) -> float | None:
-    text = _normalise(text).replace(",", "")
+def _defines(code: str, name: str) -> bool:
+    """Whether `code` parses on its own and defines function `name` at its top level."""
     try:
-        return float(text)
-    except ValueError:
-        match = _NUMBER.fullmatch(text)
-        return float(match.group(0)) if match else None
+        module = ast.parse(code)
+    except SyntaxError:
+        return False
+    return any(isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name == name
+               for s in module.body)
+
+
+def program(v: UnitTests, completion: str) -> str:
+    """The solution module judged for an answer: the setup, then the answer's code, which
+    continues `v.prefix` (HumanEval's prompt) as a body, or replaces the prompt's stub when it
+    defines the entry point itself. Either way the prompt's imports and helpers come first,
+    and the tests hold their own copy of the helpers (`tasks.from_humaneval`): a wrong answer
+    gains nothing from redefining them, in either form."""
+    code = extract_code(completion)
+    if v.prefix:
+        whole = bool(v.entry_point) and _defines(code, v.entry_point)
+        code = v.prefix + ("\n" + code if whole else code)
+    return (v.setup + "\n" if v.setup else "") + code
 
 
 # ----------------------------------------------------------------------------- verdicts
@@ -98,11 +96,12 @@ def check_answer(v: Answer, completion: str) -> Verdict:
     got = extract_answer(completion)
     if not got:
         return _binary(False, "No answer found: end with 'answer: <value>'.", "no_answer")
-    if v.numeric:
-        a, b = _as_number(got), _as_number(v.answer)
-        ok = a is not None and b is not None and math.isclose(a, b, rel_tol=v.tol, abs_tol=v.tol)
+    if v.latex:
+        ok = answers.same_math(got, v.answer)
+    elif v.numeric:
+        ok = answers.same_number(got, v.answer, v.tol)
     else:
-        ok = _normalise(got) == _normalise(v.answer)
+        ok = answers.same_text(got, v.answer)
     return _binary(ok, "Correct." if ok else f"Wrong answer: {got!r}.", "wrong_answer")
 
 
@@ -175,8 +174,7 @@ def score(tasks_: Sequence[Task], completions: Sequence[str], *, pool=None, sess
     for task, completion, session in zip(tasks_, completions, sessions):
         v = task.verifier
         if isinstance(v, UnitTests):
-            code = (v.setup + "\n" if v.setup else "") + extract_code(completion)
-            pending.append(_submit(pool, judge.unit_tests, code, v.tests,
+            pending.append(_submit(pool, judge.unit_tests, program(v, completion), v.tests,
                                    entry_point=v.entry_point or None, timeout_s=c.timeout_s,
                                    test_timeout_s=c.test_timeout_s, memory_mb=c.memory_mb,
                                    backend=c.backend))

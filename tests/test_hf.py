@@ -230,3 +230,62 @@ def test_load_tokenizer_with_chat_template(tmp_path):
 def test_load_tokenizer_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="no tokenizer"):
         hf.load_tokenizer(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- export
+
+@pytest.mark.parametrize("name", ["qwen2.5-base", "llama3.1-instruct"])
+def test_export_writes_a_directory_transformers_loads_with_our_logits(hf_dir, name, tmp_path):
+    from flax import nnx
+
+    from ptrain import chat
+    source = hf_dir(name)
+    model, config = hf.load(source)
+    tokenizer = hf.load_tokenizer(source)
+    fmt = chat.LLAMA3 if name.startswith("llama") else chat.QWEN
+    stops = chat.stop_ids(fmt, tokenizer, eos_sources=hf.eos_token_ids(source))
+    graphdef, params = nnx.split(model)  # what the learner holds and checkpoints
+    params = jax.tree.map(lambda x: x * 1.01 + 0.001, params)  # "trained": not the source
+    out = str(tmp_path / "exported")
+    hf.export(params, config, out, tokenizer=tokenizer, base_dir=source, stop_ids=stops)
+
+    tokens = np.asarray([chat.encode(tokenizer, "def add(a, b):\n    return a + b\n")] * 2)
+    ours = np.asarray(nnx.merge(graphdef, params)(tokens))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    np.testing.assert_allclose(_hf_logits(exported, tokens), ours, atol=2e-4, rtol=0)
+    source_model = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    assert np.abs(_hf_logits(source_model, tokens) - ours).max() > 1e-2  # the new weights
+
+    reloaded = transformers.AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": "Compute 6 * 7."}]
+    for tools in (None, chat.tool_schemas(["python"])):
+        assert reloaded.apply_chat_template(messages, tools=tools, tokenize=False,
+                                            add_generation_prompt=True) == \
+            tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                          add_generation_prompt=True)
+    assert len(reloaded) == len(tokenizer) and reloaded.eos_token == tokenizer.eos_token
+    generation = transformers.GenerationConfig.from_pretrained(out)
+    eos = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [
+        generation.eos_token_id]
+    assert set(stops) <= set(eos)  # generate() stops where our sampler stopped
+    base = hf.read_generation_config(source)
+    assert {k: getattr(generation, k) for k in ("do_sample", "temperature", "top_p")} == {
+        k: base.get(k, getattr(transformers.GenerationConfig(), k))
+        for k in ("do_sample", "temperature", "top_p")}  # the brought sampling defaults
+    if name == "qwen2.5-base":  # the chat turn's end, which no eos field of the base names
+        assert tokenizer.convert_tokens_to_ids("<|im_end|>") in eos
+
+
+def test_save_without_a_generation_config_writes_the_model_eos(tmp_path, checkpoint):
+    path, _ = checkpoint
+    model, config = hf.load(path)
+    out = str(tmp_path / "plain")
+    hf.save(model, config, out)
+    generation = hf.read_generation_config(out)
+    assert generation.get("eos_token_id") == (
+        None if not config.eos_token_ids else list(config.eos_token_ids)
+        if len(config.eos_token_ids) > 1 else config.eos_token_ids[0])
+    transformers.GenerationConfig.from_pretrained(out)
+    with pytest.raises(TypeError, match="has no save_pretrained"):
+        from ptrain import synthetic_tasks
+        hf.save(model, config, out, tokenizer=synthetic_tasks.WordTokenizer.for_tasks())

@@ -108,3 +108,45 @@ def test_extractors():
     assert rewards.extract_code("plain code") == "plain code"
     assert rewards.extract_code("```bash\nls\n```", "bash") == "ls\n"
     assert rewards.extract_answer("3 then 4 so 7") == "7"
+
+
+def test_public_formats_judged_in_the_sandbox(pool, tmp_path):
+    import json
+    records = {
+        "mbpp": {"task_id": 9, "text": "Write area(r).", "test_setup_code": "import math",
+                 "test_list": ["assert abs(area(1) - math.pi) < 1e-9",
+                               "assert area(0) == 0"]},
+        "apps": {"problem_id": 1, "question": "Sort the pair.",
+                 "input_output": json.dumps({"fn_name": "pair", "inputs": [[2, 1], [1, 3]],
+                                             "outputs": [[[1, 2]], [[1, 3]]]})},
+    }
+    loaded = {}
+    for fmt, record in records.items():
+        path = tmp_path / f"{fmt}.jsonl"
+        path.write_text(json.dumps(record) + "\n")
+        [loaded[fmt]] = tasks.load(str(path), fmt)
+    mbpp, apps = loaded["mbpp"], loaded["apps"]
+    answers = [
+        (mbpp, "def area(r):\n    return math.pi * r * r\n", True),  # math from the setup
+        (mbpp, "def area(r):\n    return 3.14 * r * r\n", False),
+        (apps, "def pair(a, b):\n    return (min(a, b), max(a, b))\n", True),  # tuple == list
+        (apps, "class Solution:\n    def pair(self, a, b):\n        return sorted([a, b])\n",
+         True),  # LeetCode style
+        (apps, "def pair(a, b):\n    return [a, b]\n", False),
+    ]
+    verdicts = rewards.score([t for t, _, _ in answers], [a for _, a, _ in answers], pool=pool)
+    assert [v.passed for v in verdicts] == [ok for _, _, ok in answers]
+
+
+def test_humaneval_body_or_whole_function(pool):
+    task = tasks.from_humaneval({
+        "task_id": "HE/x", "entry_point": "inc", "test": "def check(c):\n    assert c(1) == 2\n",
+        "prompt": "from typing import List\n\n\ndef inc(x: int) -> int:\n    \"\"\"x + 1\"\"\"\n"})
+    answers = ["    return x + 1\n",  # a body, as a base model continues the prompt
+               "```python\ndef inc(x: int) -> int:\n    return x + 1\n```",  # a whole function
+               "def inc(x: List[int]) -> int:\n    return x + 1\n",  # List from the prompt
+               "return x + 1\n",  # a body at column 0: not the function's
+               "    return x\n"]
+    verdicts = rewards.score([task] * len(answers), answers, pool=pool)
+    assert [v.passed for v in verdicts] == [True, True, True, False, False]
+    assert verdicts[3].error_type == "SyntaxError" and "outside function" in verdicts[3].feedback

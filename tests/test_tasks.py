@@ -22,6 +22,10 @@ MBPP = {"task_id": 2, "text": "Write a function to find the shared elements of t
         "test_setup_code": ""}
 APPS = {"problem_id": 7, "question": "Read n, print n squared.",
         "input_output": json.dumps({"inputs": ["3\n", "4\n"], "outputs": ["9\n", "16\n"]})}
+APPS_CALL = {"problem_id": 8, "question": "Return the pair sorted.",
+             "starter_code": "class Solution:\n    def pair(self, a, b):\n",
+             "input_output": json.dumps({"fn_name": "pair", "inputs": [[2, 1], [1, 3]],
+                                         "outputs": [[[1, 2]], [[1, 3]]]})}
 CODE_CONTESTS = {"name": "1A_theatre", "description": "Tiles.",
                  "public_tests": {"input": ["6 6 4\n"], "output": ["4\n"]},
                  "private_tests": {"input": ["1 1 1\n"], "output": ["1\n"]},
@@ -64,16 +68,75 @@ def test_humaneval_and_mbpp(tmp_path):
     [he] = tasks.load(_jsonl(tmp_path, HUMANEVAL), "humaneval")
     assert he.domain == "code" and he.prompt == HUMANEVAL["prompt"]
     assert he.verifier.tests.rstrip().endswith("check(has_close_elements)")
+    assert he.verifier.prefix == HUMANEVAL["prompt"]  # the answer continues the prompt
+    assert he.verifier.entry_point == "has_close_elements"
     [mb] = tasks.load(_jsonl(tmp_path, MBPP), "mbpp", domain="lists")
     assert mb.domain == "lists" and mb.id == "mbpp/2"
     assert mb.verifier.tests.splitlines() == MBPP["test_list"]
-    assert MBPP["test_list"][0] in mb.prompt
+    assert all(test in mb.prompt for test in MBPP["test_list"])  # as in the MBPP paper
+    sanitized = {"task_id": 3, "prompt": "Write is_not_prime(n).", "test_imports": ["import math"],
+                 "test_list": ["assert is_not_prime(2) == False"]}
+    [san] = tasks.load(_jsonl(tmp_path, sanitized), "mbpp")
+    assert san.verifier.setup == "import math" and san.prompt.startswith("Write is_not_prime")
+
+
+def test_humaneval_tests_hold_the_prompts_helpers(tmp_path):
+    record = {"task_id": "HumanEval/38", "entry_point": "decode_cyclic",
+              "prompt": "import math\n\n\ndef encode_cyclic(s: str):\n    return s[1:] + s[:1]"
+                        "\n\n\ndef decode_cyclic(s: str):\n    \"\"\"Undo it.\"\"\"\n",
+              "test": "def check(c):\n    assert c(encode_cyclic('abc')) == 'abc'\n"}
+    [task] = tasks.load(_jsonl(tmp_path, record), "humaneval")
+    tests = task.verifier.tests
+    assert tests.startswith("import math\n\ndef encode_cyclic(s: str):")
+    assert "def decode_cyclic" not in tests  # the stub is the answer's to write
+    with pytest.raises(ValueError, match="the HumanEval prompt does not parse"):
+        tasks.load(_jsonl(tmp_path, {**record, "prompt": "def f(:\n"}), "humaneval")
+
+
+def test_every_format_has_a_name_and_ptrain_is_our_records(tmp_path):
+    assert tasks.FORMATS == ("ptrain", "humaneval", "mbpp", "apps", "codecontests", "gsm8k",
+                             "math")
+    own = tasks.Task("a", "code", tasks.Format("x"), prompt="p")
+    path = str(tmp_path / "own.jsonl")
+    tasks.write_jsonl([own], path)
+    assert tasks.load(path, "ptrain") == [own]
+    assert tasks.load(path, "ptrain", domain="other")[0].domain == "other"
+    with pytest.raises(ValueError, match="unknown task format 'jsonl'"):
+        tasks.load(path, "jsonl")
+
+
+@pytest.mark.parametrize("record, fmt, wrong", [
+    (HUMANEVAL, "humaneval", "ptrain"), (MBPP, "mbpp", "ptrain"), (GSM8K, "gsm8k", "ptrain"),
+    (MATH, "math", "ptrain"), (APPS, "apps", "ptrain"), (CODE_CONTESTS, "codecontests", "ptrain"),
+    (HUMANEVAL, "humaneval", "gsm8k"),
+])
+def test_a_file_read_with_the_wrong_format_says_which_to_set(tmp_path, record, fmt, wrong):
+    with pytest.raises(ValueError, match=rf"in.jsonl:1: .*read the file with format '{fmt}'"):
+        tasks.load(_jsonl(tmp_path, record), wrong)
+
+
+def test_ptrain_record_read_as_humaneval_says_ptrain(tmp_path):
+    own = tasks.to_record(tasks.Task("a", "code", tasks.Format("x"), prompt="p"))
+    with pytest.raises(ValueError, match="HumanEval record is missing.*format 'ptrain'"):
+        tasks.load(_jsonl(tmp_path, own), "humaneval")
+
+
+def test_gzipped_files_are_read(tmp_path):
+    import gzip
+    path = tmp_path / "he.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps(HUMANEVAL) + "\n")
+    assert tasks.load(str(path), "humaneval")[0].id == "HumanEval/0"
 
 
 def test_stdio_formats(tmp_path):
     [apps] = tasks.load(_jsonl(tmp_path, APPS), "apps")
     assert apps.verifier.cases == (("3\n", "9\n"), ("4\n", "16\n"))
-    [cc] = tasks.load(_jsonl(tmp_path, CODE_CONTESTS), "code_contests")
+    assert "Use Standard Input format" in apps.prompt
+    [call] = tasks.load(_jsonl(tmp_path, APPS_CALL), "apps")
+    assert isinstance(call.verifier, tasks.UnitTests) and "Use Call-Based format" in call.prompt
+    assert APPS_CALL["starter_code"] in call.prompt
+    [cc] = tasks.load(_jsonl(tmp_path, CODE_CONTESTS), "codecontests")
     assert cc.verifier.cases == (("6 6 4\n", "4\n"), ("1 1 1\n", "1\n"))
 
 
@@ -82,7 +145,7 @@ def test_math_formats(tmp_path):
     assert gsm.verifier == tasks.Answer("1007", numeric=True)
     assert gsm.id == tasks.load(_jsonl(tmp_path, GSM8K), "gsm8k")[0].id  # stable ids
     [math] = tasks.load(_jsonl(tmp_path, MATH), "math")
-    assert math.verifier == tasks.Answer("1", numeric=True)
+    assert math.verifier == tasks.Answer("1", latex=True)
     assert tasks.boxed("x \\boxed{\\frac{1}{2}} y") == "\\frac{1}{2}"
 
 
