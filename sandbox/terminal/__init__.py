@@ -21,7 +21,7 @@ pass@k). What each guarantees: docs/terminal.md.
 
 from sandbox.terminal.agents import nop, oracle
 from sandbox.terminal.container import Container, ContainerGone, ExecResult, Limits
-from sandbox.terminal.episode import Episode, Harness, HealthcheckFailed
+from sandbox.terminal.episode import Episode, Harness, HealthcheckFailed, TimeUp
 from sandbox.terminal.evaluate import evaluate, pass_at_k, run_attempt, summarize
 from sandbox.terminal.image import BASE_IMAGE, ImageError, ensure_image, parse_image_map
 from sandbox.terminal.shell import Shell, ShellResult
@@ -31,6 +31,6 @@ from sandbox.terminal.verify import Verdict
 __all__ = [
     "BASE_IMAGE", "Container", "ContainerGone", "Episode", "ExecResult", "Harness",
     "HealthcheckFailed", "ImageError", "Limits", "Loaded", "Shell", "ShellResult", "Task",
-    "TaskError", "Verdict", "ensure_image", "evaluate", "load_task", "load_tasks", "nop",
+    "TaskError", "TimeUp", "Verdict", "ensure_image", "evaluate", "load_task", "load_tasks", "nop",
     "oracle", "parse_image_map", "pass_at_k", "run_attempt", "summarize",
 ]

@@ -9,7 +9,7 @@
 
 The agent's clock starts when the shell is ready and stops at `verify()`; every `run` is cut
 at the per-call timeout or at what is left of the task's agent timeout, whichever is first;
-once the time is up, `run` no longer runs anything. The tests are copied in only at
+once the time is up, `run` raises `TimeUp` instead of running anything. The tests are copied in only at
 `verify()`, after the agent is done: nothing of them is in the image or the container before.
 """
 
@@ -30,6 +30,11 @@ _PREP = (f"rm -rf {TESTS_DIR} {VERIFIER_LOGS} && mkdir -p {TESTS_DIR} {VERIFIER_
 
 class HealthcheckFailed(RuntimeError):
     """The task's [environment.healthcheck] never passed."""
+
+
+class TimeUp(Exception):
+    """Raised by `Episode.run` once the agent's time is spent: an agent that never stops on
+    its own is stopped here (the call that reached the limit returned normally, cut)."""
 
 
 class Harness:
@@ -187,17 +192,15 @@ class Episode:
         left = self.time_left_s
         if left <= 0:
             self.agent_timed_out = True
-            result = ShellResult(f"[the agent's time limit ({self.task.agent_timeout_s:g} s) "
-                                 f"is reached; the command was not run]", None, True, False, 0.0)
-        else:
-            limit = min(timeout_s or self.harness.call_timeout_s, left)
-            try:
-                result = self.shell.run(command, limit)
-            except (ContainerGone, OSError, RuntimeError) as e:
-                result = ShellResult(f"[the task's container is gone: {e}]", None, False,
-                                     False, 0.0, restarted=True)
-            if result.timed_out and self.time_left_s <= 0:
-                self.agent_timed_out = True
+            raise TimeUp(f"the agent's time limit ({self.task.agent_timeout_s:g} s) is reached")
+        limit = min(timeout_s or self.harness.call_timeout_s, left)
+        try:
+            result = self.shell.run(command, limit)
+        except (ContainerGone, OSError, RuntimeError) as e:
+            result = ShellResult(f"[the task's container is gone: {e}]", None, False,
+                                 False, 0.0, restarted=True)
+        if result.timed_out and self.time_left_s <= 0:
+            self.agent_timed_out = True
         self.transcript.append({"command": command, "output": result.output,
                                 "exit_code": result.exit_code, "timed_out": result.timed_out,
                                 "duration_s": round(result.duration_s, 4),

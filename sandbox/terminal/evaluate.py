@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 
-from sandbox.terminal.episode import Harness
+from sandbox.terminal.episode import Harness, TimeUp
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -44,6 +44,8 @@ def run_attempt(harness: Harness, task, agent, attempt: int) -> tuple[dict, dict
             agent_error = None
             try:
                 agent(ep)
+            except TimeUp:
+                pass  # ep.agent_timed_out says so
             except Exception as e:  # noqa: BLE001 (the agent's failure is its attempt's result)
                 agent_error = f"the agent failed: {type(e).__name__}: {e}"
             verdict = ep.verify()
