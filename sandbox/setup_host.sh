@@ -77,10 +77,10 @@ package_closure() {
   printf '%s\n' "${!seen[@]}" | sort
 }
 
-# build_image IMAGE ROOTS WORKDIR [WRITABLE_DIR ...]: a rootfs of ROOTS' package closure,
-# tagged IMAGE once it runs python3 and bash; rebuilt only when its packages or this script
-# change (the hash label). WRITABLE_DIRs are created mode 1777 (docker copies their modes onto
-# tmpfs mounts there).
+# build_image IMAGE ROOTS WORKDIR [DIR:MODE ...]: a rootfs of ROOTS' package closure, tagged
+# IMAGE once it runs python3 and bash; rebuilt only when its packages or this script change
+# (the hash label). Each DIR is created with MODE (docker copies the modes of /work and /tmp
+# onto the tmpfs mounts there).
 build_image() {
   local image="$1" roots="$2" workdir="$3"
   shift 3
@@ -93,13 +93,14 @@ build_image() {
     return 0
   fi
   say "building $image from $(wc -w <<<"$pkgs") host packages"
-  local tmp old dir
+  local tmp old spec dirs=()
   old=$(docker image inspect -f '{{.Id}}' "$image" 2>/dev/null)
   tmp=$(mktemp -d)
   mkdir -p "$tmp/etc" "$tmp/root"
-  for dir in "$@"; do
-    mkdir -p "$tmp/$dir"
-    chmod 1777 "$tmp/$dir"
+  for spec in "$@"; do
+    mkdir -p "$tmp/${spec%%:*}"
+    chmod "${spec##*:}" "$tmp/${spec%%:*}"
+    dirs+=("${spec%%:*}")
   done
   chmod 700 "$tmp/root"
   printf 'root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534::/nonexistent:/bin/false\n' \
@@ -138,7 +139,7 @@ build_image() {
     fi
   done
   tar -C / -cf "$tmp/rootfs.tar" --no-recursion -T "$tmp/files" 2>/dev/null
-  tar -C "$tmp" -rf "$tmp/rootfs.tar" etc/passwd etc/group root "$@" \
+  tar -C "$tmp" -rf "$tmp/rootfs.tar" etc/passwd etc/group root "${dirs[@]}" \
     $(cd "$tmp" && ls -d bin sbin lib lib64 2>/dev/null)
   docker import -c "LABEL ptrain.hash=$hash" -c 'ENV PATH=/usr/local/bin:/usr/bin:/bin' \
     -c 'ENV LANG=C.UTF-8' -c "WORKDIR $workdir" "$tmp/rootfs.tar" "$image-candidate" \
@@ -154,7 +155,9 @@ build_image() {
 
 install_packages
 if start_dockerd; then
-  build_image "$IMAGE" "$SANDBOX_ROOTS" /work work tmp
-  build_image "$TERM_IMAGE" "$TERM_ROOTS" / tmp var/tmp
+  build_image "$IMAGE" "$SANDBOX_ROOTS" /work work:1777 tmp:1777
+  build_image "$TERM_IMAGE" "$TERM_ROOTS" / tmp:1777 var/tmp:1777 usr/local/bin:755 \
+    usr/local/sbin:755 usr/local/lib:755 usr/local/share:755 home:755 opt:755 srv:755 \
+    mnt:755 run:755 var/log:755 var/lib:755
 fi
 exit 0

@@ -648,27 +648,30 @@ class _InPlace:
         if not stat.S_ISDIR(os.lstat(dev).st_mode):
             raise _Unexpected("/dev is not a directory")
         now = self._dev_entries()
-        for name, have in now.items():
-            want = self.dev.get(name)
+        for name in set(now) | set(self.dev):
+            have, want = now.get(name), self.dev.get(name)
             if want == have:
                 continue
             path = os.path.join(dev, name)
-            if stat.S_ISDIR(have[0]) and want is not None and stat.S_ISDIR(want[0]):
+            if have is not None and want is not None and stat.S_ISDIR(have[0]) \
+                    and stat.S_ISDIR(want[0]):
                 os.chmod(path, stat.S_IMODE(want[0]))  # pts, shm, mqueue: mounts, wiped below
                 continue
-            if stat.S_ISDIR(have[0]):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-            if want is not None:
-                mode, rdev, link = want
-                if link is not None:
-                    os.symlink(link, path)
+            if have is not None:
+                if stat.S_ISDIR(have[0]):
+                    shutil.rmtree(path)
                 else:
-                    os.mknod(path, mode, rdev)
-        for name, want in self.dev.items():
-            if name not in now:
-                raise _Unexpected(f"/dev/{name} is gone")
+                    os.unlink(path)
+            if want is None:
+                continue
+            mode, rdev, link = want
+            if link is not None:
+                os.symlink(link, path)
+            elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                os.mknod(path, mode, rdev)
+                os.chmod(path, stat.S_IMODE(mode))  # mknod's mode passed through our umask
+            else:
+                raise _Unexpected(f"/dev/{name} cannot be made again")
         for sub in ("shm", "mqueue"):
             path = os.path.join(dev, sub)
             if os.path.isdir(path) and not os.path.islink(path):

@@ -186,7 +186,7 @@ class Shell:
     def _kill_foreground(self) -> None:
         """SIGKILL the terminal's foreground process group, unless it is the shell's own."""
         script = (f'read -r s < /proc/{self.pid}/stat; set -- ${{s##*) }}; '
-                  f'[ "$6" -gt 0 ] && [ "$6" != "$3" ] && kill -9 -- "-$6"')
+                  f'[ "$6" -gt 0 ] && [ "$6" != "$3" ] && kill -9 "-$6"')
         self.container.exec(["sh", "-c", script], timeout_s=10, user="root")
 
     def _lost(self, out: CappedBuffer, t0: float, restarted: bool) -> ShellResult:
