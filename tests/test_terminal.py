@@ -117,7 +117,8 @@ MANIFEST = (
     "| LC_ALL=C sort -z | xargs -0 md5sum && "
     "find /dev -xdev -printf '%y %m %U %G %p -> %l\n' | LC_ALL=C sort && "
     "ls -A /dev/shm /dev/mqueue && stat -c '%n %f %t %T %u %g' /dev/* && "
-    "cat /etc/hosts /etc/hostname /etc/resolv.conf && ps -eo user,args --no-headers | sort")
+    "cat /etc/hosts /etc/hostname /etc/resolv.conf /proc/sysvipc/shm /proc/sysvipc/msg && "
+    "ps -eo user,args --no-headers | sort")
 
 DIRTY = [
     "echo dirty > /tmp/dirty.txt; mkdir -p /opt/new/sub; echo y > /opt/new/sub/f",
@@ -131,6 +132,8 @@ DIRTY = [
     "export LEAK_VAR=1; sleep 1000 & nohup sleep 1001 >/dev/null 2>&1 &",
     "python3 -c 'import os, time; os.setsid(); time.sleep(1002)' &",
     "python3 -c 'import os, time; os.fork() or time.sleep(1003)' &",
+    "python3 -c 'import ctypes; c = ctypes.CDLL(None); "
+    "assert c.shmget(77, 4096, 0o1666) >= 0 and c.msgget(78, 0o1666) >= 0'",
 ]
 
 
@@ -163,6 +166,7 @@ def test_state_is_clean_between_episodes_on_a_reused_container(harness, hello, r
             for command in DIRTY:
                 ep.run(command)
             assert ep.run("ls /opt/new/sub /tmp/dirty.txt").exit_code == 0
+            assert "77" in ep.run("cat /proc/sysvipc/shm").output
             ep.verify()  # the tests and the logs are in the container now
         again = h.acquire(hello)
         assert again is first  # the warm one, reset
@@ -181,6 +185,15 @@ def test_state_is_clean_between_episodes_on_a_reused_container(harness, hello, r
     finally:
         if h is not harness:
             h.close()
+
+
+def test_warm_starts_containers_that_episodes_then_use(hello):
+    with terminal.Harness() as h:
+        h.warm(hello, 2)
+        idle = list(h._idle[h._key(hello)])
+        assert len(idle) == 2
+        with h.episode(hello) as a, h.episode(hello) as b:
+            assert {a.container, b.container} == set(idle)
 
 
 # --- what the agent can see, and the attacks on the verdict ---------------------------------------

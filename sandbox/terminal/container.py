@@ -465,9 +465,11 @@ class _InPlace:
             if not same:
                 with open(path, "wb") as f:
                     f.write(data)
-        if self.nsenter:
-            os.spawnlp(os.P_WAIT, "nsenter", "nsenter", "-t", str(self.init_pid), "-i",
-                       "ipcrm", "-a")
+        if self.nsenter:  # posix_spawn (vfork): a fork of a big process costs 10x more
+            pid = os.posix_spawnp("nsenter", ["nsenter", "-t", str(self.init_pid), "-i",
+                                              "ipcrm", "-a"], {"PATH": os.environ.get(
+                                                  "PATH", "/usr/bin:/bin")})
+            os.waitpid(pid, 0)
 
     def _key(self, rel: str):
         st = os.lstat(os.path.join(self.upper, rel))
