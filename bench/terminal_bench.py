@@ -46,7 +46,7 @@ def bench_reset(task, reps: int) -> dict:
         fresh = terminal.Container(image, limits, name="bench-fresh", pytest_dir=h.pytest_dir,
                                    reset="recreate")
         if warm.reset_mode != "inplace":
-            print(f"note: in-place reset unavailable here; both sides recreate")
+            print("note: in-place reset unavailable here; both sides recreate")
         inplace_s, rm_run_s, run_s = [], [], []
         try:
             for _ in range(reps):

@@ -41,6 +41,12 @@ _KEEP_ALIVE = ["sleep", "infinity"]
 # Dropped on top of docker's defaults: raw sockets, device nodes, audit writes, file caps.
 _CAP_DROP = ["NET_RAW", "MKNOD", "AUDIT_WRITE", "SETFCAP"]
 _MOUNTED_FILES = ("HostsPath", "HostnamePath", "ResolvConfPath")
+# Without the host's view: from inside, everything but init, its keep-alive sleep (its first
+# child) and this shell, twice (for what forked meanwhile).
+_KILL_ALL_INSIDE = (
+    "keep=$(tr ' ' '\\n' < /proc/1/task/1/children | sort -n | head -n 1); "
+    "for _ in 1 2; do for d in /proc/[0-9]*; do p=${d#/proc/}; "
+    'case " 1 $$ $keep " in *" $p "*) ;; *) kill -9 "$p" 2>/dev/null;; esac; done; done')
 _live: "weakref.WeakSet[Container]" = weakref.WeakSet()
 
 
@@ -147,20 +153,23 @@ class Container:
             nano_cpus=int(min(self.limits.cpus, os.cpu_count() or 1) * 1e9),
             pids_limit=self.limits.pids, cap_drop=_CAP_DROP, environment=self.env,
             volumes=volumes, labels={"ptrain-term": str(os.getpid())})
-        self.container.reload()
-        attrs = self.container.attrs
-        self.workdir = attrs["Config"].get("WorkingDir") or "/"
-        self.user = attrs["Config"].get("User") or ""
-        self._inplace = None
-        if self._want != "recreate":
-            reason = self._host_access(attrs)
-            if reason is None:
-                self._inplace = _InPlace(attrs)
-            elif self._want == "inplace":
-                self.close()
-                raise RuntimeError(f"in-place reset is not possible here: {reason}")
-            else:
-                log.info("terminal containers are recreated between episodes: %s", reason)
+        try:
+            self.container.reload()
+            attrs = self.container.attrs
+            self.workdir = attrs["Config"].get("WorkingDir") or "/"
+            self.user = attrs["Config"].get("User") or ""
+            self._inplace = None
+            if self._want != "recreate":
+                reason = self._host_access(attrs)
+                if reason is None:
+                    self._inplace = _InPlace(attrs)
+                elif self._want == "inplace":
+                    raise RuntimeError(f"in-place reset is not possible here: {reason}")
+                else:
+                    log.info("terminal containers are recreated between episodes: %s", reason)
+        except BaseException:
+            self._remove()
+            raise
 
     @staticmethod
     def _host_access(attrs) -> str | None:
@@ -184,13 +193,6 @@ class Container:
     def reset_mode(self) -> str:
         return "inplace" if self._inplace is not None else "recreate"
 
-    def alive(self) -> bool:
-        try:
-            self.container.reload()
-        except Exception:  # noqa: BLE001 (gone)
-            return False
-        return self.container.status == "running"
-
     def reset(self) -> str:
         """Back to the image's state; returns how ("inplace" or "recreate")."""
         with self._lock:
@@ -201,7 +203,7 @@ class Container:
                         self.resets["inplace"] += 1
                         return "inplace"
                     why = "the container stopped"
-                except _Unexpected as e:
+                except (_Unexpected, OSError) as e:
                     why = str(e)
                 log.warning("terminal container %s: recreated (%s)", self._name, why)
             self._remove()
@@ -217,7 +219,7 @@ class Container:
                 return
             except _Unexpected:
                 pass
-        self.exec(["sh", "-c", "kill -9 -1"], timeout_s=10, user="root")
+        self.exec(["sh", "-c", _KILL_ALL_INSIDE], timeout_s=30, user="root")
 
     def _remove(self) -> None:
         if self.container is not None:

@@ -20,7 +20,7 @@ import time
 
 from sandbox.terminal.container import CappedBuffer, Container
 
-_GRACE_S = 2.0
+_GRACE_S = 5.0
 _START_TIMEOUT_S = 30.0
 
 
