@@ -324,6 +324,48 @@ def test_a_missing_base_image_is_an_error_saying_how_to_provide_it(tmp_path):
         assert row["reward"] == 1.0, row
 
 
+def test_a_prebuilt_image_named_in_task_toml_is_used_or_named_when_missing(harness, tmp_path):
+    toml = ("[verifier]\ntimeout_sec = 30\n\n[agent]\ntimeout_sec = 30\n\n[environment]\n"
+            f"docker_image = \"{terminal.BASE_IMAGE}\"\n")
+    files = {"task.toml": toml, "environment/Dockerfile": None,
+             "solution/solve.sh": "echo ok > /srv/ok\n",
+             "tests/test.sh": "test -f /srv/ok && echo 1 > /logs/verifier/reward.txt\n"}
+    task = terminal.load_task(harbor_task(tmp_path / "prebuilt", **files))
+    assert harness.image(task) == terminal.BASE_IMAGE
+    assert terminal.run_attempt(harness, task, terminal.oracle, 0)[0]["reward"] == 1.0
+    files["task.toml"] = toml.replace(terminal.BASE_IMAGE, "ghcr.io/nowhere/none:1")
+    task = terminal.load_task(harbor_task(tmp_path / "absent", **files))
+    with pytest.raises(terminal.ImageError, match="docker_image 'ghcr.io/nowhere/none:1'.*"
+                                                   "docker load"):
+        harness.image(task)
+
+
+def test_agent_and_verifier_run_as_the_users_task_toml_names(harness, tmp_path):
+    toml = ('[verifier]\ntimeout_sec = 30\nuser = "nobody"\n\n'
+            '[agent]\ntimeout_sec = 30\nuser = "nobody"\n')
+    test_sh = '[ "$(id -u)" = 65534 ] && echo 1 > /logs/verifier/reward.txt\n'
+    task = terminal.load_task(harbor_task(tmp_path / "users", **{
+        "task.toml": toml, "tests/test.sh": test_sh}))
+    with harness.episode(task) as ep:
+        assert ep.run("id -u").output == "65534\n"
+        assert ep.verify().reward == 1.0
+
+
+def test_the_healthcheck_runs_before_the_agent(harness, tmp_path):
+    base = ("[verifier]\ntimeout_sec = 30\n\n[agent]\ntimeout_sec = 30\n\n"
+            "[environment.healthcheck]\ninterval_sec = 0.1\nretries = 1\n")
+    ok = terminal.load_task(harbor_task(tmp_path / "healthy", **{
+        "task.toml": base + 'command = "test -d /tmp"\n'}))
+    with harness.episode(ok) as ep:
+        assert ep.run("echo up").output == "up\n"
+    bad = terminal.load_task(harbor_task(tmp_path / "unhealthy", **{
+        "task.toml": base + 'command = "echo not yet; false"\n'}))
+    row, _ = terminal.run_attempt(harness, bad, terminal.oracle, 0)
+    assert row["reward"] == 0.0
+    assert "HealthcheckFailed" in row["error"] and "2 times" in row["error"]
+    assert "not yet" in row["error"]
+
+
 def test_images_are_cached_by_content(tmp_path):
     path = harbor_task(tmp_path / "cached", **{
         "environment/Dockerfile": "FROM ptrain-term-base:latest\nCOPY data.txt /data.txt\n",
