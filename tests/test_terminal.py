@@ -224,6 +224,36 @@ def test_planted_reward_and_conftest_do_not_count(harness, hello):
         assert any("hello.txt does not exist" in f for f in v.failures)
 
 
+def test_symlinks_planted_where_the_verifier_writes_are_not_followed(harness, hello):
+    with harness.episode(hello) as ep:
+        ep.run("ln -s /etc /tests; mkdir -p /root/x; ln -s /root/x /logs")
+        v = ep.verify()
+        assert v.reward == 0.0 and "hello.txt does not exist" in v.feedback
+        r = ep.container.exec(["sh", "-c", "ls /etc/test.sh /root/x/verifier 2>&1; test -d "
+                               "/tests -a ! -L /tests && test -f /logs/verifier/reward.txt "
+                               "&& echo real"], timeout_s=30)
+        assert r.text.count("No such file") == 2 and r.text.endswith("real\n"), r.text
+
+
+def test_host_side_file_io_follows_no_symlink(harness, hello, tmp_path):
+    host_dir = tmp_path / "host-side"
+    host_dir.mkdir()
+    c = harness.acquire(hello)
+    try:
+        r = c.exec(["sh", "-c", f"mkdir -p /srv/x && ln -s /etc/shadow /srv/x/reward.txt && "
+                                f"echo hi > /srv/x/real.txt && ln -s {host_dir} /srv/y"],
+                   timeout_s=30, user="root")
+        assert r.exit_code == 0, r.text
+        assert c.read_files("/srv/x") == {"x/real.txt": b"hi\n"}
+        try:
+            c.put_files([(b"data", "/srv/y/f")])
+        except Exception:  # noqa: BLE001 (refused, or written inside the container: both fine)
+            pass
+        assert list(host_dir.iterdir()) == []
+    finally:
+        harness.release(hello, c)
+
+
 def test_tb1_build_context_leaves_out_tests_and_solution(harness, tmp_path):
     path = tb1_task(tmp_path / "copy-all", **{
         "Dockerfile": "FROM ptrain-term-base:latest\nWORKDIR /app\nCOPY . /app\n",

@@ -24,8 +24,6 @@ from sandbox.terminal.shell import Shell, ShellResult
 from sandbox.terminal.task import TESTS_DIR, VERIFIER_LOGS, Task
 
 _TAIL_CHARS = 4000
-_PREP = (f"rm -rf {TESTS_DIR} {VERIFIER_LOGS} && mkdir -p {TESTS_DIR} {VERIFIER_LOGS} "
-         f"/logs/agent && chmod 777 {VERIFIER_LOGS} /logs/agent")
 
 
 class HealthcheckFailed(RuntimeError):
@@ -223,7 +221,8 @@ class Episode:
         env = {**dict(task.verifier_env), "PYTEST_ADDOPTS": "-rA", "COLUMNS": "200"}
         t0 = time.monotonic()
         try:
-            self.container.exec(["sh", "-c", _PREP], timeout_s=60, user="root")
+            self.container.fresh_dirs([TESTS_DIR], 0o755)
+            self.container.fresh_dirs([VERIFIER_LOGS, "/logs/agent"], 0o777)
             self.container.put_files(task.tests)
             if task.run_tests_in_same_shell:
                 exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
