@@ -154,11 +154,17 @@ class Episode:
             raise
         self.started = time.monotonic()
         self._deadline = self.started + task.agent_timeout_s
+        self._agent_done = None
         self._closed = False
 
     @property
     def time_left_s(self) -> float:
         return max(0.0, self._deadline - time.monotonic())
+
+    @property
+    def agent_time_s(self) -> float:
+        """The agent's time so far (until `verify()` once it ran)."""
+        return (self._agent_done or time.monotonic()) - self.started
 
     @property
     def tool_calls(self) -> int:
@@ -217,7 +223,7 @@ class Episode:
         if self.verdict is not None:
             return self.verdict
         task = self.task
-        self.agent_time_s = time.monotonic() - self.started
+        self._agent_done = time.monotonic()
         env = {**dict(task.verifier_env), "PYTEST_ADDOPTS": "-rA", "COLUMNS": "200"}
         t0 = time.monotonic()
         try:
@@ -250,8 +256,9 @@ class Episode:
         elif task.parser == "pytest":
             self.verdict = verdicts.pytest_verdict(output, tail=tail, **extra)
         else:
-            files = self.container.read_files(VERIFIER_LOGS)
-            files = {name.rsplit("/", 1)[-1]: data for name, data in files.items()}
+            files = self.container.read_files(VERIFIER_LOGS)  # "verifier/reward.txt": ...
+            files = {name.split("/", 1)[1]: data for name, data in files.items()
+                     if name.count("/") == 1}
             self.verdict = verdicts.reward_file_verdict(files, output, tail=tail, **extra)
         return self.verdict
 
