@@ -78,6 +78,20 @@ def test_shell_keeps_cwd_variables_functions_and_background_servers(harness, hel
         assert ep.run("printf 'a\x03b' | od -An -c").output.split() == ["a", "003", "b"]
 
 
+def test_an_image_without_bash_gets_a_posix_sh_session(harness, tmp_path):
+    task = terminal.load_task(harbor_task(tmp_path / "no-bash", **{
+        "environment/Dockerfile": "FROM ptrain-term-base:latest\nRUN rm /usr/bin/bash\n"}))
+    with harness.episode(task) as ep:
+        assert not ep.shell.bash
+        ep.run("cd /tmp; export X='a b'; f() { echo \"f:$1\"; }")
+        assert ep.run('pwd; echo "$X"; f 1').output == "/tmp\na b\nf:1\n"
+        tricky = "printf '%s|' \"100%\" 'it''s' \"\\\\n\" \"$((6*7))\" 'é'\n\n"
+        assert ep.run(tricky).output == "100%|its|\\n|42|é|"
+        assert ep.run("exit 4").exit_code is None
+        r = ep.run("echo back")
+        assert r.restarted and r.output.endswith("back\n")
+
+
 def test_shell_cuts_a_command_at_its_timeout_and_keeps_its_state(harness, hello):
     with harness.episode(hello) as ep:
         ep.run("cd /tmp; export KEEP=yes")

@@ -15,7 +15,6 @@ result says so: its state is lost).
 
 import dataclasses
 import secrets
-import select
 import time
 
 from sandbox.terminal.container import CappedBuffer, Container
@@ -45,7 +44,7 @@ def _bash_quote(command: str) -> str:
 
 def _sh_quote(command: str) -> str:
     """`command` for a POSIX sh: printf's octal escapes, decoded by printf itself."""
-    body = "".join(c if c.isalnum() else f"\\{b:03o}"
+    body = "".join(c if c.isascii() and c.isalnum() else f"\\{b:03o}"
                    for b in command.encode("utf-8", "surrogateescape") for c in [chr(b)])
     return f"\"$(printf '{body}_')\""  # the "_" keeps trailing newlines; removed below
 
@@ -75,7 +74,7 @@ class Shell:
         self._pending = b""
         nonce = secrets.token_hex(8)
         self._send("stty -echo -icanon -opost -ixon 2>/dev/null; PS1=''; PS2=''; PS4='+ '; "
-                   "unset PROMPT_COMMAND HISTFILE; set +o history 2>/dev/null; "
+                   "unset PROMPT_COMMAND HISTFILE; [ -n \"$BASH_VERSION\" ] && set +o history; "
                    f"printf '\\036{nonce} %s %s\\036' \"$$\" \"${{BASH_VERSION:+bash}}\"\n")
         found, before, after = self._read_marker(nonce, time.monotonic() + _START_TIMEOUT_S,
                                                  CappedBuffer(1 << 16))
@@ -112,11 +111,11 @@ class Shell:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None, buf, b""
-            ready, _, _ = select.select([self._sock], [], [], min(left, 1.0))
-            if not ready:
-                continue
+            self._sock.settimeout(min(left, 1.0))  # (poll inside: no select() fd limit)
             try:
                 data = self._sock.recv(1 << 16)
+            except TimeoutError:
+                continue
             except OSError:
                 data = b""
             if not data:
