@@ -309,14 +309,7 @@ class Container:
                     info.size, info.mode = len(source), 0o644
                     tar.addfile(info, io.BytesIO(source))
                     continue
-                info = tar.gettarinfo(source, arcname="/".join(parts))
-                info.uid = info.gid = 0
-                info.uname = info.gname = "root"
-                if info.isreg():
-                    with open(source, "rb") as f:
-                        tar.addfile(info, f)
-                else:
-                    tar.addfile(info)
+                tar_add(tar, source, "/".join(parts))
         if not self.container.put_archive("/", buf.getvalue()):
             raise RuntimeError(f"could not copy files into {self._name}'s container")
 
@@ -341,6 +334,18 @@ class Container:
                     out[member.name] = tar.extractfile(member).read()
                     total += member.size
         return out
+
+
+def tar_add(tar: tarfile.TarFile, host: str, arcname: str) -> None:
+    """Host file `host` into `tar` as `arcname`, mode kept, owned by root."""
+    info = tar.gettarinfo(host, arcname=arcname)
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    if info.isreg():
+        with open(host, "rb") as f:
+            tar.addfile(info, f)
+    else:
+        tar.addfile(info)
 
 
 class _Confined:

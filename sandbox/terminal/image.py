@@ -18,6 +18,8 @@ import tempfile
 import threading
 import time
 
+from sandbox.terminal.container import tar_add
+
 BASE_IMAGE = "ptrain-term-base:latest"  # built by `bash sandbox/setup_host.sh`
 IMAGE_REPO = "ptrain-term-env"
 _HASH_VERSION = b"ptrain-term-image-1"
@@ -264,14 +266,7 @@ def _write_context(out, context: str, files, dockerfile_rel: str, dockerfile_tex
         for rel, host, st in files:
             if rel == dockerfile_rel:
                 continue
-            info = tar.gettarinfo(host, arcname=rel)
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            if info.isreg():
-                with open(host, "rb") as f:
-                    tar.addfile(info, f)
-            else:
-                tar.addfile(info)
+            tar_add(tar, host, rel)
         data = dockerfile_text.encode()
         info = tarfile.TarInfo(dockerfile_rel)
         info.size, info.mode = len(data), 0o644
