@@ -53,7 +53,7 @@ class Harness:
         self.max_idle, self.call_timeout_s = max_idle, call_timeout_s
         self.max_output_bytes, self.build_log = max_output_bytes, build_log
         self.client = client or docker_client()
-        self.pytest_dir = host_pytest.pytest_dir() if supply_pytest else None
+        self.pytest_dir = host_pytest.pytest_dir() if supply_pytest else None  # None: no pytest
         self._images: dict[str, str] = {}
         self._idle: dict[tuple, list[Container]] = {}
         self._lock = threading.Lock()

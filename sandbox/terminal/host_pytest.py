@@ -10,6 +10,7 @@ image new enough for that pytest runs it.
 
 import hashlib
 import importlib.metadata
+import logging
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ ACTIVATE = (f'if ! python3 -c "import pytest" >/dev/null 2>&1 && [ -d {PYTEST_MO
             f'export PYTHONPATH="{PYTEST_MOUNT}/site${{PYTHONPATH:+:$PYTHONPATH}}" '
             f'PATH="$PATH:{PYTEST_MOUNT}/bin"; fi')
 _LAUNCHER = '#!/bin/sh\nexec python3 -m pytest "$@"\n'
+log = logging.getLogger("sandbox.terminal")
 
 
 def _closure(name: str, seen: dict) -> None:
@@ -51,11 +53,15 @@ def _marker_holds(marker: str) -> bool:
         return False
 
 
-def pytest_dir() -> str:
+def pytest_dir() -> str | None:
     """A host directory with site/ (pytest and its requirements) and bin/pytest; made once
-    per pytest version, reused after that."""
+    per pytest version, reused after that. None where this host has no pytest to give."""
     dists = {}
-    _closure("pytest", dists)
+    try:
+        _closure("pytest", dists)
+    except importlib.metadata.PackageNotFoundError as e:
+        log.warning("no pytest on this host to supply to task images without one (%s)", e)
+        return None
     tag = hashlib.sha256(" ".join(sorted(f"{k}=={d.version}" for k, d in dists.items()))
                          .encode()).hexdigest()[:12]
     root = os.path.join(tempfile.gettempdir(), f"ptrain-term-pytest-{tag}")
