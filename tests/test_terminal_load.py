@@ -195,14 +195,18 @@ def test_tb1_compose_and_solution_yaml(tmp_path):
             build:
               dockerfile: Dockerfile
             image: ${T_BENCH_TASK_DOCKER_CLIENT_IMAGE_NAME}
+            ports: ["8080:80"]
             environment:
               - TEST_DIR=${T_BENCH_TEST_DIR}
               - MODE=demo
+              - LOGS=${T_BENCH_CONTAINER_LOGS_PATH}
         """)
     path = tb1_task(tmp_path, **{"docker-compose.yaml": compose, "solution.sh": None,
                                  "solution.yaml": "- command: cd /srv\n- command: export A=1\n"})
     t = terminal.load_task(path)
     assert dict(t.env) == {"TEST_DIR": "/tests", "MODE": "demo"}
+    assert any("services.client.ports is not used" in n for n in t.notes)
+    assert any("LOGS=${T_BENCH_CONTAINER_LOGS_PATH} is not set" in n for n in t.notes)
     assert t.solution_command == "cd /srv\nexport A=1" and t.solution == ()
     assert t.parser == "pytest" and dict(t.verifier_env)["TEST_DIR"] == "/tests"
 

@@ -9,8 +9,9 @@
 
 The agent's clock starts when the shell is ready and stops at `verify()`; every `run` is cut
 at the per-call timeout or at what is left of the task's agent timeout, whichever is first;
-once the time is up, `run` raises `TimeUp` instead of running anything. The tests are copied in only at
-`verify()`, after the agent is done: nothing of them is in the image or the container before.
+once the time is up, `run` raises `TimeUp` instead of running anything. The tests are copied
+in only at `verify()`, after the agent is done: nothing of them is in the image or the
+container before.
 """
 
 import shlex

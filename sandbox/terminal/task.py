@@ -260,7 +260,7 @@ def _resolve_env(env: dict, file: str, table: str) -> tuple[tuple[str, str], ...
     return tuple(out)
 
 
-def _read_text(path: str, task_dir: str, what: str) -> str:
+def _read_text(path: str, what: str) -> str:
     if not os.path.isfile(path):
         raise TaskError(path, None, f"is missing ({what})")
     try:
@@ -336,7 +336,7 @@ def _load_harbor(path: str) -> Task:
     package = cfg.get("task", {})
     return Task(
         name=package.get("name", os.path.basename(path)), path=path, layout="harbor",
-        instruction=_strip_canary(_read_text(os.path.join(path, "instruction.md"), path,
+        instruction=_strip_canary(_read_text(os.path.join(path, "instruction.md"),
                                              "the instruction the agent gets")),
         agent_timeout_s=float(agent_timeout), verifier_timeout_s=float(verifier_timeout),
         build_timeout_s=float(env.get("build_timeout_sec", 600.0)),
@@ -355,7 +355,13 @@ def _load_harbor(path: str) -> Task:
         verifier_user=None if verifier.get("user") is None else str(verifier["user"]),
         healthcheck=tuple(sorted(hc.items())) if hc else (),
         category=str(meta.get("category", "")), difficulty=str(meta.get("difficulty", "")),
-        tags=tuple(str(t) for t in meta.get("tags", ()) or ()), notes=tuple(notes))
+        tags=_tags(meta.get("tags")), notes=tuple(notes))
+
+
+def _tags(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(str(t) for t in value)
 
 
 def _strip_canary(text: str) -> str:
@@ -395,7 +401,8 @@ def _load_tb1(path: str) -> Task:
     dockerfile, context, env = os.path.join(path, "Dockerfile"), path, ()
     compose = os.path.join(path, "docker-compose.yaml")
     if os.path.isfile(compose):
-        dockerfile, context, env = _tb1_compose(compose, path)
+        dockerfile, context, env, compose_notes = _tb1_compose(compose, path)
+        notes += compose_notes
     if not os.path.isfile(dockerfile):
         raise TaskError(dockerfile, None, "is missing (the task's environment)")
     run_tests = os.path.join(path, "run-tests.sh")
@@ -427,12 +434,13 @@ def _load_tb1(path: str) -> Task:
         run_tests_in_same_shell=bool(cfg.get("run_tests_in_same_shell", False)),
         solution=solution, solution_command=command,
         category=str(cfg.get("category", "")), difficulty=str(cfg.get("difficulty", "")),
-        tags=tuple(cfg.get("tags", ()) or ()), notes=tuple(notes))
+        tags=_tags(cfg.get("tags")), notes=tuple(notes))
 
 
 def _tb1_compose(file: str, path: str):
-    """TB 1.0's one-service docker-compose.yaml: its build (context, Dockerfile) and the
-    environment entries that are not the harness's own T_BENCH_* templates."""
+    """TB 1.0's one-service docker-compose.yaml: its build (context, Dockerfile), the
+    environment entries that are not the harness's own T_BENCH_* templates, and notes on
+    what is not used (the image, container name, command and volumes are the harness's)."""
     import yaml
     try:
         with open(file, encoding="utf-8") as f:
@@ -455,9 +463,18 @@ def _tb1_compose(file: str, path: str):
     raw = service.get("environment") or []
     items = list(raw.items()) if isinstance(raw, dict) else [
         tuple(e.split("=", 1)) if "=" in e else (e, "") for e in raw]
-    env = tuple((k, str(v).replace("${T_BENCH_TEST_DIR}", TESTS_DIR)) for k, v in items
-                if "${" not in str(v).replace("${T_BENCH_TEST_DIR}", ""))
-    return dockerfile, context, env
+    env, notes = [], []
+    for key, value in items:
+        value = str(value).replace("${T_BENCH_TEST_DIR}", TESTS_DIR)
+        if "${" in value:
+            notes.append(f"docker-compose.yaml: environment {key}={value} is not set (a "
+                         f"template of terminal-bench's harness)")
+        else:
+            env.append((key, value))
+    own = {"build", "image", "container_name", "command", "environment", "volumes"}
+    notes += [f"docker-compose.yaml: services.{name}.{key} is not used by this harness"
+              for key in sorted(set(service) - own)]
+    return dockerfile, context, tuple(env), notes
 
 
 def _tb1_solution_yaml(file: str) -> str:
