@@ -3,7 +3,7 @@
 # Docker engine when missing, starts dockerd if none runs, and builds two local images (no
 # registry: each is a rootfs made of this host's own Debian packages, loaded with `docker
 # import`):
-#   ptrain-sandbox:latest    python3, bash and coreutils: the docker backend's image
+#   ptrain-sandbox:latest    python3, bash, coreutils, gzip and tar: the docker backend's image
 #   ptrain-term-base:latest  the base of terminal tasks (tasks/terminal/, sandbox/terminal/):
 #                            bash, coreutils, gzip/tar/xz/bzip2/zip, procps, python3, jq, ...
 #                            (no curl or wget: there is no network to fetch from)
@@ -13,9 +13,10 @@
 set -u
 IMAGE="${PTRAIN_SANDBOX_IMAGE:-ptrain-sandbox:latest}"
 PYTHON_ROOTS="python3.11-minimal python3.11 libpython3.11-stdlib python3-minimal python3"
-SANDBOX_ROOTS="bash dash coreutils grep sed findutils diffutils $PYTHON_ROOTS"
+# gzip and tar: what a bash tool call in the docker backend most often reaches for.
+SANDBOX_ROOTS="bash dash coreutils grep sed findutils diffutils gzip tar $PYTHON_ROOTS"
 TERM_IMAGE="${PTRAIN_TERM_BASE_IMAGE:-ptrain-term-base:latest}"
-TERM_ROOTS="$SANDBOX_ROOTS gzip tar xz-utils bzip2 zip unzip procps psmisc patch bc jq mawk"
+TERM_ROOTS="$SANDBOX_ROOTS xz-utils bzip2 zip unzip procps psmisc patch bc jq mawk"
 TERM_ROOTS="$TERM_ROOTS file sqlite3 make less debianutils"
 say() { echo "setup_host: $*"; }
 
