@@ -71,6 +71,10 @@ def test_shell_keeps_cwd_variables_functions_and_background_servers(harness, hel
                  "    except OSError: time.sleep(0.1)\"")
         assert ep.run(fetch).output.strip() == "200"
         assert ep.run("false").exit_code == 1
+        for d in ("/app", "/tmp"):  # what the agent writes, it can execute (no noexec mount)
+            r = ep.run(f"printf '#!/bin/sh\\necho ran\\n' > {d}/x.sh && chmod +x {d}/x.sh "
+                       f"&& {d}/x.sh && echo data | gzip | gunzip && tar --version | head -1")
+            assert r.output.startswith("ran\ndata\ntar (GNU tar)"), r.output
         assert ep.run("cat <<'EOF'\nline one\n  line two\nEOF").output == "line one\n  line two\n"
         # stdin is /dev/null: a command that reads it ends instead of waiting forever
         assert ep.run("cat; read x; echo done").output == "done\n"
