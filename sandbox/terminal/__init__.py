@@ -13,10 +13,11 @@ Plain host Python (docker SDK, PyYAML for TB 1.0); nothing from ptrain, no JAX.
         terminal.evaluate(loaded.tasks, terminal.oracle, "runs/oracle", attempts=2, harness=h)
 
 Files: task.py (layouts, validation), image.py (build from the Dockerfile, cached by content
-hash, never pulled), container.py (a task container and its reset), shell.py (the persistent
-shell), verify.py (reward and feedback), host_pytest.py (the real pytest for images without
-it), episode.py (Harness, Episode), agents.py (oracle, nop), evaluate.py (results.jsonl,
-pass@k). What each guarantees: docs/terminal.md.
+hash, never pulled), container.py (a task container: limits, exec, files), reset.py (its
+in-place reset), hostfs.py (host-side file access that follows no symlink), shell.py (the
+persistent shell), verify.py (reward and feedback), host_pytest.py (the real pytest for
+images without it), episode.py (Harness, Episode), agents.py (oracle, nop), evaluate.py
+(results.jsonl, pass@k). What each guarantees: docs/terminal.md.
 """
 
 from sandbox.terminal.agents import nop, oracle
