@@ -205,6 +205,22 @@ def test_state_is_clean_between_episodes_on_a_reused_container(harness, hello, r
             h.close()
 
 
+def test_containers_of_a_dead_process_are_removed(hello, tmp_path):
+    import subprocess
+    import sys
+    with terminal.Harness(supply_pytest=False) as h:
+        image = h.image(hello)
+    code = (f"import sys; sys.path.insert(0, {os.getcwd()!r}); from sandbox import terminal; "
+            f"c = terminal.Container({image!r}, name='orphan'); print(c.id, flush=True); "
+            f"import os; os._exit(0)")  # no clean-up: the container outlives its process
+    cid = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()[-1]
+    client = container_mod.docker_client()
+    assert client.containers.get(cid).status == "running"
+    assert container_mod.remove_orphans(client) >= 1
+    assert cid not in {c.id for c in client.containers.list(all=True)}
+
+
 def test_warm_starts_containers_that_episodes_then_use(hello):
     with terminal.Harness() as h:
         h.warm(hello, 2)

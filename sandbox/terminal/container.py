@@ -14,6 +14,7 @@ import dataclasses
 import io
 import logging
 import os
+import socket
 import tarfile
 import threading
 import time
@@ -105,6 +106,30 @@ def docker_client():
 _own_client = None
 
 
+def remove_orphans(client=None) -> int:
+    """Remove the task containers that a process of this machine started and that outlived
+    it (a crash, a SIGKILL); returns how many."""
+    client = client or docker_client()
+    n = 0
+    for c in client.containers.list(all=True, filters={"label": "ptrain-term"}):
+        labels = c.labels or {}
+        if labels.get("ptrain-term-host") != socket.gethostname():
+            continue
+        try:
+            os.kill(int(labels["ptrain-term"]), 0)
+            continue  # its owner lives
+        except ProcessLookupError:
+            pass
+        except (ValueError, PermissionError):
+            continue
+        try:
+            c.remove(force=True)
+            n += 1
+        except Exception:  # noqa: BLE001 (removed meanwhile)
+            pass
+    return n
+
+
 class ContainerGone(RuntimeError):
     """The container stopped (the agent killed its init's child, or it ran out of memory)."""
 
@@ -140,7 +165,8 @@ class Container:
             mem_limit=f"{self.limits.memory_mb}m", memswap_limit=f"{self.limits.memory_mb}m",
             nano_cpus=int(min(self.limits.cpus, os.cpu_count() or 1) * 1e9),
             pids_limit=self.limits.pids, cap_drop=_CAP_DROP, environment=self.env,
-            volumes=volumes, labels={"ptrain-term": str(os.getpid())})
+            volumes=volumes, labels={"ptrain-term": str(os.getpid()),
+                                     "ptrain-term-host": socket.gethostname()})
         try:
             self.container.reload()
             attrs = self.container.attrs

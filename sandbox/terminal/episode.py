@@ -14,17 +14,20 @@ in only at `verify()`, after the agent is done: nothing of them is in the image 
 container before.
 """
 
+import logging
 import shlex
 import threading
 import time
 
 from sandbox.terminal import host_pytest, verify as verdicts
-from sandbox.terminal.container import Container, ContainerGone, Limits, docker_client
+from sandbox.terminal.container import (Container, ContainerGone, Limits, docker_client,
+                                        remove_orphans)
 from sandbox.terminal.image import ensure_image
 from sandbox.terminal.shell import Shell, ShellResult
 from sandbox.terminal.task import TESTS_DIR, VERIFIER_LOGS, Task
 
 _TAIL_CHARS = 4000
+log = logging.getLogger("sandbox.terminal")
 
 
 class HealthcheckFailed(RuntimeError):
@@ -54,6 +57,9 @@ class Harness:
         self.max_idle, self.call_timeout_s = max_idle, call_timeout_s
         self.max_output_bytes, self.build_log = max_output_bytes, build_log
         self.client = client or docker_client()
+        removed = remove_orphans(self.client)
+        if removed:
+            log.info("removed %d task containers left by processes that are gone", removed)
         self.pytest_dir = host_pytest.pytest_dir() if supply_pytest else None  # None: no pytest
         self._images: dict[str, str] = {}
         self._idle: dict[tuple, list[Container]] = {}
