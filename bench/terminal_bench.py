@@ -9,9 +9,11 @@ oracle episodes per second with warm containers against a fresh container per ep
    (`Container.reset()`: kill, undo the overlay layer, a few ms) or the way a harness without
    reset does it: remove the container and `docker run` a new one (timed as "rm + run", and
    the run alone). Interleaved, the same dirt before each.
-2. Throughput. Rounds of `--concurrency` concurrent oracle episodes (each bundled task in
-   turn: solution, then its tests), with a harness that resets warm containers against one
-   that starts a fresh container for every episode; rounds alternate between the two.
+2. Throughput. Rounds of `--concurrency` concurrent oracle episodes, with a harness that
+   resets warm containers against one that starts a fresh container for every episode;
+   rounds alternate between the two. Two workloads: the bundled tasks in turn (their own
+   tests, mostly pytest, dominate), and a minimal Harbor task (`echo` solution, a one-line
+   test.sh): what the environment itself costs per episode.
 Prints medians, the spread (min-max) and the ratios measured in this run.
 """
 
@@ -20,6 +22,7 @@ import concurrent.futures
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
@@ -31,6 +34,26 @@ DIRT = ("mkdir -p /app/out /opt/tool && for i in $(seq 50); do echo $i > /app/ou
         "echo x >> /etc/bash.bashrc; rm -f /usr/bin/bc; cp -r /usr/share/misc /tmp/misc; "
         "mkdir -p /tests /logs/verifier && echo 1 > /logs/verifier/reward.txt; "
         "nohup python3 -m http.server 8111 --bind 127.0.0.1 >/dev/null 2>&1 & sleep 0.2")
+
+
+MINIMAL = {
+    "instruction.md": "Write ok to /app/ok.\n",
+    "task.toml": "[verifier]\ntimeout_sec = 60\n\n[agent]\ntimeout_sec = 60\n\n"
+                 "[environment]\nmemory_mb = 256\nallow_internet = false\n",
+    "environment/Dockerfile": "FROM ptrain-term-base:latest\nWORKDIR /app\n",
+    "tests/test.sh": "grep -qx ok /app/ok && echo 1 > /logs/verifier/reward.txt || "
+                     "echo 0 > /logs/verifier/reward.txt\n",
+    "solution/solve.sh": "echo ok > /app/ok\n",
+}
+
+
+def minimal_task(root: str):
+    for rel, text in MINIMAL.items():
+        path = os.path.join(root, "minimal", rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+    return terminal.load_task(os.path.join(root, "minimal"))
 
 
 def spread(xs, unit=1e3, fmt="{:.1f}"):
@@ -112,12 +135,17 @@ def main():
           f"in-place / (rm + run): {med['inplace'] / med['rm_run']:.3f}x")
 
     if not args.skip_throughput:
-        t = bench_throughput(tasks, args.concurrency, args.rounds)
-        print(f"\n{args.concurrency} concurrent oracle episodes ({len(tasks)} tasks in turn), "
-              f"episodes/s, median (min-max) of {args.rounds} rounds:")
-        print(f"  warm containers, reset    {spread(t['auto'], 1, '{:.2f}')}")
-        print(f"  fresh container each      {spread(t['recreate'], 1, '{:.2f}')}")
-        print(f"  ratio: {statistics.median(t['auto']) / statistics.median(t['recreate']):.2f}x")
+        with tempfile.TemporaryDirectory(prefix="ptrain-term-bench-") as tmp:
+            workloads = [(f"the {len(tasks)} bundled tasks in turn", tasks),
+                         ("a minimal task (the environment's own cost)", [minimal_task(tmp)])]
+            for title, workload in workloads:
+                t = bench_throughput(workload, args.concurrency, args.rounds)
+                print(f"\n{args.concurrency} concurrent oracle episodes, {title}, episodes/s, "
+                      f"median (min-max) of {args.rounds} rounds:")
+                print(f"  warm containers, reset    {spread(t['auto'], 1, '{:.2f}')}")
+                print(f"  fresh container each      {spread(t['recreate'], 1, '{:.2f}')}")
+                ratio = statistics.median(t["auto"]) / statistics.median(t["recreate"])
+                print(f"  ratio: {ratio:.2f}x")
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
 
 
