@@ -205,6 +205,22 @@ def test_state_is_clean_between_episodes_on_a_reused_container(harness, hello, r
             h.close()
 
 
+def test_reset_keeps_the_mount_points_docker_made_where_the_image_has_none(harness,
+                                                                            tmp_path):
+    # The image has no /opt: docker makes /opt/ptrain-pytest's mount point in the writable
+    # layer, and an episode that writes next to it must not make the reset remove it.
+    task = terminal.load_task(harbor_task(tmp_path / "no-opt", **{
+        "environment/Dockerfile": "FROM ptrain-term-base:latest\nRUN rm -rf /opt\n"}))
+    c = harness.acquire(task)
+    try:
+        assert c.exec(["sh", "-c", "touch /opt/mine"], timeout_s=30).exit_code == 0
+        assert c.reset() == ("inplace" if c.reset_mode == "inplace" else "recreate")
+        r = c.exec(["sh", "-c", "ls -A /opt"], timeout_s=30)
+        assert r.text.split() == ["ptrain-pytest"]
+    finally:
+        harness.release(task, c)
+
+
 def test_containers_of_a_dead_process_are_removed(hello, tmp_path):
     import subprocess
     import sys

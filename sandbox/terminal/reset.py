@@ -70,6 +70,9 @@ class InPlaceReset:
         # What docker itself puts in the writable layer (mount points), as it is now.
         self.clean = {}
         self._scan_clean("")
+        # Docker's own entries (mount points: /opt/ptrain-pytest, /usr/sbin/docker-init, their
+        # parents where the image lacks them) are never removed, only looked into.
+        self.docker_own = set(self.clean)
         self.dev = self._dev_entries()
         self.mounted = {}
         for key in _MOUNTED_FILES:
@@ -172,7 +175,7 @@ class InPlaceReset:
             sub = os.path.join(rel, entry.name) if rel else entry.name
             st = entry.stat(follow_symlinks=False)
             is_dir = stat.S_ISDIR(st.st_mode)
-            if self.clean.get(sub) == (st.st_ino, st.st_ctime_ns):
+            if self.clean.get(sub) == (st.st_ino, st.st_ctime_ns) or sub in self.docker_own:
                 if is_dir:
                     self._undo(sub)
                 continue
