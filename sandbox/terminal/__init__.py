@@ -21,7 +21,8 @@ images without it), episode.py (Harness, Episode), agents.py (oracle, nop), eval
 """
 
 from sandbox.terminal.agents import nop, oracle
-from sandbox.terminal.container import Container, ContainerGone, ExecResult, Limits
+from sandbox.terminal.container import (Container, ContainerGone, ExecResult, Limits,
+                                        remove_orphans)
 from sandbox.terminal.episode import Episode, Harness, HealthcheckFailed, TimeUp
 from sandbox.terminal.evaluate import evaluate, pass_at_k, run_attempt, summarize
 from sandbox.terminal.image import BASE_IMAGE, ImageError, ensure_image, parse_image_map
@@ -33,5 +34,5 @@ __all__ = [
     "BASE_IMAGE", "Container", "ContainerGone", "Episode", "ExecResult", "Harness",
     "HealthcheckFailed", "ImageError", "Limits", "Loaded", "Shell", "ShellResult", "Task",
     "TaskError", "TimeUp", "Verdict", "ensure_image", "evaluate", "load_task", "load_tasks", "nop",
-    "oracle", "parse_image_map", "pass_at_k", "run_attempt", "summarize",
+    "oracle", "parse_image_map", "pass_at_k", "remove_orphans", "run_attempt", "summarize",
 ]
