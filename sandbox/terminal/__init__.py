@@ -1,0 +1,38 @@
+"""sandbox.terminal: Harbor / Terminal-Bench tasks in docker, for RL and evaluation.
+
+Plain host Python (docker SDK, PyYAML for TB 1.0); nothing from ptrain, no JAX.
+
+    from sandbox import terminal
+    loaded = terminal.load_tasks("tasks/terminal")     # both layouts; .skipped says why
+    print(loaded.summary())
+    with terminal.Harness(image_map={"python:3.12-slim": "ptrain-term-base:latest"}) as h:
+        with h.episode(loaded.tasks[0]) as ep:         # clean warm container + fresh shell
+            ep.run("cd /app && ls").output             # persistent: cwd, env, jobs survive
+            v = ep.verify()                            # the task's own tests, copied in now
+            v.reward, v.passed, v.feedback
+        terminal.evaluate(loaded.tasks, terminal.oracle, "runs/oracle", attempts=2, harness=h)
+
+Files: task.py (layouts, validation), image.py (build from the Dockerfile, cached by content
+hash, never pulled), container.py (a task container: limits, exec, files), reset.py (its
+in-place reset), hostfs.py (host-side file access that follows no symlink), shell.py (the
+persistent shell), verify.py (reward and feedback), host_pytest.py (the real pytest for
+images without it), episode.py (Harness, Episode), agents.py (oracle, nop), evaluate.py
+(results.jsonl, pass@k). What each guarantees: docs/terminal.md.
+"""
+
+from sandbox.terminal.agents import nop, oracle
+from sandbox.terminal.container import (Container, ContainerGone, ExecResult, Limits,
+                                        remove_orphans)
+from sandbox.terminal.episode import Episode, Harness, HealthcheckFailed, TimeUp
+from sandbox.terminal.evaluate import evaluate, pass_at_k, run_attempt, summarize
+from sandbox.terminal.image import BASE_IMAGE, ImageError, ensure_image, parse_image_map
+from sandbox.terminal.shell import Shell, ShellResult
+from sandbox.terminal.task import Loaded, Task, TaskError, load_task, load_tasks
+from sandbox.terminal.verify import Verdict
+
+__all__ = [
+    "BASE_IMAGE", "Container", "ContainerGone", "Episode", "ExecResult", "Harness",
+    "HealthcheckFailed", "ImageError", "Limits", "Loaded", "Shell", "ShellResult", "Task",
+    "TaskError", "TimeUp", "Verdict", "ensure_image", "evaluate", "load_task", "load_tasks", "nop",
+    "oracle", "parse_image_map", "pass_at_k", "remove_orphans", "run_attempt", "summarize",
+]

@@ -1,0 +1,393 @@
+"""A task container: started once from its image, reset to the image's state between episodes.
+
+The container runs `sleep infinity` under docker's init (which reaps orphans), with the task's
+limits. `reset()` brings it back to what a fresh `docker run` of the image gives: in place
+where this host allows it (root on the docker host, overlay2 storage: reset.py, a few ms, no
+docker API call), else, and whenever an in-place reset meets anything it does not expect, by
+removing the container and starting a new one. Files go in and out from the host where it
+can do so safely (hostfs.py: no symlink is ever followed), else through the docker API
+(`put_archive`, `get_archive`), which resolves paths inside the container.
+"""
+
+import atexit
+import dataclasses
+import io
+import logging
+import os
+import socket
+import tarfile
+import threading
+import time
+import uuid
+import weakref
+
+from sandbox.terminal.hostfs import ConfinedRoot
+from sandbox.terminal.reset import InPlaceReset, ResetRefused, kill_tree
+
+log = logging.getLogger("sandbox.terminal")
+
+PYTEST_MOUNT = "/opt/ptrain-pytest"
+_KEEP_ALIVE = ["sleep", "infinity"]
+# Dropped on top of docker's defaults: raw sockets, device nodes, audit writes, file caps.
+_CAP_DROP = ["NET_RAW", "MKNOD", "AUDIT_WRITE", "SETFCAP"]
+# Without the host's view: from inside, everything but init, its keep-alive sleep (its first
+# child) and this shell, twice (for what forked meanwhile).
+_KILL_ALL_INSIDE = (
+    "keep=$(tr ' ' '\\n' < /proc/1/task/1/children | sort -n | head -n 1); "
+    "for _ in 1 2; do for d in /proc/[0-9]*; do p=${d#/proc/}; "
+    'case " 1 $$ $keep " in *" $p "*) ;; *) kill -9 "$p" 2>/dev/null;; esac; done; done')
+_live: "weakref.WeakSet[Container]" = weakref.WeakSet()
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a task's container may use (from task.toml's [environment]); `network` is the
+    task's wish and the operator's permission together."""
+    cpus: float = 1.0
+    memory_mb: int = 2048
+    pids: int = 4096
+    network: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecResult:
+    output: bytes          # stdout and stderr, interleaved, capped (head and tail kept)
+    exit_code: int | None  # None when it was cut
+    timed_out: bool
+    truncated: bool
+    duration_s: float
+
+    @property
+    def text(self) -> str:
+        return self.output.decode("utf-8", "replace")
+
+
+class CappedBuffer:
+    """Keeps the first `head` bytes and the last `limit - head` bytes of a stream."""
+
+    def __init__(self, limit: int, head: int | None = None):
+        self.limit, self.head_limit = limit, min(limit, head if head is not None else limit // 4)
+        self.head, self.tail = bytearray(), bytearray()
+        self.dropped = 0
+
+    def add(self, data: bytes) -> None:
+        room = self.head_limit - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        self.tail += data
+        over = len(self.tail) - (self.limit - self.head_limit)
+        if over > 0:
+            del self.tail[:over]
+            self.dropped += over
+
+    def value(self) -> bytes:
+        if not self.dropped:
+            return bytes(self.head + self.tail)
+        return bytes(self.head) + f"\n[... {self.dropped} bytes left out ...]\n".encode() \
+            + bytes(self.tail)
+
+
+def docker_client():
+    """The sandbox's shared docker SDK client where it offers one, else our own."""
+    try:
+        from sandbox.backends import docker_client as shared
+    except ImportError:  # pragma: no cover (the sandbox restructure may move it)
+        shared = None
+    if shared is not None:
+        return shared()
+    import docker
+    global _own_client
+    if _own_client is None:
+        _own_client = docker.from_env(timeout=120)
+    return _own_client
+
+
+_own_client = None
+
+
+def remove_orphans(client=None) -> int:
+    """Remove the task containers that a process of this machine started and that outlived
+    it (a crash, a SIGKILL); returns how many."""
+    client = client or docker_client()
+    n = 0
+    for c in client.containers.list(all=True, filters={"label": "ptrain-term"}):
+        labels = c.labels or {}
+        if labels.get("ptrain-term-host") != socket.gethostname():
+            continue
+        try:
+            os.kill(int(labels["ptrain-term"]), 0)
+            continue  # its owner lives
+        except ProcessLookupError:
+            pass
+        except (ValueError, PermissionError):
+            continue
+        try:
+            c.remove(force=True)
+            n += 1
+        except Exception:  # noqa: BLE001 (removed meanwhile)
+            pass
+    return n
+
+
+class ContainerGone(RuntimeError):
+    """The container stopped (the agent killed its init's child, or it ran out of memory)."""
+
+
+class Container:
+    """A started task container. `reset="auto"` resets in place where this host allows it."""
+
+    def __init__(self, image: str, limits: Limits = Limits(), *, env=(), name: str = "task",
+                 pytest_dir: str | None = None, reset: str = "auto", client=None):
+        if reset not in ("auto", "inplace", "recreate"):
+            raise ValueError(f"reset must be 'auto', 'inplace' or 'recreate', got {reset!r}")
+        self.image, self.limits, self.env = image, limits, dict(env)
+        self._name, self._pytest_dir, self._want = name, pytest_dir, reset
+        self._client = client or docker_client()
+        self._lock = threading.Lock()
+        self.container = None
+        self.resets = {"inplace": 0, "recreate": 0}
+        self._start()
+        _live.add(self)
+
+    # --- life cycle ---------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        slug = "".join(c if c.isalnum() else "-" for c in self._name.lower())[:40]
+        volumes = {}
+        if self._pytest_dir:
+            volumes[self._pytest_dir] = {"bind": PYTEST_MOUNT, "mode": "ro"}
+        self.container = self._client.containers.run(
+            self.image, _KEEP_ALIVE, detach=True, init=True,
+            name=f"ptrain-term-{slug}-{uuid.uuid4().hex[:8]}",
+            network_mode="host" if self.limits.network else "none",
+            hostname=None if self.limits.network else "task",
+            mem_limit=f"{self.limits.memory_mb}m", memswap_limit=f"{self.limits.memory_mb}m",
+            nano_cpus=int(min(self.limits.cpus, os.cpu_count() or 1) * 1e9),
+            pids_limit=self.limits.pids, cap_drop=_CAP_DROP, environment=self.env,
+            volumes=volumes, labels={"ptrain-term": str(os.getpid()),
+                                     "ptrain-term-host": socket.gethostname()})
+        try:
+            self.container.reload()
+            attrs = self.container.attrs
+            self.workdir = attrs["Config"].get("WorkingDir") or "/"
+            self.user = attrs["Config"].get("User") or ""
+            self._inplace = None
+            if self._want != "recreate":
+                reason = self._host_access(attrs)
+                if reason is None:
+                    self._inplace = InPlaceReset(attrs)
+                elif self._want == "inplace":
+                    raise RuntimeError(f"in-place reset is not possible here: {reason}")
+                else:
+                    log.info("terminal containers are recreated between episodes: %s", reason)
+        except BaseException:
+            self._remove()
+            raise
+
+    @staticmethod
+    def _host_access(attrs) -> str | None:
+        if os.geteuid() != 0:
+            return "not root on the docker host"
+        driver = attrs.get("GraphDriver", {})
+        if driver.get("Name") != "overlay2":
+            return f"storage driver {driver.get('Name')!r} is not overlay2"
+        upper = driver.get("Data", {}).get("UpperDir")
+        if not upper or not os.path.isdir(upper):
+            return "the container's overlay layer is not on this machine"
+        if not os.path.isdir(f"/proc/{attrs['State']['Pid']}/root/"):
+            return "the container's processes are not visible here"
+        return None
+
+    @property
+    def id(self) -> str:
+        return self.container.id
+
+    @property
+    def reset_mode(self) -> str:
+        return "inplace" if self._inplace is not None else "recreate"
+
+    def reset(self) -> str:
+        """Back to the image's state; returns how ("inplace" or "recreate")."""
+        with self._lock:
+            if self._inplace is not None:
+                try:
+                    if self._inplace.pid_alive():
+                        self._inplace.reset()
+                        self.resets["inplace"] += 1
+                        return "inplace"
+                    why = "the container stopped"
+                except (ResetRefused, OSError) as e:
+                    why = str(e)
+                log.warning("terminal container %s: recreated (%s)", self._name, why)
+            self._remove()
+            self._start()
+            self.resets["recreate"] += 1
+            return "recreate"
+
+    def kill_processes(self) -> None:
+        """Every process but init and its sleep (the verifier's cut, and before reading logs)."""
+        if self._inplace is not None and self._inplace.pid_alive():
+            try:
+                self._inplace.kill_all()
+                return
+            except ResetRefused:
+                pass
+        self.exec(["sh", "-c", _KILL_ALL_INSIDE], timeout_s=30, user="root")
+
+    def _remove(self) -> None:
+        if self.container is not None:
+            try:
+                self.container.remove(force=True)
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
+        self.container = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._remove()
+        _live.discard(self)
+
+    # --- exec and files -----------------------------------------------------------------------
+
+    def exec(self, argv, *, timeout_s: float, user: str | None = None, env=None,
+             workdir: str | None = None, max_output_bytes: int = 1 << 20) -> ExecResult:
+        """Run `argv` in the container (not in a shell session), output capped, cut at
+        `timeout_s` (its process tree is killed then)."""
+        import docker
+        api = self._client.api
+        t0 = time.monotonic()
+        try:
+            ex = api.exec_create(self.id, argv, stdout=True, stderr=True, tty=False,
+                                 user=user or "", environment=dict(env or {}), workdir=workdir)
+            sock = api.exec_start(ex["Id"], socket=True)
+        except docker.errors.APIError as e:
+            raise ContainerGone(f"the task's container cannot run commands: {e}") from None
+        raw = getattr(sock, "_sock", sock)
+        out = CappedBuffer(max_output_bytes)
+        timed_out = _read_frames(raw, out, t0 + timeout_s)
+        try:
+            sock.close()
+        except OSError:
+            pass
+        exit_code = None
+        if timed_out:
+            self._kill_exec(api.exec_inspect(ex["Id"]).get("Pid"))
+        else:
+            for _ in range(200):
+                info = api.exec_inspect(ex["Id"])
+                if not info.get("Running"):
+                    exit_code = info.get("ExitCode")
+                    break
+                time.sleep(0.005)
+        return ExecResult(out.value(), exit_code, timed_out, out.dropped > 0,
+                          time.monotonic() - t0)
+
+    def fresh_dirs(self, paths, mode: int = 0o755) -> None:
+        """Remove `paths` (whatever is there: a tree, a file, a symlink) and make each an
+        empty directory with `mode`: where the verifier's tests and logs go."""
+        if self._inplace is not None:
+            try:
+                for path in paths:
+                    ConfinedRoot(self._inplace.root).fresh_dir(path, mode)
+                return
+            except OSError as e:
+                log.info("terminal: host-side clean-up refused (%s); using docker exec", e)
+        quoted = " ".join(f"'{p}'" for p in paths)
+        r = self.exec(["sh", "-c", f"rm -rf {quoted} && mkdir -p {quoted} && "
+                                   f"chmod {mode:o} {quoted}"], timeout_s=60, user="root")
+        if r.exit_code != 0:
+            raise ContainerGone(f"cannot prepare {quoted}: {r.text[-300:]}")
+
+    def _kill_exec(self, host_pid: int | None) -> None:
+        if self._inplace is not None and host_pid:
+            kill_tree(host_pid)
+        else:
+            self.kill_processes()
+
+    def put_files(self, files) -> None:
+        """Copy files in: `files` is [(host path or bytes, absolute container path)]; modes
+        (the exec bit) are kept, missing parents are made (0755), owner is root."""
+        if self._inplace is not None:
+            try:
+                return ConfinedRoot(self._inplace.root).write(files)
+            except OSError as e:  # a symlink in the way, most likely: docker's way, below
+                log.info("terminal: host-side copy refused (%s); using the docker API", e)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for source, dest in files:
+                parts = dest.strip("/").split("/")
+                if isinstance(source, bytes):
+                    info = tarfile.TarInfo("/".join(parts))
+                    info.size, info.mode = len(source), 0o644
+                    tar.addfile(info, io.BytesIO(source))
+                    continue
+                tar_add(tar, source, "/".join(parts))
+        if not self.container.put_archive("/", buf.getvalue()):
+            raise RuntimeError(f"could not copy files into {self._name}'s container")
+
+    def read_files(self, path: str, max_bytes: int = 4 << 20) -> dict[str, bytes]:
+        """Regular files at or below `path` in the container ({} if there is nothing), by
+        their path relative to `path`'s parent."""
+        import docker
+        if self._inplace is not None:
+            try:
+                return ConfinedRoot(self._inplace.root).read_tree(path, max_bytes)
+            except OSError as e:
+                log.info("terminal: host-side read refused (%s); using the docker API", e)
+        try:
+            chunks, _ = self.container.get_archive(path)
+            data = b"".join(chunks)
+        except docker.errors.NotFound:
+            return {}
+        out, total = {}, 0
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            for member in tar:
+                if member.isreg() and total + member.size <= max_bytes:
+                    out[member.name] = tar.extractfile(member).read()
+                    total += member.size
+        return out
+
+
+def tar_add(tar: tarfile.TarFile, host: str, arcname: str) -> None:
+    """Host file `host` into `tar` as `arcname`, mode kept, owned by root."""
+    info = tar.gettarinfo(host, arcname=arcname)
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    if info.isreg():
+        with open(host, "rb") as f:
+            tar.addfile(info, f)
+    else:
+        tar.addfile(info)
+
+
+def _read_frames(sock, out: CappedBuffer, deadline: float) -> bool:
+    """Docker's multiplexed exec stream (8-byte headers) into `out`; True if `deadline` came
+    first."""
+    pending = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return True
+        sock.settimeout(min(left, 1.0))
+        try:
+            data = sock.recv(1 << 16)
+        except TimeoutError:
+            continue
+        except OSError:
+            return False
+        if not data:
+            return False
+        pending += data
+        while len(pending) >= 8:
+            size = int.from_bytes(pending[4:8], "big")
+            if len(pending) < 8 + size:
+                break
+            out.add(pending[8:8 + size])
+            pending = pending[8 + size:]
+
+
+@atexit.register
+def _close_all() -> None:
+    for c in list(_live):
+        c.close()

@@ -1,0 +1,285 @@
+"""Episodes: a task's environment, the agent's shell in it, then the task's own tests.
+
+    harness = terminal.Harness(image_map={...})        # builds images, keeps warm containers
+    with harness.episode(task) as ep:                  # a clean container and a fresh shell
+        ep.instruction                                 # what the agent is asked to do
+        r = ep.run("ls /app")                          # ShellResult: output, exit_code, ...
+        verdict = ep.verify()                          # Verdict: reward, feedback, ...
+    # leaving the block resets the container and keeps it warm for the next episode
+
+The agent's clock starts when the shell is ready and stops at `verify()`; every `run` is cut
+at the per-call timeout or at what is left of the task's agent timeout, whichever is first;
+once the time is up, `run` raises `TimeUp` instead of running anything. The tests are copied
+in only at `verify()`, after the agent is done: nothing of them is in the image or the
+container before.
+"""
+
+import logging
+import shlex
+import threading
+import time
+
+from sandbox.terminal import host_pytest, verify as verdicts
+from sandbox.terminal.container import (Container, ContainerGone, Limits, docker_client,
+                                        remove_orphans)
+from sandbox.terminal.image import ensure_image
+from sandbox.terminal.shell import Shell, ShellResult
+from sandbox.terminal.task import TESTS_DIR, VERIFIER_LOGS, Task
+
+_TAIL_CHARS = 4000
+log = logging.getLogger("sandbox.terminal")
+
+
+class HealthcheckFailed(RuntimeError):
+    """The task's [environment.healthcheck] never passed."""
+
+
+class TimeUp(Exception):
+    """Raised by `Episode.run` once the agent's time is spent: an agent that never stops on
+    its own is stopped here (the call that reached the limit returned normally, cut)."""
+
+
+class Harness:
+    """Task images and warm containers, shared by the episodes of a process (thread-safe).
+
+    image_map: {FROM image: local image} for bases not on this machine.
+    network: the operator's permission; a task gets a network only if it also asks for one.
+    reset: "auto" (in place where possible, else recreate), "inplace" or "recreate".
+    max_idle: warm containers kept per task image between episodes.
+    call_timeout_s: a shell command's default time limit (within the agent's).
+    """
+
+    def __init__(self, *, image_map=None, network: bool = False, reset: str = "auto",
+                 max_idle: int = 8, call_timeout_s: float = 180.0,
+                 max_output_bytes: int = 32 << 10, supply_pytest: bool = True,
+                 build_log=None, client=None):
+        self.image_map, self.network, self.reset_mode = dict(image_map or {}), network, reset
+        self.max_idle, self.call_timeout_s = max_idle, call_timeout_s
+        self.max_output_bytes, self.build_log = max_output_bytes, build_log
+        self.client = client or docker_client()
+        removed = remove_orphans(self.client)
+        if removed:
+            log.info("removed %d task containers left by processes that are gone", removed)
+        self.pytest_dir = host_pytest.pytest_dir() if supply_pytest else None  # None: no pytest
+        self._images: dict[str, str] = {}
+        self._idle: dict[tuple, list[Container]] = {}
+        self._lock = threading.Lock()
+        self._task_locks: dict[str, threading.Lock] = {}
+        self._closed = False
+
+    # --- images and containers ----------------------------------------------------------------
+
+    def image(self, task: Task) -> str:
+        """The local image `task` runs in, built (once) if it needs building."""
+        with self._lock:
+            lock = self._task_locks.setdefault(task.path, threading.Lock())
+        with lock:
+            if task.path not in self._images:
+                self._images[task.path] = ensure_image(
+                    task, self.client, image_map=self.image_map, network=self.network,
+                    log=self.build_log)
+            return self._images[task.path]
+
+    def limits(self, task: Task) -> Limits:
+        return Limits(cpus=task.cpus, memory_mb=task.memory_mb,
+                      network=self.network and task.allow_internet)
+
+    def _key(self, task: Task) -> tuple:
+        return self.image(task), self.limits(task), task.env
+
+    def acquire(self, task: Task) -> Container:
+        """A clean container for `task`: a warm one if there is one, else a new one."""
+        key = self._key(task)
+        with self._lock:
+            idle = self._idle.get(key)
+            if idle:
+                return idle.pop()
+        return Container(key[0], key[1], env=key[2], name=task.name,
+                         pytest_dir=self.pytest_dir, reset=self.reset_mode, client=self.client)
+
+    def release(self, task: Task, container: Container) -> None:
+        """Reset `container` and keep it warm (or close it, past `max_idle` or if it fails)."""
+        try:
+            container.reset()
+        except Exception:  # noqa: BLE001 (a container that cannot be reset is not reused)
+            container.close()
+            return
+        key = self._key(task)
+        with self._lock:
+            idle = self._idle.setdefault(key, [])
+            if not self._closed and len(idle) < self.max_idle:
+                idle.append(container)
+                return
+        container.close()
+
+    def warm(self, task: Task, n: int) -> None:
+        """Start containers for `task` now, up to `n` idle ones."""
+        key = self._key(task)
+        with self._lock:
+            need = n - len(self._idle.get(key, []))
+        made = [Container(key[0], key[1], env=key[2], name=task.name,
+                          pytest_dir=self.pytest_dir, reset=self.reset_mode, client=self.client)
+                for _ in range(max(0, need))]
+        with self._lock:
+            self._idle.setdefault(key, []).extend(made)
+
+    def episode(self, task: Task) -> "Episode":
+        return Episode(self, task)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle = [c for cs in self._idle.values() for c in cs]
+            self._idle.clear()
+        for c in idle:
+            c.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Episode:
+    """One attempt at a task: a clean container, a fresh shell, the agent's clock."""
+
+    def __init__(self, harness: Harness, task: Task):
+        self.harness, self.task = harness, task
+        self.instruction = task.instruction
+        self.transcript: list[dict] = []
+        self.turns = 0              # agents that think in turns (a model) count them here
+        self.agent_timed_out = False
+        self.verdict: verdicts.Verdict | None = None
+        self.container = harness.acquire(task)
+        try:
+            self._healthcheck()
+            self.shell = Shell(self.container, user=task.agent_user,
+                               max_output_bytes=harness.max_output_bytes)
+        except BaseException:
+            harness.release(task, self.container)
+            raise
+        self.started = time.monotonic()
+        self._deadline = self.started + task.agent_timeout_s
+        self._agent_done = None
+        self._closed = False
+
+    @property
+    def time_left_s(self) -> float:
+        return max(0.0, self._deadline - time.monotonic())
+
+    @property
+    def agent_time_s(self) -> float:
+        """The agent's time so far (until `verify()` once it ran)."""
+        return (self._agent_done or time.monotonic()) - self.started
+
+    @property
+    def tool_calls(self) -> int:
+        return len(self.transcript)
+
+    def _healthcheck(self) -> None:
+        hc = dict(self.task.healthcheck)
+        if not hc:
+            return
+        time.sleep(hc.get("start_period_sec", 0.0))
+        retries = int(hc.get("retries", 3))
+        last = None
+        for attempt in range(retries + 1):
+            last = self.container.exec(["sh", "-c", hc["command"]],
+                                       timeout_s=hc.get("timeout_sec", 30.0))
+            if last.exit_code == 0:
+                return
+            if attempt < retries:
+                time.sleep(hc.get("interval_sec", 5.0))
+        raise HealthcheckFailed(f"{self.task.name}: the healthcheck {hc['command']!r} failed "
+                                f"{retries + 1} times; last output: {last.text[-500:]!r}")
+
+    # --- the agent's side ---------------------------------------------------------------------
+
+    def run(self, command: str, timeout_s: float | None = None) -> ShellResult:
+        """Run `command` in the episode's shell."""
+        if self.verdict is not None or self._closed:
+            raise RuntimeError("the episode is over: run() comes before verify()")
+        left = self.time_left_s
+        if left <= 0:
+            self.agent_timed_out = True
+            raise TimeUp(f"the agent's time limit ({self.task.agent_timeout_s:g} s) is reached")
+        limit = min(timeout_s or self.harness.call_timeout_s, left)
+        try:
+            result = self.shell.run(command, limit)
+        except (ContainerGone, OSError, RuntimeError) as e:
+            result = ShellResult(f"[the task's container is gone: {e}]", None, False,
+                                 False, 0.0, restarted=True)
+        if result.timed_out and self.time_left_s <= 0:
+            self.agent_timed_out = True
+        self.transcript.append({"command": command, "output": result.output,
+                                "exit_code": result.exit_code, "timed_out": result.timed_out,
+                                "duration_s": round(result.duration_s, 4),
+                                "restarted": result.restarted})
+        return result
+
+    def put_files(self, files) -> None:
+        """Copy [(host path or bytes, container path)] in (the oracle's solution)."""
+        self.container.put_files(files)
+
+    # --- the verifier -------------------------------------------------------------------------
+
+    def verify(self) -> verdicts.Verdict:
+        """Run the task's tests against the container as the agent left it (its background
+        processes still running); the agent's turn is over."""
+        if self.verdict is not None:
+            return self.verdict
+        task = self.task
+        self._agent_done = time.monotonic()
+        env = {**dict(task.verifier_env), "PYTEST_ADDOPTS": "-rA", "COLUMNS": "200"}
+        t0 = time.monotonic()
+        try:
+            self.container.fresh_dirs([TESTS_DIR], 0o755)
+            self.container.fresh_dirs([VERIFIER_LOGS, "/logs/agent"], 0o777)
+            self.container.put_files(task.tests)
+            if task.run_tests_in_same_shell:
+                exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+                r = self.shell.run(f"( {host_pytest.ACTIVATE}; export {exports}; "
+                                   f"{task.test_command} )", task.verifier_timeout_s)
+                output, timed_out, code = r.output, r.timed_out, r.exit_code
+            else:
+                r = self.container.exec(
+                    ["sh", "-c", f"{host_pytest.ACTIVATE}; exec {task.test_command}"],
+                    timeout_s=task.verifier_timeout_s, user=task.verifier_user, env=env,
+                    workdir=self.container.workdir, max_output_bytes=1 << 20)
+                output, timed_out, code = r.text, r.timed_out, r.exit_code
+        except ContainerGone as e:
+            self.verdict = verdicts.failed_verdict(
+                f"the task's container stopped during the episode ({e})",
+                duration_s=time.monotonic() - t0)
+            return self.verdict
+        tail = output[-_TAIL_CHARS:]
+        extra = {"duration_s": time.monotonic() - t0, "exit_code": code}
+        if timed_out:
+            self.container.kill_processes()
+            self.verdict = verdicts.failed_verdict(
+                f"the tests ran past their time limit ({task.verifier_timeout_s:g} s) and "
+                f"were stopped", output, tail=tail, timed_out=True, **extra)
+        elif task.parser == "pytest":
+            self.verdict = verdicts.pytest_verdict(output, tail=tail, **extra)
+        else:
+            files = self.container.read_files(VERIFIER_LOGS)  # "verifier/reward.txt": ...
+            files = {name.split("/", 1)[1]: data for name, data in files.items()
+                     if name.count("/") == 1}
+            self.verdict = verdicts.reward_file_verdict(files, output, tail=tail, **extra)
+        return self.verdict
+
+    def close(self) -> None:
+        """The episode ends: the shell closes, the container is reset and kept warm."""
+        if self._closed:
+            return
+        self._closed = True
+        self.shell.close()
+        self.harness.release(self.task, self.container)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+

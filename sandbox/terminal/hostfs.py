@@ -1,0 +1,150 @@
+"""A running container's files, from the host, without following a symlink.
+
+The host (root) reaches a container's file system through `/proc/<init pid>/root`; the
+agent's processes may still run there, and a symlink it leaves (or swaps in meanwhile) must not
+lead a host-side write or read out of the container. So each path is opened one component at
+a time, relative to its parent's file descriptor, with O_NOFOLLOW; whatever is in the way
+raises OSError, and the caller goes through the docker API instead.
+"""
+
+import errno
+import os
+import shutil
+import stat
+
+
+class ConfinedRoot:
+    """Paths below a running container's root, from the host: each component is opened
+    relative to its parent's fd with O_NOFOLLOW, so a symlink (even one that a live process
+    swaps in meanwhile) is never followed; what is in the way raises OSError."""
+
+    _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def _parts(self, path: str) -> list[str]:
+        parts = [p for p in path.split("/") if p not in ("", ".")]
+        if not parts or ".." in parts:
+            raise OSError(f"not a plain absolute path: {path!r}")
+        return parts
+
+    def _open_dirs(self, parts, create: bool, replace: bool = False) -> int:
+        """An fd of the directory `parts` below the root; `create` makes what is missing
+        (0755), `replace` also puts a directory where a symlink or a file was."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for part in parts:
+                if create:
+                    try:
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                try:
+                    nxt = os.open(part, self._DIR, dir_fd=fd)
+                except OSError as e:
+                    if not replace or e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    os.unlink(part, dir_fd=fd)
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                    nxt = os.open(part, self._DIR, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def fresh_dir(self, path: str, mode: int) -> None:
+        """An empty directory at `path` (real directories all the way), whatever was there."""
+        *parents, name = self._parts(path)
+        fd = self._open_dirs(parents, create=True, replace=True)
+        try:
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                pass
+            else:
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(name, dir_fd=fd)  # fd-based: it follows no symlink either
+                else:
+                    os.unlink(name, dir_fd=fd)
+            os.mkdir(name, 0o700, dir_fd=fd)
+            leaf = os.open(name, self._DIR, dir_fd=fd)
+            try:
+                os.fchmod(leaf, mode)
+            finally:
+                os.close(leaf)
+        finally:
+            os.close(fd)
+
+    def write(self, files) -> None:
+        for source, dest in files:
+            *parents, name = self._parts(dest)
+            if isinstance(source, bytes):
+                data, mode = source, 0o644
+            else:
+                st = os.lstat(source)
+                if not stat.S_ISREG(st.st_mode):
+                    raise OSError(f"{source}: only regular files are copied this way")
+                with open(source, "rb") as f:
+                    data, mode = f.read(), stat.S_IMODE(st.st_mode)
+            fd = self._open_dirs(parents, create=True)
+            try:
+                out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                              | os.O_CLOEXEC, 0o600, dir_fd=fd)
+            finally:
+                os.close(fd)
+            try:
+                os.fchown(out, 0, 0)
+                os.fchmod(out, mode)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(out, view):]
+            finally:
+                os.close(out)
+
+    def read_tree(self, path: str, max_bytes: int) -> dict[str, bytes]:
+        """Regular files below directory `path` (or the file `path`), named as
+        get_archive names them: relative to `path`'s parent."""
+        parts = self._parts(path)
+        try:
+            fd = self._open_dirs(parts[:-1], create=False)
+        except FileNotFoundError:
+            return {}
+        out: dict[str, bytes] = {}
+        try:
+            self._read_into(fd, parts[-1], parts[-1], out, [max_bytes])
+        finally:
+            os.close(fd)
+        return out
+
+    def _read_into(self, dir_fd: int, name: str, rel: str, out: dict, left: list):
+        """`left[0]`: the bytes still allowed, shared by the whole walk."""
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            fd = os.open(name, self._DIR, dir_fd=dir_fd)
+            try:
+                for entry in sorted(os.listdir(fd)):
+                    self._read_into(fd, entry, f"{rel}/{entry}", out, left)
+            finally:
+                os.close(fd)
+        elif stat.S_ISREG(st.st_mode) and st.st_size <= left[0]:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=dir_fd)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return
+                chunks = []
+                while left[0] > 0:
+                    chunk = os.read(fd, min(left[0], 1 << 20))
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    left[0] -= len(chunk)
+                out[rel] = b"".join(chunks)
+            finally:
+                os.close(fd)

@@ -1,0 +1,137 @@
+"""The verdict of a task's own tests: reward, and feedback a model can learn from.
+
+Harbor tasks write their reward to /logs/verifier/reward.json (a table of numbers; "reward"
+is the one that counts) or reward.txt (one number), as harbor reads them. TB 1.0 tasks are
+judged by pytest's result, as terminal-bench's pytest parser reads it: the "short test
+summary info" lines (the harness adds `-rA` through PYTEST_ADDOPTS, so they are always there);
+the task passes when at least one test passed and none failed or errored.
+"""
+
+import dataclasses
+import json
+import math
+import re
+
+_SUMMARY_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)\s+(\S+)(?:\s+-\s+(.*))?$")
+_FAILING = ("FAILED", "ERROR")
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    reward: float
+    passed: bool                      # reward >= 1 (the task is solved)
+    rewards: dict                     # every number the verifier reported
+    tests: dict                       # test id -> PASSED / FAILED / ERROR / ... (if pytest ran)
+    failures: tuple[str, ...]         # "test id - message" of each failing test
+    error: str | None                 # why the verifier gave no usable result, if it did not
+    output_tail: str                  # the end of the verifier's output
+    timed_out: bool = False
+    duration_s: float = 0.0
+    exit_code: int | None = None
+
+    @property
+    def feedback(self) -> str:
+        """A few lines: what failed and why, then the end of the output."""
+        head = f"reward {self.reward:g}"
+        if self.error:
+            head += f": {self.error}"
+        elif self.tests:
+            bad = sum(s in _FAILING for s in self.tests.values())
+            head += f": {len(self.tests) - bad} of {len(self.tests)} tests passed"
+        lines = [head, *self.failures]
+        if self.output_tail.strip():
+            lines += ["--- verifier output (end) ---", self.output_tail.rstrip()]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "failures": list(self.failures)}
+
+
+def parse_pytest(output: str) -> tuple[dict, tuple[str, ...]]:
+    """(test id -> status, failure lines) from pytest's short test summary (-rA); ({}, ())
+    when there is none."""
+    tests, failures, in_summary = {}, [], False
+    for line in output.splitlines():
+        if re.match(r"^=+ short test summary info =+$", line.strip()):
+            in_summary = True
+            continue
+        if not in_summary:
+            continue
+        m = _SUMMARY_LINE.match(line.strip())
+        if m is None:
+            if line.startswith("="):
+                in_summary = False
+            continue
+        status, test, message = m.groups()
+        tests[test] = status
+        if status in _FAILING:
+            failures.append(f"{test} - {message}" if message else test)
+    return tests, tuple(failures)
+
+
+def pytest_verdict(output: str, *, tail: str, **extra) -> Verdict:
+    """TB 1.0: solved iff pytest ran, at least one test passed and none failed."""
+    tests, failures = parse_pytest(output)
+    passed_n = sum(s in ("PASSED", "XFAIL") for s in tests.values())
+    error = None
+    if not tests:
+        error = "no pytest results in the output (did the tests run?)"
+    elif failures:
+        error = None
+    elif not passed_n:
+        error = "no test passed"
+    solved = bool(tests) and not failures and passed_n > 0
+    reward = 1.0 if solved else 0.0
+    return Verdict(reward, solved, {"reward": reward}, tests, failures, error, tail, **extra)
+
+
+def reward_file_verdict(files: dict[str, bytes], output: str, *, tail: str,
+                        **extra) -> Verdict:
+    """Harbor: reward.json (numbers; its "reward", or its only number) before reward.txt."""
+    tests, failures = parse_pytest(output)
+    rewards, error = {}, None
+    if "reward.json" in files:
+        try:
+            parsed = json.loads(files["reward.json"])
+        except ValueError as e:
+            parsed, error = None, f"reward.json is not JSON: {e}"
+        if parsed is not None:
+            if isinstance(parsed, dict):
+                rewards = {k: float(v) for k, v in parsed.items()
+                           if isinstance(v, (int, float)) and not isinstance(v, bool)}
+                if "reward" not in rewards and len(rewards) != 1 and "reward.txt" in files:
+                    rewards.update(_reward_txt(files["reward.txt"])[0])
+                if "reward" not in rewards and len(rewards) == 1:
+                    rewards["reward"] = next(iter(rewards.values()))
+                if "reward" not in rewards:
+                    error = f"reward.json has no 'reward' number: {sorted(parsed)}"
+            elif isinstance(parsed, (int, float)) and not isinstance(parsed, bool):
+                rewards = {"reward": float(parsed)}
+            else:
+                error = "reward.json must be an object of numbers"
+    elif "reward.txt" in files:
+        rewards, error = _reward_txt(files["reward.txt"])
+    else:
+        error = "the tests wrote no /logs/verifier/reward.txt or reward.json"
+    reward = rewards.get("reward", 0.0)
+    if error is None and not math.isfinite(reward):
+        error, reward = f"the reward is not a finite number: {reward}", 0.0
+    if error is not None:
+        reward = 0.0
+    return Verdict(reward, reward >= 1.0, rewards, tests, failures, error, tail, **extra)
+
+
+def _reward_txt(data: bytes):
+    text = data.decode("utf-8", "replace").strip()
+    if not text:
+        return {}, "reward.txt is empty"
+    try:
+        return {"reward": float(text)}, None
+    except ValueError:
+        return {}, f"reward.txt is not a number: {text[:80]!r}"
+
+
+def failed_verdict(error: str, output: str = "", *, tail: str = "", **extra) -> Verdict:
+    """Reward 0 with the reason (the verifier hung, the container died, ...)."""
+    tests, failures = parse_pytest(output)
+    return Verdict(0.0, False, {}, tests, failures, error, tail, **extra)

@@ -1,0 +1,2 @@
+#!/bin/bash
+cd /app && tar --exclude='project/cache/*' -czf /app/backup.tar.gz project
