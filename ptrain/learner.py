@@ -44,6 +44,7 @@ import optax
 from flax import nnx
 
 from ptrain import checkpoint as checkpoint_lib
+from ptrain import config as config_lib
 from ptrain import critic as critic_lib
 from ptrain import data as data_lib
 from ptrain import losses
@@ -52,160 +53,21 @@ from ptrain import model as model_lib
 from ptrain import sampler as sampler_lib
 from ptrain import sharding
 
-ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "gae")
-CRITIC_INITS = ("policy", "random")
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
+from ptrain.config import CRITIC_INITS, ESTIMATORS, POLICY_LOSSES  # noqa: F401 (re-exported)
 
 
 # ==================================================================================== config
 
 
 def defaults() -> ml_collections.ConfigDict:
-    """Every key the learner reads, with its default. Configs in configs/ spell out all of them
-    (they import nothing of ours); `check_config` rejects missing and unknown keys."""
-    c = ml_collections.ConfigDict()
-    c.seed = 0  # the one seed: model init, data order, sampling
-    c.steps = 100  # RL steps; each draws data.prompts_per_step prompts
-    # ModelConfig fields for a randomly initialised model; with hf_model only the
-    # model.RUNTIME_FIELDS among them apply (attention implementation, block sizes, remat).
-    c.model = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
-                   tie_embeddings=False, rope_theta=10000.0, dtype="float32",
-                   param_dtype="float32", remat="none", attention_impl="blockwise",
-                   attn_block_q=512, attn_block_k=512)
-    c.hf_model = ""  # a local Hugging Face model directory to start from
-    c.tokenizer = ""  # a local Hugging Face tokenizer directory; "" means records carry ids
-    c.mesh = dict(data=1, fsdp=-1, sequence=1, tensor=1)
-    # Prompts: JSONL/ArrayRecord `sources` (paths or (path, weight)), or `records_fn(seed)`
-    # returning a list of dicts (written once to <workdir>/prompts.jsonl). A record holds
-    # "prompt_ids" (token ids) or "prompt" (text, with a tokenizer) and whatever the reward
-    # function needs.
-    c.data = dict(sources=(), records_fn=None, prompts_per_step=8, max_prompt_len=64,
-                  on_error="raise")
-    # reward_fn(record, completion_ids, completion_text) -> reward, or (reward, feedback text).
-    c.reward_fn = None
-    c.sampling = dict(num_samples=8, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,
-                      stop_token_ids=(), stop_strings=(), stop_check_every=16)
-    c.rl = dict(
-        estimator="grpo",  # ESTIMATORS
-        loss="ppo",  # POLICY_LOSSES
-        clip_low=0.2, clip_high=0.2,  # clip-higher (DAPO): clip_high=0.28
-        dual_clip=3.0,  # 0: off
-        agg="token-mean",  # losses.AGG_MODES; gspo needs seq-mean-token-mean
-        ppo_epochs=1, num_minibatches=1,
-        # Rows per gradient-accumulation step, a multiple of sampling.num_samples (groups
-        # stay whole: their prompt is computed once); 0: the whole minibatch.
-        microbatch_size=0,
-        gamma=1.0,  # discount (reinforce++, gae)
-        lam=1.0,  # GAE lambda (gae)
-        entropy_coef=0.0,
-        tis_cap=0.0,  # truncated importance sampling against the sampler's log-probs; 0: off
-        tis_level="token",  # token | sequence
-        logprob_chunk=256,  # time steps per chunk of the log-prob computation
-        # 0: on-policy. 1: batch t is scored (in the sandbox) while batch t+1 is generated
-        # from the same parameters, so batch t+1 trains one update late; needs a producer
-        # with separate generate/score (see `train`) and tis_cap > 0 to correct for it.
-        staleness=0,
-    )
-    # The value function of rl.estimator="gae" (PPO), ignored otherwise. init "policy": the
-    # policy's decoder (verl's default) with a new value head; "random": a fresh decoder
-    # (seed + 1). clip_value: verl's cliprange_value. The loss aggregates like the actor's
-    # (rl.agg); the optimizer is the critic's own (verl: lr 1e-5, weight decay 0.01, constant).
-    c.critic = dict(init="policy", clip_value=0.5,
-                    optim=dict(lr=1e-5, warmup_steps=0, schedule="constant", min_lr_ratio=0.0,
-                               weight_decay=0.01, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0))
-    # KL to the frozen initial policy: coef 0 turns it (and the reference model) off.
-    c.kl = dict(coef=0.0, kind="k3", in_reward=False,
-                target=0.0, horizon=10000.0)  # target > 0: adaptive coefficient (in-reward)
-    c.dapo = dict(
-        overlong_buffer=0,  # > 0: soft overlong penalty over the last N tokens before the max
-        overlong_penalty=1.0,
-        dynamic_sampling=False,  # keep sampling until every group's rewards differ
-        max_gen_batches=4,  # cap; the batch is then topped up with uninformative groups
-    )
-    c.optim = dict(lr=1e-6, warmup_steps=0, schedule="cosine",  # cosine | constant
-                   min_lr_ratio=0.0, weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8,
-                   grad_clip=1.0)  # 0: no clipping
-    # Supervised warm start (`sft`): records hold prompt_ids + completion_ids (or prompt +
-    # completion text with a tokenizer); the loss covers completion tokens only.
-    c.sft = dict(sources=(), records_fn=None, steps=0, batch_size=8, max_prompt_len=64,
-                 max_completion_len=64, microbatch_size=0,
-                 checkpoint_every=0,  # 0: checkpoint.every (SFT steps are often much shorter)
-                 optim=dict(lr=1e-3, warmup_steps=0, schedule="cosine", min_lr_ratio=0.0,
-                            weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0))
-    c.log = dict(every=1, rollouts_every=10, num_rollouts=4)
-    c.checkpoint = dict(every=10, keep=3, async_save=True)
-    return c
+    """Every key the learner reads, with its default (`ptrain.config.defaults`)."""
+    return config_lib.defaults()
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
-    """Raises a ValueError naming every missing or unknown key, or a bad value."""
-    missing, unknown = _key_diff(defaults(), config, "")
-    if missing or unknown:
-        raise ValueError(
-            "config does not match ptrain.learner.defaults(): "
-            + (f"missing keys {missing}" if missing else "")
-            + ("; " if missing and unknown else "")
-            + (f"unknown keys {unknown}" if unknown else "")
-            + ". Spell out every key of defaults() in the config file.")
-    rl, s, d = config.rl, config.sampling, config.data
-    mb_rows = d.prompts_per_step * s.num_samples // max(rl.num_minibatches, 1)
-    micro = rl.microbatch_size
-    checks = [
-        (rl.estimator in ESTIMATORS, f"rl.estimator={rl.estimator!r}; use one of {ESTIMATORS}"),
-        (rl.loss in POLICY_LOSSES, f"rl.loss={rl.loss!r}; use one of {POLICY_LOSSES}"),
-        (rl.agg in losses.AGG_MODES, f"rl.agg={rl.agg!r}; use one of {losses.AGG_MODES}"),
-        (rl.loss != "gspo" or rl.agg == "seq-mean-token-mean",
-         "rl.loss='gspo' aggregates seq-mean-token-mean; set rl.agg to it"),
-        (config.kl.kind in losses.KL_KINDS, f"kl.kind={config.kl.kind!r}; use {losses.KL_KINDS}"),
-        (rl.tis_level in ("token", "sequence"), "rl.tis_level must be 'token' or 'sequence'"),
-        (config.steps >= 0 and rl.ppo_epochs >= 1 and rl.num_minibatches >= 1,
-         "steps must be >= 0, rl.ppo_epochs and rl.num_minibatches >= 1"),
-        (d.prompts_per_step % rl.num_minibatches == 0,
-         f"data.prompts_per_step={d.prompts_per_step} groups must divide into "
-         f"rl.num_minibatches={rl.num_minibatches}"),
-        (micro == 0 or (micro % s.num_samples == 0 and mb_rows % micro == 0),
-         f"rl.microbatch_size={micro} must be a multiple of sampling.num_samples="
-         f"{s.num_samples} that divides the minibatch of {mb_rows} rows"),
-        (config.sft.microbatch_size == 0
-         or config.sft.batch_size % config.sft.microbatch_size == 0,
-         "sft.microbatch_size must divide sft.batch_size"),
-        (all(o.schedule in ("cosine", "constant")
-             for o in (config.optim, config.sft.optim, config.critic.optim)),
-         "optim.schedule (and sft.optim's, critic.optim's) must be 'cosine' or 'constant'"),
-        (rl.estimator != "gae" or (0 <= rl.gamma <= 1 and 0 <= rl.lam <= 1),
-         f"rl.estimator='gae' needs 0 <= rl.gamma <= 1 and 0 <= rl.lam <= 1; got "
-         f"gamma={rl.gamma}, lam={rl.lam}"),
-        (config.critic.init in CRITIC_INITS,
-         f"critic.init={config.critic.init!r}; use one of {CRITIC_INITS}"),
-        (config.critic.clip_value > 0,
-         f"critic.clip_value={config.critic.clip_value} must be > 0 (large: no clipping)"),
-        (not (d.sources and d.records_fn), "set data.sources or data.records_fn, not both"),
-        (config.dapo.max_gen_batches >= 1, "dapo.max_gen_batches must be >= 1"),
-        (config.kl.target == 0 or config.kl.in_reward,
-         "kl.target (adaptive KL) applies to the KL in the reward: set kl.in_reward=True"),
-        (rl.staleness in (0, 1), "rl.staleness must be 0 (on-policy) or 1 (overlapped)"),
-        (rl.staleness == 0 or not config.dapo.dynamic_sampling,
-         "dynamic sampling needs the rewards before the next batch is drawn: set "
-         "rl.staleness=0 or dapo.dynamic_sampling=False"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(f"config: {message}")
-
-
-def _key_diff(ref, config, prefix):
-    missing, unknown = [], []
-    ref_keys, keys = set(ref.keys()), set(config.keys())
-    missing += [prefix + k for k in sorted(ref_keys - keys)]
-    unknown += [prefix + k for k in sorted(keys - ref_keys)]
-    for k in sorted(ref_keys & keys):
-        if isinstance(ref[k], ml_collections.ConfigDict):
-            if not isinstance(config[k], ml_collections.ConfigDict):
-                missing.append(f"{prefix}{k}.*")
-                continue
-            m, u = _key_diff(ref[k], config[k], f"{prefix}{k}.")
-            missing, unknown = missing + m, unknown + u
-    return missing, unknown
+    """Raises a ValueError naming every missing or unknown key, or a bad value
+    (`ptrain.config.check`)."""
+    config_lib.check(config)
 
 
 def make_optimizer(optim, *, total_steps: int, updates_per_step: int = 1):
@@ -379,6 +241,8 @@ class Learner:
         check_config(config)
         self.config = c = config
         self.mesh = sharding.mesh_from_config(c.mesh) if mesh is None else mesh
+        if self.mesh is not None:
+            config_lib.check_mesh(c, self.mesh.shape)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(c.tokenizer)
         self.model_config = model_config(c)
         if params is None:

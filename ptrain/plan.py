@@ -38,6 +38,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import long_context
+from ptrain import config as config_lib
 from ptrain import learner
 from ptrain import losses
 from ptrain import model as model_lib
@@ -51,28 +52,14 @@ BATCH_KEYS = ("tokens_bt", "positions_bt", "segment_ids_bt", "targets_bt", "loss
 
 
 def defaults() -> ml_collections.ConfigDict:
-    """Every key a plan config holds; `check_config` rejects missing and unknown ones."""
-    c = ml_collections.ConfigDict()
-    # ModelConfig fields (attention_impl, attn_block_q/k and remat included); the rest keep
-    # their ModelConfig defaults.
-    c.model = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
-                   attention_impl="ring", remat="full")
-    c.seq_len = 1024  # tokens per sequence (packed documents)
-    c.batch = 1  # sequences per step
-    c.mesh = dict(data=1, fsdp=1, sequence=1, tensor=1)  # no -1: a plan names its devices
-    c.layout = "zigzag"  # the token order the data pipeline feeds (long_context.LAYOUTS)
-    c.logprob_chunk = 1024  # time steps per chunk of the log-prob computation
-    c.optim = dict(lr=1e-5, warmup_steps=0, schedule="constant", min_lr_ratio=0.0,
-                   weight_decay=0.0, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0)
-    c.budget_gib = 80.0  # usable memory per device
-    # `search`: device counts to try (ascending) and compiles per count.
-    c.search = dict(device_counts=(8, 16, 32, 64, 128), confirm=2)
-    return c
+    """Every key a plan config holds (`ptrain.config.plan_defaults`); `check_config` rejects
+    missing and unknown ones."""
+    return config_lib.plan_defaults()
 
 
 def check_config(config) -> None:
     """Raises a ValueError naming missing or unknown keys, or a bad value."""
-    missing, unknown = learner._key_diff(defaults(), config, "")
+    missing, unknown = config_lib.key_diff(defaults(), config)
     missing = [k for k in missing if not k.startswith("model.")]  # ModelConfig defaults
     fields = {f.name for f in dataclasses.fields(model_lib.ModelConfig)}
     unknown = [k for k in unknown if not (k.startswith("model.") and k[6:] in fields)]
