@@ -7,6 +7,8 @@ only what the experiment changes).
   defaults(closed_loop=True)  plus the closed loop's sections: tasks, rollout, reward,
                               sandbox, eval
   plan_defaults()             a memory plan's keys (launch/plan.py)
+  resolve(config)             the static settings of the device programs (`StepSettings`
+                              for the RL, critic and SFT updates), resolved once
   check(config)               missing and unknown keys, bad values, with hf_model a model.*
                               key that contradicts config.json, and (given the mesh) batch
                               and sequence dimensions that do not divide their mesh axes
@@ -16,6 +18,7 @@ The checks that need the mesh run when the learner has built it (`check_mesh`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import ml_collections
@@ -334,3 +337,64 @@ def _check_mesh_sizes(config, sizes):
                        f"rollout.max_len in the closed loop) and data.max_prompt_len={prompt} "
                        f"must divide over mesh sequence={seq}"))
     _raise_first(checks)
+
+
+# ================================================================================ resolved
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The static part of a compiled update (`ptrain.step`; hashable)."""
+
+    kind: str  # "rl" | "sft" | "critic"
+    group_size: int = 1  # rows sharing one prompt
+    estimator: str = "grpo"
+    loss: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = 3.0
+    agg: str = "token-mean"
+    gamma: float = 1.0
+    lam: float = 1.0
+    clip_value: float = 0.5
+    entropy_coef: float = 0.0
+    tis_cap: float = 0.0
+    tis_level: str = "token"
+    kl_kind: str = "k3"
+    kl_loss: bool = False
+    kl_in_reward: bool = False
+    has_old_logp: bool = False
+    chunk: int = 256
+    epochs: int = 1
+    minibatches: int = 1
+    microbatch: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """What the learner's device programs read from a config, resolved once."""
+
+    rl: StepSettings
+    critic: StepSettings | None  # rl.estimator="gae" only
+    sft: StepSettings
+    updates_per_step: int  # optimizer updates per RL step (epochs x minibatches)
+
+
+def resolve(config) -> Resolved:
+    """The config's step settings (a checked config: see `check`)."""
+    c, rl = config, config.rl
+    updates = rl.ppo_epochs * rl.num_minibatches
+    kl_on = c.kl.coef > 0
+    rl_settings = StepSettings(
+        kind="rl", group_size=c.sampling.num_samples, estimator=rl.estimator, loss=rl.loss,
+        clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip or None,
+        agg=rl.agg, gamma=rl.gamma, lam=rl.lam, clip_value=c.critic.clip_value,
+        entropy_coef=rl.entropy_coef, tis_cap=rl.tis_cap, tis_level=rl.tis_level,
+        kl_kind=c.kl.kind, kl_loss=kl_on and not c.kl.in_reward,
+        kl_in_reward=kl_on and c.kl.in_reward,
+        has_old_logp=updates > 1 or (kl_on and c.kl.in_reward), chunk=rl.logprob_chunk,
+        epochs=rl.ppo_epochs, minibatches=rl.num_minibatches, microbatch=rl.microbatch_size)
+    critic = (dataclasses.replace(rl_settings, kind="critic") if rl.estimator == "gae"
+              else None)
+    sft = StepSettings(kind="sft", chunk=rl.logprob_chunk, microbatch=c.sft.microbatch_size)
+    return Resolved(rl=rl_settings, critic=critic, sft=sft, updates_per_step=updates)
