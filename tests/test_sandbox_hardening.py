@@ -6,11 +6,15 @@ tests' globals survive a restart; integers compare as integers; a truncated file
 fails a Files verdict.
 """
 
+import os
+import time
+
 import pytest
 
 import sandbox
 from ptrain import rewards, tasks
-from sandbox import judge
+from sandbox import judge, tools
+from sandbox_backends import backend_params, own_temp_dirs
 from sandbox_svc_util import backend  # noqa: F401 - the fixture
 
 P = {"backend": "process"}
@@ -144,3 +148,140 @@ def test_a_session_too_large_to_read_fails_the_files_verdict():
         s.run(command=["bash", "-c", "head -c 17000000 /dev/zero > secret.txt"])
         verdict = rewards.verify(task, "", session=s)
     assert not verdict.passed and verdict.error_type == "files_truncated", verdict
+
+
+# -- no channel between runs; the fork server cannot be reached from a run -----------------------
+
+ISOLATING = ("bwrap", "docker")
+
+
+@pytest.fixture(scope="module", params=backend_params(ISOLATING))
+def iso_worker(request):
+    with sandbox.Worker(request.param, sandbox.Limits(memory_mb=128)) as w:
+        yield w
+
+
+def run_py(worker, code, **kwargs):
+    return worker.run(sandbox.Request(code=code, timeout_s=10, **kwargs))
+
+
+MQ_SEND = ("import ctypes, ctypes.util, os\n"
+           "rt = ctypes.CDLL(ctypes.util.find_library('rt') or None, use_errno=True)\n"
+           "q = rt.mq_open(b'/ptrain-leak', os.O_CREAT | os.O_RDWR, 0o600, None)\n"
+           "print('sent', q >= 0 and rt.mq_send(q, b'secret', 6, 0) == 0)\n")
+MQ_READ = ("import ctypes, ctypes.util, os\n"
+           "rt = ctypes.CDLL(ctypes.util.find_library('rt') or None, use_errno=True)\n"
+           "q = rt.mq_open(b'/ptrain-leak', os.O_RDONLY | os.O_NONBLOCK, 0, None)\n"
+           "buf = ctypes.create_string_buffer(8192)\n"
+           "print('got', q >= 0 and rt.mq_receive(q, buf, 8192, None) > 0)\n"
+           "print(sorted(os.listdir('/dev/mqueue')))\n")
+
+
+def test_a_posix_message_queue_does_not_outlive_its_run(iso_worker):
+    assert run_py(iso_worker, MQ_SEND).stdout == b"sent True\n"
+    assert run_py(iso_worker, MQ_READ).stdout == b"got False\n[]\n"
+
+
+KEY_ADD = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+           "for ring in (-4, -5, -3):  # @u, @us, @s\n"
+           "    libc.syscall(%d, b'user', b'ptrain-leak', b'secret', 6, ring)\n")
+KEY_FIND = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "found = [libc.syscall(%d, b'user', b'ptrain-leak', None, 0) for _ in range(1)]\n"
+            "print('found' if found[0] >= 0 else 'none', ctypes.get_errno())\n")
+_NR = {"x86_64": (248, 249), "aarch64": (217, 218)}
+
+
+def test_a_key_does_not_reach_the_next_run(iso_worker):
+    add_key, request_key = _NR[os.uname().machine]
+    run_py(iso_worker, KEY_ADD % add_key)
+    r = run_py(iso_worker, KEY_FIND % request_key)
+    assert r.stdout.startswith(b"none"), r
+
+
+CGROUP_MOVE = ("import glob, os\nhits = []\n"
+               "for p in glob.glob('/.cgroup/*') + glob.glob('/sys/fs/cgroup/**/cgroup.procs',"
+               " recursive=True):\n"
+               "    try:\n        with open(p, 'w') as f:\n            f.write('1')\n"
+               "        hits.append(p)\n    except OSError:\n        pass\n"
+               "print('moved', hits)\n")
+
+
+def test_a_run_cannot_move_the_fork_server_into_another_cgroup(iso_worker):
+    server = iso_worker.server_pid
+
+    def cgroups_of(pid):
+        with open(f"/proc/{pid}/cgroup") as f:
+            return f.read()
+    before = cgroups_of(server) if server else None
+    assert run_py(iso_worker, CGROUP_MOVE).stdout == b"moved []\n"
+    if server:
+        assert cgroups_of(server) == before
+    assert run_py(iso_worker, "print(1)").stdout == b"1\n"
+
+
+@pytest.mark.parametrize("name", ["process", "bwrap", "docker"])
+def test_a_run_has_oom_score_adj_1000_and_the_server_less(name):
+    if sandbox.unavailable_reason(sandbox.resolve(name)):
+        pytest.skip(f"{name} unavailable")
+    with sandbox.Worker(name, sandbox.Limits(memory_mb=128)) as w:
+        r = run_py(w, "print(open('/proc/self/oom_score_adj').read())")
+        assert r.stdout.split() == [b"1000"], r
+        if w.server_pid:
+            with open(f"/proc/{w.server_pid}/oom_score_adj") as f:
+                assert int(f.read()) <= 0
+
+
+MEMFDS = ("import os\nfds = []\nfor i in range(3):\n    fd = os.memfd_create('x')\n"
+          "    os.write(fd, b'x' * (60 << 20))\n    fds.append(fd)\nprint('held')\n")
+
+
+def test_memory_in_memfds_is_an_oom_verdict_not_a_lost_worker(iso_worker):
+    r = run_py(iso_worker, MEMFDS)
+    assert r.oom and r.status == "oom", r
+    assert run_py(iso_worker, "print(2)").stdout == b"2\n"
+
+
+def test_a_runs_work_dir_is_executable(iso_worker):
+    r = iso_worker.run(sandbox.Request(command=["bash", "-c", "cp /bin/true t && ./t && echo ok"]))
+    assert r.stdout == b"ok\n", r
+
+
+# -- work dirs are untrusted input for the host ---------------------------------------------------
+
+SPECIAL = ("import os, socket\nos.mkfifo('fifo')\n"
+           "s = socket.socket(socket.AF_UNIX)\ns.bind('sock')\n")
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["unpinned", "pinned"])
+def test_special_files_in_a_work_dir_are_refused_not_opened(backend, pinned):  # noqa: F811
+    """A FIFO is refused; a socket too where the work dir stays in one worker (pinned), or
+    it is left out, with a warning, where the work dir goes back to the host between runs."""
+    with sandbox.Session(backend=backend, pinned=pinned, memory_mb=128) as s:
+        assert s.run(SPECIAL).ok
+        start = time.monotonic()
+        for path in ("fifo", "sock") if pinned else ("fifo",):
+            with pytest.raises(ValueError, match="not a regular file"):
+                s.write_files({path: "x"})
+            with pytest.raises(ValueError, match="not a regular file"):
+                s.run("print(1)", files={path: "x"})
+        assert time.monotonic() - start < 8  # refused at once: nothing waited on a reader
+        left = s.run("import os; print(sorted(os.listdir('.')))").stdout
+        assert left == (b"['fifo', 'sock']\n" if pinned else b"['fifo']\n")
+        tool = tools.call_tool(s, "write_file", {"path": "fifo", "content": "x"})
+        assert "not a regular file" in tool
+
+
+DEEP = ("import os\nos.makedirs('top', exist_ok=True)\nos.chdir('top')\n"
+        "for _ in range(1500):\n    os.mkdir('d')\n    os.chdir('d')\n"
+        "open('leaf', 'w').write('x')\nprint('deep')\n")
+
+
+def test_a_tree_deeper_than_the_recursion_limit_is_removed(backend):  # noqa: F811
+    before = own_temp_dirs()
+    assert sandbox.run(DEEP, backend=backend, fork_server=False).stdout == b"deep\n"
+    with sandbox.Session(backend=backend) as s:
+        assert s.run(DEEP).stdout == b"deep\n"
+        assert s.run("import os; print(os.listdir('.'))").stdout == b"['top']\n"
+    assert sandbox.run(DEEP, backend=backend).stdout == b"deep\n"
+    assert sandbox.run("import os; print(os.listdir('.'))", backend=backend).stdout == b"[]\n"
+    assert own_temp_dirs() <= before
