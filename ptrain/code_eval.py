@@ -122,6 +122,42 @@ def nop(items, attempt: int) -> list[Attempt]:
     return [Attempt("", turns=0) for _ in items]
 
 
+class ModelAgent:
+    """A model's single-turn answers, sampled for a batch of tasks at once: each prompt
+    rendered by the chat format (the tokenizer's template, or plain text), the answer the
+    turn's text without special tokens (`chat.verifier_text`)."""
+
+    __name__ = "model"
+
+    def __init__(self, sampler, params, tokenizer, fmt, *, stop_ids, max_new_tokens=512,
+                 temperature=1.0, greedy=False, seed=0, batch_size=16):
+        self.sampler, self.params, self.tokenizer, self.fmt = sampler, params, tokenizer, fmt
+        self.stop_ids, self.max_new_tokens = tuple(stop_ids), max_new_tokens
+        self.temperature, self.greedy, self.batch_size = temperature, greedy, batch_size
+        self.seed = seed
+
+    def __call__(self, items, attempt: int) -> list[Attempt]:
+        import jax
+        from ptrain import chat
+        for task, _ in items:
+            if task.tools:
+                raise ValueError(f"task {task.id} calls tools {list(task.tools)}: multi-turn "
+                                 "code tasks are evaluated by the closed loop, not here")
+        prompts = [chat.render_prompt(self.fmt, self.tokenizer, prompt=t.prompt,
+                                      messages=t.messages) for t, _ in items]
+        out = []
+        for start in range(0, len(prompts), self.batch_size):
+            key = jax.random.fold_in(jax.random.key(self.seed * 100003 + attempt), start)
+            s = self.sampler.sample(self.params, prompts[start:start + self.batch_size],
+                                    max_new_tokens=self.max_new_tokens,
+                                    temperature=self.temperature, greedy=self.greedy,
+                                    stop_token_ids=self.stop_ids, key=key)
+            for ids in s.completions():
+                text = chat.verifier_text(self.tokenizer, ids, self.stop_ids)
+                out.append(Attempt(text, steps=[{"role": "model", "text": text}]))
+        return out
+
+
 # ----------------------------------------------------------------------------- evaluation
 
 def evaluate(items: Sequence, agent, out_dir: str, *, attempts: int = 1, pool=None,
