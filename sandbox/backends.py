@@ -34,6 +34,7 @@ import tempfile
 import time
 
 from sandbox import cgroups, forkserver
+from sandbox.request import option
 
 log = logging.getLogger("sandbox")
 
@@ -94,9 +95,12 @@ STRONGEST_FIRST = ("docker", "bwrap", "process")
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """Limits fixed for the life of a worker (per-run limits live in the Request)."""
-    memory_mb: int = 512
-    max_processes: int = 64
-    network: bool = False
+    memory_mb: int = option(512, doc="memory of the run (cgroup, else RLIMIT_AS)",
+                            json=(int,), cap="max_memory_mb")
+    max_processes: int = option(64, doc="processes and threads of the run at once",
+                                json=(int,), cap="max_processes")
+    network: bool = option(False, doc="keep the host's network (else none)", json=(bool,),
+                           cap="allow_network")
 
     def __post_init__(self):
         if not isinstance(self.memory_mb, int) or self.memory_mb < 16:
