@@ -12,7 +12,7 @@ never trained on) is measured after SFT and after RL (`ptrain/terminal_loop.py`)
 
 Command:  python -m launch.train --config=configs/terminal_toy.py --workdir=runs/terminal_toy
 Hardware: 2 CPU cores and docker with ptrain-term-base:latest (bash sandbox/setup_host.sh):
-          SFT 600 steps, then 40 RL steps of 32 episodes in task containers.
+          SFT 400 steps, then 30 RL steps of 32 episodes (4 tasks x 8) in task containers.
 Expected: <workdir>/eval.jsonl: the greedy held-out pass rate rises from the SFT model's
           (which fails most tasks with a folder) after RL (README "RL on terminal tasks").
 """
@@ -25,7 +25,7 @@ def get_config(arg: str = ""):
     short = arg == "short"
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.steps = 4 if short else 40
+    c.steps = 4 if short else 30
     c.model = dict(vocab_size=0,  # 0: the tokenizer's
                    d_model=128, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=256,
                    tie_embeddings=True, rope_theta=10000.0, dtype="float32",
@@ -52,7 +52,7 @@ def get_config(arg: str = ""):
                   max_gen_batches=4)
     c.optim = dict(lr=1e-4, warmup_steps=0, schedule="constant", min_lr_ratio=0.0,
                    weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0)
-    c.sft = dict(sources=(), records_fn=None, steps=40 if short else 600, batch_size=64,
+    c.sft = dict(sources=(), records_fn=None, steps=40 if short else 400, batch_size=32,
                  max_prompt_len=24, max_completion_len=96, microbatch_size=0,
                  checkpoint_every=250,
                  optim=dict(lr=3e-3, warmup_steps=20, schedule="cosine", min_lr_ratio=0.0,

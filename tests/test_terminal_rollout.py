@@ -139,3 +139,33 @@ def test_demonstrations_carry_the_mistake_at_the_bug_rate(generated):
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == \
         terminal_tasks.call_text(g.good) + "done"
     assert tok.decode(record["prompt_ids"]) == g.instruction
+
+
+def test_terminal_loop_config_tasks_and_demonstrations(tmp_path):
+    from configs import terminal_toy
+    from ptrain import metrics, terminal_loop
+    config = terminal_toy.get_config("short")
+    terminal_loop.check_config(config)
+    bad = terminal_toy.get_config("short").unlock()
+    bad.rl.staleness = 1
+    with pytest.raises(ValueError, match="staleness"):
+        terminal_loop.check_config(bad)
+    bad = terminal_toy.get_config("short").unlock()
+    bad.terminal.n_tasks = 3
+    with pytest.raises(ValueError, match="unknown keys \\['n_tasks'\\]"):
+        terminal_loop.check_config(bad)
+    tok = terminal_tasks.tokenizer()
+    resolved = terminal_loop.resolve(config, str(tmp_path), tok)
+    assert resolved.model.vocab_size == tok.vocab_size
+    assert resolved.sampling.stop_token_ids == (tok.eos_token_id,)
+    train, held = terminal_loop.make_tasks(resolved, tok, str(tmp_path))
+    assert len(train) == config.terminal.n_train and len(held) == config.terminal.n_heldout
+    records = metrics.read_jsonl(resolved.data.sources[0][0])
+    assert [r["task_dir"] for r in records] == [g.task_dir for g in train]
+    demos = metrics.read_jsonl(resolved.sft.sources[0])
+    assert len(demos) == len(train)
+    longest = max(len(d["completion_ids"]) for d in demos)
+    assert longest <= config.sft.max_completion_len and longest <= config.terminal.max_len
+    assert max(len(d["prompt_ids"]) for d in demos) <= config.data.max_prompt_len
+    rc = terminal_loop.rollout_config(resolved)
+    assert rc.system == "" and rc.num_samples == config.sampling.num_samples
