@@ -12,22 +12,48 @@ from collections.abc import Mapping, Sequence
 LANGUAGES = ("python", "bash")
 
 
+def option(default=dataclasses.MISSING, *, doc: str, json: tuple, cap: str | None = None,
+           default_factory=dataclasses.MISSING):
+    """A run option: a dataclass field of `Request` (per run) or `backends.Limits` (per
+    worker), declared once. `doc` says what it does; `json` are the JSON types a service
+    accepts for it; `cap` names the server's configured maximum for it (sandbox.server).
+    `sandbox.run`, `Session`, the server and docs/sandbox.md all derive from these."""
+    meta = {"doc": doc, "json": json, "cap": cap}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+_NUM = (int, float)
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One run. `code` in `language`, or `command` (an argv list), never both."""
 
-    code: str | None = None
-    language: str | None = None
-    command: tuple[str, ...] | None = None
-    files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
-    stdin: bytes | None = None
-    timeout_s: float = 10.0
-    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    return_files: bool = False
-    max_output_bytes: int = 1 << 20
-    max_file_mb: int = 64
-    max_open_files: int = 256
-    max_files_bytes: int = 16 << 20
+    code: str | None = option(None, doc="the program's source", json=(str,))
+    language: str | None = option(None, doc='"python" (the default with `code`) or "bash"',
+                                  json=(str,))
+    command: tuple[str, ...] | None = option(
+        None, doc="an argv list to execute instead of `code`", json=(list,))
+    files: Mapping[str, bytes] = option(
+        doc="relative path -> str or bytes, laid into the work dir first", json=(dict,),
+        default_factory=dict)
+    stdin: bytes | None = option(None, doc="the program's standard input", json=(str,))
+    timeout_s: float = option(10.0, doc="wall-clock limit; the run is killed at it",
+                              json=_NUM, cap="max_timeout_s")
+    env: Mapping[str, str] = option(doc="environment variables added for the run",
+                                    json=(dict,), default_factory=dict)
+    return_files: bool = option(False, doc="return the work dir's regular files",
+                                json=(bool,))
+    max_output_bytes: int = option(1 << 20, doc="bytes kept of stdout and of stderr",
+                                   json=(int,), cap="max_output_bytes")
+    max_file_mb: int = option(64, doc="largest file the run may write (RLIMIT_FSIZE)",
+                              json=(int,), cap="max_file_mb")
+    max_open_files: int = option(256, doc="open files per process (RLIMIT_NOFILE)",
+                                 json=(int,), cap="max_open_files")
+    max_files_bytes: int = option(16 << 20, doc="bytes of files returned (return_files)",
+                                  json=(int,), cap="max_files_bytes")
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
