@@ -75,8 +75,9 @@ class ScriptedSampler:
         logp = np.zeros((n, max_new_tokens), np.float32)
         for i, r in enumerate(rows):
             tokens[i, :len(r)], logp[i, :len(r)] = r, -0.5
-        return sampler_lib.Samples(tokens, logp, logp, np.array([len(r) for r in rows]),
-                                   ["stop"] * n, np.arange(n))
+        return sampler_lib.Samples(tokens=tokens, logp=logp, logp_temp=logp, logp_t1=logp,
+                                   lengths=np.array([len(r) for r in rows]),
+                                   finish_reasons=["stop"] * n, prompt_index=np.arange(n))
 
 
 def test_producer_rewards_episodes_by_the_tasks_tests(terminal, generated):
