@@ -92,18 +92,6 @@ class _Timeout(BaseException):
 # T: the trusted judge
 # ----------------------------------------------------------------------------------------------
 
-_SIGNAL_NAMES = {4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 9: "SIGKILL",
-                 11: "SIGSEGV", 15: "SIGTERM", 24: "SIGXCPU", 25: "SIGXFSZ", 31: "SIGSYS"}
-
-
-def _status_text(status):
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        return f"killed by signal {_SIGNAL_NAMES.get(sig, sig)}" + (
-            " (out of memory?)" if sig == 9 else "")
-    return f"exited with code {os.WEXITSTATUS(status)}"
-
-
 class Judge:
     """T's state: the zygote channel, the live solution process, captured output, the timer.
 
@@ -356,7 +344,7 @@ def _outcome(e, judge, pytest_module):
                 str(e.info.get("traceback", "")))
     if isinstance(e, rpc.ChildGone):  # it closed the channel: it is exiting, or soon killed
         status = judge.stop_child(grace_s=0.5)
-        how = _status_text(status) if status is not None else "ended"
+        how = zygote.status_text(status) if status is not None else "ended"
         return "crashed", f"the solution process {how} during this test", ""
     if pytest_module is not None and isinstance(e, pytest_module.Skipped):
         return "skipped", str(e), ""

@@ -250,3 +250,16 @@ def start(setup, first_fds, payload, use_marshal):
 def set_interpreter_limits():
     if hasattr(sys, "set_int_max_str_digits"):  # big ints travel as JSON digits
         sys.set_int_max_str_digits(0)
+
+
+_SIGNAL_NAMES = {4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 9: "SIGKILL",
+                 11: "SIGSEGV", 15: "SIGTERM", 24: "SIGXCPU", 25: "SIGXFSZ", 31: "SIGSYS"}
+
+
+def status_text(status):
+    """How a solution process ended, for a test's message."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return f"killed by signal {_SIGNAL_NAMES.get(sig, sig)}" + (
+            " (out of memory?)" if sig == 9 else "")
+    return f"exited with code {os.WEXITSTATUS(status)}"
