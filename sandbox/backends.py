@@ -34,7 +34,7 @@ import tempfile
 import time
 
 from sandbox import cgroups, forkserver
-from sandbox.request import option
+from sandbox.request import Limits  # noqa: F401 - part of this module's face
 
 log = logging.getLogger("sandbox")
 
@@ -90,26 +90,6 @@ class Docker:
 
 BY_NAME = {"process": Process, "bwrap": Bwrap, "docker": Docker}
 STRONGEST_FIRST = ("docker", "bwrap", "process")
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """Limits fixed for the life of a worker (per-run limits live in the Request)."""
-    memory_mb: int = option(512, doc="memory of the run (cgroup, else RLIMIT_AS)",
-                            json=(int,), cap="max_memory_mb")
-    max_processes: int = option(64, doc="processes and threads of the run at once",
-                                json=(int,), cap="max_processes")
-    network: bool = option(False, doc="keep the host's network (else none)", json=(bool,),
-                           cap="allow_network")
-
-    def __post_init__(self):
-        if not isinstance(self.memory_mb, int) or self.memory_mb < 16:
-            raise ValueError(f"`memory_mb` must be an int >= 16, got {self.memory_mb!r}")
-        if not isinstance(self.max_processes, int) or self.max_processes < 1:
-            raise ValueError(f"`max_processes` must be an int >= 1, got "
-                             f"{self.max_processes!r}")
-        if not isinstance(self.network, bool):
-            raise TypeError(f"`network` must be a bool, got {self.network!r}")
 
 
 class BackendUnavailable(RuntimeError):

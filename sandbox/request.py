@@ -148,6 +148,66 @@ class Request:
         return d, ([self.stdin] if self.stdin is not None else []) + list(self.files.values())
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Limits fixed for the life of a worker (per-run limits live in the Request)."""
+    memory_mb: int = option(512, doc="memory of the run (cgroup, else RLIMIT_AS)",
+                            json=(int,), cap="max_memory_mb")
+    max_processes: int = option(64, doc="processes and threads of the run at once",
+                                json=(int,), cap="max_processes")
+    network: bool = option(False, doc="keep the host's network (else none)", json=(bool,),
+                           cap="allow_network")
+
+    def __post_init__(self):
+        if not isinstance(self.memory_mb, int) or self.memory_mb < 16:
+            raise ValueError(f"`memory_mb` must be an int >= 16, got {self.memory_mb!r}")
+        if not isinstance(self.max_processes, int) or self.max_processes < 1:
+            raise ValueError(f"`max_processes` must be an int >= 1, got "
+                             f"{self.max_processes!r}")
+        if not isinstance(self.network, bool):
+            raise TypeError(f"`network` must be a bool, got {self.network!r}")
+
+
+OPTIONS = dataclasses.fields(Request) + dataclasses.fields(Limits)
+_DICTS = ("files", "env")  # None means empty, as `sandbox.run(files=None)` always allowed
+
+
+def from_options(options: dict, *, with_limits: bool = True) -> tuple[Request, Limits | None]:
+    """The Request (and, `with_limits`, the Limits) that keyword options of `sandbox.run` /
+    `Session.run` describe; an unknown option is a TypeError listing the known ones."""
+    request_names = {f.name for f in dataclasses.fields(Request)}
+    limit_names = {f.name for f in dataclasses.fields(Limits)} if with_limits else set()
+    unknown = set(options) - request_names - limit_names
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; the options are "
+                        f"{sorted(request_names | limit_names)} (sandbox.request.OPTIONS)")
+    per_run = {k: v for k, v in options.items()
+               if k in request_names and not (k in _DICTS and v is None)}
+    limits = Limits(**{k: v for k, v in options.items() if k in limit_names})
+    return Request(**per_run), (limits if with_limits else None)
+
+
+def options_doc(fields=OPTIONS, indent: str = "      ") -> str:
+    """One line per option: `name=default: what it does` (for docstrings)."""
+    lines = []
+    for f in fields:
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"{indent}{f.name}={default!r}: {f.metadata['doc']}")
+    return "\n".join(lines)
+
+
+def options_table() -> str:
+    """The options as the markdown table of docs/sandbox.md (a test keeps it in step)."""
+    rows = ["| option | default | per | server maximum | what it does |",
+            "|---|---|---|---|---|"]
+    for f in OPTIONS:
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        per = "run" if f in dataclasses.fields(Request) else "worker"
+        cap = f"`{f.metadata['cap']}`" if f.metadata["cap"] else ""
+        rows.append(f"| `{f.name}` | `{default!r}` | {per} | {cap} | {f.metadata['doc']} |")
+    return "\n".join(rows)
+
+
 def _b64(text, what: str) -> bytes:
     try:
         return base64.b64decode(text, validate=True)

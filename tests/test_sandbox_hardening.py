@@ -440,3 +440,12 @@ def test_the_pools_replies_cannot_desynchronise():
         with pytest.raises(sandbox.WorkerLost, match="answered request 999"):
             forged.result()
         assert pool.submit(util.square, 5).result() == 25
+
+
+def test_the_docs_options_table_is_generated_from_the_dataclasses():
+    from sandbox import request
+    docs = os.path.join(os.path.dirname(__file__), "..", "docs", "sandbox.md")
+    with open(docs) as f:
+        assert request.options_table() in f.read()
+    assert set(server._RUN_FIELDS) == {f.name for f in request.OPTIONS} | {"files_b64",
+                                                                          "stdin_b64"}
