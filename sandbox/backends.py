@@ -34,6 +34,7 @@ import tempfile
 import time
 
 from sandbox import cgroups, forkserver
+from sandbox.request import Limits  # noqa: F401 - part of this module's face
 
 log = logging.getLogger("sandbox")
 
@@ -55,7 +56,7 @@ _UID_SLOTS = 4096
 
 # Each spec also has `preload`: (module name, Python source) pairs the fork server executes
 # once, as the bodies of modules of those names, after `preimport` and before it forks any
-# run (the judge's harness: sandbox/judge.py). Runs find them in sys.modules.
+# run (the judge's harness: sandbox/judge/api.py). Runs find them in sys.modules.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,23 +90,6 @@ class Docker:
 
 BY_NAME = {"process": Process, "bwrap": Bwrap, "docker": Docker}
 STRONGEST_FIRST = ("docker", "bwrap", "process")
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """Limits fixed for the life of a worker (per-run limits live in the Request)."""
-    memory_mb: int = 512
-    max_processes: int = 64
-    network: bool = False
-
-    def __post_init__(self):
-        if not isinstance(self.memory_mb, int) or self.memory_mb < 16:
-            raise ValueError(f"`memory_mb` must be an int >= 16, got {self.memory_mb!r}")
-        if not isinstance(self.max_processes, int) or self.max_processes < 1:
-            raise ValueError(f"`max_processes` must be an int >= 1, got "
-                             f"{self.max_processes!r}")
-        if not isinstance(self.network, bool):
-            raise TypeError(f"`network` must be a bool, got {self.network!r}")
 
 
 class BackendUnavailable(RuntimeError):
