@@ -75,6 +75,8 @@ def test_config_sets_only_keys_that_exist(name):
     config = module.get_config()
     if name in PLAN_CONFIGS:
         ref = config_lib.plan_defaults()
+    elif "terminal" in config:
+        ref = terminal_loop.defaults()
     else:
         ref = config_lib.defaults(closed_loop="tasks" in config)
     missing, unknown = config_lib.key_diff(ref, config)
@@ -98,7 +100,8 @@ def test_chat_formats_match_the_closed_loop():
 
 @pytest.mark.parametrize("mesh, change, message", [
     (dict(data=3, fsdp=1), {}, "microbatch of 16 rows .* data x fsdp = 3"),
-    (dict(data=1, fsdp=1, sequence=3), {}, "continuation length 8 .* must divide over mesh sequence=3"),
+    (dict(data=1, fsdp=1, sequence=3), {},
+     "continuation length 8 .* must divide over mesh sequence=3"),
     (dict(data=1, fsdp=1), {"sft.steps": 5, "sft.microbatch_size": 2}, None),
     (dict(data=4, fsdp=1), {"sft.steps": 5, "sft.microbatch_size": 2},
      "sft's microbatch of 2 rows"),
