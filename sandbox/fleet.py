@@ -9,6 +9,10 @@ spread over the nodes of a Ray cluster.
             s.run(command=["cat", "a.txt"]); s.write_files(...); s.read_files()
     fleet.disconnect(started)
 
+A training loop picks either by one config value: `with fleet.open_pool(cluster, workers=...,
+backend=..., address=...) as pool` (cluster "local" or "ray") and `fleet.session_factory(pool)`
+for its episodes' tool sessions.
+
 Requests: `pool` is a `sandbox.Pool(cluster="ray")` whose actors Ray spreads over the nodes.
 A request whose actor dies (its node killed, its process gone, no answer by its deadline) is
 retried on a fresh actor, so every request gets exactly one outcome (its result, or
