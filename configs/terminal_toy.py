@@ -20,6 +20,8 @@ Expected: <workdir>/eval.jsonl: greedy held-out pass rate (n=32) 0.50 after SFT 
 
 import ml_collections
 
+from ptrain import alerts
+
 
 def get_config(arg: str = ""):
     """arg "short": a shortened run for tests (fewer tasks and steps)."""
@@ -60,6 +62,7 @@ def get_config(arg: str = ""):
                             weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0))
     c.log = dict(every=1, rollouts_every=10, num_rollouts=8)
     c.checkpoint = dict(every=10, keep=2, async_save=True)
+    c.alerts = alerts.defaults()  # what stops or warns (ptrain/alerts.py)
     # Terminal tasks (ptrain/terminal_loop.py)
     c.terminal = dict(n_train=40 if short else 400, n_heldout=8 if short else 32, bug_rate=0.7,
                       max_turns=2, max_len=96, max_output_chars=200, call_timeout_s=10.0,

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ptrain import losses
+from ptrain import alerts, losses
 
 
 # ===================================================================================== Batch
@@ -184,6 +184,9 @@ def collect(rollout, batches, config):
     reasons = [m.get("finish_reason") for m in episodes.meta]
     if any(r is not None for r in reasons):
         metrics["response/clip_ratio"] = np.mean([r == "length" for r in reasons])
+    errors = [m["error_type"] for m in episodes.meta if "error_type" in m]
+    if errors:  # verdicts whose sandbox failed (timeouts, worker errors): alerts watch it
+        metrics["sandbox/error_rate"] = alerts.sandbox_error_rate(errors)
     metrics.update(domain_metrics(episodes))
     return episodes, metrics
 

@@ -28,7 +28,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-import sandbox
+from sandbox import fleet
 from ptrain import config as config_lib
 from ptrain import learner as learner_lib
 from ptrain import metrics as metrics_lib
@@ -239,7 +239,9 @@ def run(config, workdir, *, mesh=None):
     sampler = make_sampler(lcfg, mesh, tokenizer)
     eval_path = os.path.join(workdir, "eval.jsonl")
 
-    with sandbox.Pool(config.sandbox.workers, backend=config.sandbox.backend) as pool:
+    box = config.sandbox
+    with fleet.open_pool(box.cluster, workers=box.workers, backend=box.backend,
+                         address=box.address) as pool:
         ev = dict(sampler=sampler, heldout=heldout, tokenizer=tokenizer, config=config,
                   pool=pool)
         # -------------------------------------------------------- SFT, then its evaluation

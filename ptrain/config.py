@@ -23,6 +23,8 @@ import os
 
 import ml_collections
 
+from ptrain import alerts
+
 ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "gae")
 CRITIC_INITS = ("policy", "random")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
@@ -114,6 +116,8 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
                  optim=_optim(lr=1e-3))
     c.log = dict(every=1, rollouts_every=10, num_rollouts=4)
     c.checkpoint = dict(every=10, keep=3, async_save=True)
+    # What stops or warns (ptrain/alerts.py): actions "stop" | "warn" | "off", thresholds.
+    c.alerts = alerts.defaults()
     if closed_loop:
         _closed_loop_sections(c)
     return c
@@ -133,7 +137,9 @@ def _closed_loop_sections(c):
                      max_tool_output_chars=1000, tool_timeout_s=5.0,
                      chat_format="plain")  # CHAT_FORMATS
     c.reward = dict(partial_credit=False, timeout_s=10.0, test_timeout_s=2.0, memory_mb=512)
-    c.sandbox = dict(backend="auto", workers=2)
+    c.sandbox = dict(backend="auto", workers=2,
+                     cluster="local",  # "ray": scoring and tool sessions on a Ray fleet
+                     address="local")  # with cluster="ray": "local" or a Ray address
     c.eval = dict(n=100,  # held-out tasks per domain (at most the held-out split)
                   sample=False)  # also pass@1 at the sampling temperature
 

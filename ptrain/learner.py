@@ -40,6 +40,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from ptrain import alerts as alerts_lib
 from ptrain import batch as batch_lib
 from ptrain import checkpoint as checkpoint_lib
 from ptrain import config as config_lib
@@ -335,68 +336,77 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     scorer = concurrent.futures.ThreadPoolExecutor(1) if c.rl.staleness else None
     ahead = None  # staleness 1: batch t+1, generated while batch t is scored
 
-    for step in range(start + 1, c.steps + 1):
-        t0 = time.perf_counter()
-        key = jax.random.fold_in(root_key, step)
+    monitor = alerts_lib.Monitor(alerts_lib.AlertConfig.from_config(c.alerts))
+    watchdog = alerts_lib.Watchdog(c.alerts.stall_minutes, c.alerts.stall).start()
+    try:
+        for step in range(start + 1, c.steps + 1):
+            t0 = time.perf_counter()
+            key = jax.random.fold_in(root_key, step)
 
-        # ------------------------------------------------------------ rollouts
-        if c.rl.staleness:
-            # Batch t was generated last step (from the parameters before that update);
-            # score it while batch t+1 is generated from the current parameters.
-            if ahead is None:  # the first step of a run (or of a resumed run)
-                ahead = producer.generate(params, next(batches), key)
-            scoring = scorer.submit(producer.score, ahead)
-            data_state = batches.get_state()  # batch t drawn, t+1 not yet
-            if step < c.steps:
-                ahead = producer.generate(params, next(batches),
-                                          jax.random.fold_in(root_key, step + 1))
-            # (collect_episodes draws nothing here: the batch is the one just scored.)
-            episodes, gen_metrics = batch_lib.collect(lambda records, attempt: scoring.result(),
-                                                     iter([None]), c)
-        else:
-            # With DAPO dynamic sampling, groups whose rewards are all equal carry no signal:
-            # sample more prompts until the batch is full of informative groups (or the cap).
-            episodes, gen_metrics = batch_lib.collect(
-                lambda records, attempt: rollout_fn(params, records,
-                                                    jax.random.fold_in(key, attempt)),
-                batches, c)
-            data_state = batches.get_state()
-        t1 = time.perf_counter()
+            # ------------------------------------------------------------ rollouts
+            if c.rl.staleness:
+                # Batch t was generated last step (from the parameters before that update);
+                # score it while batch t+1 is generated from the current parameters.
+                if ahead is None:  # the first step of a run (or of a resumed run)
+                    ahead = producer.generate(params, next(batches), key)
+                scoring = scorer.submit(producer.score, ahead)
+                data_state = batches.get_state()  # batch t drawn, t+1 not yet
+                if step < c.steps:
+                    ahead = producer.generate(params, next(batches),
+                                              jax.random.fold_in(root_key, step + 1))
+                # (collect_episodes draws nothing here: the batch is the one just scored.)
+                episodes, gen_metrics = batch_lib.collect(lambda records, attempt: scoring.result(),
+                                                         iter([None]), c)
+            else:
+                # With DAPO dynamic sampling, groups whose rewards are all equal carry no signal:
+                # sample more prompts until the batch is full of informative groups (or the cap).
+                episodes, gen_metrics = batch_lib.collect(
+                    lambda records, attempt: rollout_fn(params, records,
+                                                        jax.random.fold_in(key, attempt)),
+                    batches, c)
+                data_state = batches.get_state()
+            t1 = time.perf_counter()
 
-        # ------------------------------------------------------------ advantages, update
-        batch, prep_metrics = learner.prepare(params, episodes, kl_ctl.value,
-                                              critic_params=critic and critic["params"])
-        critic_metrics = {}
-        if critic is not None:  # verl: the critic, then the actor, on the same minibatches
-            critic_params, critic_opt, critic_metrics = learner.update_critic(
-                critic["params"], critic["opt_state"], batch)
-            critic = {"params": critic_params, "opt_state": critic_opt}
-            critic_metrics["critic/lr"] = learner.critic_schedule(step - 1)
-        params, opt_state, upd_metrics = learner.update(params, opt_state, batch, kl_ctl.value)
-        prep_metrics, upd_metrics, critic_metrics = jax.device_get(
-            (prep_metrics, upd_metrics, critic_metrics))
-        if c.kl.coef > 0 and c.kl.in_reward:
-            kl_ctl = kl_ctl.update(prep_metrics["kl/in_reward"], n_steps=len(episodes))
-        t2 = time.perf_counter()
+            # ------------------------------------------------------------ advantages, update
+            batch, prep_metrics = learner.prepare(params, episodes, kl_ctl.value,
+                                                  critic_params=critic and critic["params"])
+            critic_metrics = {}
+            if critic is not None:  # verl: the critic, then the actor, on the same minibatches
+                critic_params, critic_opt, critic_metrics = learner.update_critic(
+                    critic["params"], critic["opt_state"], batch)
+                critic = {"params": critic_params, "opt_state": critic_opt}
+                critic_metrics["critic/lr"] = learner.critic_schedule(step - 1)
+            params, opt_state, upd_metrics = learner.update(params, opt_state, batch, kl_ctl.value)
+            prep_metrics, upd_metrics, critic_metrics = sharding.to_host(
+                (prep_metrics, upd_metrics, critic_metrics))
+            if c.kl.coef > 0 and c.kl.in_reward:
+                kl_ctl = kl_ctl.update(prep_metrics["kl/in_reward"], n_steps=len(episodes))
+            t2 = time.perf_counter()
 
-        # ------------------------------------------------------------ log
-        if step % c.log.every == 0 or step == c.steps:
-            writer.write(step, {
+            # ------------------------------------------------------------ log
+            step_metrics = {
                 **gen_metrics, **prep_metrics, **critic_metrics, **upd_metrics,
                 "optim/lr": float(learner.schedule(step - 1)), "kl/coef": kl_ctl.value,
                 "time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/step_s": t2 - t0,
-            })
-        if c.log.rollouts_every and step % c.log.rollouts_every == 0:
-            writer.write_rollouts(step, batch_lib.rollout_samples(episodes, c.log.num_rollouts))
+            }
+            fired = monitor.check(step, step_metrics)  # every step, logged or not
+            if step % c.log.every == 0 or step == c.steps or fired:
+                writer.write(step, {**step_metrics, **alerts_lib.as_metrics(fired)})
+            if c.log.rollouts_every and step % c.log.rollouts_every == 0:
+                writer.write_rollouts(step, batch_lib.rollout_samples(episodes, c.log.num_rollouts))
 
-        # ------------------------------------------------------------ checkpoint
-        # (With staleness 1 the saved data state is the one before batch t+1 was drawn: a
-        # resumed run draws it again and generates it from the restored parameters.)
-        if step % c.checkpoint.every == 0 or step == c.steps:
-            ckpt.save(step, params=params, opt_state=opt_state, rng=root_key,
-                      data_state=data_state, extra={"kl_coef": kl_ctl.value},
-                      aux_state=critic and {"critic": critic})
+            # ------------------------------------------------------------ checkpoint
+            # (With staleness 1 the saved data state is the one before batch t+1 was drawn: a
+            # resumed run draws it again and generates it from the restored parameters.)
+            alerts_lib.raise_on_stop(fired)  # before this step's checkpoint: the last is good
+            watchdog.beat(step)
+            if step % c.checkpoint.every == 0 or step == c.steps:
+                ckpt.save(step, params=params, opt_state=opt_state, rng=root_key,
+                          data_state=data_state, extra={"kl_coef": kl_ctl.value},
+                          aux_state=critic and {"critic": critic})
 
+    finally:
+        watchdog.close()
     if scorer is not None:
         scorer.shutdown()
     ckpt.wait()
@@ -461,18 +471,21 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
     batches = records.iterator(data_state)
     writer = metrics_lib.MetricsWriter(workdir, total_steps=sc.steps, start_step=start)
 
+    monitor = alerts_lib.Monitor(alerts_lib.AlertConfig.from_config(c.alerts))
     for step in range(start + 1, sc.steps + 1):
         t0 = time.perf_counter()
         episodes = sft_episodes(learner, next(batches), prompt_len=sc.max_prompt_len,
                                 length=sc.max_completion_len)
         params, opt_state, metrics = learner.sft_update(params, opt_state, episodes)
-        if step % c.log.every == 0 or step == sc.steps:
-            metrics = jax.device_get(metrics)
-            writer.write(step, {"sft/loss": metrics["sft/loss"],
-                                "sft/entropy": metrics["sft/entropy"],
-                                "sft/grad_norm": metrics["optim/grad_norm"],
-                                "optim/lr": float(learner.sft_schedule(step - 1)),
-                                "time/step_s": time.perf_counter() - t0})
+        metrics = sharding.to_host(metrics)
+        step_metrics = {"sft/loss": metrics["sft/loss"], "sft/entropy": metrics["sft/entropy"],
+                        "sft/grad_norm": metrics["optim/grad_norm"],
+                        "optim/lr": float(learner.sft_schedule(step - 1)),
+                        "time/step_s": time.perf_counter() - t0}
+        fired = monitor.check(step, step_metrics)
+        if step % c.log.every == 0 or step == sc.steps or fired:
+            writer.write(step, {**step_metrics, **alerts_lib.as_metrics(fired)})
+        alerts_lib.raise_on_stop(fired)  # before this step's checkpoint: the last is good
         if step % (sc.checkpoint_every or c.checkpoint.every) == 0 or step == sc.steps:
             ckpt.save(step, params=params, opt_state=opt_state, rng=root_key,
                       data_state=batches.get_state())

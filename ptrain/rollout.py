@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 import sandbox
+from sandbox import fleet
 from sandbox import tools as sandbox_tools
 
 from ptrain import rewards as rewards_lib
@@ -206,10 +207,12 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
                         prompt_len=len(prompt))
                 for i, (task, prompt) in enumerate(zip(tasks, prompts))
                 for _ in range(c.num_samples)]
+    # On a Ray fleet pool the sessions run there too (their work dirs travel with each turn).
+    make_session = sandbox.Session if pool is None else fleet.session_factory(pool)
     for episode in episodes:
         if episode.task.tools or _needs_session(episode.task):
-            episode.session = sandbox.Session(backend=c.session_backend,
-                                              files=dict(episode.task.files) or None)
+            episode.session = make_session(backend=c.session_backend,
+                                           files=dict(episode.task.files) or None)
     keys = iter(jax.random.split(key, c.max_attempts * c.max_turns))
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as threads:
         try:

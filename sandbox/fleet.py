@@ -105,7 +105,7 @@ def open_pool(cluster: str = "local", *, workers: int, backend="auto", address: 
 def session_factory(of_pool: Pool):
     """What makes an episode's tool session for `of_pool`: `sandbox.Session` (this machine)
     for a local pool, a fleet `Session` on that pool for a Ray one; same keyword arguments."""
-    if of_pool.cluster == "ray":
+    if getattr(of_pool, "cluster", "local") == "ray":
         return functools.partial(Session, of_pool)
     from sandbox.session import Session as LocalSession
     return LocalSession

@@ -162,3 +162,40 @@ def test_watchdog_stop_exits_the_process_with_a_message():
     assert p.returncode == alerts.STALL_EXIT_CODE, p.stderr
     assert "alert: stall: no step finished" in p.stderr
     assert "time.sleep" in p.stderr or "line 3" in p.stderr  # the stuck thread's stack
+
+
+def test_a_nan_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
+    """The toy GRPO run with NaN rewards injected at step 3: the learner stops there with the
+    alert's message, before writing step 3's checkpoint; step 2's is the latest."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from configs import grpo_toy
+    from ptrain import learner, sharding
+    from ptrain.checkpoint import Checkpointer
+    from ptrain.metrics import read_jsonl
+
+    config = grpo_toy.get_config()
+    config.steps, config.checkpoint.every = 6, 1
+    config.checkpoint.async_save = False
+    mesh = sharding.make_mesh(fsdp=1, devices=jax.devices()[:1])
+    calls = []
+
+    def poisoned(params, records, key):
+        calls.append(1)
+        batch = model_learner.rollout(params, records, key)
+        if len(calls) == 3:
+            batch = dataclasses.replace(batch, rewards_b=np.full_like(batch.rewards_b, np.nan))
+        return batch
+
+    model_learner = learner.Learner(config, mesh=mesh)
+    with pytest.raises(alerts.AlertStop, match=r"step 3: nonfinite: non-finite .*grad_norm"):
+        learner.train(config, str(tmp_path), rollout_fn=poisoned, mesh=mesh,
+                      params=model_learner.initial_params)
+    with Checkpointer(tmp_path / "checkpoints") as ckpt:
+        assert ckpt.latest_step() == 2
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in lines] == [1, 2, 3]
+    assert lines[2]["alert/nonfinite"] == 1.0 and "alert/nonfinite" not in lines[1]
