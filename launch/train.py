@@ -1,14 +1,18 @@
-"""Train from a config file: the closed loop (SFT, RL on sandbox verdicts, held-out evals).
+"""Train from a config file: the closed loop (SFT, RL on sandbox verdicts, held-out evals),
+or RL on terminal tasks in docker for a config with a `terminal` section (ptrain/terminal_loop.py).
 
     python -m launch.train --config=configs/quickstart.py --workdir=runs/quickstart
     python -m launch.train --config=configs/quickstart.py:short --config.steps=50 ...
 
 Every host of a multi-host run starts this same command (launch/tpu_pod.sh, launch/gpu.sh);
-JAX's distributed runtime is initialised first when more than one process takes part.
+JAX's distributed runtime is initialised first when more than one process takes part. The work
+dir keeps the config (`config.json`, overrides applied) and each command line that started the
+run (`command.txt`); `launch/export.py` reads them to write a Hugging Face directory.
 """
 
 import logging as pylogging
 import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -42,8 +46,17 @@ def main(argv):
     del argv
     _quiet_orbax()
     _initialize_distributed()
-    from ptrain import closed_loop
-    lines = closed_loop.run(_CONFIG.value, _WORKDIR.value)
+    import jax
+
+    from ptrain import metrics
+    if jax.process_index() == 0:  # the config and command line, for launch/export.py
+        metrics.write_run_record(_WORKDIR.value, _CONFIG.value, sys.argv)
+    if "terminal" in _CONFIG.value:  # RL on terminal tasks in docker (configs/terminal_toy.py)
+        from ptrain import terminal_loop
+        lines = terminal_loop.run(_CONFIG.value, _WORKDIR.value)
+    else:
+        from ptrain import closed_loop
+        lines = closed_loop.run(_CONFIG.value, _WORKDIR.value)
     for line in lines:
         logging.info("eval %s", line)
 

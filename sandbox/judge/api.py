@@ -1,10 +1,10 @@
 """Judge a solution: unit tests (assert- or pytest-style) or stdin/stdout cases.
 
-One judge call is one sandbox run of `judge_harness.py`, which runs all tests in a single
+One judge call is one sandbox run of `judge/harness.py`, which runs all tests in a single
 trusted process against one solution process (restarted only after a crash or timeout), so a
 call costs about one run. The verdict leaves the sandbox signed with a per-call key that no
 solution process ever holds; the expected outputs of stdio cases never enter the sandbox (they
-are compared here). See `judge_harness.py` for why a program cannot fake a pass.
+are compared here). See judge/harness.py for why a program cannot fake a pass.
 
 Nothing the program does raises: it is all in the Report. Bad arguments raise ValueError or
 TypeError; a sandbox that failed raises `sandbox.WorkerError` (safe to retry; a Pool does).
@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import json
 import marshal
+import fractions
 import math
 import os
 import re
@@ -26,7 +27,8 @@ import sys
 import zlib
 from typing import Callable, Optional, Sequence
 
-from sandbox import backends
+from sandbox import backends, session
+from sandbox.judge import split
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -55,7 +57,7 @@ def preload_source() -> str:
     before it forks any run (`judge_backend`); a run then only calls its `main`. Sources
     only (the server compiles them in its own Python, whatever its version)."""
     return _bootstrap("False", {name: ("", _payload(name)[1]) for name in _MODULES}) + (
-        '_load_module("judge_pytest")\n')
+        '_load_module("pytest_shim")\n')
 
 
 def _bootstrap(use_marshal: str, payload: dict) -> str:
@@ -63,16 +65,16 @@ def _bootstrap(use_marshal: str, payload: dict) -> str:
 _JUDGE_MARSHAL = {use_marshal}
 _JUDGE_PAYLOAD = {payload!r}
 import binascii, zlib
-_code = _JUDGE_PAYLOAD["judge_harness"]
+_code = _JUDGE_PAYLOAD["harness"]
 if _JUDGE_MARSHAL:
     import marshal
     exec(marshal.loads(zlib.decompress(binascii.a2b_base64(_code[0]))))
 else:
-    exec(compile(zlib.decompress(binascii.a2b_base64(_code[1])), "judge_harness.py", "exec"))
+    exec(compile(zlib.decompress(binascii.a2b_base64(_code[1])), "harness.py", "exec"))
 """
 
 
-_MODULES = ("judge_harness", "judge_rpc", "judge_pytest")
+_MODULES = ("harness", "rpc", "codec", "split", "zygote", "pytest_shim")
 # A judge run on a fork server that preloaded the harness (see `judge_backend`).
 _PRELOADED_RUN = "import sys\nsys.modules['judge_harness'].main()\n"
 
@@ -81,7 +83,7 @@ _PRELOADED_RUN = "import sys\nsys.modules['judge_harness'].main()\n"
 JUDGE_PREIMPORT = ("_json", "ast", "binascii", "ctypes", "fcntl", "hashlib", "hmac", "inspect",
                    "marshal", "select", "zlib")
 
-STATUSES = ("passed", "failed", "error", "timeout", "crashed", "skipped")
+STATUSES = ("passed", "failed", "error", "timeout", "crashed", "unjudgeable", "skipped")
 _SLACK_S = 2.0  # the run's limit over the judge's time budget: start-up and the report
 
 
@@ -100,7 +102,9 @@ class TestResult:
 @dataclasses.dataclass(frozen=True)
 class Report:
     """A verdict. `passed`/`total` count tests (skipped ones are not counted); `feedback` is a
-    short text for the model; `error` says why no test could be judged (then passed == 0)."""
+    short text for the model; `error` says why no test could be judged (then passed == 0);
+    `restarts` counts the solution processes started after the first (each after a crash or
+    a timeout killed the one before: the tests it was running failed)."""
 
     passed: int
     total: int
@@ -110,6 +114,7 @@ class Report:
     output: str = ""
     duration_s: float = 0.0
     backend: str = ""
+    restarts: int = 0
 
     @property
     def score(self) -> float:
@@ -153,7 +158,7 @@ def unit_tests(code: str, tests: str, *, entry_point: Optional[str] = None,
     """
     _check_str("code", code)
     _check_str("tests", tests)
-    _, units, _ = _harness().split_tests(tests, entry_point, style)
+    _, units, _ = split.split_tests(tests, entry_point, style)
     names = [name for name, _ in units]
     payload = {"tests": tests, "entry_point": entry_point, "style": style,
                "test_timeout_s": _positive("test_timeout_s", test_timeout_s),
@@ -171,8 +176,9 @@ def stdio(code: str, cases: Sequence, *, float_tol: Optional[float] = 1e-6,
           backend: str = "auto", run: Optional[Callable] = None) -> Report:
     """Judges a stdin/stdout program on `cases`, a sequence of (input, expected_output) pairs
     or {"input", "output"} dicts. Outputs are compared token by token (so whitespace and line
-    breaks do not matter); numbers within `float_tol` (absolute or relative) are equal, and
-    integers are compared exactly. The expected outputs never enter the sandbox."""
+    breaks do not matter); integers are compared exactly; where the expected token is an
+    integer, other output must be within `float_tol` of it (absolute); where it is a float,
+    within `float_tol` absolute or relative. The expected outputs never enter the sandbox."""
     _check_str("code", code)
     pairs = _normalise_cases(cases)
     payload = {"inputs": [i for i, _ in pairs],
@@ -242,9 +248,8 @@ def _execute(mode, code, payload, timeout_s, memory_mb, backend, run):
     if run is None:
         # sandbox.run's fork server hands a run its stdin (the key, the tests) without it
         # ever becoming an object in the run's memory (forkserver.lay_in), so the harness may
-        # fork its zygote before it reads them (judge_harness.py) rather than start one.
-        import sandbox
-        run = functools.partial(sandbox.run, env={"SANDBOX_CLEAN_FORK": "1"})
+        # fork its zygote before it reads them (judge/harness.py) rather than start one.
+        run = functools.partial(session.run, env={"SANDBOX_CLEAN_FORK": "1"})
         backend, program = judge_backend(backend), _PRELOADED_RUN
     else:
         program = harness_code()
@@ -261,9 +266,9 @@ def _execute(mode, code, payload, timeout_s, memory_mb, backend, run):
 
 
 def _harness():
-    """The harness module (for `split_tests` and its constants), imported on first use."""
-    from sandbox import judge_harness
-    return judge_harness
+    """The harness module (for its constants), imported on first use."""
+    from sandbox.judge import harness
+    return harness
 
 
 def judge_backend(backend):
@@ -299,7 +304,8 @@ def _make_report(results, report, run_result):
     return Report(passed=passed, total=len(counted), tests=results,
                   feedback=feedback_text(results, passed, len(counted)), output=output,
                   duration_s=getattr(run_result, "duration_s", 0.0),
-                  backend=getattr(run_result, "backend", ""))
+                  backend=getattr(run_result, "backend", ""),
+                  restarts=int(report.get("restarts", 0)))
 
 
 def feedback_text(results, passed, total, max_chars=1500) -> str:
@@ -345,11 +351,21 @@ def _judge_case(name, case, expected, float_tol):
 
 
 _INT = re.compile(r"[+-]?\d+\Z")
+_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d{1,4})?\Z")
 
 
 def _numbers_close(got, expected, tol):
-    if _INT.match(got) and _INT.match(expected):
-        return int(got) == int(expected)
+    """Integers compare exactly; where the expected token is an integer and the output is not,
+    the tolerance is absolute and the difference exact (`12345679.0` is not `12345678`);
+    only where the expected token is a float is it also relative."""
+    if _INT.match(expected):
+        if _INT.match(got):
+            return int(got) == int(expected)
+        if tol is None:
+            return False
+        if len(got) > 400 or not _DECIMAL.match(got):
+            return False  # not a finite decimal number (nan, inf, words), or absurdly long
+        return abs(fractions.Fraction(got) - int(expected)) <= fractions.Fraction(tol)
     if tol is None:
         return False
     try:
