@@ -235,8 +235,7 @@ def _sharded(p, h_btd, valid_bt, replay_btk, c, mesh):
     token_axes = tuple(a for entry in tok for a in (
         (entry,) if isinstance(entry, str) else (entry or ())))
     split = ep > 1 and "expert" not in token_axes  # tokens replicated over expert: split them
-    axes = dict(expert="expert" if ep > 1 else None, tensor="tensor" if w_spec[2] else None,
-                stats=token_axes + (("expert",) if split else ()), split=split, ep=ep)
+    axes = dict(tensor="tensor" if w_spec[2] else None, stats=token_axes + (("expert",) if split else ()), split=split, ep=ep)
     down_spec = P(w_spec[0], w_spec[2], None)
     weights = {"router": P(None, None), "w_gate": w_spec, "w_up": w_spec, "w_down": down_spec}
     inputs = {k: p[k] for k in weights}
@@ -257,9 +256,9 @@ def _sharded(p, h_btd, valid_bt, replay_btk, c, mesh):
 
 def _local(p, h_btd, valid_bt, replay_btk, c, *, axes):
     """One token shard's MoE MLP. `axes` None: the whole (unsharded) computation; else the
-    mesh axes inside shard_map (expert: the all-to-all axis, tensor: psum over the hidden
-    dim's shards, stats: the axes to sum statistics over, split: take a slice of a block
-    replicated over expert)."""
+    mesh axes inside shard_map (ep: the size of the `expert` all-to-all axis, tensor: the
+    axis to psum the hidden dim's shards over, stats: the axes to sum statistics over,
+    split: take a slice of a block replicated over expert)."""
     b, t, d = h_btd.shape
     k, dt = c.n_experts_per_token, h_btd.dtype
     h_nd, valid_n = h_btd.reshape(b * t, d), valid_bt.reshape(b * t) != 0
@@ -281,7 +280,7 @@ def _local(p, h_btd, valid_bt, replay_btk, c, *, axes):
     logits_ne, probs_ne, top_w, top_i = route(h_nd, p["router"], c, replay_nk)
     w = {name: p[name].astype(dt) for name in ("w_gate", "w_up", "w_down")}
     if c.moe_dispatch == "dense":
-        rows_nkd, kept_nk = _dense(h_nd, top_i, w, c), jnp.ones(top_i.shape, bool)
+        rows_nkd, kept_nk = _dense(h_nd, top_i, w), jnp.ones(top_i.shape, bool)
     else:
         dispatch = _dropless if c.moe_dispatch == "dropless" else _capacity
         rows_nkd, kept_nk = dispatch(h_nd, top_i, valid_n, w, c, axes)
@@ -408,7 +407,7 @@ def _capacity(h_nd, top_i, valid_n, w, c, axes):
     return rows.reshape(n, k, d), kept.reshape(n, k) | ~valid_n[:, None]
 
 
-def _dense(h_nd, top_i, w, c):
+def _dense(h_nd, top_i, w):
     """Every token through every expert; rows [n, k, d] picked from the [n, E, d] outputs."""
     gate = jnp.einsum("nd,edf->nef", h_nd, w["w_gate"])
     up = jnp.einsum("nd,edf->nef", h_nd, w["w_up"])
