@@ -235,7 +235,8 @@ def _sharded(p, h_btd, valid_bt, replay_btk, c, mesh):
     token_axes = tuple(a for entry in tok for a in (
         (entry,) if isinstance(entry, str) else (entry or ())))
     split = ep > 1 and "expert" not in token_axes  # tokens replicated over expert: split them
-    axes = dict(tensor="tensor" if w_spec[2] else None, stats=token_axes + (("expert",) if split else ()), split=split, ep=ep)
+    axes = dict(tensor="tensor" if w_spec[2] else None, split=split, ep=ep,
+                stats=token_axes + (("expert",) if split else ()))
     down_spec = P(w_spec[0], w_spec[2], None)
     weights = {"router": P(None, None), "w_gate": w_spec, "w_up": w_spec, "w_down": down_spec}
     inputs = {k: p[k] for k in weights}
