@@ -14,7 +14,7 @@ tests, copied in only now), closes the episodes (their containers are reset and 
 and packs the token histories for the learner: the loss mask is 1 on the model's tokens
 only, the log-probs are the sampler's, the reward is the verifier's, the rows' meta carry the
 domain ("terminal"), pass, turns, tool calls and how the episode ended (per-domain metrics:
-`learner.domain_metrics`). A record names its task by directory: {"task_dir": PATH}; rows of
+`batch.domain_metrics`). A record names its task by directory: {"task_dir": PATH}; rows of
 task i form group `first_group_id + i`.
 
 The learner's producer interface (`generate(params, records, key)`, `score(generated) ->
