@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 import sandbox
+from ptrain import chat
 from ptrain import learner as learner_lib
 from ptrain import metrics as metrics_lib
 from ptrain import model as model_lib
@@ -40,7 +41,7 @@ from ptrain import synthetic_tasks
 from ptrain import tasks as tasks_lib
 
 SECTIONS = ("tasks", "rollout", "reward", "sandbox", "eval")  # beyond the learner's
-CHAT_FORMATS = {"plain": rollout_lib.ChatFormat(), "qwen": rollout_lib.QWEN}
+CHAT_FORMATS = chat.FORMATS  # rollout.chat_format: plain | qwen | llama3
 
 
 # ==================================================================================== config
@@ -60,7 +61,7 @@ def defaults() -> ml_collections.ConfigDict:
     c.rollout = dict(max_turns=3, max_attempts=1, attempt_reward="final", discount=0.5,
                      max_len=72,  # tokens after the prompt (turns, observations, feedback)
                      max_tool_output_chars=1000, tool_timeout_s=5.0,
-                     chat_format="plain")  # plain | qwen
+                     chat_format="plain")  # CHAT_FORMATS
     c.reward = dict(partial_credit=False, timeout_s=10.0, test_timeout_s=2.0, memory_mb=512)
     c.sandbox = dict(backend="auto", workers=2)
     c.eval = dict(n=100,  # held-out tasks per domain (at most the held-out split)
@@ -146,19 +147,22 @@ def _task_file(workdir, domain, split):
 
 def demo_record(task, demo, tokenizer, fmt) -> dict:
     """A demonstration as an SFT record: the prompt's ids, then the model's turns (trained
-    on, the last one ending with EOS) and the tool outputs rendered as observations (not)."""
+    on, each ending with the format's end-of-turn token; in the plain format only the last,
+    with EOS, as a call turn ends at its closing tag) and the tool outputs rendered as
+    observations (not trained on), exactly as a rollout appends them."""
     ids, mask = [], []
+    end = list(chat.end_of_turn_ids(fmt, tokenizer)[:1])
     for i, text in enumerate(demo):
         if i % 2:  # a tool's output
-            part = rollout_lib.encode(tokenizer, fmt.observation.format(output=text))
+            part = chat.encode(tokenizer, chat.observation(fmt, [text], closed=True))
         else:
-            part = rollout_lib.encode(tokenizer, text)
-            if i == len(demo) - 1:
-                part.append(tokenizer.eos_token_id)
+            part = chat.encode(tokenizer, text)
+            if fmt.end_of_turn or i == len(demo) - 1:
+                part += end
         ids += part
         mask += [1 - i % 2] * len(part)
-    return {"prompt_ids": rollout_lib.render_prompt(task, tokenizer), "completion_ids": ids,
-            "completion_mask": mask, "domain": task.domain}
+    return {"prompt_ids": rollout_lib.render_prompt(task, tokenizer, fmt),
+            "completion_ids": ids, "completion_mask": mask, "domain": task.domain}
 
 
 # ================================================================================ episodes
