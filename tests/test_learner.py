@@ -589,3 +589,13 @@ def test_config_keys_and_values_are_checked():
         with pytest.raises(ValueError, match=message):
             L.check_config(toy_config(**change))
     assert isinstance(L.defaults(), ml_collections.ConfigDict)
+
+
+def test_sft_errors_name_the_sft_keys(initial_params, tmp_path):
+    config = toy_config(**{"sft.steps": 1, "sft.batch_size": 2, "sft.max_prompt_len": 8,
+                           "sft.max_completion_len": 4})
+    with pytest.raises(ValueError, match=r"no sft: set sft.sources .* or sft.records_fn"):
+        L.sft(config, str(tmp_path / "none"), params=initial_params, mesh=one_device())
+    config.sft.records_fn = lambda seed: [{"prompt_ids": [1, 2], "completion_ids": [7] * 6}] * 2
+    with pytest.raises(ValueError, match=r"SFT step 1: .*6 tokens.*sft.max_completion_len=4"):
+        L.sft(config, str(tmp_path / "long"), params=initial_params, mesh=one_device())
