@@ -27,12 +27,14 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 
 from sandbox import cgroups, forkserver
+from sandbox.request import Limits  # noqa: F401 - part of this module's face
 
 log = logging.getLogger("sandbox")
 
@@ -88,23 +90,6 @@ class Docker:
 
 BY_NAME = {"process": Process, "bwrap": Bwrap, "docker": Docker}
 STRONGEST_FIRST = ("docker", "bwrap", "process")
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """Limits fixed for the life of a worker (per-run limits live in the Request)."""
-    memory_mb: int = 512
-    max_processes: int = 64
-    network: bool = False
-
-    def __post_init__(self):
-        if not isinstance(self.memory_mb, int) or self.memory_mb < 16:
-            raise ValueError(f"`memory_mb` must be an int >= 16, got {self.memory_mb!r}")
-        if not isinstance(self.max_processes, int) or self.max_processes < 1:
-            raise ValueError(f"`max_processes` must be an int >= 1, got "
-                             f"{self.max_processes!r}")
-        if not isinstance(self.network, bool):
-            raise TypeError(f"`network` must be a bool, got {self.network!r}")
 
 
 class BackendUnavailable(RuntimeError):
@@ -190,6 +175,7 @@ class Handle:
         self.server_pid: int | None = None  # host pid of the fork server
         self.cleanup_paths: list[str] = []
         self.uid_lock: int | None = None
+        self.join_fds: list[int] = []  # the run cgroup's cgroup.procs, open for the server
 
     def oom_kills(self) -> int | None:
         """OOM kills in this sandbox so far, or None where it cannot be known."""
@@ -244,8 +230,13 @@ class Handle:
             self.cgroup.remove()
             self.cgroup = None
         for path in self.cleanup_paths:
-            shutil.rmtree(path, ignore_errors=True)
+            if not forkserver.remove_tree(path):  # fd-based: no depth or path length limit
+                log.warning("sandbox: could not remove %s (left by a %s worker)", path,
+                            self.backend)
         self.cleanup_paths = []
+        for fd in self.join_fds:
+            os.close(fd)
+        self.join_fds = []
         if self.uid_lock is not None:
             os.close(self.uid_lock)
             self.uid_lock = None
@@ -369,12 +360,19 @@ def _join_cgroup(handle: Handle) -> None:
     for pid in tree:
         if handle.cgroup is not None:
             handle.cgroup.add_server(pid)
-        if os.geteuid() == 0:
-            try:
-                with open(f"/proc/{pid}/oom_score_adj", "w") as f:
-                    f.write("-1000")
-            except OSError:
-                pass
+        _shield_from_oom(pid)
+
+
+def _shield_from_oom(pid: int) -> None:
+    """oom_score_adj -1000 for a server process where we may (CAP_SYS_RESOURCE); else it
+    keeps 0. Either way a run (1000, set by itself and checked) is the OOM killer's choice."""
+    if os.geteuid() != 0:
+        return
+    try:
+        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write("-1000")
+    except OSError as e:  # no CAP_SYS_RESOURCE (a container without it)
+        log.debug("sandbox: the fork server keeps oom_score_adj 0: %s", e)
 
 
 def _new_cgroup(limits: Limits) -> cgroups.Cgroup | None:
@@ -397,8 +395,8 @@ def _start_process(handle, spec, limits, modules, server_end):
     handle.cgroup = _new_cgroup(limits)
     extra = {"remove_on_exit": [root], "oom_adj": True}
     if handle.cgroup is not None:
-        extra.update(cgroup_procs=handle.cgroup.procs_file(),
-                     join_cgroup=handle.cgroup.run_join_files())
+        handle.join_fds = _open_join_files(handle.cgroup)
+        extra.update(cgroup_procs=handle.cgroup.procs_file(), join_cgroup_fds=handle.join_fds)
     else:
         extra.update(address_space_mb=limits.memory_mb,
                      nproc=None if os.geteuid() == 0 else _user_processes() + limits.max_processes)
@@ -406,9 +404,26 @@ def _start_process(handle, spec, limits, modules, server_end):
                          os.path.join(root, "work"), [os.path.join(root, "tmp")], **extra)
     cfg["path"] = os.path.dirname(spec.python) + ":" + _PATH
     handle.proc = subprocess.Popen(
-        server_argv(spec.python) + [json.dumps(cfg)], pass_fds=[server_end.fileno()],
+        server_argv(spec.python) + [json.dumps(cfg)],
+        pass_fds=[server_end.fileno(), *handle.join_fds],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True, cwd=root, env={"PATH": cfg["path"], "LANG": "C.UTF-8"})
+
+
+def _open_join_files(cgroup: cgroups.Cgroup) -> list[int]:
+    """The run cgroup's cgroup.procs files, opened here for writing: the fork server holds
+    these fds and each run child writes "0" to them to join, then closes them. Nothing in the
+    sandbox can open a cgroup file itself (v1 checks the writer's uid against the moved
+    process only, so a writable cgroup.procs would let a run move the server)."""
+    fds = []
+    try:
+        for path in cgroup.run_join_files():
+            fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
 
 
 def _user_processes() -> int:
@@ -450,9 +465,10 @@ def _uid_prefix(uid: int | None) -> list[str]:
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
 
 
-def _bwrap_argv(spec, limits, prefix, passwd_fd, join_files=()) -> list[str]:
-    """The bwrap command line; `join_files` (host paths of the run cgroup's procs files) are
-    bound in at /.cgroup/<i>, the only part of cgroupfs a run sees."""
+def _bwrap_argv(spec, limits, prefix, passwd_fd, seccomp_fd=None) -> list[str]:
+    """The bwrap command line: no part of cgroupfs or /sys is visible; /dev/mqueue is the IPC
+    namespace's own (the server empties it after every run); `seccomp_fd` holds the filter
+    that keeps keyrings out (`seccomp_filter`)."""
     argv = prefix + ["bwrap", "--unshare-user", "--unshare-ipc", "--unshare-pid",
                      "--unshare-uts", "--disable-userns", "--as-pid-1", "--new-session",
                      "--hostname", "sandbox"]
@@ -470,11 +486,12 @@ def _bwrap_argv(spec, limits, prefix, passwd_fd, join_files=()) -> list[str]:
         argv += ["--ro-bind", path, path]
     if passwd_fd is not None:
         argv += ["--ro-bind-data", str(passwd_fd), "/etc/passwd"]
-    for i, path in enumerate(join_files):
-        argv += ["--bind", path, f"/.cgroup/{i}"]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
     size = str(limits.memory_mb << 20)
     argv += ["--proc", "/proc", "--dev", "/dev",
-             "--size", size, "--perms", "1777", "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+             "--size", size, "--perms", "1777", "--tmpfs", "/dev/shm",
+             "--mqueue", "/dev/mqueue", "--remount-ro", "/dev",
              "--size", size, "--perms", "1777", "--tmpfs", "/tmp",
              "--size", size, "--perms", "0755", "--tmpfs", "/work",
              "--remount-ro", "/", "--chdir", "/work", "--clearenv", "--setenv", "PATH", _PATH]
@@ -492,26 +509,64 @@ def _start_bwrap(handle, spec, limits, modules, server_end):
     # kill(-1) from PID 1 of the namespace reaches every process of a run; the cgroup (or,
     # without one, RLIMIT_NPROC on the worker's own uid) bounds how many there are.
     handle.cgroup = _new_cgroup(limits)
-    extra = {"oom_adj": True, "sysv_ipc": True, "nproc": limits.max_processes + 1}  # + server
-    join_files = []
+    extra = {"oom_adj": True, "sysv_ipc": True, "mqueue": "/dev/mqueue",
+             "nproc": limits.max_processes + 1}  # + server
     if handle.cgroup is None:
         extra["address_space_mb"] = limits.memory_mb
     else:
-        join_files = handle.cgroup.run_join_files()
-        if uid is not None:
-            handle.cgroup.allow_join(uid)
-        extra["join_cgroup"] = [f"/.cgroup/{i}" for i in range(len(join_files))]
+        handle.join_fds = _open_join_files(handle.cgroup)
+        extra["join_cgroup_fds"] = handle.join_fds
     cfg = _server_config(modules, {"fd": server_end.fileno()}, "/work",
                          ["/tmp", "/dev/shm"], **extra)
-    argv = _bwrap_argv(spec, limits, _uid_prefix(uid), passwd_r, join_files)
+    seccomp_r = _pipe_with(seccomp_filter())
+    argv = _bwrap_argv(spec, limits, _uid_prefix(uid), passwd_r, seccomp_r)
     try:
         handle.proc = subprocess.Popen(
             argv + server_argv(spec.python) + [json.dumps(cfg)],
-            pass_fds=[server_end.fileno(), passwd_r], stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            env={"PATH": _PATH})
+            pass_fds=[server_end.fileno(), passwd_r, seccomp_r, *handle.join_fds],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, env={"PATH": _PATH})
     finally:
         os.close(passwd_r)
+        os.close(seccomp_r)
+
+
+def _pipe_with(data: bytes) -> int:
+    """The read end of a pipe that holds `data` (and is closed for writing)."""
+    r, w = os.pipe()
+    try:
+        os.write(w, data)
+    finally:
+        os.close(w)
+    return r
+
+
+# Keyrings are per uid, not per IPC namespace: a key a run adds to its user keyring would be
+# there for the next run of the same worker. Runs under bwrap cannot use them at all (docker's
+# default seccomp profile refuses these calls too): add_key, request_key and keyctl fail with
+# ENOSYS, as does every system call of a foreign ABI (i386, x32), which could reach them
+# under other numbers.
+_KEYRING_SYSCALLS = {"x86_64": (0xC000003E, (248, 249, 250)),
+                     "aarch64": (0xC00000B7, (217, 218, 219))}
+
+
+@functools.lru_cache(maxsize=1)
+def seccomp_filter() -> bytes:
+    """The classic-BPF seccomp program bwrap loads (--seccomp), as `struct sock_filter`s."""
+    machine = os.uname().machine
+    if machine not in _KEYRING_SYSCALLS:
+        raise BackendUnavailable(f"no keyring seccomp filter for {machine}: bwrap runs would "
+                                 "share the worker's keyrings")
+    arch, calls = _KEYRING_SYSCALLS[machine]
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, enosys = 0x7FFF0000, 0x00050000 | 38
+    n = 4 + len(calls)  # the index of the final "ret errno", from the first check on
+    prog = [(ld, 0, 0, 4), (jeq, 0, n + 1 - 2, arch), (ld, 0, 0, 0),
+            (jge, n + 1 - 4, 0, 0x40000000)]  # x32's numbers
+    for i, nr in enumerate(calls):
+        prog.append((jeq, n + 1 - (5 + i), 0, nr))
+    prog += [(ret, 0, 0, allow), (ret, 0, 0, enosys)]
+    return b"".join(struct.pack("<HBBI", *insn) for insn in prog)
 
 
 @functools.lru_cache(maxsize=1)
@@ -532,7 +587,8 @@ def _start_docker(spec, limits, modules) -> Handle:
     os.chmod(os.path.join(chan_dir, "sock"), 0o666)
     listener.listen(1)
     cfg = _server_config(modules, {"connect": "/chan/sock"}, "/work",
-                         ["/tmp", "/dev/shm"], oom_adj=True, sysv_ipc=True)
+                         ["/tmp", "/dev/shm"], oom_adj=True, sysv_ipc=True,
+                         mqueue="/dev/mqueue")
     # The container's one memory limit also covers the server and the tmpfs mounts, whose
     # pages outlive a killed run: the mounts share `memory_mb` between them, so that what a
     # run leaves there never squeezes the server (see docs/sandbox.md).
@@ -545,7 +601,8 @@ def _start_docker(spec, limits, modules) -> Handle:
             mem_limit=f"{limits.memory_mb + _SERVER_MEMORY_MB}m",
             memswap_limit=f"{limits.memory_mb + _SERVER_MEMORY_MB}m",
             pids_limit=limits.max_processes + 1, read_only=True, user=f"{uid}:{uid}",
-            tmpfs={"/work": f"size={mb // 2}m,mode=1777", "/tmp": f"size={mb // 4}m,mode=1777"},
+            tmpfs={"/work": f"size={mb // 2}m,mode=1777,exec",
+                   "/tmp": f"size={mb // 4}m,mode=1777"},
             shm_size=f"{mb // 4}m", cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
             hostname=None if limits.network else "sandbox",
@@ -587,4 +644,6 @@ def _start_docker(spec, limits, modules) -> Handle:
                 handle.server_pid = int(f.read().split()[0])
         except (OSError, IndexError):
             pass
+    if handle.server_pid is not None:
+        _shield_from_oom(handle.server_pid)
     return handle

@@ -29,7 +29,7 @@ import threading
 
 from sandbox import backends
 from sandbox.pool import Pool
-from sandbox.request import Request
+from sandbox.request import Request, from_options
 from sandbox.result import Result
 from sandbox.workdir import WorkDir
 
@@ -112,19 +112,11 @@ class Session:
     def closed(self) -> bool:
         return self._workdir is None
 
-    def run(self, code: str | None = None, *, language: str | None = None,
-            command: list[str] | None = None, files: dict | None = None,
-            stdin: str | bytes | None = None, timeout_s: float = 10.0,
-            return_files: bool = False, env: dict | None = None,
-            max_output_bytes: int = 1 << 20, max_file_mb: int = 64, max_open_files: int = 256,
-            max_files_bytes: int = 16 << 20) -> Result:
-        """Like `sandbox.Session.run`, on a worker of the fleet. Raises `WorkerLost` if every
-        attempt's worker died."""
-        request = Request(
-            code=code, language=language, command=command, files=files or {}, stdin=stdin,
-            timeout_s=timeout_s, env=env or {}, return_files=return_files,
-            max_output_bytes=max_output_bytes, max_file_mb=max_file_mb,
-            max_open_files=max_open_files, max_files_bytes=max_files_bytes)
+    def run(self, code: str | None = None, **options) -> Result:
+        """Like `sandbox.Session.run` (options: the fields of `Request`), on a worker of the
+        fleet. Raises `WorkerLost` if every attempt's worker died."""
+        request, _ = from_options({"code": code, **options}, with_limits=False)
+        timeout_s = request.timeout_s
         with self._lock:
             self._check_open()
             result, self._workdir = self._remote("run", request, timeout_s)

@@ -27,7 +27,7 @@ import sys
 import zlib
 from typing import Callable, Optional, Sequence
 
-from sandbox import backends
+from sandbox import backends, session
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -248,8 +248,7 @@ def _execute(mode, code, payload, timeout_s, memory_mb, backend, run):
         # sandbox.run's fork server hands a run its stdin (the key, the tests) without it
         # ever becoming an object in the run's memory (forkserver.lay_in), so the harness may
         # fork its zygote before it reads them (judge_harness.py) rather than start one.
-        import sandbox
-        run = functools.partial(sandbox.run, env={"SANDBOX_CLEAN_FORK": "1"})
+        run = functools.partial(session.run, env={"SANDBOX_CLEAN_FORK": "1"})
         backend, program = judge_backend(backend), _PRELOADED_RUN
     else:
         program = harness_code()
