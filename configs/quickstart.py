@@ -63,7 +63,8 @@ def get_config(arg: str = ""):
     # The closed loop (ptrain/closed_loop.py)
     c.tasks = dict(source="synthetic", domains=("code", "arith", "files"),
                    weights=(1.0, 1.0, 1.0), n_train=600 if short else 3000,
-                   n_heldout=30 if short else 100, bug_rate=0.7, train=(), heldout=())
+                   n_heldout=30 if short else 100, bug_rate=0.7, train=(), heldout=(),
+                   tools=())
     c.rollout = dict(max_turns=3, max_attempts=1, attempt_reward="final", discount=0.5,
                      max_len=72, max_tool_output_chars=1000, tool_timeout_s=5.0,
                      chat_format="plain")

@@ -18,6 +18,7 @@ checkpoints, evaluations that are already in eval.jsonl are not repeated.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -59,6 +60,7 @@ def defaults() -> ml_collections.ConfigDict:
         # jsonl: one task file per domain, a path (ptrain.tasks records) or (path, format),
         # format one of ptrain.tasks.FORMATS ("humaneval", "mbpp", "gsm8k", ...)
         train=(), heldout=(),
+        tools=(),  # jsonl: tools every task may call (e.g. ("python",)); (): the file's own
     )
     c.rollout = dict(max_turns=3, max_attempts=1, attempt_reward="final", discount=0.5,
                      max_len=72,  # tokens after the prompt (turns, observations, feedback)
@@ -131,6 +133,10 @@ def make_tasks(config, tokenizer, workdir):
                                                  domain=domain)
             heldout[domain] = tasks_lib.load_entry(t.heldout[i], key=f"tasks.heldout[{i}]",
                                                    domain=domain)
+            if t.tools:
+                train[domain], heldout[domain] = (
+                    [dataclasses.replace(x, tools=tuple(t.tools)) for x in found]
+                    for found in (train[domain], heldout[domain]))
         overlap = {x.prompt for x in train[domain]} & {x.prompt for x in heldout[domain]}
         if overlap:
             raise ValueError(f"{len(overlap)} {domain} held-out prompt(s) also appear in its "
