@@ -4,9 +4,12 @@
 
   tasks     per domain, a training split and a held-out split (instances never trained on):
             generated (`ptrain.synthetic_tasks`, the quickstart's default) or read from
-            task JSONL files (`ptrain.tasks`); mixed by the config's domain weights
+            task files in their formats (`ptrain.tasks`); mixed by the config's domain
+            weights; prompt lengths and the vocabulary checked before anything runs
+  eval      a brought model (hf_model) first: its baseline at step 0
   SFT       a warm start on demonstrations, loss on the model's own turns only
-  eval      greedy pass rate on the held-out split, per domain -> <workdir>/eval.jsonl
+  eval      greedy pass@1 on the held-out split, per domain (and sampled pass@1 / pass@k
+            with eval.sample) -> <workdir>/eval.jsonl, rows keyed by (stage, step)
   RL        `learner.train` with `TaskProducer`: multi-turn episodes whose tool calls run in
             the sandbox (`ptrain.rollout`), verdicts from the sandbox pool (`ptrain.rewards`),
             scoring of batch t overlapped with generating batch t+1 when rl.staleness=1
