@@ -176,7 +176,9 @@ def test_quickstart_short_end_to_end_and_resume(tmp_path):
     assert [(e["stage"], e["domain"]) for e in evals] == \
         [(s, d) for s in ("sft", "rl") for d in domains]
     for e in evals:
-        assert set(e) == {"stage", "step", "split", "domain", "decoding", "pass_rate", "n"}
+        assert set(e) == {"stage", "step", "split", "domain", "decoding", "pass_rate", "n",
+                          "pass@1", "samples", "truncated", "finish"}
+        assert e["pass@1"] == e["pass_rate"] and e["samples"] == 1
         assert e["split"] == "heldout" and e["decoding"] == "greedy"
         assert e["n"] == config.eval.n and 0.0 <= e["pass_rate"] <= 1.0
         assert e["step"] == (config.sft.steps if e["stage"] == "sft" else config.steps)
