@@ -12,9 +12,10 @@ never trained on) is measured after SFT and after RL (`ptrain/terminal_loop.py`)
 
 Command:  python -m launch.train --config=configs/terminal_toy.py --workdir=runs/terminal_toy
 Hardware: 2 CPU cores and docker with ptrain-term-base:latest (bash sandbox/setup_host.sh):
-          SFT 400 steps, then 30 RL steps of 32 episodes (4 tasks x 8) in task containers.
-Expected: <workdir>/eval.jsonl: the greedy held-out pass rate rises from the SFT model's
-          (which fails most tasks with a folder) after RL (README "RL on terminal tasks").
+          SFT 400 steps, then 30 RL steps of 32 episodes (4 tasks x 8) in task containers;
+          31 min on 2 cores shared at load 15-20 (SFT 21 min, RL 7.5 min, 10 s per step).
+Expected: <workdir>/eval.jsonl: greedy held-out pass rate (n=32) 0.50 after SFT (0.11 on the
+          tasks with a folder) -> 1.00 after RL (README "RL on terminal tasks").
 """
 
 import ml_collections

@@ -80,6 +80,11 @@ class Sampler:
     `get_state` / `set_state` checkpoint it. `decode(ids) -> str` (a tokenizer's decode) is
     needed only for stop strings. With a mesh, rows are sharded over data x fsdp and heads
     over tensor, like the model.
+
+    Many processes: each passes its own prompts and gets back the samples of those (rows of
+    process p follow those of p-1 in the global batch); shapes and stop decisions are agreed
+    across processes. Where the mesh replicates rows over processes, every process passes the
+    same prompts and gets every sample.
     """
 
     def __init__(self, model: model_lib.Transformer, *, seed: int = 0, pad_id: int = 0,
@@ -121,10 +126,11 @@ class Sampler:
         if isinstance(params, model_lib.Transformer):
             params = nnx.state(params)
         tokens_bt, lengths_b = self._pad_prompts(prompts, prompt_len, batch_size)
-        n = len(prompts) * num_samples
+        n = len(prompts) * num_samples  # this process's rows
         real_b = np.arange(len(tokens_bt)) < len(prompts)
-        tokens_bt, lengths_b, real_b = sharding.shard_batch((tokens_bt, lengths_b, real_b),
-                                                            self.mesh)
+        tokens_bt, lengths_b, real_b = sharding.from_process_local(
+            (tokens_bt, lengths_b, real_b), self.mesh,
+            global_rows=len(tokens_bt) * sharding.row_groups(self.mesh))
         carry = _prefill(params, tokens_bt, lengths_b, real_b, graphdef=self.graphdef,
                          num_samples=num_samples, max_new_tokens=max_new_tokens)
         if not stop_strings:
@@ -140,7 +146,7 @@ class Sampler:
             limit = min(limit + self.stop_check_every, max_new_tokens)
             carry = _decode(params, carry, key, jnp.int32(limit), graphdef=self.graphdef,
                             settings=settings)
-            tokens, lengths, done = jax.device_get(
+            tokens, lengths, done = sharding.to_host_local(
                 (carry["tokens_bn"], carry["lengths_b"], carry["done_b"]))
             done = np.array(done)
             for row in range(n):
@@ -152,9 +158,10 @@ class Sampler:
                 if end is not None:
                     cut[row] = end
                     done[row] = True
-            if done.all():
+            if sharding.agree(bool(done.all()), "all"):  # every process stops together
                 break
-            carry["done_b"] = jax.device_put(done, carry["done_b"].sharding)
+            carry["done_b"] = jax.make_array_from_process_local_data(
+                carry["done_b"].sharding, done, carry["done_b"].shape)
         return self._finish(carry, n, num_samples, cut)
 
     def _settings(self, temperature, top_k, top_p, greedy, stop_token_ids, stop_strings,
@@ -189,13 +196,17 @@ class Sampler:
         if min(lengths) == 0:
             raise ValueError(f"Sampler: prompt {lengths.index(0)} is empty; every prompt needs "
                              "at least one token (e.g. BOS)")
-        prompt_len = prompt_len or max(8, _next_pow2(max(lengths)))
-        if max(lengths) > prompt_len:
-            raise ValueError(f"Sampler: a prompt has {max(lengths)} tokens, more than "
+        # Shapes are agreed over processes (each pads its own prompts), so that all of them
+        # run the same programs; with one process `agree` is the identity.
+        longest = sharding.agree(max(lengths), "max")
+        prompt_len = prompt_len or max(8, _next_pow2(longest))
+        if longest > prompt_len:
+            raise ValueError(f"Sampler: a prompt has {longest} tokens, more than "
                              f"prompt_len={prompt_len}")
-        shards = _batch_shards(self.mesh)
-        rows = batch_size or _next_pow2(len(prompts))
-        rows = -(-max(rows, len(prompts)) // shards) * shards
+        groups = sharding.row_groups(self.mesh)
+        shards = max(1, _batch_shards(self.mesh) // groups)  # per process's block of rows
+        rows = sharding.agree(max(batch_size or _next_pow2(len(prompts)), len(prompts)), "max")
+        rows = -(-rows // shards) * shards
         tokens_bt = np.full((rows, prompt_len), self.pad_id, np.int32)
         lengths_b = np.ones(rows, np.int32)
         for i, p in enumerate(prompts):
@@ -207,7 +218,7 @@ class Sampler:
         return tokens_bt, lengths_b
 
     def _finish(self, carry, n, num_samples, cut) -> Samples:
-        tokens, logp, logp_temp, logp_t1, lengths, reasons = jax.device_get(
+        tokens, logp, logp_temp, logp_t1, lengths, reasons = sharding.to_host_local(
             (carry["tokens_bn"], carry["logp_bn"], carry["logp_temp_bn"], carry["logp_t1_bn"],
              carry["lengths_b"], carry["reason_b"]))
         tokens, logp, logp_temp, logp_t1, lengths, reasons = (

@@ -137,7 +137,10 @@ def evaluate(producer, params, heldout, *, stage, step, seed):
 
 
 def _evaluate_once(path, stage, **kwargs):
-    done = [r for r in metrics_lib.read_jsonl(path) if r.get("stage") == stage]
+    """Evaluates unless eval.jsonl has this stage at this step (a resumed run; a run resumed
+    with more steps evaluates its new last step)."""
+    done = [r for r in metrics_lib.read_jsonl(path)
+            if r.get("stage") == stage and r.get("step") == kwargs["step"]]
     if done:
         return done
     lines = evaluate(stage=stage, **kwargs)

@@ -56,7 +56,7 @@ _UID_SLOTS = 4096
 
 # Each spec also has `preload`: (module name, Python source) pairs the fork server executes
 # once, as the bodies of modules of those names, after `preimport` and before it forks any
-# run (the judge's harness: sandbox/judge.py). Runs find them in sys.modules.
+# run (the judge's harness: sandbox/judge/api.py). Runs find them in sys.modules.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -283,7 +283,7 @@ def lay_in(fd, root, req):
     /dev/null), a session's work dir (`state`), then its `files`, each straight from the
     socket to its destination through the buffer, which is zeroed afterwards: no byte of it
     becomes a Python object of the run's process (the judge forks from it, see
-    judge_harness.py)."""
+    judge/harness.py)."""
     try:
         if req["stdin"] is None:
             stdin = os.open(os.devnull, os.O_RDONLY)
