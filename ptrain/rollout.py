@@ -72,7 +72,8 @@ class RolloutConfig:
 @dataclasses.dataclass
 class Episode:
     """One episode on the host. `tokens`, `mask` and `logp` are aligned: token i was produced
-    by the model iff mask[i] == 1, in which case logp[i] is its sampled temperature-1 log-prob.
+    by the model iff mask[i] == 1, in which case logp[i] is its log-prob under the sampled
+    policy (logits / temperature, `Samples.logp_temp`).
     `finish`: answered (a turn without calls), truncated (an answer cut at max_new_tokens,
     judged as it is), max_turns, max_len (out of room).
     """
@@ -224,7 +225,7 @@ def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *,
             new = new[:room]
             e.tokens += new
             e.mask += [1] * len(new)
-            e.logp += samples.logp_t1[row, :len(new)].tolist()
+            e.logp += samples.logp_temp[row, :len(new)].tolist()
             e.turns += 1
             e.closed = bool(new) and new[-1] in end_of_turn
             if truncated:

@@ -14,7 +14,7 @@ tests, copied in only now), closes the episodes (their containers are reset and 
 and packs the token histories for the learner: the loss mask is 1 on the model's tokens
 only, the log-probs are the sampler's, the reward is the verifier's, the rows' meta carry the
 domain ("terminal"), pass, turns, tool calls and how the episode ended (per-domain metrics:
-`learner.domain_metrics`). A record names its task by directory: {"task_dir": PATH}; rows of
+`batch.domain_metrics`). A record names its task by directory: {"task_dir": PATH}; rows of
 task i form group `first_group_id + i`.
 
 The learner's producer interface (`generate(params, records, key)`, `score(generated) ->
@@ -122,7 +122,7 @@ def generate(sampler, params, tasks, *, harness, agent: terminal_agent.ShellAgen
                 r = active[row]
                 n = int(samples.lengths[row])
                 r.done = agent.step(r.episode, r.tokens, samples.tokens[row, :n].tolist(),
-                                    samples.logp_t1[row, :n].tolist())
+                                    samples.logp_temp[row, :n].tolist())
             list(pool.map(step, range(len(active))))
         for r in rollouts:
             if not r.done:

@@ -132,7 +132,7 @@ class Cgroup:
 
     def run_join_files(self) -> list[str]:
         """The files a run child writes "0" to, to move itself into the run cgroup (by fds
-        the host opens: backends._open_join_files)."""
+        the host opens: backends.base.open_join_files)."""
         return [os.path.join(top, "run", "cgroup.procs") for top in self.top.values()]
 
     def procs_file(self) -> str:

@@ -9,6 +9,10 @@ spread over the nodes of a Ray cluster.
             s.run(command=["cat", "a.txt"]); s.write_files(...); s.read_files()
     fleet.disconnect(started)
 
+A training loop picks either by one config value: `with fleet.open_pool(cluster, workers=...,
+backend=..., address=...) as pool` (cluster "local" or "ray") and `fleet.session_factory(pool)`
+for its episodes' tool sessions.
+
 Requests: `pool` is a `sandbox.Pool(cluster="ray")` whose actors Ray spreads over the nodes.
 A request whose actor dies (its node killed, its process gone, no answer by its deadline) is
 retried on a fresh actor, so every request gets exactly one outcome (its result, or
@@ -25,6 +29,8 @@ and a work dir past `max_state_bytes` / `max_state_files` is an error (it cannot
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 
 from sandbox import backends
@@ -75,6 +81,34 @@ def pool(workers: int, *, backend="auto", queue_size: int | None = None, max_ret
     return Pool(workers, backend=backend, queue_size=queue_size, max_retries=max_retries,
                 grace_s=grace_s, default_timeout_s=default_timeout_s, cluster="ray",
                 ray_options=options, warm=warm)
+
+
+@contextlib.contextmanager
+def open_pool(cluster: str = "local", *, workers: int, backend="auto", address: str = "local"):
+    """The pool a training loop scores and runs tools on, by config: `cluster="local"`, a
+    `sandbox.Pool` of worker processes here; `"ray"`, a fleet pool on the Ray cluster at
+    `address` ("local" starts one here, stopped on the way out; a connected one is kept)."""
+    if cluster == "local":
+        with Pool(workers, backend=backend) as local:
+            yield local
+        return
+    if cluster != "ray":
+        raise ValueError(f"sandbox.cluster must be 'local' or 'ray', got {cluster!r}")
+    started = connect(address)
+    try:
+        with pool(workers, backend=backend) as fleet_pool:
+            yield fleet_pool
+    finally:
+        disconnect(started)
+
+
+def session_factory(of_pool: Pool):
+    """What makes an episode's tool session for `of_pool`: `sandbox.Session` (this machine)
+    for a local pool, a fleet `Session` on that pool for a Ray one; same keyword arguments."""
+    if of_pool.cluster == "ray":
+        return functools.partial(Session, of_pool)
+    from sandbox.session import Session as LocalSession
+    return LocalSession
 
 
 class Session:

@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 
+from ptrain import batch as batch_lib
 from ptrain import learner, mixed_producer
 
 
@@ -47,7 +48,7 @@ def test_records_are_routed_and_episodes_packed_with_whole_groups():
     assert episodes.lengths_b.tolist() == [6, 5, 6, 5, 3, 2, 3, 2, 3, 2]
     assert np.all(episodes.loss_mask_bn[4:, 3:] == 0) and np.all(episodes.tokens_bn[4:, 3:] == 0)
     assert episodes.loss_mask_bn.sum() == episodes.lengths_b.sum()
-    metrics = learner.domain_metrics(episodes)
+    metrics = batch_lib.domain_metrics(episodes)
     assert metrics["reward/terminal/mean"] == pytest.approx(0.1)
     assert metrics["reward/code/mean"] == pytest.approx((0.1 + 0.3 + 0.4) / 3)
     assert metrics["episode/code/passed"] == pytest.approx(1 / 3)
