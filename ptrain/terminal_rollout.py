@@ -122,7 +122,7 @@ def generate(sampler, params, tasks, *, harness, agent: terminal_agent.ShellAgen
                 r = active[row]
                 n = int(samples.lengths[row])
                 r.done = agent.step(r.episode, r.tokens, samples.tokens[row, :n].tolist(),
-                                    samples.logp_t1[row, :n].tolist())
+                                    samples.logp_temp[row, :n].tolist())
             list(pool.map(step, range(len(active))))
         for r in rollouts:
             if not r.done:
