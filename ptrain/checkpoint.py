@@ -113,6 +113,37 @@ class Checkpointer:
                         rng=rng_out, data_state=meta["data_state"], extra=meta["extra"],
                         aux_state=state.get("aux_state", {}))
 
+    def restore_params(self, step=None, *, params):
+        """Only the parameters of `step` (default: the latest), onto `params`' shardings (arrays
+        or ShapeDtypeStructs): for export and evaluation, with no optimizer to rebuild."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {self._manager.directory}")
+        if step not in self.all_steps():
+            raise FileNotFoundError(f"no checkpoint of step {step} in "
+                                    f"{self._manager.directory}; it has {self.all_steps()}")
+        target = {"params": _abstract(params)}
+        return self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True)))["state"]["params"]
+
+    def param_shapes(self, step=None) -> dict[tuple[str, ...], tuple[int, ...]]:
+        """The saved parameters' shapes by path (nnx's trailing "value" dropped), from the
+        metadata of `step` (default: the latest): no array is read."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {self._manager.directory}")
+        metadata = ocp.StandardCheckpointer().metadata(
+            os.path.join(os.fspath(self._manager.directory), str(step), "state"))
+        tree = getattr(metadata, "item_metadata", metadata)
+        tree = getattr(tree, "tree", tree)["params"]
+        out = {}
+        for path, leaf in jax.tree_util.tree_leaves_with_path(
+                tree, is_leaf=lambda x: hasattr(x, "shape")):
+            names = tuple(str(getattr(k, "key", k)) for k in path)
+            out[names[:-1] if names[-1] == "value" else names] = tuple(leaf.shape)
+        return out
+
     def wait(self):
         """Blocks until pending asynchronous saves are complete."""
         self._manager.wait_until_finished()

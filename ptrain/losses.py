@@ -111,15 +111,21 @@ def _reverse_scan(step, init_b, *xs_bt):
 def reinforce_pp_advantages(token_rewards_bt, mask_bt, *, gamma=1.0):
     """REINFORCE++ (arXiv 2501.03262): discounted returns, whitened over the batch's tokens.
 
-    verl compute_reinforce_plus_plus_outcome_advantage: the running return restarts after the
-    last valid token; whitening is Bessel-corrected. Returns (advantages_bt, returns_bt).
+    The return of a model token is G_t = sum_k gamma^(k - t) r_k over the model's own tokens
+    k >= t (mask 1), counted in order: the tokens it did not produce (tool observations in a
+    multi-turn episode, padding) are no actions, so the return passes through them unchanged,
+    undiscounted, and a reward on them is not counted (the learner puts rewards on the
+    model's tokens). So the final answer's reward reaches every earlier turn. On a single
+    turn (a prefix mask) this is verl's compute_reinforce_plus_plus_outcome_advantage, whose
+    running return restarts after the last valid token. Whitening is Bessel-corrected.
+    Returns (advantages_bt, returns_bt).
     """
     r_bt = jnp.asarray(token_rewards_bt, jnp.float32)
     m_bt = jnp.asarray(mask_bt, jnp.float32)
 
     def step(run_b, r_b, m_b):
-        run_b = r_b + gamma * run_b
-        return run_b * m_b, run_b
+        run_b = jnp.where(m_b > 0, r_b + gamma * run_b, run_b)
+        return run_b, run_b * m_b
 
     returns_bt = _reverse_scan(step, jnp.zeros(r_bt.shape[0]), r_bt, m_bt)
     return masked_whiten(returns_bt, m_bt), returns_bt
@@ -385,12 +391,30 @@ def overlong_penalty(lengths_b, *, max_len, buffer_len, penalty_factor=1.0):
     """DAPO soft overlong punishment (arXiv 2503.14476; verl DAPORewardManager).
 
     0 up to max_len - buffer_len tokens, then falling linearly to -penalty_factor at
-    max_len. Add it to the task reward.
+    max_len. Add it to the task reward. `lengths_b` and `max_len` measure the same thing: an
+    episode's tokens after its prompt (`Episodes.lengths_b`: model turns and observations)
+    against the cap they had (`rollout.max_len` for multi-turn episodes;
+    `sampling.max_new_tokens` for a single turn). A length past max_len raises: it was
+    measured against another cap (a per-turn one would punish a 72-token episode with -2.5
+    against 48).
     """
     if not 0 < buffer_len <= max_len:
         raise ValueError(f"need 0 < buffer_len <= max_len; got {buffer_len}, {max_len}")
+    if not isinstance(lengths_b, jax.core.Tracer) and np.size(lengths_b) and \
+            np.max(lengths_b) > max_len:
+        raise ValueError(f"overlong_penalty: an episode of {int(np.max(lengths_b))} tokens is "
+                         f"longer than max_len={max_len}; pass the cap of the whole episode "
+                         "(rollout.max_len for multi-turn episodes), not a per-turn one")
     exceed_b = jnp.asarray(lengths_b, jnp.float32) - (max_len - buffer_len)
     return jnp.minimum(-exceed_b / buffer_len * penalty_factor, 0.0)
+
+
+def filter_overlong(loss_mask_bt, truncated_b):
+    """DAPO overlong filtering (arXiv 2503.14476, section 3.4): the loss mask with truncated
+    episodes (cut at a length cap before they ended; `truncated_b` True) masked out, so an
+    unfinished answer is neither rewarded nor punished for its length."""
+    keep_b = 1.0 - jnp.asarray(truncated_b, jnp.float32)
+    return jnp.asarray(loss_mask_bt, jnp.float32) * keep_b[:, None]
 
 
 def informative_groups(rewards_b, group_ids_b):

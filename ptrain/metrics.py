@@ -2,7 +2,9 @@
 
 Layout: `<workdir>/metrics.jsonl` (one {"step", key: value} line per step),
 `<workdir>/rollouts.jsonl` (one line per sample), `<workdir>/tb/` (TensorBoard) and
-`<workdir>/plots/<key>.png`. A progress bar with ETA goes to stderr when it is a terminal.
+`<workdir>/plots/<key>.png`. `write_run_record` keeps the config a run was started with
+(`<workdir>/config.json`, overrides applied) and every command line that started it
+(`<workdir>/command.txt`); `read_run_config` reads the config back. A progress bar with ETA goes to stderr when it is a terminal.
 
 Resuming: open the writer with `start_step` = the restored checkpoint's step. Lines logged
 after that step by the crashed run are removed from both JSONL files (a torn last line is
@@ -10,10 +12,12 @@ removed with a warning), and TensorBoard is told to purge its events past that s
 resumed run appends without duplicates.
 """
 
+import datetime
 import json
 import logging
 import os
 import re
+import shlex
 import sys
 
 import numpy as np
@@ -39,6 +43,40 @@ def write_jsonl(records, path):
     with open(path + ".tmp", "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in records))
     os.replace(path + ".tmp", path)
+
+
+CONFIG_FILE, COMMAND_FILE = "config.json", "command.txt"
+
+
+def write_run_record(workdir, config, argv) -> None:
+    """`<workdir>/config.json`: the config as the run resolved it (file and overrides; values
+    JSON cannot hold, such as functions, written as their repr); `<workdir>/command.txt`: the
+    command line, one line per start (a resumed run adds one)."""
+    os.makedirs(workdir, exist_ok=True)
+    file = os.path.join(workdir, CONFIG_FILE)
+    with open(file + ".tmp", "w") as f:
+        f.write(config.to_json_best_effort(indent=2) + "\n")
+    os.replace(file + ".tmp", file)
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    with open(os.path.join(workdir, COMMAND_FILE), "a") as f:
+        f.write(f"# {started}\n{shlex.join(argv)}\n")
+
+
+def read_run_config(workdir):
+    """The ConfigDict `write_run_record` kept (JSON lists read back as tuples)."""
+    import ml_collections
+    file = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {workdir!r}: launch/train.py writes it at "
+                                "the start of a run; is this the --workdir of a run?")
+    with open(file) as f:
+        raw = json.load(f)
+
+    def tuples(x):
+        if isinstance(x, dict):
+            return {k: tuples(v) for k, v in x.items()}
+        return tuple(tuples(v) for v in x) if isinstance(x, list) else x
+    return ml_collections.ConfigDict(tuples(raw))
 
 
 def truncate_jsonl(path, max_step):

@@ -116,6 +116,10 @@ def check_files(v: Files, files: dict[str, bytes] | None, run_result=None) -> Ve
     if run_result is not None and run_result.status in ("timeout", "oom", "signal"):
         return _binary(False, f"The script did not finish: {run_result.describe()}",
                        run_result.status)
+    if run_result is not None and run_result.files_truncated:
+        return _binary(False, "The work dir's files could not all be read back (over the "
+                       "listing's size cap, or unreadable): the files cannot be verified.",
+                       "files_truncated")
     files = files or {}
     wrong = []
     for path, want in v.expected.items():
@@ -193,7 +197,11 @@ def score(tasks_: Sequence[Task], completions: Sequence[str], *, pool=None, sess
             if session is None:
                 raise ValueError(f"task {task.id}: Files(run='') judges an episode's work dir; "
                                  "pass its session")
-            pending.append(session.read_files())
+            try:
+                pending.append(session.read_files())
+            except ValueError as e:  # more than read_files returns: not all of it is seen
+                pending.append(_binary(False, f"The work dir cannot be verified: {e}.",
+                                       "files_truncated"))
         elif isinstance(v, Answer):
             pending.append(check_answer(v, completion))
         elif isinstance(v, Format):

@@ -11,9 +11,12 @@ back to the host only to check stop strings (every `stop_check_every` tokens, an
 stop strings are given). Shapes are bucketed (rows and prompt length to powers of two) so a
 training run compiles the sampler once.
 
-Every sampled token comes with two log-probs: `logp`, under the distribution it was drawn from
-(temperature, top-k, top-p applied; 0 for greedy, a point mass), and `logp_t1`, the plain
-temperature-1 log-prob of the unmodified model, which is what the learner computes.
+Every sampled token comes with three log-probs: `logp`, under the distribution it was drawn
+from (temperature, top-k, top-p applied; 0 for greedy, a point mass); `logp_temp`, under
+log_softmax(logits / temperature) with no top-k / top-p: the policy at the sampling temperature,
+which verl and TRL train (the learner's ratio, KL and truncated IS refer to it); and `logp_t1`,
+the plain temperature-1 log-prob of the unmodified model. Greedy rows have no temperature:
+their `logp_temp` is `logp_t1`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Samples:
 
     tokens: np.ndarray  # int32 [n, max_new_tokens]
     logp: np.ndarray  # float32 [n, max_new_tokens]: under the distribution sampled from
+    logp_temp: np.ndarray  # float32 [n, max_new_tokens]: logits / temperature, no top-k / p
     logp_t1: np.ndarray  # float32 [n, max_new_tokens]: temperature 1, no top-k / top-p
     lengths: np.ndarray  # int32 [n]
     finish_reasons: list  # "stop" | "length" per row
@@ -203,16 +207,18 @@ class Sampler:
         return tokens_bt, lengths_b
 
     def _finish(self, carry, n, num_samples, cut) -> Samples:
-        tokens, logp, logp_t1, lengths, reasons = jax.device_get(
-            (carry["tokens_bn"], carry["logp_bn"], carry["logp_t1_bn"], carry["lengths_b"],
-             carry["reason_b"]))
-        tokens, logp, logp_t1, lengths, reasons = (
-            np.array(x[:n]) for x in (tokens, logp, logp_t1, lengths, reasons))
+        tokens, logp, logp_temp, logp_t1, lengths, reasons = jax.device_get(
+            (carry["tokens_bn"], carry["logp_bn"], carry["logp_temp_bn"], carry["logp_t1_bn"],
+             carry["lengths_b"], carry["reason_b"]))
+        tokens, logp, logp_temp, logp_t1, lengths, reasons = (
+            np.array(x[:n]) for x in (tokens, logp, logp_temp, logp_t1, lengths, reasons))
         for row, end in cut.items():
             lengths[row], reasons[row] = end, _STOP
-            tokens[row, end:], logp[row, end:], logp_t1[row, end:] = self.pad_id, 0.0, 0.0
+            tokens[row, end:] = self.pad_id
+            logp[row, end:], logp_temp[row, end:], logp_t1[row, end:] = 0.0, 0.0, 0.0
         reasons = np.where(reasons == _RUNNING, _LENGTH, reasons)
-        return Samples(tokens=tokens, logp=logp, logp_t1=logp_t1, lengths=lengths,
+        return Samples(tokens=tokens, logp=logp, logp_temp=logp_temp, logp_t1=logp_t1,
+                       lengths=lengths,
                        finish_reasons=[FINISH_REASONS[r - 1] for r in reasons],
                        prompt_index=(np.arange(n) // num_samples).astype(np.int32))
 
@@ -308,6 +314,7 @@ def _prefill(params, tokens_bt, lengths_b, real_b, *, graphdef, num_samples, max
         "i": jnp.zeros((), jnp.int32),  # tokens generated so far
         "tokens_bn": jnp.zeros((n, max_new_tokens), jnp.int32),
         "logp_bn": jnp.zeros((n, max_new_tokens), jnp.float32),
+        "logp_temp_bn": jnp.zeros((n, max_new_tokens), jnp.float32),
         "logp_t1_bn": jnp.zeros((n, max_new_tokens), jnp.float32),
         "lengths_b": jnp.zeros(n, jnp.int32),
         "done_b": ~repeat(real_b),  # padding rows are done from the start
@@ -328,7 +335,7 @@ def _decode(params, carry, key, limit, *, graphdef, settings: _Settings):
 
     def body(c):
         i, done_b = c["i"], c["done_b"]
-        tok_b, logp_b, logp_t1_b = sample_logits(
+        tok_b, logp_b, logp_temp_b, logp_t1_b = sample_logits(
             c["logits_bv"], jax.random.fold_in(key, i), settings)
         tok_b = jnp.where(done_b, settings.pad_id, tok_b)
         live_b = ~done_b
@@ -350,6 +357,7 @@ def _decode(params, carry, key, limit, *, graphdef, settings: _Settings):
             "i": i + 1,
             "tokens_bn": put(c["tokens_bn"], tok_b),
             "logp_bn": put(c["logp_bn"], logp_b),
+            "logp_temp_bn": put(c["logp_temp_bn"], logp_temp_b),
             "logp_t1_bn": put(c["logp_t1_bn"], logp_t1_b),
             "lengths_b": c["lengths_b"] + live_b,
             "done_b": done_b | stopped_b | full_b,
@@ -361,17 +369,19 @@ def _decode(params, carry, key, limit, *, graphdef, settings: _Settings):
 
 
 def sample_logits(logits_bv, key, settings: _Settings):
-    """One token per row; returns (tokens, logp under the sampled-from distribution, logp at
-    temperature 1). Temperature first, then top-k, then top-p on what top-k kept (the
-    order of Hugging Face's logits processors)."""
+    """One token per row; returns (tokens, logp under the sampled-from distribution, logp of
+    logits / temperature, logp at temperature 1). Temperature first, then top-k, then top-p
+    on what top-k kept (the order of Hugging Face's logits processors)."""
     logp_t1_bv = jax.nn.log_softmax(logits_bv, axis=-1)
     if settings.greedy:
         tok_b = jnp.argmax(logits_bv, axis=-1)
-        return tok_b, jnp.zeros(tok_b.shape, jnp.float32), _take(logp_t1_bv, tok_b)
-    z_bv = logits_bv / settings.temperature
-    z_bv = filter_top_k_top_p(z_bv, settings.top_k, settings.top_p)
+        logp_t1_b = _take(logp_t1_bv, tok_b)
+        return tok_b, jnp.zeros(tok_b.shape, jnp.float32), logp_t1_b, logp_t1_b
+    scaled_bv = logits_bv / settings.temperature
+    z_bv = filter_top_k_top_p(scaled_bv, settings.top_k, settings.top_p)
     tok_b = jax.random.categorical(key, z_bv, axis=-1)
-    return tok_b, _take(jax.nn.log_softmax(z_bv, axis=-1), tok_b), _take(logp_t1_bv, tok_b)
+    return (tok_b, _take(jax.nn.log_softmax(z_bv, axis=-1), tok_b),
+            _take(jax.nn.log_softmax(scaled_bv, axis=-1), tok_b), _take(logp_t1_bv, tok_b))
 
 
 def filter_top_k_top_p(z_bv, top_k: int, top_p: float):

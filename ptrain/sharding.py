@@ -162,3 +162,146 @@ def shard_batch(batch, mesh: Mesh | None, axes: Sequence[str | None] = ("batch",
         return jax.device_put(x, named(mesh, names, x.shape))
 
     return jax.tree.map(put, batch)
+
+
+# --- Many processes (multi-controller JAX) ---------------------------------------------------
+# With N processes each one holds only its own devices' shards. Host data enters the mesh from
+# the rows each process owns (`from_process_local`), device results come back either whole on
+# every process (`to_host`) or as the rows this process owns (`to_host_local`), and any value
+# that steers control flow (a shape, a turn count, a stop decision) is agreed first (`agree`),
+# so that every process issues the same programs. With one process these are plain
+# device_put / device_get / identity.
+
+
+def _names(axes: Sequence[str | None], ndim: int) -> tuple:
+    return tuple(axes[:ndim]) + (None,) * max(0, ndim - len(axes))
+
+
+def local_rows(mesh: Mesh, global_rows: int, axes: Sequence[str | None] = ("batch",)) -> slice:
+    """The rows of a [global_rows, ...] array (sharded over `axes[0]`) that this process holds.
+
+    Every process loads exactly these rows of the global batch before `from_process_local`.
+    Rows replicated over the processes (a batch axis that spans no process boundary, or one
+    that does not divide) are all held by every process: slice(0, global_rows).
+    """
+    sharding = named(mesh, _names(axes, 1), (global_rows,))
+    starts = sorted({(idx[0].start or 0, global_rows if idx[0].stop is None else idx[0].stop)
+                     for idx in sharding.addressable_devices_indices_map((global_rows,)).values()})
+    lo, hi = starts[0][0], starts[0][1]
+    for start, stop in starts[1:]:
+        if start > hi:
+            raise ValueError(f"this process's rows of a {global_rows}-row batch are not "
+                             f"contiguous ({starts}); order the mesh's devices by process")
+        hi = max(hi, stop)
+    return slice(lo, hi)
+
+
+def from_process_local(batch, mesh: Mesh | None, axes: Sequence[str | None] = ("batch", "seq"),
+                       global_rows: int | None = None):
+    """Global arrays from each process's own rows (a pytree of [local_b, t, ...] arrays).
+
+    The local rows are the ones `local_rows(mesh, global_rows)` names; every other dimension
+    is whole on every process. `global_rows` defaults to local_b x the number of processes
+    that hold different rows. With one process this is `shard_batch`.
+    """
+    if mesh is None or jax.process_count() == 1:
+        return shard_batch(batch, mesh, axes)
+
+    def put(x):
+        x = np.asarray(x)
+        names = _names(axes, x.ndim)
+        rows = global_rows
+        if rows is None:
+            rows = x.shape[0] * _row_groups(mesh, names[0], x.shape[0])
+        global_shape = (rows,) + x.shape[1:]
+        want = local_rows(mesh, rows, names[:1])
+        if x.shape[0] != want.stop - want.start:
+            raise ValueError(f"process {jax.process_index()} passed {x.shape[0]} rows but holds "
+                             f"rows {want.start}:{want.stop} of {rows}")
+        return jax.make_array_from_process_local_data(
+            named(mesh, names, global_shape), x, global_shape)
+
+    return jax.tree.map(put, batch)
+
+
+def _row_groups(mesh: Mesh, axis: str | None, local_b: int) -> int:
+    """How many distinct row blocks the processes hold for a batch axis (1: replicated)."""
+    if axis is None:
+        return 1
+    mesh_axes = RULES.get(axis)
+    mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
+    # Process index of every device along the sharded axes, the others fixed at 0.
+    procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    moved = np.moveaxis(procs, [mesh.axis_names.index(a) for a in mesh_axes],
+                        range(len(mesh_axes)))
+    along = moved.reshape(math.prod(mesh.shape[a] for a in mesh_axes), -1)[:, 0]
+    groups = len(set(along.tolist()))
+    n = math.prod(mesh.shape[a] for a in mesh_axes)
+    if n > 1 and (local_b * groups) % n:
+        return 1  # would not divide: `spec` replicates it, every process holds all rows
+    return groups
+
+
+def to_host(tree):
+    """Device arrays -> numpy, whole on every process (an all-gather across processes)."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    def get(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(jax.device_get(x))
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(get, tree)
+
+
+def to_host_local(tree):
+    """Device arrays -> numpy, only the rows (dim 0) this process holds; no communication.
+
+    The inverse of `from_process_local`: rows come back in global order, each once.
+    """
+    def get(x):
+        if not isinstance(x, jax.Array):
+            return np.asarray(x)
+        if x.ndim == 0:
+            return np.asarray(x.addressable_data(0))
+        blocks = {}
+        for shard in x.addressable_shards:
+            rows = shard.index[0] if shard.index else slice(None)
+            start = rows.start or 0
+            if start not in blocks:
+                blocks[start] = np.asarray(shard.data)
+        return np.concatenate([blocks[k] for k in sorted(blocks)], axis=0)
+
+    return jax.tree.map(get, tree)
+
+
+def agree(value, op: str = "max"):
+    """The same value on every process: the max / min / sum over processes, or "all"/"any" of a
+    bool, or "equal" (raises, naming the processes' values, if they differ).
+
+    For control flow that depends on host data (a padded length, a turn count, whether to
+    stop): without it processes would issue different SPMD programs and hang.
+    """
+    ops = {"max": np.max, "min": np.min, "sum": np.sum, "all": np.all, "any": np.any,
+           "equal": None}
+    if op not in ops:
+        raise ValueError(f"agree: op must be one of {sorted(ops)}, got {op!r}")
+    x = np.asarray(value)
+    if jax.process_count() == 1:
+        gathered = x[None]
+    else:
+        from jax.experimental import multihost_utils
+        dtype = np.int32 if x.dtype == np.bool_ else x.dtype
+        gathered = np.asarray(multihost_utils.process_allgather(x.astype(dtype)))
+    if op == "equal":
+        if not (gathered == gathered[0]).all():
+            raise ValueError(f"processes disagree: {gathered.tolist()}")
+        out = gathered[0]
+    else:
+        out = ops[op](gathered, axis=0)
+    out = out.astype(x.dtype)
+    return out.item() if out.ndim == 0 and not isinstance(value, np.ndarray) else out

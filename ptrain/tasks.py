@@ -345,6 +345,44 @@ def load(path: str, fmt: str, *, domain: str | None = None) -> list[Task]:
     return [loader(record, where, **extra) for where, record in _records(path)]
 
 
+def load_entry(entry, *, key: str, domain: str | None = None) -> list[Task]:
+    """The tasks of one config entry (`key` names it, e.g. "tasks.train[0]"): a path, read as
+    ptrain records, or a (path, format) pair. An error names the entry; a file of a public
+    format given as ptrain records says which format to set."""
+    if isinstance(entry, str):
+        path, fmt = entry, "ptrain"
+    elif isinstance(entry, (tuple, list)) and len(entry) == 2 and entry[1] in FORMATS:
+        path, fmt = entry
+    else:
+        raise ValueError(f"{key}={entry!r}: give a path (ptrain task records) or a (path, "
+                         f"format) pair with a format in {list(FORMATS)}")
+    if fmt == "ptrain":
+        for where, record in _records(path):
+            guess = guess_format(record)
+            if guess not in (None, "ptrain") and "verifier" not in record:
+                raise ValueError(f"{key}: {where} is a {guess} record, not a ptrain task "
+                                 f"record; set the file's format: {key}=({path!r}, {guess!r})")
+            break
+    try:
+        return load(path, fmt, domain=domain)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from None
+
+
+def check_lengths(lengths: Mapping[str, int], limit: int, *, key: str,
+                  what: str = "prompt") -> None:
+    """Every `what` fits: `lengths` maps an id (a task's) to its length in tokens, `limit` is
+    the value of the config key `key`. Checked when the tasks are loaded, before anything is
+    generated; the error names the key, the longest and how many are over."""
+    over = {i: n for i, n in lengths.items() if n > limit}
+    if over:
+        worst = max(over, key=over.get)
+        raise ValueError(
+            f"{len(over)} of {len(lengths)} {what}s are longer than {key}={limit} tokens (the "
+            f"longest, {worst!r}, has {over[worst]}): raise {key} to at least {over[worst]}, "
+            f"or leave those out")
+
+
 def _digest(text: str) -> str:
     """A stable id for records that have none (Python's hash() changes every process)."""
     return hashlib.sha1(text.encode()).hexdigest()[:12]

@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import json
 import marshal
+import fractions
 import math
 import os
 import re
@@ -72,7 +73,7 @@ else:
 """
 
 
-_MODULES = ("judge_harness", "judge_rpc", "judge_pytest")
+_MODULES = ("judge_harness", "judge_rpc", "judge_codec", "judge_pytest")
 # A judge run on a fork server that preloaded the harness (see `judge_backend`).
 _PRELOADED_RUN = "import sys\nsys.modules['judge_harness'].main()\n"
 
@@ -81,7 +82,7 @@ _PRELOADED_RUN = "import sys\nsys.modules['judge_harness'].main()\n"
 JUDGE_PREIMPORT = ("_json", "ast", "binascii", "ctypes", "fcntl", "hashlib", "hmac", "inspect",
                    "marshal", "select", "zlib")
 
-STATUSES = ("passed", "failed", "error", "timeout", "crashed", "skipped")
+STATUSES = ("passed", "failed", "error", "timeout", "crashed", "unjudgeable", "skipped")
 _SLACK_S = 2.0  # the run's limit over the judge's time budget: start-up and the report
 
 
@@ -100,7 +101,9 @@ class TestResult:
 @dataclasses.dataclass(frozen=True)
 class Report:
     """A verdict. `passed`/`total` count tests (skipped ones are not counted); `feedback` is a
-    short text for the model; `error` says why no test could be judged (then passed == 0)."""
+    short text for the model; `error` says why no test could be judged (then passed == 0);
+    `restarts` counts the solution processes started after the first (each after a crash or
+    a timeout killed the one before: the tests it was running failed)."""
 
     passed: int
     total: int
@@ -110,6 +113,7 @@ class Report:
     output: str = ""
     duration_s: float = 0.0
     backend: str = ""
+    restarts: int = 0
 
     @property
     def score(self) -> float:
@@ -171,8 +175,9 @@ def stdio(code: str, cases: Sequence, *, float_tol: Optional[float] = 1e-6,
           backend: str = "auto", run: Optional[Callable] = None) -> Report:
     """Judges a stdin/stdout program on `cases`, a sequence of (input, expected_output) pairs
     or {"input", "output"} dicts. Outputs are compared token by token (so whitespace and line
-    breaks do not matter); numbers within `float_tol` (absolute or relative) are equal, and
-    integers are compared exactly. The expected outputs never enter the sandbox."""
+    breaks do not matter); integers are compared exactly; where the expected token is an
+    integer, other output must be within `float_tol` of it (absolute); where it is a float,
+    within `float_tol` absolute or relative. The expected outputs never enter the sandbox."""
     _check_str("code", code)
     pairs = _normalise_cases(cases)
     payload = {"inputs": [i for i, _ in pairs],
@@ -299,7 +304,8 @@ def _make_report(results, report, run_result):
     return Report(passed=passed, total=len(counted), tests=results,
                   feedback=feedback_text(results, passed, len(counted)), output=output,
                   duration_s=getattr(run_result, "duration_s", 0.0),
-                  backend=getattr(run_result, "backend", ""))
+                  backend=getattr(run_result, "backend", ""),
+                  restarts=int(report.get("restarts", 0)))
 
 
 def feedback_text(results, passed, total, max_chars=1500) -> str:
@@ -345,11 +351,21 @@ def _judge_case(name, case, expected, float_tol):
 
 
 _INT = re.compile(r"[+-]?\d+\Z")
+_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d{1,4})?\Z")
 
 
 def _numbers_close(got, expected, tol):
-    if _INT.match(got) and _INT.match(expected):
-        return int(got) == int(expected)
+    """Integers compare exactly; where the expected token is an integer and the output is not,
+    the tolerance is absolute and the difference exact (`12345679.0` is not `12345678`);
+    only where the expected token is a float is it also relative."""
+    if _INT.match(expected):
+        if _INT.match(got):
+            return int(got) == int(expected)
+        if tol is None:
+            return False
+        if len(got) > 400 or not _DECIMAL.match(got):
+            return False  # not a finite decimal number (nan, inf, words), or absurdly long
+        return abs(fractions.Fraction(got) - int(expected)) <= fractions.Fraction(tol)
     if tol is None:
         return False
     try:

@@ -16,9 +16,11 @@ that the solution can neither forge the verdict nor read what it is compared aga
     SANDBOX_CLEAN_FORK=1 in the run's environment; then Z is forked from T before T reads
     the key and the tests, which saves an interpreter start.
   C (untrusted) is the solution. For unit tests it executes the solution as module
-    `solution` and answers T's requests (calls, attribute access, operators) with plain data
-    (exact builtin types, which T decodes into genuine builtin objects) or opaque
-    references, which never compare equal to plain data. For stdin/stdout it runs as
+    `solution` and answers T's requests (calls, attribute access) with plain data (exact
+    builtin types, which T decodes into genuine builtin objects; judge_codec.py) or handles
+    to its objects, which T can only call, read attributes of and take len() of: comparing,
+    arithmetic, `in`, hashing, printing or iterating one is an `unjudgeable` verdict naming
+    its type (judge_rpc.Handle). A restarted C never rebinds the tests' own globals. For stdin/stdout it runs as
     `__main__` on one case's input; the expected outputs never enter the sandbox.
 
 Z and C import only C-level modules (the solution's own imports are its cost); what only T
@@ -54,6 +56,7 @@ def _load_module(name):
         return _LOADED[name]
     payload = globals().get("_JUDGE_PAYLOAD", {}).get(name)
     module = type(sys)(name)
+    module._load_module = _load_module  # its own imports of the judge's modules
     if payload is None:
         module.__file__ = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
         with open(module.__file__) as f:
@@ -274,9 +277,12 @@ def _child_unit(sock, code_obj, syntax_error):
         if name.startswith("__"):
             continue
         if isinstance(value, type(sys)):
-            names[name] = {"#": "module", "name": value.__name__}
-        else:
+            names[name] = [["m", str(value.__name__)]]
+            continue
+        try:
             names[name] = ep.encode(value)
+        except rpc.TooLarge:  # judged only if the tests use it, as any object that is not data
+            names[name] = [ep._ref(value)]
     ep.send({"ready": names})
     while True:
         try:
@@ -400,7 +406,7 @@ def _start_zygote(setup, first_fds):
             os._exit(status)
     else:
         import fcntl
-        modules = {name: payload[name] for name in ("judge_harness", "judge_rpc")}
+        modules = {name: payload[name] for name in ("judge_harness", "judge_rpc", "judge_codec")}
         boot = marshal.dumps({"marshal": globals()["_JUDGE_MARSHAL"], "payload": modules,
                               "mode": setup["mode"], "code": setup["code"]})
         sources = [_memfd(boot), os.open(os.devnull, os.O_WRONLY), z_ctl.fileno(), *first_fds]
@@ -449,7 +455,8 @@ class Judge:
         self.child = None  # (pid, endpoint, out_fd) of the live solution process (unit mode)
         self.out_open = False
         self.prespawned = None  # (t_sock, out_r) of the solution process Z started unasked
-        self.generation = 0
+        self.generation = 0  # solution processes started; restarts = generation - 1
+        self.unjudgeable = None  # why the current test cannot be judged (Endpoint.strict)
         self.deadline = time.monotonic() + float(settings["time_budget_s"])
         self.critical = 0
         self.armed = False
@@ -536,7 +543,8 @@ class Judge:
                     for fd in c_side:
                         os.close(fd)
             self.generation += 1
-            ep = rpc.Endpoint(t_sock, self.generation, self.wait_on, rpc.CALLBACK_OPS)
+            ep = rpc.Endpoint(t_sock, self.generation, self.wait_on, rpc.CALLBACK_OPS,
+                              on_unjudgeable=self.record_unjudgeable)
             self.child, self.out_open = (pid, ep, out_r), True
         finally:
             self.leave_critical()
@@ -546,6 +554,10 @@ class Judge:
         if type(msg.get("ready")) is not dict:
             raise rpc.ProtocolError("the solution process sent no namespace")
         return ep, msg["ready"]
+
+    def record_unjudgeable(self, message):
+        if self.unjudgeable is None:
+            self.unjudgeable = message
 
     def stop_child(self, wait=True, grace_s=0.0):
         """Kills the live solution process (if any) after `grace_s` to end by itself; returns
@@ -589,28 +601,51 @@ class _ImportFailed(Exception):
         self.info = info
 
 
-def _bind_solution(ns, ep, names, referenced, candidate, entry_point):
-    """Binds the solution's top-level names into the tests' namespace and module `solution`.
+def _bind_solution(ns, module, bound, ep, names, referenced, candidate, entry_point):
+    """Binds the solution's top-level names into the tests' namespace and module `solution`
+    (the same module object every time, so `import solution` in the tests stays valid).
 
     Builtins are never shadowed, and a standard-library module name always means the real
-    module: a solution cannot redefine `abs` or `math.isclose` for the tests."""
-    module = type(sys)("solution")
+    module: a solution cannot redefine `abs` or `math.isclose` for the tests. A name goes
+    into the tests' namespace only if the tests have not bound it themselves: `bound` maps
+    each name this function put there to the object it put, and after a restart a name is
+    rebound only where it still holds that object. The tests' own constants, helpers and
+    `pytest` are never overwritten, by the first solution process or a restarted one."""
+    before = dict(bound)  # what the previous solution process's names were bound to
+    for name in list(vars(module)):
+        if not name.startswith("__"):
+            delattr(module, name)
     for name, enc in names.items():
         if name.startswith("__") or hasattr(builtins, name):
             continue
-        if name in sys.stdlib_module_names or type(enc) is dict and enc.get("#") == "module":
+        is_module = (type(enc) is list and len(enc) == 1 and type(enc[0]) is list
+                     and enc[0][:1] == ["m"])
+        if name in sys.stdlib_module_names or is_module:
             if name not in referenced:
                 continue  # importing costs time; only what the tests name
-            value = _import_real(name if name in sys.stdlib_module_names else str(enc["name"]))
+            value = _import_real(name if name in sys.stdlib_module_names else str(enc[0][1]))
             if value is None:
                 continue
         else:
             value = ep.decode(enc)
         setattr(module, name, value)
-        ns[name] = value
+        _bind(ns, bound, name, value)
     sys.modules["solution"] = module
     if candidate is not None:
-        ns[candidate] = getattr(module, entry_point, None) or _missing(entry_point)
+        value = getattr(module, entry_point, None)
+        _bind(ns, bound, candidate, _missing(entry_point) if value is None else value)
+    # Aliases the tests made of the old names (`from solution import f as g`) follow them.
+    was = {id(v): name for name, v in before.items()}
+    for key, value in list(ns.items()):
+        name = was.get(id(value))
+        if name is not None and key not in bound and before[name] is value and name in bound:
+            ns[key] = bound[name]
+
+
+def _bind(ns, bound, name, value):
+    if name not in ns or (name in bound and ns[name] is bound[name]):
+        ns[name] = value
+        bound[name] = value
 
 
 def _missing(name):
@@ -629,8 +664,14 @@ def _import_real(name):
 
 def _judge_compare(left, op, right):
     if not _CMP_FUNCS[op](left, right):
-        left, right = rpc.short(repr(left), 300), rpc.short(repr(right), 300)
-        raise AssertionError(f"assert {left} {op} {right}")
+        raise AssertionError(f"assert {_repr(left)} {op} {_repr(right)}")
+
+
+def _repr(value):
+    try:
+        return rpc.short(repr(value), 300)
+    except (RecursionError, ValueError):  # deep data; a huge int
+        return f"<{type(value).__name__} too deep or large to print>"
 
 
 def _test_traceback(e):
@@ -655,6 +696,8 @@ def _outcome(e, judge, pytest_module):
         return "crashed", f"the solution process {how} during this test", ""
     if pytest_module is not None and isinstance(e, pytest_module.Skipped):
         return "skipped", str(e), ""
+    if isinstance(e, rpc.Unjudgeable):
+        return "unjudgeable", str(e), ""
     if isinstance(e, rpc.ProtocolError):
         judge.stop_child()
     status = "failed" if isinstance(e, AssertionError) else "error"
@@ -670,6 +713,8 @@ def _run_unit_tests(judge, payload):
     tree = ast.parse(source, TESTS_FILE)
     referenced = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     ns = {"__name__": "tests", "__builtins__": builtins, "__judge_compare__": _judge_compare}
+    module, bound = type(sys)("solution"), {}
+    module.__file__ = rpc.SOLUTION_FILE
     import_failure = []
     test_timeout = float(payload["test_timeout_s"])
     pytest_module = None
@@ -684,7 +729,7 @@ def _run_unit_tests(judge, payload):
                 import_failure.append(e)
                 judge.stop_child()
                 raise
-            _bind_solution(ns, ep, names, referenced, candidate, entry_point)
+            _bind_solution(ns, module, bound, ep, names, referenced, candidate, entry_point)
         code(ns) if kind == "pytest" else exec(code, ns)
 
     if style == "pytest":
@@ -704,6 +749,7 @@ def _run_unit_tests(judge, payload):
             continue
         out_mark = len(judge.output)
         outcome = ("passed", "", "")
+        judge.unjudgeable = None
         try:
             try:
                 judge.arm(limit)
@@ -721,6 +767,8 @@ def _run_unit_tests(judge, payload):
         if judge.timed_out:
             outcome = ("timeout", f"timed out after {limit:.3g} s", "")
             judge.stop_child()
+        elif judge.unjudgeable is not None:  # whatever the test made of it afterwards
+            outcome = ("unjudgeable", judge.unjudgeable, "")
         judge.drain()
         excerpt = bytes(judge.output[out_mark:]).decode("utf-8", "replace")
         if kind == "collect":
@@ -734,7 +782,7 @@ def _run_unit_tests(judge, payload):
             continue
         results.append(_result(name, *outcome, excerpt, time.monotonic() - start))
     judge.stop_child(wait=False)
-    return {"tests": results}
+    return {"tests": results, "restarts": max(judge.generation - 1, 0)}
 
 
 def _result(name, status, message="", tb="", stdout="", duration=0.0):

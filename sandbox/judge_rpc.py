@@ -1,23 +1,24 @@
 """Values and calls across the judge's channel between its trusted process and the solution.
 
-Plain data (exact builtin types, recursively) travels as tagged JSON and is decoded into
-genuine builtin objects; anything else stays where it lives and travels as a reference
-(`Remote`), whose calls, attribute access and operators are requests to the other side.
-A reference never equals plain data. Exceptions travel as descriptions and are raised again
+Values travel as plain data (judge_codec.py) and are decoded into genuine builtin objects;
+any other object stays where it lives and travels as a handle (`Handle`). In T, a handle to a
+solution's object can only be called, have its attributes read or set and its len() taken:
+every other use is an `Unjudgeable` verdict, so the solution's code never decides anything
+about a value the tests compare. Exceptions travel as descriptions and are raised again
 as exceptions of the matching builtin type, with the traceback trimmed to the solution.
 Imports only C-level modules: a solution process pays nothing for it. See judge_harness.py.
 """
 
-import binascii
 import builtins
 import operator
 import struct
 
+codec = _load_module("judge_codec")  # noqa: F821 - given by the harness's module loader
+ProtocolError, TooLarge, MAX_ITEMS = codec.ProtocolError, codec.TooLarge, codec.MAX_ITEMS
+
 SOLUTION_FILE = "solution.py"
 MAX_MESSAGE_BYTES = 32 << 20  # one RPC message; a larger one is a protocol violation
 MAX_TEXT = 2000  # chars kept of a message, traceback or output excerpt in the report
-MAX_DEPTH = 200  # nesting depth of plain data; deeper values travel as references
-BATCH = 64  # items fetched per round trip when T iterates over a solution's iterator
 SOURCES = {}  # file name -> source lines, for tracebacks
 
 
@@ -66,10 +67,6 @@ dumps, loads = _json_codec()
 
 # -- plain data and references ------------------------------------------------------------------
 
-class ProtocolError(Exception):
-    """The other side sent something that is not a valid message."""
-
-
 class ChildGone(Exception):
     """The solution process ended (crashed, exited, was killed) while T waited on it."""
 
@@ -79,26 +76,51 @@ def short(text, limit=MAX_TEXT):
     return text if len(text) <= limit else text[:limit // 2] + " ... " + text[-limit // 2:]
 
 
-class Remote:
-    """A reference to an object that lives on the other side of an endpoint.
 
-    Calls, attribute access and operators travel as requests; results come back as plain data
-    or as new references. Equality or ordering against anything but a reference from the same
-    endpoint is NotImplemented, so a reference never equals plain data (an object whose
-    `__eq__` is always True cannot pass `== expected`)."""
+class Unjudgeable(BaseException):
+    """T did something to a solution's object that only the solution's own code could answer
+    (compare it, do arithmetic on it, test `in`, hash or print it, ...), or the solution
+    returned a value too large to cross. The test's verdict is `unjudgeable`. A BaseException,
+    so that a test's `except Exception` cannot swallow it (T also records it, see Endpoint)."""
 
-    __slots__ = ("_judge_ep", "_judge_id", "_judge_gen")
 
-    def __init__(self, ep, ref_id):
+# -- references ---------------------------------------------------------------------------------
+
+# What T may do with a handle to a solution's object: call it (a function, a class, a method),
+# read or set an attribute, take len(), ask isinstance/issubclass. Everything else would have
+# the solution's code decide about a value the tests compare: unjudgeable.
+_T_ALLOWED = frozenset({"call", "getattr", "setattr", "delattr", "len", "isinstance",
+                        "issubclass"})
+
+
+class Handle:
+    """An object that lives on the other side of an endpoint.
+
+    In T (`ep.strict`), a handle stands for a solution's function, class or object: it can be
+    called, its attributes read and set, its len() taken; what comes back is plain data or
+    another handle. Any other use (==, <, +, -, `in`, hash, bool, str, int, iteration,
+    indexing, ...) raises `Unjudgeable`, naming the object's type: the solution's code never
+    answers a question about a value the tests compare. In C, a handle is a callback of T's
+    (T serves only CALLBACK_OPS on it)."""
+
+    __slots__ = ("_judge_ep", "_judge_id", "_judge_gen", "_judge_type")
+
+    def __init__(self, ep, ref_id, type_name="object"):
         object.__setattr__(self, "_judge_ep", ep)
         object.__setattr__(self, "_judge_id", ref_id)
         object.__setattr__(self, "_judge_gen", ep.generation)
+        object.__setattr__(self, "_judge_type", short(type_name, 100))
 
     def _judge_op(self, op, *args):
-        return self._judge_ep.request({"op": op, "ref": self._judge_id}, self, args)
+        ep = self._judge_ep
+        if ep.strict and op not in _T_ALLOWED:
+            ep.unjudgeable(f"the solution's value of type {self._judge_type!r} cannot be "
+                           f"judged ({_WHAT.get(op, op)} would run the solution's code; only "
+                           f"plain data is compared: numbers, strings, bytes, containers)")
+        return ep.request({"op": op, "ref": self._judge_id}, self, args)
 
     def _same_side(self, other):
-        return type(other) is Remote and other._judge_ep is self._judge_ep
+        return type(other) is Handle and other._judge_ep is self._judge_ep
 
     def __getattr__(self, name):
         if name.startswith("_judge"):
@@ -115,18 +137,12 @@ class Remote:
         return self._judge_ep.request({"op": "call", "ref": self._judge_id}, self, args, kwargs)
 
     def __repr__(self):
-        try:
-            return self._judge_op("repr")
-        except BaseException:  # noqa: B036 - repr is for messages; never fail a report on it
-            return "<object of the solution>"
+        if self._judge_ep.strict:  # for messages: never the solution's code
+            return f"<{self._judge_type} object of the solution>"
+        return self._judge_op("repr")
 
     def __iter__(self):
-        it = self._judge_op("iter")
-        while True:
-            items, done = it._judge_op("next_batch", BATCH)
-            yield from items
-            if done:
-                return
+        return self._judge_op("iter")
 
     def __instancecheck__(self, obj):
         return self._same_side(obj) and self._judge_op("isinstance", obj)
@@ -135,11 +151,14 @@ class Remote:
         return self._same_side(cls) and self._judge_op("issubclass", cls)
 
 
-def _forward(name, arity, compare=False):
-    if compare:
-        def method(self, other):
-            return self._judge_op(name, other) if self._same_side(other) else NotImplemented
-    elif arity == 1:
+_WHAT = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "hash": "hash()",
+         "bool": "truth", "str": "str()", "format": "format()", "contains": "`in`",
+         "iter": "iteration", "getitem": "indexing", "int": "int()", "float": "float()",
+         "index": "use as an index", "repr": "repr()"}
+
+
+def _forward(name, arity):
+    if arity == 1:
         def method(self):
             return self._judge_op(name)
     else:
@@ -149,16 +168,25 @@ def _forward(name, arity, compare=False):
     return method
 
 
+def _compare(name):
+    def method(self, other):
+        if self._judge_ep.strict or self._same_side(other):
+            return self._judge_op(name, other)
+        return NotImplemented
+    method.__name__ = f"__{name}__"
+    return method
+
+
 _BINARY = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
            "xor", "lshift", "rshift")
 for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
-    setattr(Remote, f"__{_name}__", _forward(_name, 2, compare=True))
+    setattr(Handle, f"__{_name}__", _compare(_name))
 for _name in ("hash", "bool", "len", "str", "int", "float", "index", "next", "neg", "pos",
               "abs", "invert"):
-    setattr(Remote, f"__{_name}__", _forward(_name, 1))
+    setattr(Handle, f"__{_name}__", _forward(_name, 1))
 for _name in ("format", "contains", "getitem", "setitem", "delitem") + _BINARY + tuple(
         "r" + b for b in _BINARY):
-    setattr(Remote, f"__{_name}__", _forward(_name, 2))
+    setattr(Handle, f"__{_name}__", _forward(_name, 2))
 
 # The operations one side may ask of an object the other side holds a reference to.
 _OPS = {
@@ -177,23 +205,11 @@ for _name in _BINARY:
     _OPS[_name] = _fn
     _OPS["r" + _name] = (lambda f: lambda a, b: f(b, a))(_fn)
 
-
-def _next_batch(it, n):
-    items = []
-    for _ in range(n):
-        try:
-            items.append(next(it))
-        except StopIteration:
-            return items, True
-    return items, False
-
-
-_OPS["next_batch"] = _next_batch
 _MUTABLE = (list, dict, set, bytearray)
 # T lets the solution only call, iterate and compare what T hands it (callbacks): attribute
 # access would reach `__globals__` and `__code__`, and from there anything in T.
 CALLBACK_OPS = frozenset(
-    {"call", "iter", "next", "next_batch", "len", "bool", "hash", "eq", "ne", "lt", "le", "gt",
+    {"call", "iter", "next", "len", "bool", "hash", "eq", "ne", "lt", "le", "gt",
      "ge", "contains", "getitem", "repr", "str", "format", "int", "float", "index"})
 
 
@@ -201,84 +217,54 @@ class Endpoint:
     """One side of the T <-> C channel: length-prefixed JSON over a stream socket.
 
     `request` sends one request and serves the other side's nested requests (callbacks) until
-    its reply arrives. Objects that are not plain data are kept in `objects` and sent as
-    references."""
+    its reply arrives. Values go as plain data (`encode`); objects that are not are kept in
+    `objects` and sent as handles. `strict` (T): handles allow only _T_ALLOWED, and
+    `on_unjudgeable(message)` records the first misuse of one."""
 
-    def __init__(self, sock, generation=0, on_wait=None, allowed_ops=None, before_send=None):
+    def __init__(self, sock, generation=0, on_wait=None, allowed_ops=None, before_send=None,
+                 on_unjudgeable=None):
         self.sock = sock
         self.generation = generation
         self.on_wait = on_wait  # T: waits for the socket, draining the solution's output
         self.allowed_ops = allowed_ops
         self.before_send = before_send  # C: flushes the solution's prints before each reply
+        self.strict = on_unjudgeable is not None
+        self.on_unjudgeable = on_unjudgeable
         self.objects = {}
         self.next_id = 0
         self.next_msg = 0
 
+    def unjudgeable(self, message):
+        self.on_unjudgeable(message)
+        raise Unjudgeable(message)
+
     # -- values ----------------------------------------------------------------------------
-    def encode(self, v, depth=0):
-        t = type(v)
-        if v is None or t is bool or t is int or t is float or t is str:
-            return v
-        if depth > MAX_DEPTH:
-            return self._ref(v)
-        d = depth + 1
-        if t is list:
-            return [self.encode(x, d) for x in v]
-        if t is tuple:
-            return {"#": "tuple", "v": [self.encode(x, d) for x in v]}
-        if t is dict:
-            return {"#": "dict", "v": [[self.encode(k, d), self.encode(x, d)]
-                                       for k, x in v.items()]}
-        if t is set or t is frozenset:
-            return {"#": t.__name__, "v": [self.encode(x, d) for x in v]}
-        if t is bytes or t is bytearray:
-            return {"#": t.__name__, "v": binascii.b2a_base64(v, newline=False).decode()}
-        if t is complex:
-            return {"#": "complex", "v": [v.real, v.imag]}
-        if t is range:
-            return {"#": "range", "v": [v.start, v.stop, v.step]}
-        if t is Remote and v._judge_ep is self:
-            if v._judge_gen != self.generation:
-                raise RuntimeError("an object from before the solution was restarted was used")
-            return {"#": "back", "id": v._judge_id}
-        known = _encode_known(self, v, d)
-        return known if known is not None else self._ref(v)
+    def encode(self, v):
+        return codec.encode(v, self._ref, self._own)
 
     def _ref(self, v):
         self.next_id += 1
         self.objects[self.next_id] = v
-        return {"#": "ref", "id": self.next_id}
+        return ["h", self.next_id, type(v).__name__]
 
-    def decode(self, x):
-        t = type(x)
-        if t is list:
-            return [self.decode(e) for e in x]
-        if t is not dict:
-            return x
-        tag, v = x.get("#"), x.get("v")
-        if tag == "tuple":
-            return tuple(self.decode(e) for e in v)
-        if tag == "dict":
-            return {self.decode(k): self.decode(e) for k, e in v}
-        if tag == "set":
-            return {self.decode(e) for e in v}
-        if tag == "frozenset":
-            return frozenset(self.decode(e) for e in v)
-        if tag in ("bytes", "bytearray"):
-            data = binascii.a2b_base64(v)
-            return data if tag == "bytes" else bytearray(data)
-        if tag == "complex":
-            return complex(float(v[0]), float(v[1]))
-        if tag == "range":
-            return range(int(v[0]), int(v[1]), int(v[2]))
-        if tag == "ref":
-            return Remote(self, int(x["id"]))
-        if tag == "back":
-            try:
-                return self.objects[int(x["id"])]
-            except KeyError:
-                raise ProtocolError(f"unknown reference {x['id']!r}") from None
-        return _decode_known(self, tag, x)
+    def _own(self, v):
+        if type(v) is Handle and v._judge_ep is self:
+            if v._judge_gen != self.generation:
+                raise RuntimeError("an object from before the solution was restarted was used")
+            return v._judge_id
+        return None
+
+    def decode(self, tokens):
+        return codec.decode(tokens, self._handle, self._back)
+
+    def _handle(self, tok):
+        return Handle(self, int(tok[1]), str(tok[2]) if len(tok) > 2 else "object")
+
+    def _back(self, ref_id):
+        try:
+            return self.objects[ref_id]
+        except KeyError:
+            raise ProtocolError(f"unknown reference {ref_id!r}") from None
 
     # -- messages --------------------------------------------------------------------------
     def send(self, msg):
@@ -286,7 +272,7 @@ class Endpoint:
             self.before_send()
         data = dumps(msg).encode()
         if len(data) > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"message of {len(data)} bytes is over the limit")
+            raise TooLarge(f"message of {len(data)} bytes is over the limit")
         self.sock.sendall(struct.pack("<I", len(data)) + data)
 
     def _recv_exact(self, n):
@@ -327,6 +313,8 @@ class Endpoint:
                 continue
             if msg.get("re") != msg_id:
                 raise ProtocolError("reply to an unknown request")
+            if "unjudgeable" in msg and self.strict:
+                self.unjudgeable(short(str(msg["unjudgeable"]), 300))
             try:
                 for i, new in msg.get("sync", ()):
                     _sync(args[i] if type(i) is int else kwargs[i], self.decode(new))
@@ -349,20 +337,26 @@ class Endpoint:
             kwargs = {str(k): self.decode(v) for k, v in msg["kwargs"].items()}
             value = target(*args, **kwargs) if op == "call" else _OPS[op](target, *args)
             reply = {"re": msg["id"], "ok": self.encode(value)}
+        except TooLarge as e:
+            reply = {"re": msg.get("id"), "unjudgeable": f"the solution returned {e}"}
         except BaseException as e:  # noqa: B036 - everything the other side did is data
             reply = {"re": msg.get("id"), "exc": describe_exception(e)}
         sync = []
-        for i, a in list(enumerate(args)) + list(kwargs.items()):
-            if type(a) in _MUTABLE:
-                now = self.encode(a)
-                if now != (msg["args"][i] if type(i) is int else msg["kwargs"][i]):
-                    sync.append([i, now])
-        if sync:
+        try:
+            for i, a in list(enumerate(args)) + list(kwargs.items()):
+                if type(a) in _MUTABLE:
+                    now = self.encode(a)
+                    if now != (msg["args"][i] if type(i) is int else msg["kwargs"][i]):
+                        sync.append([i, now])
+        except TooLarge as e:
+            reply = {"re": msg.get("id"), "unjudgeable": f"an argument became {e}"}
+        if sync and "unjudgeable" not in reply:
             reply["sync"] = sync
         try:
             self.send(reply)
         except (ValueError, TypeError, RecursionError, ProtocolError) as e:
-            self.send({"re": msg.get("id"), "exc": describe_exception(e)})
+            self.send({"re": msg.get("id"), "unjudgeable": f"the solution's reply: {e}"
+                       if isinstance(e, TooLarge) else None, "exc": describe_exception(e)})
 
 
 def _sync(obj, new):
@@ -374,56 +368,6 @@ def _sync(obj, new):
     elif type(obj) in (dict, set):
         obj.clear()
         obj.update(new)
-
-
-_NAMEDTUPLES = {}
-_COLLECTIONS = ("OrderedDict", "Counter", "defaultdict", "deque")
-
-
-def _encode_known(ep, v, d):
-    """Standard-library and numpy values that are data, not behaviour."""
-    t = type(v)
-    if isinstance(v, tuple) and hasattr(t, "_fields") and all(type(f) is str for f in t._fields):
-        return {"#": "namedtuple", "name": t.__name__, "fields": list(t._fields),
-                "v": [ep.encode(x, d) for x in v]}
-    mod, name = t.__module__, t.__name__
-    if mod == "collections" and name in _COLLECTIONS:
-        if name == "deque":
-            return {"#": "deque", "v": [ep.encode(x, d) for x in v]}
-        return {"#": name, "v": [[ep.encode(k, d), ep.encode(x, d)] for k, x in v.items()]}
-    if mod in ("decimal", "fractions") and name in ("Decimal", "Fraction"):
-        return {"#": name, "v": str(v)}
-    if mod == "numpy" and hasattr(v, "tolist"):
-        if getattr(v, "ndim", None) == 0 or name != "ndarray":
-            return ep.encode(v.item(), d)
-        return {"#": "ndarray", "dtype": str(v.dtype), "v": ep.encode(v.tolist(), d)}
-    return None
-
-
-def _decode_known(ep, tag, x):
-    import collections
-    v = x.get("v")
-    if tag == "namedtuple":
-        key = (str(x["name"]), tuple(str(f) for f in x["fields"]))
-        if key not in _NAMEDTUPLES:
-            if len(_NAMEDTUPLES) > 1000:
-                raise ProtocolError("too many namedtuple types")
-            _NAMEDTUPLES[key] = collections.namedtuple(key[0], key[1], rename=True)
-        return _NAMEDTUPLES[key](*[ep.decode(e) for e in v])
-    if tag in _COLLECTIONS:
-        if tag == "deque":
-            return collections.deque(ep.decode(e) for e in v)
-        items = {ep.decode(k): ep.decode(e) for k, e in v}
-        return collections.defaultdict(None, items) if tag == "defaultdict" else getattr(
-            collections, tag)(items)
-    if tag in ("Decimal", "Fraction"):
-        import decimal
-        import fractions
-        return (decimal.Decimal if tag == "Decimal" else fractions.Fraction)(str(v))
-    if tag == "ndarray":
-        import numpy
-        return numpy.array(ep.decode(v), dtype=str(x["dtype"]))
-    raise ProtocolError(f"unknown value tag {tag!r}")
 
 
 # -- exceptions and tracebacks ------------------------------------------------------------------

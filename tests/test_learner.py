@@ -280,19 +280,9 @@ def _expected_advantages(estimator, rewards, groups, mask_bn):
             adv_b[i] = r[i] - mean
         elif estimator == "rloo":
             adv_b[i] = (n * r[i] - r[i].sum()) / (n - 1)
-        else:  # reinforce++: returns below
-            adv_b[i] = r[i]
+        else:  # reinforce++, gamma 1: the return passes through the observation token, so
+            adv_b[i] = r[i]  # every model token before it gets the final reward too
     adv_bn = adv_b[:, None] * mask_bn
-    if estimator == "reinforce++":
-        # gamma 1, the reward on the last token; as in verl, the running return restarts
-        # at a masked token, so tokens before an observation get 0.
-        adv_bn = np.zeros_like(mask_bn)
-        for row in range(len(r)):
-            last = np.flatnonzero(mask_bn[row])[-1]
-            masked_before = np.flatnonzero(mask_bn[row, :last] == 0)
-            first = masked_before[-1] if len(masked_before) else 0
-            adv_bn[row, first:last + 1] = r[row]
-        adv_bn *= mask_bn
     if estimator.startswith("reinforce++"):  # whitened over all valid tokens, Bessel
         valid = adv_bn[mask_bn > 0]
         adv_bn = np.where(mask_bn > 0, (adv_bn - valid.mean()) / np.sqrt(valid.var(ddof=1) + 1e-8),

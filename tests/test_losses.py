@@ -82,6 +82,37 @@ def test_reinforce_pp():
     close(adv, ref_whiten(ret, MASK))
 
 
+def ref_returns_over_actions(rewards, mask, gamma):
+    """The published return G_t = sum_{k >= t} gamma^(k - t) r_k on the sequence of the model's
+    own tokens (the mask's 1s, in order), scattered back; 0 elsewhere."""
+    out = np.zeros_like(rewards)
+    for i in range(len(rewards)):
+        idx = np.flatnonzero(mask[i])
+        r = rewards[i, idx]
+        out[i, idx] = [sum(gamma ** (k - j) * r[k] for k in range(j, len(r)))
+                       for j in range(len(r))]
+    return out
+
+
+def test_reinforce_pp_multi_turn_returns_pass_through_observations():
+    gamma = 0.9
+    # Two episodes of turns separated by tool observations (0s), then padding; the final
+    # reward sits on the last model token, a per-token reward (KL in the reward) elsewhere.
+    mask = np.array([[1, 1, 0, 0, 0, 1, 1, 0, 1, 0, 0],
+                     [1, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1]], np.float32)
+    rewards = np.zeros(mask.shape)
+    rewards[0, 8], rewards[1, 10] = 1.0, -2.0
+    rewards[0, 1], rewards[1, 4] = -0.1, 0.3
+    rewards[0, 3] = 5.0  # on an observation token: not the model's, not counted
+    adv, returns = losses.reinforce_pp_advantages(rewards, mask, gamma=gamma)
+    expected = ref_returns_over_actions(rewards, mask, gamma)
+    close(returns, expected)
+    close(adv, ref_whiten(expected, mask))
+    # The first turn gets the final reward, discounted by the model tokens after it only.
+    close(returns[0, 0], -0.1 * gamma + gamma ** 4 * 1.0)
+    assert np.all(np.asarray(returns)[mask == 0] == 0)
+
+
 def test_reinforce_pp_baseline():
     groups = np.array([0, 0, 1])  # the last sequence is a singleton: baseline 0
     score = TOK_R.sum(-1)
@@ -429,6 +460,24 @@ def test_overlong_penalty():
           expected)
     with pytest.raises(ValueError, match="buffer_len"):
         losses.overlong_penalty(lengths, max_len=16, buffer_len=0)
+    # A multi-turn episode measured against its own cap (rollout.max_len), not the per-turn
+    # one: 72 tokens of turns and observations against max_len 72 is the full penalty, -1.
+    close(losses.overlong_penalty(np.array([40, 64, 72]), max_len=72, buffer_len=16),
+          [0.0, -0.5, -1.0])
+    with pytest.raises(ValueError, match=r"72 tokens is longer than max_len=48.*rollout.max_len"):
+        losses.overlong_penalty(np.array([30, 72]), max_len=48, buffer_len=16)
+    jitted = jax.jit(lambda n: losses.overlong_penalty(n, max_len=16, buffer_len=4))
+    close(jitted(lengths), [0.0, 0.0, -0.5, -1.0])
+
+
+def test_filter_overlong_masks_truncated_episodes():
+    mask = np.array([[1, 1, 0, 1], [1, 1, 1, 1], [1, 0, 0, 0]], np.float32)
+    out = losses.filter_overlong(mask, np.array([False, True, False]))
+    close(out, mask * np.array([[1.0], [0.0], [1.0]]))
+    # Masked out of the loss: a truncated row's tokens carry no gradient.
+    logp = jnp.zeros(mask.shape)
+    grad = jax.grad(lambda lp: losses.agg_loss(lp, out, "token-mean"))(logp)
+    assert np.all(np.asarray(grad)[1] == 0) and np.all(np.asarray(grad)[0][mask[0] > 0] != 0)
 
 
 def test_dynamic_sampling_selection_and_accumulation():

@@ -45,8 +45,9 @@ class ScriptedSampler:
             tokens[i, :len(turn)] = turn
             logp[i, :len(turn)] = -(np.arange(len(turn)) + 1) / 100
             lengths[i] = len(turn)
-        return Samples(tokens, logp, logp, lengths, ["stop"] * n,
-                       np.repeat(np.arange(len(prompts)), num_samples))
+        return Samples(tokens=tokens, logp=logp, logp_temp=logp, logp_t1=logp, lengths=lengths,
+                       finish_reasons=["stop"] * n,
+                       prompt_index=np.repeat(np.arange(len(prompts)), num_samples))
 
 
 def _generate(script, task_list, *, score=True, **config):

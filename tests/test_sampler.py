@@ -66,6 +66,28 @@ def test_logprobs_equal_teacher_forced_forward(model):
         assert np.isfinite(logp[steps, completion]).all()  # every token inside the top-k
 
 
+def test_behaviour_logprob_at_temperature_is_the_teacher_forced_logits_over_t(model):
+    """At T = 0.6 (with a nucleus that changes the sampled-from distribution) the stored
+    behaviour log-prob is log_softmax(logits / T) of a teacher-forced forward: the policy the
+    learner trains, as verl and TRL define it; neither the filtered nor the T=1 log-prob."""
+    temperature = 0.6
+    out = S.Sampler(model, seed=1).sample(nnx.state(model), PROMPTS, max_new_tokens=12,
+                                          num_samples=2, temperature=temperature, top_p=0.8)
+    gaps = []
+    for r, completion in enumerate(out.completions()):
+        logits, logp_t1 = _teacher_forced(model, PROMPTS[out.prompt_index[r]], completion)
+        steps = np.arange(len(completion))
+        z = logits / temperature
+        expected = (z - _logsumexp(z))[steps, completion]
+        np.testing.assert_allclose(out.logp_temp[r, steps], expected, atol=1e-5)
+        gaps += [np.abs(expected - logp_t1[steps, completion]).max(),
+                 np.abs(expected - out.logp[r, steps]).max()]
+    assert min(gaps) > 1e-3  # the three log-probs are different numbers
+    greedy = S.Sampler(model).sample(nnx.state(model), PROMPTS[:1], max_new_tokens=4,
+                                     greedy=True, temperature=temperature)
+    np.testing.assert_array_equal(greedy.logp_temp, greedy.logp_t1)
+
+
 def _argmax_decode(model, prompt, n):
     tokens = list(prompt)
     for _ in range(n):

@@ -1,6 +1,7 @@
 """Tasks: JSON round trips, the public-format loaders, clear errors on bad records."""
 
 import json
+import re
 
 import pytest
 
@@ -119,6 +120,34 @@ def test_ptrain_record_read_as_humaneval_says_ptrain(tmp_path):
     own = tasks.to_record(tasks.Task("a", "code", tasks.Format("x"), prompt="p"))
     with pytest.raises(ValueError, match="HumanEval record is missing.*format 'ptrain'"):
         tasks.load(_jsonl(tmp_path, own), "humaneval")
+
+
+def test_a_config_entry_names_its_format_and_errors_name_the_key(tmp_path):
+    path = _jsonl(tmp_path, HUMANEVAL)
+    with pytest.raises(ValueError, match=re.escape(
+            f"tasks.train[0]: {path}:1 is a humaneval record, not a ptrain task record; set "
+            f"the file's format: tasks.train[0]=({path!r}, 'humaneval')")):
+        tasks.load_entry(path, key="tasks.train[0]")
+    loaded = tasks.load_entry((path, "humaneval"), key="tasks.train[0]", domain="code")
+    assert loaded == tasks.load(path, "humaneval", domain="code")
+    with pytest.raises(ValueError, match=r"tasks.heldout\[1\]=.*'jsonl'.*a \(path, format\)"):
+        tasks.load_entry((path, "jsonl"), key="tasks.heldout[1]")
+    bad = _jsonl(tmp_path, {"id": "a", "domain": "code", "prompt": "p",
+                            "verifier": {"kind": "nope"}})
+    with pytest.raises(ValueError, match=r"^tasks.train\[2\]: .*in.jsonl:1: task record needs"):
+        tasks.load_entry(bad, key="tasks.train[2]")
+
+
+def test_lengths_are_checked_against_the_key_that_bounds_them():
+    tasks.check_lengths({"a": 3, "b": 64}, 64, key="data.max_prompt_len")
+    with pytest.raises(ValueError, match=re.escape(
+            "2 of 3 prompts are longer than data.max_prompt_len=64 tokens (the longest, "
+            "'HumanEval/3', has 90): raise data.max_prompt_len to at least 90")):
+        tasks.check_lengths({"HumanEval/1": 3, "HumanEval/2": 70, "HumanEval/3": 90}, 64,
+                            key="data.max_prompt_len")
+    with pytest.raises(ValueError, match="1 of 1 completions are longer than "
+                                         "sft.max_completion_len=8"):
+        tasks.check_lengths({"demo 0": 9}, 8, key="sft.max_completion_len", what="completion")
 
 
 def test_gzipped_files_are_read(tmp_path):

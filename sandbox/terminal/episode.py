@@ -175,7 +175,12 @@ class Episode:
 
     @property
     def tool_calls(self) -> int:
-        return len(self.transcript)
+        """Commands run (the transcript's other entries are an agent's notes)."""
+        return sum("command" in step for step in self.transcript)
+
+    def note(self, role: str, text: str) -> None:
+        """Record what is not a command in the transcript (a model's turn, in order)."""
+        self.transcript.append({"role": role, "text": text})
 
     def _healthcheck(self) -> None:
         hc = dict(self.task.healthcheck)

@@ -75,7 +75,7 @@ def evaluate(tasks, agent, out_dir: str, *, attempts: int = 1, concurrency: int 
         raise ValueError(f"attempts and concurrency must be >= 1, got {attempts}, {concurrency}")
     os.makedirs(os.path.join(out_dir, "transcripts"), exist_ok=True)
     path = os.path.join(out_dir, "results.jsonl")
-    rows = _read_rows(path)
+    rows = read_rows(path)
     done = {(r["task"], r["attempt"]) for r in rows}
     todo = [(t, a) for a in range(attempts) for t in tasks if (t.name, a) not in done]
     own = harness is None
@@ -87,7 +87,7 @@ def evaluate(tasks, agent, out_dir: str, *, attempts: int = 1, concurrency: int 
             for n, future in enumerate(concurrent.futures.as_completed(futures), 1):
                 row, transcript = future.result()
                 with lock:
-                    _write_transcript(out_dir, transcript)
+                    write_transcript(out_dir, transcript)
                     out.write(json.dumps(row) + "\n")
                     out.flush()
                     rows.append(row)
@@ -132,7 +132,7 @@ def summarize(rows: list[dict], attempts: int) -> dict:
     return summary
 
 
-def _read_rows(path: str) -> list[dict]:
+def read_rows(path: str) -> list[dict]:
     rows = []
     if not os.path.exists(path):
         return rows
@@ -148,11 +148,16 @@ def _read_rows(path: str) -> list[dict]:
     return rows
 
 
-def _write_transcript(out_dir: str, transcript: dict) -> None:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in transcript["task"])
-    folder = os.path.join(out_dir, "transcripts", safe)
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{transcript['attempt']}.json.tmp")
+def transcript_path(out_dir: str, task: str, attempt: int) -> str:
+    """OUT/transcripts/TASK/ATTEMPT.json (the task's name with only [A-Za-z0-9._-] kept)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in task)
+    return os.path.join(out_dir, "transcripts", safe, f"{attempt}.json")
+
+
+def write_transcript(out_dir: str, transcript: dict) -> None:
+    path = transcript_path(out_dir, transcript["task"], transcript["attempt"])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(transcript, f, indent=1)
-    os.replace(tmp, os.path.join(folder, f"{transcript['attempt']}.json"))
+    os.replace(tmp, path)

@@ -1,0 +1,151 @@
+"""Evaluate an agent on a directory of terminal tasks, or on a file of code / math tasks.
+
+    python -m launch.eval --tasks=tasks/terminal --agent=oracle --out=runs/oracle
+    python -m launch.eval --tasks=tb2/ --agent=nop --out=runs/nop --attempts=3 \\
+        --image_map=python:3.12-slim=ptrain-term-base:latest
+    python -m launch.eval --tasks=HumanEval.jsonl.gz --agent=oracle --out=runs/he
+    python -m launch.eval --tasks=tasks/terminal --agent=model --model=HF_DIR --out=runs/m
+
+--tasks: a directory of terminal tasks (Harbor or Terminal-Bench 1.0 layout, each task a
+sub-directory; `sandbox.terminal`), or a JSONL task file in a format of `ptrain.tasks.FORMATS`
+(--format, detected from the first record when not given), judged by `ptrain.rewards`.
+--agent=model: a local Hugging Face directory (--model) acting through its chat format's tool
+calls in the task's persistent shell (`ptrain.terminal_agent`), or answering code tasks in one
+turn (`ptrain.code_eval.ModelAgent`).
+Writes OUT/results.jsonl (one line per attempt), OUT/transcripts/, OUT/summary.json (pass@1 and
+pass@k, unbiased) and OUT/report.html; a progress bar goes to stderr, the summary to stdout.
+Run again with the same --out, only the attempts without a line in results.jsonl run.
+"""
+
+import os
+import sys
+import time
+
+from absl import app, flags
+
+_TASKS = flags.DEFINE_string("tasks", None, "A directory of terminal tasks, or a task file.")
+_FORMAT = flags.DEFINE_string("format", "", "The task file's format (ptrain.tasks.FORMATS); "
+                              "'' detects it. Not used for a directory of terminal tasks.")
+_AGENT = flags.DEFINE_enum("agent", None, ["oracle", "nop", "model"],
+                           "oracle: the task's own solution; nop: nothing; model: --model.")
+_OUT = flags.DEFINE_string("out", None, "The output directory.")
+_ATTEMPTS = flags.DEFINE_integer("attempts", 1, "Attempts per task (pass@k for k <= this).")
+_CONCURRENCY = flags.DEFINE_integer("concurrency", 2, "Terminal episodes run at once.")
+_IMAGE_MAP = flags.DEFINE_multi_string(
+    "image_map", [], "FROM=LOCAL: build a Dockerfile's FROM image from a local image instead "
+    "(repeat the flag for several).")
+_NETWORK = flags.DEFINE_bool("network", False, "Let tasks that ask for a network have one.")
+_WORKERS = flags.DEFINE_integer("workers", 2, "Sandbox workers judging code tasks.")
+_MODEL = flags.DEFINE_string("model", "", "--agent=model: a local Hugging Face model directory.")
+_CHAT_FORMAT = flags.DEFINE_string("chat_format", "", "qwen | llama3 | plain; '' detects it "
+                                   "from the tokenizer.")
+_MAX_TURNS = flags.DEFINE_integer("max_turns", 16, "Model turns per terminal episode.")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 256, "Tokens per model turn.")
+_MAX_LEN = flags.DEFINE_integer("max_len", 4096, "Tokens per episode after the prompt.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature.")
+_GREEDY = flags.DEFINE_bool("greedy", False, "Greedy decoding (pass@k needs sampling).")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.mark_flags_as_required(["tasks", "agent", "out"])
+
+
+def load_model():
+    """(sampler, params, tokenizer, chat format, stop ids) of --model."""
+    if not _MODEL.value:
+        raise app.UsageError("--agent=model needs --model=DIR (a Hugging Face model directory)")
+    if not os.path.isfile(os.path.join(_MODEL.value, "config.json")):
+        raise app.UsageError(f"--model={_MODEL.value}: no config.json there; give a Hugging Face "
+                             "model directory (a training run exports one: ptrain.hf.export)")
+    from ptrain import sampler as sampler_lib, terminal_agent
+    model, tokenizer, fmt, stop = terminal_agent.load_hf(_MODEL.value,
+                                                         chat_format=_CHAT_FORMAT.value)
+    sampler = sampler_lib.Sampler(model, seed=_SEED.value,
+                                  pad_id=getattr(tokenizer, "pad_token_id", None) or 0,
+                                  decode=tokenizer.decode)
+    return sampler, model, tokenizer, fmt, stop
+
+
+def terminal_model_agent():
+    from ptrain import terminal_agent
+    sampler, params, tokenizer, fmt, stop = load_model()
+    policy = terminal_agent.SamplerPolicy(
+        sampler, params, stop_ids=stop, max_new_tokens=_MAX_NEW_TOKENS.value,
+        temperature=_TEMPERATURE.value, greedy=_GREEDY.value, seed=_SEED.value)
+    return terminal_agent.ShellAgent(policy, tokenizer, fmt, stop_ids=stop,
+                                     max_turns=_MAX_TURNS.value, max_len=_MAX_LEN.value)
+
+
+def code_model_agent():
+    from ptrain import code_eval
+    sampler, params, tokenizer, fmt, stop = load_model()
+    return code_eval.ModelAgent(sampler, params, tokenizer, fmt, stop_ids=stop,
+                                max_new_tokens=_MAX_NEW_TOKENS.value,
+                                temperature=_TEMPERATURE.value, greedy=_GREEDY.value,
+                                seed=_SEED.value)
+
+
+def progress_bar(stream=sys.stderr, width: int = 30):
+    """progress(done, total, row): one line on `stream`, redrawn after every attempt."""
+    start, passed = time.monotonic(), [0]
+
+    def progress(done, total, row):
+        passed[0] += bool(row.get("passed"))
+        filled = width * done // max(total, 1)
+        stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+                     f"passed {passed[0]}  {time.monotonic() - start:.0f}s  "
+                     f"{str(row['task'])[:40]:<40}")
+        if done == total:
+            stream.write("\n")
+        stream.flush()
+    return progress
+
+
+def evaluate_terminal(path, agent_name, out, progress):
+    from sandbox import terminal
+    loaded = terminal.load_tasks(path)
+    print(loaded.summary(), file=sys.stderr)
+    if not loaded.tasks:
+        raise app.UsageError(f"--tasks={path}: no task loaded")
+    agent = (terminal_model_agent() if agent_name == "model" else
+             {"oracle": terminal.oracle, "nop": terminal.nop}[agent_name])
+    image_map = terminal.parse_image_map(_IMAGE_MAP.value)
+    with terminal.Harness(image_map=image_map, network=_NETWORK.value) as harness:
+        return terminal.evaluate(loaded.tasks, agent, out, attempts=_ATTEMPTS.value,
+                                 concurrency=_CONCURRENCY.value, harness=harness,
+                                 progress=progress)
+
+
+def evaluate_code(path, agent_name, out, progress):
+    import sandbox
+    from ptrain import code_eval
+    items = code_eval.load(path, _FORMAT.value)
+    agent = (code_model_agent() if agent_name == "model" else
+             {"oracle": code_eval.oracle, "nop": code_eval.nop}[agent_name])
+    with sandbox.Pool(_WORKERS.value) as pool:
+        return code_eval.evaluate(items, agent, out, attempts=_ATTEMPTS.value, pool=pool,
+                                  progress=progress)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    path, out = _TASKS.value, _OUT.value
+    if not os.path.exists(path):
+        raise app.UsageError(f"--tasks={path}: no such file or directory")
+    if os.path.isdir(path) and _FORMAT.value:
+        raise app.UsageError("--format names a task file's format; --tasks is a directory of "
+                             "terminal tasks")
+    os.makedirs(out, exist_ok=True)
+    run = evaluate_terminal if os.path.isdir(path) else evaluate_code
+    t0 = time.monotonic()
+    summary = run(path, _AGENT.value, out, progress_bar())
+    from sandbox.terminal import report
+    html = report.write_html(out, title=f"{_AGENT.value} on {path}")
+    ks = [k for k in summary if k.startswith("pass@")]
+    print(f"{summary['tasks_evaluated']} tasks x {_ATTEMPTS.value} attempts, agent "
+          f"{_AGENT.value}: " + ", ".join(f"{k} {summary[k]:.3f}" for k in ks) +
+          f", mean reward {summary['mean_reward']:.3f}; {time.monotonic() - t0:.1f} s")
+    print(f"results: {os.path.join(out, 'results.jsonl')}\nreport: {html}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,134 @@
+"""Export a run's checkpoint as a Hugging Face model directory that `transformers` loads.
+
+    python -m launch.export --workdir=runs/quickstart --out=runs/quickstart/hf
+    python -m launch.export --workdir=runs/byo --step=200 --stage=sft --out=/tmp/byo-sft
+
+The model is rebuilt from the config the run kept (`<workdir>/config.json`, written by
+launch/train.py), its parameters read from `<workdir>/checkpoints` (RL; `--stage=sft`:
+`<workdir>/sft/checkpoints`) onto the host's CPU, and written with `ptrain.hf.export`:
+config.json, safetensors, the tokenizer with its chat template (the run's `tokenizer`, else
+the brought model's) and a generation_config.json that keeps the brought model's sampling
+defaults and stops where the run's sampler stopped. A run on the quickstart's word tokenizer
+has no Hugging Face tokenizer to write: the directory then holds the model only.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app, flags, logging
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "The --workdir of a launch/train.py run.")
+_OUT = flags.DEFINE_string("out", None, "The Hugging Face directory to write.")
+_STEP = flags.DEFINE_integer("step", None, "The checkpoint step (default: the latest).")
+_STAGE = flags.DEFINE_enum("stage", "rl", ["rl", "sft"], "Which checkpoints: RL or SFT.")
+flags.mark_flags_as_required(["workdir", "out"])
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def checkpoint_dir(workdir: str, stage: str) -> str:
+    return os.path.join(workdir, *(("sft",) if stage == "sft" else ()), "checkpoints")
+
+
+def model_config(config, saved_shapes):
+    """The run's architecture: the brought model's config.json, or config.model (vocab_size 0,
+    the tokenizer's, is read from the saved embedding)."""
+    from ptrain import hf
+    from ptrain import model as model_lib
+    if config.hf_model:
+        return hf.config_from_hf(hf.read_config(config.hf_model))
+    fields = config.model.to_dict()
+    if not fields.get("vocab_size"):
+        fields["vocab_size"] = saved_shapes[("embed",)][0]
+    return model_lib.ModelConfig(**fields)
+
+
+def tokenizer_dir(config) -> str | None:
+    """The run's Hugging Face tokenizer: config.tokenizer, else the brought model's own."""
+    if config.tokenizer:
+        return config.tokenizer
+    if config.hf_model and any(os.path.exists(os.path.join(config.hf_model, f))
+                               for f in TOKENIZER_FILES):
+        return config.hf_model
+    return None
+
+
+def stop_ids(config, tokenizer) -> tuple[int, ...]:
+    """Where the run's sampler ended a turn: the chat format's end of turn and the eos ids
+    (`chat.stop_ids`), and sampling.stop_token_ids."""
+    from ptrain import chat, hf, synthetic_tasks
+    extra = tuple(config.sampling.stop_token_ids)
+    if tokenizer is None:
+        if "tasks" in config and config.tasks.source == "synthetic":  # the word tokenizer's eos
+            extra += (synthetic_tasks.WordTokenizer.for_tasks().eos_token_id,)
+        return tuple(dict.fromkeys(int(i) for i in extra))
+    fmt = chat.get(config.rollout.chat_format) if "rollout" in config else chat.PLAIN
+    eos = hf.eos_token_ids(config.hf_model) if config.hf_model else {}
+    return tuple(dict.fromkeys((*chat.stop_ids(fmt, tokenizer, eos_sources=eos), *extra)))
+
+
+def export(workdir: str, out: str, *, step: int | None = None, stage: str = "rl") -> int:
+    """Writes `out` from the run in `workdir`; returns the step exported."""
+    import jax
+    from flax import nnx
+
+    from ptrain import checkpoint as checkpoint_lib
+    from ptrain import hf, metrics, sharding
+    from ptrain import model as model_lib
+
+    config = metrics.read_run_config(workdir)
+    directory = checkpoint_dir(workdir, stage)
+    with checkpoint_lib.Checkpointer(directory) as ckpt:
+        steps = ckpt.all_steps()
+        if not steps:
+            other = "sft" if stage == "rl" else "rl"
+            hint = (f"; --stage={other} exports those in {checkpoint_dir(workdir, other)}"
+                    if os.path.isdir(checkpoint_dir(workdir, other)) else "")
+            raise FileNotFoundError(f"no complete checkpoint in {directory}{hint}")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise ValueError(f"--step={step}: {directory} holds steps {steps}")
+        saved = ckpt.param_shapes(step)
+        config_m = model_config(config, saved)
+        _, abstract = sharding.abstract(
+            lambda: model_lib.Transformer(config_m, rngs=nnx.Rngs(0)))
+        cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu),
+                              abstract)
+        wanted = dict(_param_paths(target))
+        if wanted != saved:
+            diff = sorted(set(wanted.items()) ^ set(saved.items()))[:4]
+            raise ValueError(f"the checkpoint in {directory} does not hold the model that "
+                             f"{workdir}/config.json describes (path, shape) differences: {diff}")
+        params = ckpt.restore_params(step, params=target)
+    path = tokenizer_dir(config)
+    tokenizer = hf.load_tokenizer(path) if path else None
+    if tokenizer is None:
+        logging.warning("the run has no Hugging Face tokenizer (config.tokenizer and hf_model "
+                        "are empty): %s holds the model without one", out)
+    hf.export(params, config_m, out, tokenizer=tokenizer, base_dir=config.hf_model or None,
+              stop_ids=stop_ids(config, tokenizer))
+    return step
+
+
+def _param_paths(state):
+    """(path, shape) of each parameter of an nnx state, paths as `param_shapes` spells them."""
+    import jax
+    from flax import nnx
+    for key_path, leaf in jax.tree_util.tree_leaves_with_path(
+            state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        names = tuple(str(getattr(k, "key", k)) for k in key_path)
+        yield (names[:-1] if names and names[-1] == "value" else names), tuple(
+            leaf.get_value().shape if isinstance(leaf, nnx.Variable) else leaf.shape)
+
+
+def main(argv):
+    del argv
+    step = export(_WORKDIR.value, _OUT.value, step=_STEP.value, stage=_STAGE.value)
+    logging.info("exported %s step %d to %s", checkpoint_dir(_WORKDIR.value, _STAGE.value),
+                 step, _OUT.value)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,201 @@
+"""A sandbox fleet on Ray: the pool's workers and the tool sessions of multi-turn episodes,
+spread over the nodes of a Ray cluster.
+
+    from sandbox import fleet
+    started = fleet.connect("local")        # or "auto", "HOST:6379", "ray://HOST:10001"
+    with fleet.pool(8, backend="bwrap") as pool:            # a sandbox.Pool of Ray actors
+        pool.run("print(1)"); pool.unit_tests(code, tests)  # every Pool method, backpressure
+        with fleet.Session(pool, files={"a.txt": "x"}) as s:   # like sandbox.Session
+            s.run(command=["cat", "a.txt"]); s.write_files(...); s.read_files()
+    fleet.disconnect(started)
+
+Requests: `pool` is a `sandbox.Pool(cluster="ray")` whose actors Ray spreads over the nodes.
+A request whose actor dies (its node killed, its process gone, no answer by its deadline) is
+retried on a fresh actor, so every request gets exactly one outcome (its result, or
+`WorkerLost` after `max_retries` failed attempts); `submit` blocks while `queue_size`
+requests wait, so a saturated fleet slows its caller instead of failing it.
+
+Sessions: a fleet `Session` keeps its work dir with the caller (as an unpinned
+`sandbox.Session` keeps it on the host), and each operation is one pool request that lays
+the work dir into a warm worker on whichever node is free, runs, and brings it back. A turn
+whose node dies is therefore replayed from the work dir as it was before the turn, on another
+node: no turn is lost, none is applied twice. /tmp and the like do not persist across turns,
+and a work dir past `max_state_bytes` / `max_state_files` is an error (it cannot travel).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from sandbox import backends
+from sandbox.pool import Pool
+from sandbox.request import Request
+from sandbox.result import Result
+from sandbox.workdir import WorkDir
+
+
+def connect(address: str = "local", *, num_cpus: int | None = None) -> bool:
+    """Connect this process to Ray: "local" starts a one-node cluster here (`num_cpus`),
+    anything else is an address for `ray.init` ("auto", "HOST:PORT", "ray://HOST:PORT").
+    Already connected: nothing happens. Returns whether it started or joined one now (pass
+    that to `disconnect`)."""
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("sandbox.cluster='ray' needs ray: pip install 'ptrain[ray]'") from None
+    if not isinstance(address, str) or not address:
+        raise ValueError(f"address must be 'local' or a Ray address, got {address!r}")
+    if address != "local" and num_cpus is not None:
+        raise ValueError("num_cpus is for address='local'; an existing cluster has its own")
+    if ray.is_initialized():
+        return False
+    kwargs = dict(log_to_driver=False, configure_logging=False)
+    if address == "local":
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
+    else:
+        ray.init(address=address, **kwargs)
+    return True
+
+
+def disconnect(started: bool) -> None:
+    """Undo `connect` if it connected (a local cluster it started stops with it)."""
+    if started:
+        import ray
+        ray.shutdown()
+
+
+def pool(workers: int, *, backend="auto", queue_size: int | None = None, max_retries: int = 4,
+         grace_s: float = 30.0, default_timeout_s: float = 300.0,
+         ray_options: dict | None = None, warm: bool = True) -> Pool:
+    """A `sandbox.Pool` of `workers` Ray actors (one CPU each), spread over the cluster's
+    nodes. `connect` first. More retries than a local pool by default: a node that dies takes
+    every request in flight on it, and the first replacement may be placed there before Ray
+    has noticed; workers beyond what the surviving nodes hold wait for room."""
+    options = {"scheduling_strategy": "SPREAD", **(ray_options or {})}
+    return Pool(workers, backend=backend, queue_size=queue_size, max_retries=max_retries,
+                grace_s=grace_s, default_timeout_s=default_timeout_s, cluster="ray",
+                ray_options=options, warm=warm)
+
+
+class Session:
+    """A multi-turn episode's sandbox on a fleet: the interface of `sandbox.Session`
+    (run, write_files, read_files, close, backend; never pinned), its work dir kept here and
+    carried to a free worker for each operation. Thread-safe; one operation at a time."""
+
+    pinned = False
+    worker = None
+
+    def __init__(self, fleet_pool: Pool, *, backend="auto", memory_mb: int = 512,
+                 max_processes: int = 64, network: bool = False, files: dict | None = None,
+                 max_state_bytes: int = 16 << 20, max_state_files: int = 10_000):
+        if not isinstance(fleet_pool, Pool):
+            raise TypeError(f"fleet_pool must be a sandbox.Pool, got {type(fleet_pool).__name__}")
+        for name, value in (("max_state_bytes", max_state_bytes),
+                            ("max_state_files", max_state_files)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+        self._pool = fleet_pool
+        self._spec = backends.resolve(backend) if backend != "auto" else "auto"
+        self._limits = backends.Limits(memory_mb=memory_mb, max_processes=max_processes,
+                                       network=network)
+        self._caps = {"max_bytes": max_state_bytes, "max_files": max_state_files}
+        self._lock = threading.Lock()
+        self._workdir: WorkDir | None = WorkDir()
+        if files:
+            self.write_files(files)
+
+    @property
+    def backend(self) -> str:
+        return self._spec if isinstance(self._spec, str) else self._spec.name
+
+    @property
+    def closed(self) -> bool:
+        return self._workdir is None
+
+    def run(self, code: str | None = None, *, language: str | None = None,
+            command: list[str] | None = None, files: dict | None = None,
+            stdin: str | bytes | None = None, timeout_s: float = 10.0,
+            return_files: bool = False, env: dict | None = None,
+            max_output_bytes: int = 1 << 20, max_file_mb: int = 64, max_open_files: int = 256,
+            max_files_bytes: int = 16 << 20) -> Result:
+        """Like `sandbox.Session.run`, on a worker of the fleet. Raises `WorkerLost` if every
+        attempt's worker died."""
+        request = Request(
+            code=code, language=language, command=command, files=files or {}, stdin=stdin,
+            timeout_s=timeout_s, env=env or {}, return_files=return_files,
+            max_output_bytes=max_output_bytes, max_file_mb=max_file_mb,
+            max_open_files=max_open_files, max_files_bytes=max_files_bytes)
+        with self._lock:
+            self._check_open()
+            result, self._workdir = self._remote("run", request, timeout_s)
+        return result
+
+    def write_files(self, files: dict) -> None:
+        """Add or overwrite files in the work dir (no round trip when nothing in the way)."""
+        files = dict(Request(code="", files=files).files)
+        with self._lock:
+            self._check_open()
+            added = self._workdir.with_files(files)
+            if added is not None:
+                self._workdir = added
+                return
+            _, self._workdir = self._remote("put", files, 30.0)
+
+    def read_files(self, max_bytes: int = 16 << 20) -> dict[str, bytes]:
+        """The regular files now in the work dir (read here: no round trip)."""
+        with self._lock:
+            self._check_open()
+            files = self._workdir.files()
+        if sum(map(len, files.values())) > max_bytes:
+            raise ValueError(f"the work dir holds more than max_bytes={max_bytes}; "
+                             "raise it to read everything")
+        return files
+
+    def close(self) -> None:
+        with self._lock:
+            self._workdir = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._workdir is None:
+            from sandbox.worker import WorkerError
+            raise WorkerError("the session is closed")
+
+    def _remote(self, op, payload, timeout_s):
+        future = self._pool.submit(_turn, op, self._workdir, payload, self._spec, self._limits,
+                                   self._caps, timeout_s=timeout_s)
+        return future.result()
+
+
+# -- what runs in a fleet actor ---------------------------------------------------------------
+
+_workers: dict = {}  # (spec, limits) -> the actor's Worker for session turns
+_workers_lock = threading.Lock()
+
+
+def _turn(op, workdir: WorkDir, payload, spec, limits, caps, *, timeout_s):
+    """One session operation in this actor: lay `workdir` into a warm worker, run (or write
+    files), collect it back. Returns (result, new work dir)."""
+    del timeout_s  # the pool's deadline; the request carries its own
+    from sandbox.worker import Worker
+    key = (backends.resolve(spec), limits)
+    with _workers_lock:
+        worker = _workers.get(key)
+        if worker is None or not worker.alive:
+            worker = _workers[key] = Worker(key[0], limits)
+        if op == "run":
+            result, new = worker.run_in(workdir, payload, **caps)
+        else:
+            result, new = None, worker.put_in(workdir, payload, **caps)
+        if new is None:  # it stayed in the worker: empty it for the next session
+            worker.reset()
+            raise ValueError(
+                f"a fleet session's work dir outgrew max_state_bytes={caps['max_bytes']} or "
+                f"max_state_files={caps['max_files']}; it travels between nodes each turn, "
+                "so raise the caps or keep less in it")
+    return result, new
