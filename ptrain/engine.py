@@ -151,7 +151,8 @@ class Engine:
                                          self.max_len, self.max_new_tokens)
         self.threads = concurrent.futures.ThreadPoolExecutor(max_workers=tool_threads)
         self._metrics = collections.Counter()
-        self._samples = collections.defaultdict(list)
+        self._queue_max = collections.Counter()
+        self._last_queues = {}
 
     # ------------------------------------------------------------------ weights
 
@@ -243,18 +244,20 @@ class Engine:
         if m.get("decode_steps"):
             m["slot_occupancy"] = m["busy_row_steps"] / (m["decode_steps"] * self.slots)
             m["bucket_occupancy"] = m["busy_row_steps"] / m["bucket_row_steps"]
-        for name, values in self._samples.items():
-            m[f"{name}_mean"] = float(np.mean(values))
-            m[f"{name}_max"] = int(np.max(values))
+        for name in self._last_queues:
+            if m.get("rounds"):
+                m[f"queue_{name}_mean"] = m.pop(f"queue_{name}_sum", 0) / m["rounds"]
+            m[f"queue_{name}_max"] = self._queue_max[name]
         return m
 
     def reset_metrics(self) -> None:
         self._metrics.clear()
-        self._samples.clear()
+        self._queue_max.clear()
 
     def queues(self) -> dict:
-        """Queue lengths at the last scheduling round (waiting requests, live, on tools)."""
-        return dict(self._last_queues) if hasattr(self, "_last_queues") else {}
+        """Queue lengths at the last scheduling round: sequences waiting for a slot, live
+        (decoding) and on tools."""
+        return dict(self._last_queues)
 
 
 def decode_shardings(params, mesh):
@@ -313,10 +316,13 @@ class _Run:
             self._append_observations()
             e._last_queues = dict(waiting=sum(len(g) for _, g in self.waiting),
                                   live=len(self.live), on_tools=len(self.tools))
+            e._metrics["rounds"] += 1
             for name, value in e._last_queues.items():
-                e._samples[f"queue_{name}"].append(value)
+                e._metrics[f"queue_{name}_sum"] += value
+                e._queue_max[name] = max(e._queue_max[name], value)
             if self.live:
                 self._decode_round()
+        e._last_queues = dict(waiting=0, live=0, on_tools=0)
         return self.trajs
 
     # -- admission: a waiting request's prefill goes into free slots as soon as there are G

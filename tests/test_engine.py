@@ -94,6 +94,8 @@ def test_greedy_equals_one_at_a_time(model, stop):
     assert reasons == {"stop", "length"}
     m = engine.metrics()
     assert m["tokens"] == sum(len(t.turns[0]) for t in trajs) and 0 < m["slot_occupancy"] <= 1
+    assert m["queue_waiting_max"] == 4 and engine.queues() == dict(waiting=0, live=0,
+                                                                    on_tools=0)
 
 
 def test_sampled_independent_of_slots_neighbours_and_order(model):
