@@ -20,7 +20,7 @@ it, `--no-tunix`. `--rounds` alternates the implementations (a shared machine's 
 drifts); the best (min) and typical (median) times are reported, with the ratios of the
 best times.
 
-    python bench/rollout_bench.py [--requests 64 --mean-len 64 --max-len 512 --slots 64]
+    python bench/rollout_bench.py [--requests 64 --mean-len 64 --max-len 512 --slots 32 64]
 """
 
 import argparse
@@ -140,7 +140,7 @@ def reprefill_multi_turn(model, prompts, args, threads):
 def engine_multi_turn(model, prompts, args, slots):
     n_len = 32 + args.turns * (args.turn_tokens + args.obs_tokens)
     engine = engine_lib.Engine(model, slots=slots, max_len=n_len, max_new_tokens=args.turn_tokens,
-                               temperature=1.0, token_buckets=(16, 32, n_len))
+                               temperature=1.0, token_buckets=(32, n_len))
     engine.warm_up(model)
 
     def on_turn(traj):
@@ -162,7 +162,7 @@ def main():
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--mean-len", type=int, default=64)
     parser.add_argument("--max-len", type=int, default=512)
-    parser.add_argument("--slots", type=int, nargs="+", default=[64, 16])
+    parser.add_argument("--slots", type=int, nargs="+", default=[32])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--turns", type=int, default=3)
@@ -172,7 +172,12 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-tunix", action="store_true")
+    parser.add_argument("--compile-cache", default="",
+                        help="a directory for JAX's persistent compilation cache")
     args = parser.parse_args()
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
     config = model_lib.ModelConfig(**rl_bench.MODEL, qk_norm=True, family="qwen3",
                                    bos_token_id=1, eos_token_ids=(rl_bench.EOS,))
@@ -184,6 +189,7 @@ def main():
 
     def add(name, value):
         runs.setdefault(name, []).append(value)
+        print(f"  {name}: {value[0] * 1e3:.0f} ms (median {value[1] * 1e3:.0f})", flush=True)
 
     threads = concurrent.futures.ThreadPoolExecutor(max_workers=16)
     with tempfile.TemporaryDirectory() as tmp:
