@@ -18,6 +18,7 @@ Run again with the same --out, only the attempts without a line in results.jsonl
 """
 
 import os
+import subprocess
 import sys
 import time
 
@@ -36,7 +37,9 @@ _IMAGE_MAP = flags.DEFINE_multi_string(
     "(repeat the flag for several).")
 _NETWORK = flags.DEFINE_bool("network", False, "Let tasks that ask for a network have one.")
 _WORKERS = flags.DEFINE_integer("workers", 2, "Sandbox workers judging code tasks.")
-_MODEL = flags.DEFINE_string("model", "", "--agent=model: a local Hugging Face model directory.")
+_MODEL = flags.DEFINE_string("model", "", "--agent=model: a local Hugging Face model directory, "
+                             "or the --workdir of a launch/train.py run (its latest RL "
+                             "checkpoint, else SFT, exported to OUT/model first).")
 _CHAT_FORMAT = flags.DEFINE_string("chat_format", "", "qwen | llama3 | plain; '' detects it "
                                    "from the tokenizer.")
 _MAX_TURNS = flags.DEFINE_integer("max_turns", 16, "Model turns per terminal episode.")
@@ -50,14 +53,28 @@ flags.mark_flags_as_required(["tasks", "agent", "out"])
 
 def load_model():
     """(sampler, params, tokenizer, chat format, stop ids) of --model."""
-    if not _MODEL.value:
-        raise app.UsageError("--agent=model needs --model=DIR (a Hugging Face model directory)")
-    if not os.path.isfile(os.path.join(_MODEL.value, "config.json")):
-        raise app.UsageError(f"--model={_MODEL.value}: no config.json there; give a Hugging Face "
-                             "model directory (a training run exports one: ptrain.hf.export)")
+    path = _MODEL.value
+    if not path:
+        raise app.UsageError("--agent=model needs --model=DIR (a Hugging Face model directory "
+                             "or a training run's work dir)")
+    run = [stage for stage, sub in (("rl", "checkpoints"), ("sft", "sft/checkpoints"))
+           if os.path.isdir(os.path.join(path, sub)) and os.listdir(os.path.join(path, sub))]
+    if run:  # a launch/train.py work dir: its checkpoint as a Hugging Face directory
+        hf_dir = os.path.join(_OUT.value, "model")
+        subprocess.run([sys.executable, "-m", "launch.export", f"--workdir={path}",
+                        f"--out={hf_dir}", f"--stage={run[0]}"], check=True)
+        print(f"--model={path}: its latest {run[0]} checkpoint exported to {hf_dir}",
+              file=sys.stderr)
+        path = hf_dir
+    elif not os.path.isfile(os.path.join(path, "config.json")):
+        raise app.UsageError(f"--model={path}: neither a Hugging Face model directory "
+                             "(config.json) nor a training run's work dir (checkpoints/)")
+    if not any(os.path.exists(os.path.join(path, f))
+               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise app.UsageError(f"--model={_MODEL.value}: no Hugging Face tokenizer (a run on a "
+                             "word tokenizer has none); the model agent needs one")
     from ptrain import sampler as sampler_lib, terminal_agent
-    model, tokenizer, fmt, stop = terminal_agent.load_hf(_MODEL.value,
-                                                         chat_format=_CHAT_FORMAT.value)
+    model, tokenizer, fmt, stop = terminal_agent.load_hf(path, chat_format=_CHAT_FORMAT.value)
     sampler = sampler_lib.Sampler(model, seed=_SEED.value,
                                   pad_id=getattr(tokenizer, "pad_token_id", None) or 0,
                                   decode=tokenizer.decode)

@@ -1,4 +1,5 @@
-"""Train from a config file: the closed loop (SFT, RL on sandbox verdicts, held-out evals).
+"""Train from a config file: the closed loop (SFT, RL on sandbox verdicts, held-out evals),
+or RL on terminal tasks in docker for a config with a `terminal` section (ptrain/terminal_loop.py).
 
     python -m launch.train --config=configs/quickstart.py --workdir=runs/quickstart
     python -m launch.train --config=configs/quickstart.py:short --config.steps=50 ...
@@ -47,10 +48,15 @@ def main(argv):
     _initialize_distributed()
     import jax
 
-    from ptrain import closed_loop, metrics
+    from ptrain import metrics
     if jax.process_index() == 0:  # the config and command line, for launch/export.py
         metrics.write_run_record(_WORKDIR.value, _CONFIG.value, sys.argv)
-    lines = closed_loop.run(_CONFIG.value, _WORKDIR.value)
+    if "terminal" in _CONFIG.value:  # RL on terminal tasks in docker (configs/terminal_toy.py)
+        from ptrain import terminal_loop
+        lines = terminal_loop.run(_CONFIG.value, _WORKDIR.value)
+    else:
+        from ptrain import closed_loop
+        lines = closed_loop.run(_CONFIG.value, _WORKDIR.value)
     for line in lines:
         logging.info("eval %s", line)
 

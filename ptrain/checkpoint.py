@@ -9,16 +9,24 @@ the previous checkpoint intact and the incomplete one is never listed. Restores 
 shardings of a target pytree (concrete arrays or `jax.ShapeDtypeStruct`s with `.sharding`),
 which may differ from the shardings at save time.
 
-Multi-host: every process calls `save` / `restore`; `meta` is written once, so the data state
-must be the same on all hosts (true for `ptrain.data` streams, which advance in lockstep).
+Many processes: every process calls `save` / `restore`; each writes its own shards of the
+arrays. Each process's data-iterator state (its own shard of the prompt stream) is gathered
+into `meta` at save time and handed back to the same process at restore; a restore on a
+different number of processes lands the arrays on the new shardings but cannot resume the
+data streams exactly, so `data_state` is then None (and a warning says so).
 """
 
 import dataclasses
+import json
+import logging
 import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+log = logging.getLogger("ptrain.checkpoint")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +45,44 @@ def _is_typed_key(x):
 
 
 def _abstract(tree):
-    """ShapeDtypeStructs (with sharding where known) describing the restore target."""
+    """ShapeDtypeStructs (with sharding where known) describing the restore target. With many
+    processes, a leaf without a global sharding (a PRNG key, an optimizer's step count made
+    outside jit) comes back replicated over every device of every process."""
+    replicated = None
+    if jax.process_count() > 1:
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("all",))
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
     def leaf(x):
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return x
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+        sharding = getattr(x, "sharding", None)
+        if replicated is not None and (sharding is None or sharding.is_fully_addressable):
+            sharding = replicated
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     return jax.tree.map(leaf, tree)
+
+
+def _gather_json(value) -> list:
+    """`value` (JSON-able) of every process, in process order (a collective)."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    size = int(np.max(multihost_utils.process_allgather(np.int32(data.size))))
+    padded = np.zeros(size, np.uint8)
+    padded[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(row).rstrip(b"\0").decode()) for row in rows]
+
+
+def _host_local(tree):
+    """With many processes, the arrays a process holds whole on its own devices (a PRNG key's
+    data, an optimizer's step count made outside jit; not global arrays) as numpy, which
+    orbax writes once, from the primary process (it refuses host-local jax arrays)."""
+    if jax.process_count() == 1:
+        return tree
+    return jax.tree.map(
+        lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x,
+        tree)
 
 
 class Checkpointer:
@@ -65,7 +105,9 @@ class Checkpointer:
                  "rng": jax.random.key_data(rng) if typed else rng}
         if aux_state:
             state["aux_state"] = dict(aux_state)
-        meta = {"data_state": data_state, "extra": extra or {},
+        state = _host_local(state)
+        data_states = _gather_json(data_state)
+        meta = {"data_state": data_states[0], "data_states": data_states, "extra": extra or {},
                 "rng_impl": str(jax.random.key_impl(rng)) if typed else None,
                 "aux_state": sorted(aux_state or {})}
         self._manager.save(step, args=ocp.args.Composite(
@@ -110,8 +152,21 @@ class Checkpointer:
         if _is_typed_key(rng):
             rng_out = jax.random.wrap_key_data(rng_out, impl=meta["rng_impl"])
         return Restored(step=step, params=state["params"], opt_state=state["opt_state"],
-                        rng=rng_out, data_state=meta["data_state"], extra=meta["extra"],
+                        rng=rng_out, data_state=self._data_state(step, meta),
+                        extra=meta["extra"],
                         aux_state=state.get("aux_state", {}))
+
+    def _data_state(self, step, meta):
+        """This process's data state (the one state of an older checkpoint)."""
+        states = meta.get("data_states", [meta["data_state"]])
+        n, i = jax.process_count(), jax.process_index()
+        if len(states) == n:
+            return states[i]
+        log.warning("checkpoint step %d in %s was saved by %d processes, restored by %d: the "
+                    "arrays land on the new shardings, but the data streams start afresh "
+                    "(their order cannot be resumed exactly on another process count)",
+                    step, self._manager.directory, len(states), n)
+        return None
 
     def restore_params(self, step=None, *, params):
         """Only the parameters of `step` (default: the latest), onto `params`' shardings (arrays

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 import sandbox
+from ptrain import config as config_lib
 from ptrain import learner as learner_lib
 from ptrain import metrics as metrics_lib
 from ptrain import model as model_lib
@@ -39,7 +40,7 @@ from ptrain import sharding
 from ptrain import synthetic_tasks
 from ptrain import tasks as tasks_lib
 
-SECTIONS = ("tasks", "rollout", "reward", "sandbox", "eval")  # beyond the learner's
+SECTIONS = config_lib.LOOP_SECTIONS  # beyond the learner's
 CHAT_FORMATS = {"plain": rollout_lib.ChatFormat(), "qwen": rollout_lib.QWEN}
 
 
@@ -47,54 +48,13 @@ CHAT_FORMATS = {"plain": rollout_lib.ChatFormat(), "qwen": rollout_lib.QWEN}
 
 
 def defaults() -> ml_collections.ConfigDict:
-    """The learner's keys (`learner.defaults`) plus the closed loop's sections."""
-    c = learner_lib.defaults()
-    c.tasks = dict(
-        source="synthetic",  # synthetic | jsonl
-        domains=("code", "arith", "files"),  # synthetic: a subset of synthetic_tasks.DOMAINS
-        weights=(1.0, 1.0, 1.0),  # sampling weight of each domain in RL
-        n_train=3000, n_heldout=100,  # synthetic: instances per domain
-        bug_rate=0.7,  # synthetic: how often a triggered demonstration carries its bug
-        train=(), heldout=(),  # jsonl: one task file per domain (ptrain.tasks records)
-    )
-    c.rollout = dict(max_turns=3, max_attempts=1, attempt_reward="final", discount=0.5,
-                     max_len=72,  # tokens after the prompt (turns, observations, feedback)
-                     max_tool_output_chars=1000, tool_timeout_s=5.0,
-                     chat_format="plain")  # plain | qwen
-    c.reward = dict(partial_credit=False, timeout_s=10.0, test_timeout_s=2.0, memory_mb=512)
-    c.sandbox = dict(backend="auto", workers=2)
-    c.eval = dict(n=100,  # held-out tasks per domain (at most the held-out split)
-                  sample=False)  # also pass@1 at the sampling temperature
-    return c
+    """The learner's keys plus the closed loop's sections (`ptrain.config.defaults`)."""
+    return config_lib.defaults(closed_loop=True)
 
 
 def check_config(config) -> None:
-    """The learner's checks on its part, then the closed loop's sections."""
-    learner_lib.check_config(learner_part(config))
-    ref = defaults()
-    for name in SECTIONS:
-        if name not in config:
-            raise ValueError(f"config: missing section {name!r} (see closed_loop.defaults())")
-        unknown = sorted(set(config[name].keys()) - set(ref[name].keys()))
-        missing = sorted(set(ref[name].keys()) - set(config[name].keys()))
-        if unknown or missing:
-            raise ValueError(f"config.{name}: unknown keys {unknown}, missing keys {missing}")
-    t = config.tasks
-    checks = [
-        (t.source in ("synthetic", "jsonl"), "tasks.source must be 'synthetic' or 'jsonl'"),
-        (len(t.weights) == len(t.domains), "tasks.weights needs one weight per domain"),
-        (t.source != "synthetic" or set(t.domains) <= set(synthetic_tasks.DOMAINS),
-         f"synthetic domains are {synthetic_tasks.DOMAINS}"),
-        (t.source != "jsonl" or len(t.train) == len(t.heldout) == len(t.domains),
-         "tasks.train and tasks.heldout need one task file per domain"),
-        (config.rollout.chat_format in CHAT_FORMATS,
-         f"rollout.chat_format must be one of {sorted(CHAT_FORMATS)}"),
-        (config.rollout.max_attempts == 1 or not config.rl.staleness,
-         "self-correction (rollout.max_attempts > 1) scores during the episode: rl.staleness=0"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(f"config: {message}")
+    """The learner's checks, then the closed loop's sections (`ptrain.config.check`)."""
+    config_lib.check(config, closed_loop=True)
 
 
 def learner_part(config) -> ml_collections.ConfigDict:

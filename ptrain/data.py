@@ -7,8 +7,10 @@ default) or is skipped, counted and logged (`on_error="skip"`); the count is in
 `Prompts.metrics()`. Blank lines in JSONL are not records.
 
 The stream is deterministic given the seed: each source is shuffled (reshuffled every epoch)
-and repeated, the sources are interleaved by weight, host `i` of `n` takes every n-th record
-from offset i, and records are grouped into lists of `batch_size`. The iterator's state is a
+and repeated, the sources are interleaved by weight and grouped into global batches of
+`n x batch_size` records, of which host `i` of `n` takes the i-th slice of `batch_size`: the
+rows the mesh puts on its devices (`sharding.local_rows`), so n hosts together see the batches
+one host would, in the same order (and a run on n hosts matches one on one host). The iterator's state is a
 small JSON-able dict (`get_state` / `set_state`) from which iteration resumes exactly.
 """
 
@@ -123,7 +125,7 @@ class Prompts:
 
 def prompt_batches(sources, *, batch_size, seed, num_epochs=None, shuffle=True,
                    on_error="raise", required_keys=(), process_index=None, process_count=None):
-    """Builds the prompt stream of this host.
+    """Builds the prompt stream of this host (`batch_size`: its share of a global batch).
 
     sources: paths, or (path, weight) pairs; weights are relative sampling rates.
     num_epochs: None repeats forever; k stops when a source runs out after k passes.
@@ -152,6 +154,11 @@ def prompt_batches(sources, *, batch_size, seed, num_epochs=None, shuffle=True,
         parts.append(ds.repeat(num_epochs))
     weights = tuple(float(w) for _, w in specs)
     ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
-    ds = ds[process_index::process_count]
+    # Slices of batch_size, host i taking slice i of every global batch of n slices: each host
+    # reads only its own records. Whole global batches only, so every host has as many.
     ds = ds.batch(batch_size, drop_remainder=True, batch_fn=list)
+    if process_count > 1:
+        if num_epochs is not None:
+            ds = ds[:len(ds) // process_count * process_count]
+        ds = ds[process_index::process_count]
     return Prompts(dataset=ds, sources=opened, weights=weights)

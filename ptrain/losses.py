@@ -160,9 +160,7 @@ def gae(token_rewards_bt, values_bt, mask_bt, *, gamma=1.0, lam=1.0):
         return (next_v_b, last_b), last_b
 
     zeros_b = jnp.zeros(r_bt.shape[0])
-    xs_tb = tuple(jnp.swapaxes(x, 0, 1) for x in (r_bt, v_bt, m_bt))
-    _, adv_tb = jax.lax.scan(lambda c, x: step(c, *x), (zeros_b, zeros_b), xs_tb, reverse=True)
-    adv_bt = jnp.swapaxes(adv_tb, 0, 1)
+    adv_bt = _reverse_scan(step, (zeros_b, zeros_b), r_bt, v_bt, m_bt)
     return masked_whiten(adv_bt, m_bt), adv_bt + v_bt
 
 
@@ -415,52 +413,6 @@ def filter_overlong(loss_mask_bt, truncated_b):
     unfinished answer is neither rewarded nor punished for its length."""
     keep_b = 1.0 - jnp.asarray(truncated_b, jnp.float32)
     return jnp.asarray(loss_mask_bt, jnp.float32) * keep_b[:, None]
-
-
-def informative_groups(rewards_b, group_ids_b):
-    """DAPO dynamic sampling: True for samples whose group's rewards are not all equal.
-
-    verl's DAPO trainer keeps a group when the std of its rewards is > 0 or it has one
-    sample. Host-side numpy; returns a bool mask [b].
-    """
-    r_b, g_b = np.asarray(rewards_b, np.float64), np.asarray(group_ids_b)
-    keep_b = np.zeros(len(r_b), bool)
-    for g in np.unique(g_b):
-        in_g = g_b == g
-        keep_b[in_g] = in_g.sum() == 1 or np.std(r_b[in_g]) > 0
-    return keep_b
-
-
-def _take(x, idx):
-    return [x[i] for i in idx] if isinstance(x, list) else np.asarray(x)[idx]
-
-
-def _concat(a, b):
-    return a + b if isinstance(a, list) else np.concatenate([a, b])
-
-
-def accumulate_groups(acc, batch, keep_b, *, num_groups, group_key="group_id"):
-    """Adds the kept rows of `batch` to `acc` until it holds `num_groups` whole groups.
-
-    batch: dict of per-sample columns (numpy arrays or lists, leading dimension b), one of
-    them `group_key`. acc: None or the previous return value. Returns (acc, full); once
-    full, acc is cut to the first `num_groups` groups. Group ids must be unique across
-    generation batches. The loop that samples again until full, with a cap, is the learner's.
-    """
-    idx = np.flatnonzero(keep_b)
-    new = {k: _take(v, idx) for k, v in batch.items()}
-    if acc is not None:
-        clash = set(np.asarray(acc[group_key]).tolist()) & set(np.asarray(new[group_key]).tolist())
-        if clash:
-            raise ValueError(f"group ids {sorted(clash)[:5]} repeat across generation batches; "
-                             "give every prompt of the run a distinct group id")
-        new = {k: _concat(acc[k], v) for k, v in new.items()}
-    groups = list(dict.fromkeys(np.asarray(new[group_key]).tolist()))
-    if len(groups) < num_groups:
-        return new, False
-    chosen = set(groups[:num_groups])
-    rows = [i for i, g in enumerate(np.asarray(new[group_key]).tolist()) if g in chosen]
-    return {k: _take(v, rows) for k, v in new.items()}, True
 
 
 # ------------------------------------------------------------ log-probs from hidden states

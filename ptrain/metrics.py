@@ -114,11 +114,22 @@ def _scalar(key, value):
 class MetricsWriter:
     """Writes one work dir's logs; see the module docstring."""
 
-    def __init__(self, workdir, *, total_steps=None, start_step=0, progress=None):
+    def __init__(self, workdir, *, total_steps=None, start_step=0, progress=None,
+                 primary=None):
+        """primary: whether this process writes (default: JAX process 0 of many, so that N
+        processes logging the same globally reduced metrics write one set of files); the
+        others check what they are given and write nothing."""
         self.workdir = os.fspath(workdir)
-        os.makedirs(self.workdir, exist_ok=True)
+        if primary is None:
+            import jax  # only to learn which process this is
+            primary = jax.process_index() == 0
+        self.primary = bool(primary)
+        self._step = start_step
         self.metrics_path = os.path.join(self.workdir, "metrics.jsonl")
         self.rollouts_path = os.path.join(self.workdir, "rollouts.jsonl")
+        if not self.primary:
+            return
+        os.makedirs(self.workdir, exist_ok=True)
         for path in (self.metrics_path, self.rollouts_path):
             truncate_jsonl(path, start_step)
         self._tb = tensorboardX.SummaryWriter(os.path.join(self.workdir, "tb"),
@@ -134,6 +145,8 @@ class MetricsWriter:
     def write(self, step, metrics):
         """Logs a dict of scalar metrics for `step` (numbers, numpy or JAX scalars)."""
         values = {k: _scalar(k, v) for k, v in metrics.items()}
+        if not self.primary:
+            return
         self._metrics.write(json.dumps({"step": int(step), **values}) + "\n")
         self._metrics.flush()
         for key, value in values.items():
@@ -152,12 +165,16 @@ class MetricsWriter:
                 raise ValueError(f"rollout sample {i} of step {step} lacks {missing}")
             record = {"step": int(step), "feedback": None, "domain": None, **sample}
             lines.append(json.dumps(record, default=_to_json) + "\n")
+        if not self.primary:
+            return
         self._rollouts.write("".join(lines))
         self._rollouts.flush()
 
     def plot(self, keys=None):
         """Draws `<workdir>/plots/<key>.png` per key (default: reward, KL, entropy and length
         metrics); returns the paths."""
+        if not self.primary:
+            return []
         records = read_jsonl(self.metrics_path)
         logged = sorted({k for r in records for k in r} - {"step"})
         keys = [k for k in logged if DEFAULT_PLOT_PATTERN.search(k)] if keys is None else keys
@@ -180,6 +197,8 @@ class MetricsWriter:
         return paths
 
     def close(self):
+        if not self.primary:
+            return
         self._bar.close()
         self._tb.close()
         self._metrics.close()

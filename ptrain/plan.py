@@ -8,11 +8,12 @@ mesh (XLA's host platform with N devices: `launch/plan.py` sets
 "what mesh do I need for N tokens of model M": it ranks candidate meshes with `estimate` and
 confirms the best with compiles against a per-device budget.
 
-The step is `train_step`: packed documents of `seq_len` tokens, token-mean next-token loss
-(`losses.chunked_logprobs`, per sequence shard), AdamW from `learner.make_optimizer`. The
-learner's RL and SFT steps run each prompt through a KV cache that is not sharded over time,
-so at long context this step, which runs the whole sequence through ring attention, is the
-one to plan.
+The step is `ptrain.step.packed_update` (this module has no step of its own): packed
+documents of `seq_len` tokens, token-mean next-token loss (`losses.chunked_logprobs`, per
+sequence shard), AdamW from `step.make_optimizer`. The learner's RL and SFT updates
+(`step.update`) run each prompt through a KV cache that is not sharded over time, so at long
+context the packed update, which runs the whole sequence through ring attention, is the one
+to plan.
 
 The numbers are those of XLA's CPU compiler, which schedules and fuses differently from the
 GPU and TPU compilers and widens some bfloat16 buffers to float32 (the layer scan's saved
@@ -33,15 +34,14 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import long_context
-from ptrain import learner
-from ptrain import losses
+from ptrain import config as config_lib
 from ptrain import model as model_lib
 from ptrain import sharding
+from ptrain import step as step_lib
 
 GIB = 1 << 30
 BATCH_KEYS = ("tokens_bt", "positions_bt", "segment_ids_bt", "targets_bt", "loss_mask_bt")
@@ -51,28 +51,14 @@ BATCH_KEYS = ("tokens_bt", "positions_bt", "segment_ids_bt", "targets_bt", "loss
 
 
 def defaults() -> ml_collections.ConfigDict:
-    """Every key a plan config holds; `check_config` rejects missing and unknown ones."""
-    c = ml_collections.ConfigDict()
-    # ModelConfig fields (attention_impl, attn_block_q/k and remat included); the rest keep
-    # their ModelConfig defaults.
-    c.model = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
-                   attention_impl="ring", remat="full")
-    c.seq_len = 1024  # tokens per sequence (packed documents)
-    c.batch = 1  # sequences per step
-    c.mesh = dict(data=1, fsdp=1, sequence=1, tensor=1)  # no -1: a plan names its devices
-    c.layout = "zigzag"  # the token order the data pipeline feeds (long_context.LAYOUTS)
-    c.logprob_chunk = 1024  # time steps per chunk of the log-prob computation
-    c.optim = dict(lr=1e-5, warmup_steps=0, schedule="constant", min_lr_ratio=0.0,
-                   weight_decay=0.0, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0)
-    c.budget_gib = 80.0  # usable memory per device
-    # `search`: device counts to try (ascending) and compiles per count.
-    c.search = dict(device_counts=(8, 16, 32, 64, 128), confirm=2)
-    return c
+    """Every key a plan config holds (`ptrain.config.plan_defaults`); `check_config` rejects
+    missing and unknown ones."""
+    return config_lib.plan_defaults()
 
 
 def check_config(config) -> None:
     """Raises a ValueError naming missing or unknown keys, or a bad value."""
-    missing, unknown = learner._key_diff(defaults(), config, "")
+    missing, unknown = config_lib.key_diff(defaults(), config)
     missing = [k for k in missing if not k.startswith("model.")]  # ModelConfig defaults
     fields = {f.name for f in dataclasses.fields(model_lib.ModelConfig)}
     unknown = [k for k in unknown if not (k.startswith("model.") and k[6:] in fields)]
@@ -110,29 +96,11 @@ def check_shapes(mc, mesh_shape, *, seq_len, batch, layout) -> None:
     long_context.layout_permutation(seq_len, layout, mesh_shape.get("sequence", 1))
 
 
-# ============================================================================ the step
-
-
-def train_step(params, opt_state, batch, *, graphdef, tx, chunk):
-    """One AdamW step on packed sequences: token-mean negative log-likelihood of the
-    targets where loss_mask_bt is 1. Returns (params, opt_state, {"loss", "grad_norm"})."""
-
-    def loss_fn(params):
-        model = nnx.merge(graphdef, params)
-        h_btd, _ = model.hidden(batch["tokens_bt"], batch["positions_bt"],
-                                batch["segment_ids_bt"])
-        logp_bt = losses.chunked_logprobs(h_btd, model.unembedding_vd().T, batch["targets_bt"],
-                                          chunk=chunk, mesh=model.mesh)
-        return -losses.masked_mean(logp_bt, batch["loss_mask_bt"])
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
-    return optax.apply_updates(params, updates), opt_state, metrics
+# ======================================================================= the packed batch
 
 
 def packed_batch(tokens_bt, segment_ids_bt, *, layout="contiguous", shards=1):
-    """The host batch of `train_step` from packed documents (segment id 0: padding).
+    """The host batch of `step.packed_update` from packed documents (segment id 0: padding).
 
     Positions restart at each document; the target of a token is the next token of its
     document (the loss mask is 0 at a document's last token and on padding). The arrays are
@@ -179,8 +147,8 @@ def abstract_inputs(mc, mesh, *, seq_len, batch, optim):
     graphdef, params = sharding.abstract(
         lambda: model_lib.Transformer(mc, rngs=nnx.Rngs(0), mesh=mesh), mesh)
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
-    tx, _ = learner.make_optimizer(optim, total_steps=1)
-    opt_shardings = learner.opt_state_shardings(tx, params, param_shardings, mesh)
+    tx, _ = step_lib.make_optimizer(optim, total_steps=1)
+    opt_shardings = step_lib.opt_state_shardings(tx, params, param_shardings, mesh)
     opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                              jax.eval_shape(tx.init, params), opt_shardings)
     bt = sharding.named(mesh, ("batch", "seq"), (batch, seq_len))
@@ -191,16 +159,16 @@ def abstract_inputs(mc, mesh, *, seq_len, batch, optim):
 
 
 def jit_step(graphdef, tx, mesh, params, opt_state, *, chunk):
-    """`train_step` jitted with the state's shardings in and out, the state donated."""
+    """`step.packed_update` jitted with the state's shardings in and out, the state donated."""
     shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
     replicated = NamedSharding(mesh, P())
-    return jax.jit(functools.partial(train_step, graphdef=graphdef, tx=tx, chunk=chunk),
+    return jax.jit(functools.partial(step_lib.packed_update, graphdef=graphdef, tx=tx, chunk=chunk),
                    out_shardings=(*shardings, replicated), donate_argnums=(0, 1))
 
 
 def compile_plan(mc, mesh_shape, *, seq_len, batch, optim, chunk, layout="contiguous",
                  budget_gib=None) -> dict:
-    """Compiles `train_step` for `mesh_shape` and returns the per-device report (bytes)."""
+    """Compiles `step.packed_update` for `mesh_shape` and returns the per-device report (bytes)."""
     check_shapes(mc, mesh_shape, seq_len=seq_len, batch=batch, layout=layout)
     mesh = make_mesh(mesh_shape)
     t0 = time.perf_counter()

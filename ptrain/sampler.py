@@ -32,6 +32,7 @@ from flax import nnx
 
 from ptrain import model as model_lib
 from ptrain import sharding
+from ptrain.prefill import prefill_shared
 
 FINISH_REASONS = ("stop", "length")
 _RUNNING, _STOP, _LENGTH = 0, 1, 2
@@ -80,6 +81,11 @@ class Sampler:
     `get_state` / `set_state` checkpoint it. `decode(ids) -> str` (a tokenizer's decode) is
     needed only for stop strings. With a mesh, rows are sharded over data x fsdp and heads
     over tensor, like the model.
+
+    Many processes: each passes its own prompts and gets back the samples of those (rows of
+    process p follow those of p-1 in the global batch); shapes and stop decisions are agreed
+    across processes. Where the mesh replicates rows over processes, every process passes the
+    same prompts and gets every sample.
     """
 
     def __init__(self, model: model_lib.Transformer, *, seed: int = 0, pad_id: int = 0,
@@ -121,10 +127,11 @@ class Sampler:
         if isinstance(params, model_lib.Transformer):
             params = nnx.state(params)
         tokens_bt, lengths_b = self._pad_prompts(prompts, prompt_len, batch_size)
-        n = len(prompts) * num_samples
+        n = len(prompts) * num_samples  # this process's rows
         real_b = np.arange(len(tokens_bt)) < len(prompts)
-        tokens_bt, lengths_b, real_b = sharding.shard_batch((tokens_bt, lengths_b, real_b),
-                                                            self.mesh)
+        tokens_bt, lengths_b, real_b = sharding.from_process_local(
+            (tokens_bt, lengths_b, real_b), self.mesh,
+            global_rows=len(tokens_bt) * sharding.row_groups(self.mesh))
         carry = _prefill(params, tokens_bt, lengths_b, real_b, graphdef=self.graphdef,
                          num_samples=num_samples, max_new_tokens=max_new_tokens)
         if not stop_strings:
@@ -140,7 +147,7 @@ class Sampler:
             limit = min(limit + self.stop_check_every, max_new_tokens)
             carry = _decode(params, carry, key, jnp.int32(limit), graphdef=self.graphdef,
                             settings=settings)
-            tokens, lengths, done = jax.device_get(
+            tokens, lengths, done = sharding.to_host_local(
                 (carry["tokens_bn"], carry["lengths_b"], carry["done_b"]))
             done = np.array(done)
             for row in range(n):
@@ -152,9 +159,10 @@ class Sampler:
                 if end is not None:
                     cut[row] = end
                     done[row] = True
-            if done.all():
+            if sharding.agree(bool(done.all()), "all"):  # every process stops together
                 break
-            carry["done_b"] = jax.device_put(done, carry["done_b"].sharding)
+            carry["done_b"] = jax.make_array_from_process_local_data(
+                carry["done_b"].sharding, done, carry["done_b"].shape)
         return self._finish(carry, n, num_samples, cut)
 
     def _settings(self, temperature, top_k, top_p, greedy, stop_token_ids, stop_strings,
@@ -189,13 +197,17 @@ class Sampler:
         if min(lengths) == 0:
             raise ValueError(f"Sampler: prompt {lengths.index(0)} is empty; every prompt needs "
                              "at least one token (e.g. BOS)")
-        prompt_len = prompt_len or max(8, _next_pow2(max(lengths)))
-        if max(lengths) > prompt_len:
-            raise ValueError(f"Sampler: a prompt has {max(lengths)} tokens, more than "
+        # Shapes are agreed over processes (each pads its own prompts), so that all of them
+        # run the same programs; with one process `agree` is the identity.
+        longest = sharding.agree(max(lengths), "max")
+        prompt_len = prompt_len or max(8, _next_pow2(longest))
+        if longest > prompt_len:
+            raise ValueError(f"Sampler: a prompt has {longest} tokens, more than "
                              f"prompt_len={prompt_len}")
-        shards = _batch_shards(self.mesh)
-        rows = batch_size or _next_pow2(len(prompts))
-        rows = -(-max(rows, len(prompts)) // shards) * shards
+        groups = sharding.row_groups(self.mesh)
+        shards = max(1, _batch_shards(self.mesh) // groups)  # per process's block of rows
+        rows = sharding.agree(max(batch_size or _next_pow2(len(prompts)), len(prompts)), "max")
+        rows = -(-rows // shards) * shards
         tokens_bt = np.full((rows, prompt_len), self.pad_id, np.int32)
         lengths_b = np.ones(rows, np.int32)
         for i, p in enumerate(prompts):
@@ -207,7 +219,7 @@ class Sampler:
         return tokens_bt, lengths_b
 
     def _finish(self, carry, n, num_samples, cut) -> Samples:
-        tokens, logp, logp_temp, logp_t1, lengths, reasons = jax.device_get(
+        tokens, logp, logp_temp, logp_t1, lengths, reasons = sharding.to_host_local(
             (carry["tokens_bn"], carry["logp_bn"], carry["logp_temp_bn"], carry["logp_t1_bn"],
              carry["lengths_b"], carry["reason_b"]))
         tokens, logp, logp_temp, logp_t1, lengths, reasons = (
@@ -260,38 +272,6 @@ def _constrain_rows(tree, mesh):
     if mesh is None:
         return tree
     return {k: one(v) for k, v in tree.items()}
-
-
-def left_padded(lengths_b, t):
-    """Segment ids (1 on tokens, 0 on the left padding) and RoPE positions of prompts
-    right-aligned in `t` columns."""
-    segment_ids_bt = (jnp.arange(t)[None, :] >= t - lengths_b[:, None]).astype(jnp.int32)
-    return segment_ids_bt, jnp.maximum(jnp.cumsum(segment_ids_bt, axis=1) - 1, 0)
-
-
-def prefill_shared(model, prompt_bt, lengths_b, *, repeats, extra_slots):
-    """Runs each prompt once and returns (final hidden state of each prompt [b, d], the cache
-    repeated `repeats` times with `extra_slots` empty slots appended): row i's copies are
-    rows i*repeats .. i*repeats+repeats-1. The sampler continues the copies with samples;
-    the learner with the samples' tokens, differentiating through the repeat."""
-    b, t = prompt_bt.shape
-    segment_ids_bt, positions_bt = left_padded(lengths_b, t)
-    cache = model_lib.init_cache(model.config, b, t)
-    h_btd, cache = model.hidden(prompt_bt, positions_bt, segment_ids_bt, cache)
-
-    def grow(x, axis):  # repeat rows, then append empty slots
-        x = jnp.repeat(x, repeats, axis=axis)
-        pad = [(0, 0)] * x.ndim
-        pad[axis + 1] = (0, extra_slots)
-        return jnp.pad(x, pad)
-
-    cache = model_lib.KVCache(grow(cache.k_lbske, 1), grow(cache.v_lbske, 1),
-                              grow(cache.positions_bs, 0), grow(cache.segment_ids_bs, 0),
-                              cache.index)
-    if model.mesh is not None:
-        cache = jax.tree.map(jax.lax.with_sharding_constraint, cache,
-                             model_lib.cache_shardings(cache, model.mesh))
-    return h_btd[:, -1], cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_samples", "max_new_tokens"))

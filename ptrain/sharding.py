@@ -224,21 +224,34 @@ def from_process_local(batch, mesh: Mesh | None, axes: Sequence[str | None] = ("
     return jax.tree.map(put, batch)
 
 
-def _row_groups(mesh: Mesh, axis: str | None, local_b: int) -> int:
-    """How many distinct row blocks the processes hold for a batch axis (1: replicated)."""
-    if axis is None:
+def row_groups(mesh: Mesh | None, axis: str = "batch") -> int:
+    """How many distinct blocks of rows the processes hold for a logical `axis`: the number of
+    processes when the batch axes cross every process boundary, 1 when rows are replicated
+    over processes (e.g. tensor parallelism over all devices)."""
+    if mesh is None or jax.process_count() == 1:
         return 1
     mesh_axes = RULES.get(axis)
     mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
-    # Process index of every device along the sharded axes, the others fixed at 0.
+    if not mesh_axes:
+        return 1
     procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
     moved = np.moveaxis(procs, [mesh.axis_names.index(a) for a in mesh_axes],
                         range(len(mesh_axes)))
-    along = moved.reshape(math.prod(mesh.shape[a] for a in mesh_axes), -1)[:, 0]
-    groups = len(set(along.tolist()))
+    n = math.prod(mesh.shape[a] for a in mesh_axes)
+    along = moved.reshape(n, -1)[:, 0]  # the process of each block, other axes at 0
+    return len(set(along.tolist()))
+
+
+def _row_groups(mesh: Mesh, axis: str | None, local_b: int) -> int:
+    """row_groups, or 1 where the global rows would not divide (then `spec` replicates)."""
+    if axis is None:
+        return 1
+    groups = row_groups(mesh, axis)
+    mesh_axes = RULES.get(axis)
+    mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
     n = math.prod(mesh.shape[a] for a in mesh_axes)
     if n > 1 and (local_b * groups) % n:
-        return 1  # would not divide: `spec` replicates it, every process holds all rows
+        return 1
     return groups
 
 

@@ -63,15 +63,19 @@ class Tokens:
         self.logp += list(logp) if logp is not None else [0.0] * len(ids)
 
 
-def render_prompt(fmt: chat.ChatFormat, tokenizer, instruction: str) -> list[int]:
+def render_prompt(fmt: chat.ChatFormat, tokenizer, instruction: str,
+                  system: str = SYSTEM) -> list[int]:
     """The prompt's ids: system + instruction through the chat template with the bash schema,
-    or plain text for a format without a template."""
+    or plain text for a format without a template (the instruction alone when `system` is
+    "": a small model trained from scratch on short prompts)."""
     if not fmt.uses_template:
-        return chat.encode(tokenizer, f"{SYSTEM}\n\nTask:\n{instruction}\n")
+        return chat.encode(tokenizer, f"{system}\n\nTask:\n{instruction}\n" if system
+                           else instruction)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"chat format {fmt.name!r} renders the prompt with the tokenizer's "
                          "chat template and this tokenizer has none; use 'plain'")
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": instruction}]
+    messages = ([{"role": "system", "content": system}] if system else []) + \
+        [{"role": "user", "content": instruction}]
     text = tokenizer.apply_chat_template(messages, tools=[BASH], add_generation_prompt=True,
                                          tokenize=False)
     return chat.encode(tokenizer, text)
@@ -129,49 +133,63 @@ class ShellAgent:
 
     def __init__(self, policy, tokenizer, fmt: chat.ChatFormat, *, stop_ids=(),
                  max_turns: int = 16, max_len: int = 4096, max_output_chars: int = 2000,
-                 call_timeout_s: float | None = None):
+                 call_timeout_s: float | None = None, system: str = SYSTEM):
         if max_turns < 1 or max_len < 1:
             raise ValueError(f"max_turns and max_len must be >= 1, got {max_turns}, {max_len}")
         self.policy, self.tokenizer, self.fmt = policy, tokenizer, fmt
         self.stop_ids = tuple(stop_ids)
         self.max_turns, self.max_len = max_turns, max_len
         self.max_output_chars, self.call_timeout_s = max_output_chars, call_timeout_s
+        self.system = system
 
     def __call__(self, episode) -> Tokens:
-        from sandbox.terminal import TimeUp  # the harness's, not a ptrain dependency
-        prompt = render_prompt(self.fmt, self.tokenizer, episode.instruction)
-        tokens = Tokens(list(prompt), [0] * len(prompt), [0.0] * len(prompt), len(prompt))
-        episode.tokens = tokens
-        for _ in range(self.max_turns):
-            new, logp = self.policy(tokens.ids)
-            room = self.max_len - (len(tokens.ids) - tokens.prompt_len)
-            tokens.add(new[:room], model=True, logp=logp[:room])
-            episode.turns += 1
-            text = chat.turn_text(self.tokenizer, new, self.stop_ids)
-            episode.note("model", text)
-            if len(new) > room:
-                tokens.finish = "max_len"
-                return tokens
-            calls = chat.parse_tool_calls(self.fmt, text)
-            if not calls:
-                tokens.finish = "answered"
-                return tokens
-            outputs = []
-            for call in calls:
-                try:
-                    outputs.append(self._call(episode, call))
-                except TimeUp:
-                    tokens.finish = "time_up"
-                    raise
-            closed = bool(new) and new[-1] in self.stop_ids
-            obs = chat.encode(self.tokenizer, chat.observation(self.fmt, outputs, closed=closed))
-            room = self.max_len - (len(tokens.ids) - tokens.prompt_len)
-            tokens.add(obs[:room], model=False)
-            if len(obs) + 1 > room:  # no room left for the model to answer
-                tokens.finish = "max_len"
-                return tokens
-        tokens.finish = "max_turns"
+        tokens = self.start(episode)
+        while not self.step(episode, tokens, *self.policy(tokens.ids)):
+            pass
         return tokens
+
+    def start(self, episode) -> Tokens:
+        """The episode's prompt (kept on it as `episode.tokens`)."""
+        prompt = render_prompt(self.fmt, self.tokenizer, episode.instruction, self.system)
+        episode.tokens = Tokens(list(prompt), [0] * len(prompt), [0.0] * len(prompt),
+                                len(prompt))
+        return episode.tokens
+
+    def step(self, episode, tokens: Tokens, new, logp) -> bool:
+        """One model turn (`new` ids, their log-probs): its calls run, their results
+        appended. Returns whether the agent's turn is over (`tokens.finish` says why). A
+        batched producer samples the turns of many episodes at once and calls this for each."""
+        from sandbox.terminal import TimeUp  # the harness's, not a ptrain dependency
+        room = self.max_len - (len(tokens.ids) - tokens.prompt_len)
+        tokens.add(new[:room], model=True, logp=logp[:room])
+        episode.turns += 1
+        text = chat.turn_text(self.tokenizer, new, self.stop_ids)
+        episode.note("model", text)
+        if len(new) > room:
+            tokens.finish = "max_len"
+            return True
+        calls = chat.parse_tool_calls(self.fmt, text)
+        if not calls:
+            tokens.finish = "answered"
+            return True
+        outputs = []
+        try:
+            for call in calls:
+                outputs.append(self._call(episode, call))
+        except TimeUp:
+            tokens.finish = "time_up"
+            return True
+        closed = bool(new) and new[-1] in self.stop_ids
+        obs = chat.encode(self.tokenizer, chat.observation(self.fmt, outputs, closed=closed))
+        room = self.max_len - (len(tokens.ids) - tokens.prompt_len)
+        tokens.add(obs[:room], model=False)
+        if len(obs) + 1 > room:  # no room left for the model to answer
+            tokens.finish = "max_len"
+            return True
+        if episode.turns >= self.max_turns:
+            tokens.finish = "max_turns"
+            return True
+        return False
 
     def _call(self, episode, call) -> str:
         if isinstance(call, str):  # a malformed call: the parser's error message

@@ -10,20 +10,21 @@ Pure host Python: no JAX, nothing from ptrain. Usable, testable and deployable o
         s.run("open('a', 'w').write('x')"); s.run(command=["cat", "a"]).stdout  # b"x"
 
 Public API
-  run(code=None, *, language=None|"python"|"bash", command=None, files=None, stdin=None,
-      timeout_s=10.0, memory_mb=512, network=False, backend="auto", return_files=False,
-      env=None, max_processes=64, max_output_bytes=1 MiB, max_file_mb=64, max_open_files=256,
-      max_files_bytes=16 MiB, fork_server=True) -> Result
-  Session(*, backend="auto", memory_mb=512, max_processes=64, network=False, files=None,
-          pinned=False, max_state_bytes=16 MiB, max_state_files=10000)
-      .run(code=None, *, language, command, files, stdin, timeout_s, return_files, env,
-           max_output_bytes, max_file_mb, max_open_files, max_files_bytes) -> Result
+  run(code=None, *, backend="auto", fork_server=True, **options) -> Result
+      options: the fields of `Request` (per run: language, command, files, stdin, timeout_s,
+      env, return_files, max_output_bytes, max_file_mb, max_open_files, max_files_bytes)
+      and of `Limits` (per worker: memory_mb, max_processes, network), each declared once
+      there with its default and meaning (`sandbox.request.OPTIONS`; the table in
+      docs/sandbox.md is generated from them)
+  Session(*, backend="auto", files=None, pinned=False, max_state_bytes=16 MiB,
+          max_state_files=10000, **limits)
+      .run(code=None, **options) -> Result (options: the fields of `Request`),
       .write_files(files), .read_files(max_bytes) -> dict[str, bytes], .close(), .backend,
       .pinned, .worker: unpinned, the work dir lives on the host between runs and each run
       borrows a warm worker; pinned, it holds one worker (and /tmp) for its life
-  warm(n, *, backend, memory_mb, max_processes, network): start n idle workers now
+  warm(n, *, backend, **limits): start n idle workers now
   live_workers() -> list[Worker]: those run/warm/Session started that are alive (at most
-      session.MAX_WORKERS_PER_KEY idle or lent per settings, plus one per pinned session)
+      warm_workers.MAX_WORKERS_PER_KEY idle or lent per settings, plus one per pinned session)
   Worker(backend, Limits(memory_mb, max_processes, network))
       .run(Request(...), keep_state=False) -> Result, .reset(), .close(), .alive,
       .processes(): one warm fork server (what run() keeps idle and lends, a pinned Session
@@ -32,6 +33,7 @@ Public API
       Request.from_dict() for JSON (same text / *_b64 convention as Result)
   Process(), Bwrap(), Docker(image=...): backend specs; "auto" = strongest available
   unavailable_reason(spec) -> None | str, resolve(backend) -> spec, shutdown()
+  Pool, judge, tools: services over run() (HTTP: sandbox.server)
   Errors: ValueError/TypeError (bad arguments), BackendUnavailable, WorkerError (the sandbox
   failed, not the program: safe to retry). Nothing the program does raises.
 
@@ -55,21 +57,18 @@ Result fields (a frozen dataclass; `to_dict()` / `Result.from_dict()` round-trip
 What each backend guarantees, and what it does not: docs/sandbox.md.
 """
 
-from sandbox.backends import (BackendUnavailable, Bwrap, Docker, Limits, Process, resolve,
+from sandbox import judge, tools
+from sandbox.backends import (BackendUnavailable, Bwrap, Docker, Process, resolve,
                               unavailable_reason)
-from sandbox.request import Request
+from sandbox.pool import Pool, PoolFull, WorkerLost
+from sandbox.request import Limits, Request
 from sandbox.result import Result
-from sandbox.session import Session, live_workers, run, shutdown, warm
+from sandbox.session import Session, run
+from sandbox.warm_workers import live_workers, shutdown, warm
 from sandbox.worker import Worker, WorkerError
 
 __all__ = [
-    "BackendUnavailable", "Bwrap", "Docker", "Limits", "Process", "Request", "Result",
-    "Session", "Worker", "WorkerError", "live_workers", "resolve", "run", "shutdown",
-    "unavailable_reason", "warm",
+    "BackendUnavailable", "Bwrap", "Docker", "Limits", "Pool", "PoolFull", "Process", "Request",
+    "Result", "Session", "Worker", "WorkerError", "WorkerLost", "judge", "live_workers",
+    "resolve", "run", "shutdown", "tools", "unavailable_reason", "warm",
 ]
-
-# Services over run(): the pool, the judge, the tool registry (HTTP: sandbox.server).
-from sandbox import judge, tools  # noqa: E402
-from sandbox.pool import Pool, PoolFull, WorkerLost  # noqa: E402
-
-__all__ += ["Pool", "PoolFull", "WorkerLost", "judge", "tools"]

@@ -131,17 +131,9 @@ class Cgroup:
             _write(os.path.join(top, "server", "cgroup.procs"), pid)
 
     def run_join_files(self) -> list[str]:
-        """The files a run child writes "0" to, to move itself into the run cgroup."""
+        """The files a run child writes "0" to, to move itself into the run cgroup (by fds
+        the host opens: backends.base.open_join_files)."""
         return [os.path.join(top, "run", "cgroup.procs") for top in self.top.values()]
-
-    def allow_join(self, uid: int) -> None:
-        """Let `uid` (a sandbox's own uid) move its processes into the run cgroup: v1 needs
-        write access to the destination, v2 also to the common ancestor."""
-        for path in self.run_join_files():
-            os.chown(path, uid, -1)
-        if self.version == "v2":
-            for top in self.top.values():
-                os.chown(os.path.join(top, "cgroup.procs"), uid, -1)
 
     def procs_file(self) -> str:
         """The file that lists the run's processes."""

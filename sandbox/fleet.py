@@ -9,6 +9,10 @@ spread over the nodes of a Ray cluster.
             s.run(command=["cat", "a.txt"]); s.write_files(...); s.read_files()
     fleet.disconnect(started)
 
+A training loop picks either by one config value: `with fleet.open_pool(cluster, workers=...,
+backend=..., address=...) as pool` (cluster "local" or "ray") and `fleet.session_factory(pool)`
+for its episodes' tool sessions.
+
 Requests: `pool` is a `sandbox.Pool(cluster="ray")` whose actors Ray spreads over the nodes.
 A request whose actor dies (its node killed, its process gone, no answer by its deadline) is
 retried on a fresh actor, so every request gets exactly one outcome (its result, or
@@ -25,11 +29,13 @@ and a work dir past `max_state_bytes` / `max_state_files` is an error (it cannot
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 
 from sandbox import backends
 from sandbox.pool import Pool
-from sandbox.request import Request
+from sandbox.request import Request, from_options
 from sandbox.result import Result
 from sandbox.workdir import WorkDir
 
@@ -77,6 +83,34 @@ def pool(workers: int, *, backend="auto", queue_size: int | None = None, max_ret
                 ray_options=options, warm=warm)
 
 
+@contextlib.contextmanager
+def open_pool(cluster: str = "local", *, workers: int, backend="auto", address: str = "local"):
+    """The pool a training loop scores and runs tools on, by config: `cluster="local"`, a
+    `sandbox.Pool` of worker processes here; `"ray"`, a fleet pool on the Ray cluster at
+    `address` ("local" starts one here, stopped on the way out; a connected one is kept)."""
+    if cluster == "local":
+        with Pool(workers, backend=backend) as local:
+            yield local
+        return
+    if cluster != "ray":
+        raise ValueError(f"sandbox.cluster must be 'local' or 'ray', got {cluster!r}")
+    started = connect(address)
+    try:
+        with pool(workers, backend=backend) as fleet_pool:
+            yield fleet_pool
+    finally:
+        disconnect(started)
+
+
+def session_factory(of_pool: Pool):
+    """What makes an episode's tool session for `of_pool`: `sandbox.Session` (this machine)
+    for a local pool, a fleet `Session` on that pool for a Ray one; same keyword arguments."""
+    if of_pool.cluster == "ray":
+        return functools.partial(Session, of_pool)
+    from sandbox.session import Session as LocalSession
+    return LocalSession
+
+
 class Session:
     """A multi-turn episode's sandbox on a fleet: the interface of `sandbox.Session`
     (run, write_files, read_files, close, backend; never pinned), its work dir kept here and
@@ -112,19 +146,11 @@ class Session:
     def closed(self) -> bool:
         return self._workdir is None
 
-    def run(self, code: str | None = None, *, language: str | None = None,
-            command: list[str] | None = None, files: dict | None = None,
-            stdin: str | bytes | None = None, timeout_s: float = 10.0,
-            return_files: bool = False, env: dict | None = None,
-            max_output_bytes: int = 1 << 20, max_file_mb: int = 64, max_open_files: int = 256,
-            max_files_bytes: int = 16 << 20) -> Result:
-        """Like `sandbox.Session.run`, on a worker of the fleet. Raises `WorkerLost` if every
-        attempt's worker died."""
-        request = Request(
-            code=code, language=language, command=command, files=files or {}, stdin=stdin,
-            timeout_s=timeout_s, env=env or {}, return_files=return_files,
-            max_output_bytes=max_output_bytes, max_file_mb=max_file_mb,
-            max_open_files=max_open_files, max_files_bytes=max_files_bytes)
+    def run(self, code: str | None = None, **options) -> Result:
+        """Like `sandbox.Session.run` (options: the fields of `Request`), on a worker of the
+        fleet. Raises `WorkerLost` if every attempt's worker died."""
+        request, _ = from_options({"code": code, **options}, with_limits=False)
+        timeout_s = request.timeout_s
         with self._lock:
             self._check_open()
             result, self._workdir = self._remote("run", request, timeout_s)

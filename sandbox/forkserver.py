@@ -1,5 +1,9 @@
 """The fork server: a pre-started interpreter that runs inside a backend's isolation.
 
+This file must stay one stdlib-only module: its source is sent inline as the `-c` program of
+the sandbox's interpreter (nothing of ours is on the sandbox's file system), which is why it
+is the one module allowed past the 600-line house rule.
+
 It is started once per worker (by `sandbox/backends.py`, as `python3 -I -X utf8 -c <this
 source> <config json>`), imports common modules, then serves runs one at a time over a
 socket. Each run gets a fresh child, forked after the previous run was cleaned up and parked
@@ -29,7 +33,6 @@ import linecache
 import os
 import resource
 import select
-import shutil
 import signal
 import socket
 import stat
@@ -280,7 +283,7 @@ def lay_in(fd, root, req):
     /dev/null), a session's work dir (`state`), then its `files`, each straight from the
     socket to its destination through the buffer, which is zeroed afterwards: no byte of it
     becomes a Python object of the run's process (the judge forks from it, see
-    judge_harness.py)."""
+    judge/harness.py)."""
     try:
         if req["stdin"] is None:
             stdin = os.open(os.devnull, os.O_RDONLY)
@@ -293,7 +296,7 @@ def lay_in(fd, root, req):
         for rel, size in req["files"]:
             path = _inside(root, rel)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            out = open_regular(path)
             try:
                 _pump(fd, out, size)
             finally:
@@ -301,6 +304,27 @@ def lay_in(fd, root, req):
         return stdin
     finally:
         _zero_buffer()
+
+
+def open_regular(path):
+    """`path` opened to be written over, refusing anything but a regular file: a FIFO, socket
+    or device a run left there is never opened blocking (O_NONBLOCK: a FIFO without a reader
+    fails at once, one with a reader is refused after the open) nor written to."""
+    try:
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        if e.errno in (6, 40):  # ENXIO (a FIFO or socket), ELOOP (a symlink)
+            raise ValueError("%r is not a regular file (a fifo, socket or symlink a run "
+                             "left); remove it first" % (os.path.basename(path),)) from None
+        raise
+    st = os.fstat(out)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(out)
+        raise ValueError("%r is not a regular file (a fifo or device a run left); remove it "
+                         "first" % (os.path.basename(path),))
+    os.ftruncate(out, 0)
+    os.set_blocking(out, True)
+    return out
 
 
 def lay_state(fd, root, entries):
@@ -352,6 +376,8 @@ def collect_state(root, max_bytes, max_entries):
     part of it that become Python objects here: they count towards `max_bytes`, and the
     walk stops as soon as a cap is passed."""
     entries, files, total, changed = [], [], 0, []
+    skipped = _SKIPPED
+    del skipped[:]
     stack = [""]
     try:
         mode = stat.S_IMODE(os.stat(root).st_mode)
@@ -382,6 +408,8 @@ def collect_state(root, max_bytes, max_entries):
                         total += st.st_size
                     elif stat.S_ISFIFO(st.st_mode):
                         entries.append([rel, "p", mode, mtime])
+                    elif len(skipped) < 100:  # a socket or device node: cannot cross
+                        skipped.append(rel)
                     if total > max_bytes or len(entries) > max_entries:
                         return _put_back(changed, "its files and names pass max_state_bytes"
                                          "=%d or its entries max_state_files=%d"
@@ -392,6 +420,9 @@ def collect_state(root, max_bytes, max_entries):
     except OSError as e:
         return _put_back(changed, "it cannot be read whole (%s)" % (e,))
     return entries, files, None
+
+
+_SKIPPED = []  # the sockets and devices the last collect_state left out (the first 100)
 
 
 def _put_back(changed, why):
@@ -447,6 +478,9 @@ def stash_files(root, files):
     for rel, size in files:
         try:
             fd = os.open(os.path.join(root, rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped since it was listed
+                os.close(fd)
+                raise OSError("not a regular file")
         except OSError:
             fd, whole = os.open(os.devnull, os.O_RDONLY), False
         try:
@@ -465,38 +499,91 @@ def stash_files(root, files):
 
 def wipe(path):
     """Remove everything inside `path`, also what a run made hard to remove (dirs without
-    permissions, deep trees); True if `path` is empty afterwards. Iterative: a tree can be
-    deeper than the recursion limit."""
-    dirs, stack = [], [path]
+    permissions, trees deeper than PATH_MAX or the recursion limit); True if `path` is empty
+    afterwards. Walks by directory fds (one open at a time, names relative to it) and a stack
+    of names, so neither depth nor path length limits it; never follows a symlink."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return False
+    stack = [[None, _clear_dir(fd)]]  # [name in the parent, subdirectories left to remove]
     while stack:
-        d = stack.pop()
-        if d != path:
-            dirs.append(d)
+        name, subdirs = stack[-1]
+        if subdirs:
+            sub = subdirs.pop()
             try:
-                os.chmod(d, 0o700)
+                os.chmod(sub, 0o700, dir_fd=fd)
             except OSError:
                 pass
+            try:
+                child = os.open(sub, flags, dir_fd=fd)
+            except OSError:
+                continue
+            os.close(fd)
+            fd = child
+            stack.append([sub, _clear_dir(fd)])
+            continue
+        stack.pop()
+        if name is None:
+            break
+        parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = parent
         try:
-            with os.scandir(d) as entries:
-                for entry in entries:
-                    if entry.is_dir(follow_symlinks=False):
-                        stack.append(entry.path)
-                    else:
-                        try:
-                            os.unlink(entry.path)
-                        except OSError:
-                            pass
-        except OSError:
-            pass
-    for d in reversed(dirs):
-        try:
-            os.rmdir(d)
+            os.rmdir(name, dir_fd=fd)
         except OSError:
             pass
     try:
-        return not os.listdir(path)
+        with os.scandir(fd) as left:
+            return next(left, None) is None
     except OSError:
         return False
+    finally:
+        os.close(fd)
+
+
+def remove_tree(path):
+    """Remove `path` and all under it (see `wipe`); True if it is gone."""
+    wipe(path)
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _clear_dir(fd):
+    """Unlink everything in the directory `fd` but its subdirectories; their names."""
+    subdirs = []
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        subdirs.append(entry.name)
+                    else:
+                        os.unlink(entry.name, dir_fd=fd)
+                except OSError:
+                    pass
+    except OSError:
+        pass
+    return subdirs
+
+
+def remove_posix_mqueues(path):
+    """Remove the POSIX message queues a run left (`path`: the IPC namespace's mqueue fs)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(path, name))
+        except OSError:
+            pass
 
 
 def remove_sysv_ipc():
@@ -528,20 +615,23 @@ def _child(cfg, out_w, err_w, ctl):
     """In the forked child: isolate and join the run cgroup, then wait (parked) for the
     request, lay out its files, limit, and run it. Never returns."""
     try:
+        # First: all the run starts is limited. The run cgroup's cgroup.procs files are open
+        # in the server, by fds the host opened (the run never sees a writable cgroup file:
+        # one would let it move other processes, the server too, into or out of a cgroup).
+        for join_fd in cfg.get("join_cgroup_fds", ()):
+            os.write(join_fd, b"0")
         os.setsid()
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
         os.dup2(ctl, 3)
         os.closerange(4, os.sysconf("SC_OPEN_MAX"))
-        for path in cfg.get("join_cgroup", ()):  # first: all the run starts is limited
-            with open(path, "w") as f:
-                f.write("0")
         if cfg.get("oom_adj"):  # the OOM killer picks the run, not the server
             try:
-                with open("/proc/self/oom_score_adj", "w") as f:
-                    f.write("1000")
-            except OSError:
-                pass
+                _set_oom_score_adj()
+            except OSError as e:
+                _write_all(3, ("sandbox: cannot set the run's oom_score_adj: %s" % (e,))
+                           .encode())
+                os._exit(126)
         env = {"PATH": cfg["path"], "HOME": cfg["workdir"], "TMPDIR": cfg["tmpdir"],
                "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
         os.environ.clear()
@@ -580,6 +670,19 @@ def _child(cfg, out_w, err_w, ctl):
             os.write(2, ("sandbox: child set-up failed: %r\n" % (e,)).encode())
         finally:
             os._exit(126)
+
+
+def _set_oom_score_adj():
+    """oom_score_adj 1000 for this run child, checked after the write. The child inherits the
+    server's non-dumpable flag, which makes its /proc files root's (EACCES): dumpable again
+    first (its memory is the run's own)."""
+    _prctl(_PR_SET_DUMPABLE, 1)
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
+    with open("/proc/self/oom_score_adj") as f:
+        got = f.read().strip()
+    if got != "1000":
+        raise OSError("oom_score_adj is %s after writing 1000" % got)
 
 
 def _read_request(fd):
@@ -855,15 +958,20 @@ def run_one(cfg, header, chan, killer, parked):
 def run_put(cfg, header, chan, killer, parked):
     """A session's `put`: the parked child lays out the files and exits."""
     parked.start(chan.fileno(), header["payload"])
-    try:
-        os.waitpid(parked.pid, 0)  # our own code, writing files: it ends
-    except ChildProcessError:
-        pass
-    killer.kill_all({})
+    statuses, deadline = {}, time.monotonic() + _PUT_TIMEOUT_S
+    while parked.pid not in statuses and time.monotonic() < deadline:  # bounded, always
+        _reap_nohang(statuses)
+        time.sleep(0.0005)
+    killer.kill_all(statuses)
     for fd in (parked.out_r, parked.err_r) + ((parked.pidfd,) if parked.pidfd else ()):
         os.close(fd)
     error = parked.setup_error()
+    if error is None and parked.pid not in statuses:
+        error = "writing the files did not finish in %g s" % _PUT_TIMEOUT_S
     return {"error": error} if error else {"ok": True}
+
+
+_PUT_TIMEOUT_S = 8.0  # the host gives up on a put after 10 s (worker._WATCHDOG_GRACE_S)
 
 
 def reset(cfg, modes):
@@ -878,6 +986,8 @@ def reset(cfg, modes):
         clean = wipe(path) and clean
     if cfg.get("sysv_ipc"):
         remove_sysv_ipc()
+    if cfg.get("mqueue"):
+        remove_posix_mqueues(cfg["mqueue"])
     return clean
 
 
@@ -901,6 +1011,8 @@ def _collect(cfg, caps, result, blobs, sizes):
         fd, total, whole = stash_files(cfg["workdir"], files)
         if whole:
             result["state"] = entries
+            if _SKIPPED:
+                result["state_skipped"] = list(_SKIPPED)
             blobs.append((fd, total))
             sizes.append(total)
             return True
@@ -991,7 +1103,7 @@ def serve(cfg):
             parked = Parked(cfg)  # the next run's child, forked while the host reads this
     killer.kill_all({})
     for path in cfg.get("remove_on_exit", ()):
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import os
 import pickle
 import signal
@@ -140,8 +141,10 @@ class Pool(concurrent.futures.Executor):
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         timeout = kwargs.get("timeout_s", self.default_timeout_s)
-        if not isinstance(timeout, (int, float)):
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
             timeout = self.default_timeout_s  # let fn report the bad argument
+        elif not math.isfinite(timeout) or timeout <= 0:  # no deadline could be kept
+            raise ValueError(f"`timeout_s` must be a finite positive number, got {timeout!r}")
         item = _Item(concurrent.futures.Future(), fn, args, kwargs, float(timeout) + self.grace_s)
         with self._cond:
             while not self._closed and len(self._pending) >= self.queue_size:
@@ -313,20 +316,25 @@ class _ProcessWorker:
         _send(self.sock, ("warm", warm))
 
     def call(self, fn, args, kwargs, deadline_s):
+        """One request and its reply. Each reply carries its request's id: a reply to any
+        other request is an error (the worker is replaced), never an answer to this one;
+        and once a request is sent, any failure replaces the worker, so that no reply is
+        left unread for the next caller."""
         req_id = next(self.ids)
+        data = pickle.dumps((req_id, fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             self.sock.settimeout(None)
-            _send(self.sock, (req_id, fn, args, kwargs))
+            self.sock.sendall(_FRAME.pack(len(data)) + data)
             self.sock.settimeout(deadline_s)
             got_id, ok, value = _recv(self.sock)
         except socket.timeout:
             raise _WorkerDied(f"no answer within its deadline of {deadline_s:.0f} s") from None
-        except (OSError, EOFError, pickle.UnpicklingError) as e:
+        except Exception as e:  # noqa: BLE001 - the stream is out of step: never reuse it
             code = self.proc.poll()
             why = f"exit status {code}" if code is not None else f"{type(e).__name__}: {e}"
             raise _WorkerDied(why) from None
         if got_id != req_id:
-            raise _WorkerDied("it answered another request")
+            raise _WorkerDied(f"it answered request {got_id!r} to request {req_id}")
         return ok, value
 
     def kill(self):

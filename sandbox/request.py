@@ -12,22 +12,48 @@ from collections.abc import Mapping, Sequence
 LANGUAGES = ("python", "bash")
 
 
+def option(default=dataclasses.MISSING, *, doc: str, json: tuple, cap: str | None = None,
+           default_factory=dataclasses.MISSING):
+    """A run option: a dataclass field of `Request` (per run) or `backends.Limits` (per
+    worker), declared once. `doc` says what it does; `json` are the JSON types a service
+    accepts for it; `cap` names the server's configured maximum for it (sandbox.server).
+    `sandbox.run`, `Session`, the server and docs/sandbox.md all derive from these."""
+    meta = {"doc": doc, "json": json, "cap": cap}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+_NUM = (int, float)
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One run. `code` in `language`, or `command` (an argv list), never both."""
 
-    code: str | None = None
-    language: str | None = None
-    command: tuple[str, ...] | None = None
-    files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
-    stdin: bytes | None = None
-    timeout_s: float = 10.0
-    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    return_files: bool = False
-    max_output_bytes: int = 1 << 20
-    max_file_mb: int = 64
-    max_open_files: int = 256
-    max_files_bytes: int = 16 << 20
+    code: str | None = option(None, doc="the program's source", json=(str,))
+    language: str | None = option(None, doc='"python" (the default with `code`) or "bash"',
+                                  json=(str,))
+    command: tuple[str, ...] | None = option(
+        None, doc="an argv list to execute instead of `code`", json=(list,))
+    files: Mapping[str, bytes] = option(
+        doc="relative path -> str or bytes, laid into the work dir first", json=(dict,),
+        default_factory=dict)
+    stdin: bytes | None = option(None, doc="the program's standard input", json=(str,))
+    timeout_s: float = option(10.0, doc="wall-clock limit; the run is killed at it",
+                              json=_NUM, cap="max_timeout_s")
+    env: Mapping[str, str] = option(doc="environment variables added for the run",
+                                    json=(dict,), default_factory=dict)
+    return_files: bool = option(False, doc="return the work dir's regular files",
+                                json=(bool,))
+    max_output_bytes: int = option(1 << 20, doc="bytes kept of stdout and of stderr",
+                                   json=(int,), cap="max_output_bytes")
+    max_file_mb: int = option(64, doc="largest file the run may write (RLIMIT_FSIZE)",
+                              json=(int,), cap="max_file_mb")
+    max_open_files: int = option(256, doc="open files per process (RLIMIT_NOFILE)",
+                                 json=(int,), cap="max_open_files")
+    max_files_bytes: int = option(16 << 20, doc="bytes of files returned (return_files)",
+                                  json=(int,), cap="max_files_bytes")
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -120,6 +146,66 @@ class Request:
         d["env"] = dict(self.env)
         d["stdin"] = None if self.stdin is None else len(self.stdin)
         return d, ([self.stdin] if self.stdin is not None else []) + list(self.files.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Limits fixed for the life of a worker (per-run limits live in the Request)."""
+    memory_mb: int = option(512, doc="memory of the run (cgroup, else RLIMIT_AS)",
+                            json=(int,), cap="max_memory_mb")
+    max_processes: int = option(64, doc="processes and threads of the run at once",
+                                json=(int,), cap="max_processes")
+    network: bool = option(False, doc="keep the host's network (else none)", json=(bool,),
+                           cap="allow_network")
+
+    def __post_init__(self):
+        if not isinstance(self.memory_mb, int) or self.memory_mb < 16:
+            raise ValueError(f"`memory_mb` must be an int >= 16, got {self.memory_mb!r}")
+        if not isinstance(self.max_processes, int) or self.max_processes < 1:
+            raise ValueError(f"`max_processes` must be an int >= 1, got "
+                             f"{self.max_processes!r}")
+        if not isinstance(self.network, bool):
+            raise TypeError(f"`network` must be a bool, got {self.network!r}")
+
+
+OPTIONS = dataclasses.fields(Request) + dataclasses.fields(Limits)
+_DICTS = ("files", "env")  # None means empty, as `sandbox.run(files=None)` always allowed
+
+
+def from_options(options: dict, *, with_limits: bool = True) -> tuple[Request, Limits | None]:
+    """The Request (and, `with_limits`, the Limits) that keyword options of `sandbox.run` /
+    `Session.run` describe; an unknown option is a TypeError listing the known ones."""
+    request_names = {f.name for f in dataclasses.fields(Request)}
+    limit_names = {f.name for f in dataclasses.fields(Limits)} if with_limits else set()
+    unknown = set(options) - request_names - limit_names
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; the options are "
+                        f"{sorted(request_names | limit_names)} (sandbox.request.OPTIONS)")
+    per_run = {k: v for k, v in options.items()
+               if k in request_names and not (k in _DICTS and v is None)}
+    limits = Limits(**{k: v for k, v in options.items() if k in limit_names})
+    return Request(**per_run), (limits if with_limits else None)
+
+
+def options_doc(fields=OPTIONS, indent: str = "      ") -> str:
+    """One line per option: `name=default: what it does` (for docstrings)."""
+    lines = []
+    for f in fields:
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"{indent}{f.name}={default!r}: {f.metadata['doc']}")
+    return "\n".join(lines)
+
+
+def options_table() -> str:
+    """The options as the markdown table of docs/sandbox.md (a test keeps it in step)."""
+    rows = ["| option | default | per | server maximum | what it does |",
+            "|---|---|---|---|---|"]
+    for f in OPTIONS:
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        per = "run" if f in dataclasses.fields(Request) else "worker"
+        cap = f"`{f.metadata['cap']}`" if f.metadata["cap"] else ""
+        rows.append(f"| `{f.name}` | `{default!r}` | {per} | {cap} | {f.metadata['doc']} |")
+    return "\n".join(rows)
 
 
 def _b64(text, what: str) -> bytes:

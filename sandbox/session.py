@@ -7,36 +7,20 @@ busy waits for one to come back rather than start a sandbox more. Pinned session
 worker of their own for their whole life, outside that bound.
 """
 
-import atexit
 import logging
-import os
 import threading
 import weakref
 
-from sandbox import backends
-from sandbox.request import Request
+from sandbox import backends, warm_workers
+from sandbox.request import Limits, Request, from_options, options_doc
 from sandbox.result import Result
 from sandbox.worker import Worker, WorkerError
 from sandbox.workdir import WorkDir
 
 log = logging.getLogger("sandbox")
 
-# Workers lent for a run or idle, per key (a caller may change it before its first run).
-# About the number of runs a host can usefully run at once; more would only queue for CPUs.
-MAX_WORKERS_PER_KEY = max(8, 4 * (os.cpu_count() or 1))
-_idle: dict[tuple, list[Worker]] = {}
-_lent: dict[tuple, int] = {}
-_changed = threading.Condition()  # guards _idle and _lent; notified when either shrinks
-_started: "weakref.WeakSet[Worker]" = weakref.WeakSet()  # every worker made here, for counts
-
-
-def run(code: str | None = None, *, language: str | None = None,
-        command: list[str] | None = None, files: dict | None = None,
-        stdin: str | bytes | None = None, timeout_s: float = 10.0, memory_mb: int = 512,
-        network: bool = False, backend="auto", return_files: bool = False,
-        env: dict | None = None, max_processes: int = 64, max_output_bytes: int = 1 << 20,
-        max_file_mb: int = 64, max_open_files: int = 256, max_files_bytes: int = 16 << 20,
-        fork_server: bool = True) -> Result:
+def run(code: str | None = None, *, backend="auto", fork_server: bool = True,
+        **options) -> Result:
     """Run `code` (in `language`: "python", the default, or "bash") or `command` (an argv
     list) in a fresh work dir holding `files`, in isolation, and return what happened.
 
@@ -47,144 +31,23 @@ def run(code: str | None = None, *, language: str | None = None,
     fork_server=True (the default) runs it through a warm fork server of `backend`: a fork
     of a pre-started interpreter, no interpreter or sandbox start-up per run. False starts a
     fresh sandbox (process tree / bwrap namespaces / container) for this run alone.
+
+    options (the fields of `Request` and `Limits`, declared there once):
     """
-    request = Request(
-        code=code, language=language, command=command, files=files or {}, stdin=stdin,
-        timeout_s=timeout_s, env=env or {}, return_files=return_files,
-        max_output_bytes=max_output_bytes, max_file_mb=max_file_mb,
-        max_open_files=max_open_files, max_files_bytes=max_files_bytes)
+    request, limits = from_options({"code": code, **options})
     spec = backends.resolve(backend)
-    limits = backends.Limits(memory_mb=memory_mb, max_processes=max_processes,
-                             network=network)
     if not fork_server:
         with Worker(spec, limits, preimport=False) as worker:
             return worker.run(request)
     key = (spec, limits)
-    worker = _borrow(key)
+    worker = warm_workers.borrow(key)
     try:
         result = worker.run(request)
     except BaseException as e:
-        _hand_back(key, worker, keep=isinstance(e, ValueError))  # files it could not lay out
+        warm_workers.hand_back(key, worker, keep=isinstance(e, ValueError))  # files it could not lay out
         raise
-    _hand_back(key, worker)
+    warm_workers.hand_back(key, worker)
     return result
-
-
-def _borrow(key) -> Worker:
-    """An idle worker for one run, or a new one while fewer than MAX_WORKERS_PER_KEY are lent
-    or idle; otherwise waits for one to come back. Pair with `_hand_back`."""
-    with _changed:  # an RLock: _take_idle and _unlend take it again
-        while True:
-            worker = _take_idle(key)
-            if worker is not None or _lent.get(key, 0) < MAX_WORKERS_PER_KEY:
-                _lent[key] = _lent.get(key, 0) + 1
-                break
-            _changed.wait()
-    if worker is not None:
-        return worker
-    try:
-        return _new_worker(key)
-    except BaseException:
-        _unlend(key)
-        raise
-
-
-def _hand_back(key, worker: Worker, *, keep: bool = True) -> None:
-    """A borrowed worker, emptied by its run: idle again (or closed if it is dead, if
-    keep=False, or if the idle ones fill the bound already)."""
-    with _changed:
-        _unlend(key)
-        if keep and _park(key, worker):
-            return
-    worker.close()
-
-
-def _unlend(key) -> None:
-    """One fewer worker lent for `key` (handed back, kept by a session, or never started)."""
-    with _changed:
-        _lent[key] -= 1
-        _changed.notify()
-
-
-def _new_worker(key) -> Worker:
-    worker = Worker(*key)
-    with _changed:
-        _started.add(worker)
-    return worker
-
-
-def _take_idle(key) -> Worker | None:
-    with _changed:
-        workers = _idle.get(key, [])
-        while workers:
-            worker = workers.pop()
-            if worker.alive:
-                return worker
-    return None
-
-
-def _put_idle(key, worker: Worker) -> None:
-    with _changed:
-        if _park(key, worker):
-            _changed.notify()
-            return
-    worker.close()
-
-
-def _park(key, worker: Worker) -> bool:
-    """Under `_changed`: make `worker` idle if it is alive and the bound allows."""
-    idle = _idle.setdefault(key, [])
-    if worker.alive and len(idle) + _lent.get(key, 0) < MAX_WORKERS_PER_KEY:
-        idle.append(worker)
-        return True
-    return False
-
-
-def shutdown() -> None:
-    """Close every idle warm worker (also done at interpreter exit)."""
-    with _changed:
-        workers = [w for ws in _idle.values() for w in ws]
-        _idle.clear()
-        _changed.notify_all()
-    for worker in workers:
-        worker.close()
-
-
-atexit.register(shutdown)
-
-
-def live_workers() -> list[Worker]:
-    """The workers `run`, `warm` and `Session` started that are still alive: idle, lent for
-    a run, or held by a pinned session."""
-    with _changed:
-        return [w for w in list(_started) if w.alive]
-
-
-def warm(n: int = 1, *, backend="auto", memory_mb: int = 512, max_processes: int = 64,
-         network: bool = False) -> None:
-    """Start `n` workers for these settings (in parallel; at most MAX_WORKERS_PER_KEY stay)
-    and keep them idle, so that the next `run` calls and `Session`s with the same settings
-    start at once."""
-    spec = backends.resolve(backend)
-    key = (spec, backends.Limits(memory_mb=memory_mb, max_processes=max_processes,
-                                 network=network))
-    started, errors = [], []
-
-    def start():
-        try:
-            started.append(_new_worker(key))
-        except BaseException as e:  # noqa: BLE001 (re-raised below, in the caller's thread)
-            errors.append(e)
-
-    threads = [threading.Thread(target=start) for _ in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for worker in started:
-        _put_idle(key, worker)
-    if errors:
-        raise errors[0]
 
 
 class Session:
@@ -214,23 +77,21 @@ class Session:
             s.run(command=["cat", "a.txt"]).stdout  # b"hi"
     """
 
-    def __init__(self, *, backend="auto", memory_mb: int = 512, max_processes: int = 64,
-                 network: bool = False, files: dict | None = None, pinned: bool = False,
-                 max_state_bytes: int = 16 << 20, max_state_files: int = 10_000):
+    def __init__(self, *, backend="auto", files: dict | None = None, pinned: bool = False,
+                 max_state_bytes: int = 16 << 20, max_state_files: int = 10_000, **limits):
         for name, value in (("max_state_bytes", max_state_bytes),
                             ("max_state_files", max_state_files)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}")
         spec = backends.resolve(backend)
-        self._key = (spec, backends.Limits(memory_mb=memory_mb, max_processes=max_processes,
-                                           network=network))
+        self._key = (spec, Limits(**limits))
         self._caps = {"max_bytes": max_state_bytes, "max_files": max_state_files}
         self._lock = threading.Lock()  # one operation at a time: each moves the work dir
         self._workdir = WorkDir()
         self._held: list[Worker] = []  # the worker of a pinned session
         self._finalizer = weakref.finalize(self, _release, self._key, self._held)
         if pinned:
-            self._held.append(_take_idle(self._key) or _new_worker(self._key))
+            self._held.append(warm_workers.take_idle(self._key) or warm_workers.new_worker(self._key))
         if files:
             self.write_files(files)
 
@@ -248,18 +109,11 @@ class Session:
         """The worker a pinned session holds; None for an unpinned one."""
         return self._held[0] if self._held else None
 
-    def run(self, code: str | None = None, *, language: str | None = None,
-            command: list[str] | None = None, files: dict | None = None,
-            stdin: str | bytes | None = None, timeout_s: float = 10.0,
-            return_files: bool = False, env: dict | None = None,
-            max_output_bytes: int = 1 << 20, max_file_mb: int = 64, max_open_files: int = 256,
-            max_files_bytes: int = 16 << 20) -> Result:
-        """Like `sandbox.run`, in this session's work dir; `files` are added to it first."""
-        request = Request(
-            code=code, language=language, command=command, files=files or {}, stdin=stdin,
-            timeout_s=timeout_s, env=env or {}, return_files=return_files,
-            max_output_bytes=max_output_bytes, max_file_mb=max_file_mb,
-            max_open_files=max_open_files, max_files_bytes=max_files_bytes)
+    def run(self, code: str | None = None, **options) -> Result:
+        """Like `sandbox.run`, in this session's work dir; `files` are added to it first.
+        options (the fields of `Request`; the session's Limits are fixed at its start):
+        """
+        request, _ = from_options({"code": code, **options}, with_limits=False)
         with self._lock:
             self._check_open()
             if self._held:
@@ -320,20 +174,20 @@ class Session:
     def _unpinned(self, step):
         """One operation on a borrowed worker: `step(worker)` -> (result, new WorkDir or
         None if the work dir stayed in the worker, which the session then keeps)."""
-        worker = _borrow(self._key)
+        worker = warm_workers.borrow(self._key)
         try:
             result, workdir = step(worker)
         except BaseException as e:
             # The work dir is unchanged; a worker that merely refused the files is clean.
-            _hand_back(self._key, worker, keep=isinstance(e, ValueError))
+            warm_workers.hand_back(self._key, worker, keep=isinstance(e, ValueError))
             raise
         if workdir is None:
             log.warning("sandbox: a session's work dir outgrew what is collected between "
                         "runs; the session keeps its %s worker from now on", worker.backend)
-            _unlend(self._key)
+            warm_workers.unlend(self._key)
             self._held.append(worker)
         else:
-            _hand_back(self._key, worker)
+            warm_workers.hand_back(self._key, worker)
         self._workdir = workdir
         return result
 
@@ -347,5 +201,11 @@ def _release(key, held: list[Worker]) -> None:
         except WorkerError:
             worker.close()
             continue
-        _put_idle(key, worker)
+        warm_workers.put_idle(key, worker)
     held.clear()
+
+
+run.__doc__ += options_doc()
+Session.run.__doc__ += options_doc(indent="          ")
+Session.__doc__ += ("\n    Limits (fixed for the session's life, the fields of `Limits`):\n"
+                    + options_doc(Limits.__dataclass_fields__.values(), "      "))

@@ -156,6 +156,9 @@ class Worker:
                         self.backend)
             self.close()
         if "error" in reply:
+            if reply["error"].startswith("sandbox: "):  # the sandbox failed, not the request
+                self.close()
+                raise WorkerError(f"the {self.backend} worker failed: {reply['error'][9:]}")
             raise ValueError(reply["error"])
         oom = None if oom_before is None or oom_after is None else oom_after > oom_before
         return reply, blobs, oom
@@ -226,6 +229,9 @@ def _take_state(reply: dict, blobs: list[bytes]) -> WorkDir | None:
     if "state" not in reply:
         log.info("sandbox: a session's work dir stays in its worker: %s", reply["state_kept"])
         return None
+    if reply.get("state_skipped"):
+        log.warning("sandbox: a session's work dir lost what cannot be carried between runs "
+                    "(sockets, device nodes): %s", ", ".join(map(str, reply["state_skipped"])))
     return WorkDir.from_reply(reply["state"], blobs.pop())
 
 

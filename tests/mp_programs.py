@@ -53,3 +53,73 @@ def fails_on_one() -> None:
     if jax.process_index() == 1:
         1 / 0
     sharding.agree(1, "max")  # process 0 waits here for process 1, which is gone
+
+
+SAMPLER_PROMPTS = [[1, 5, 9, 33, 2], [1, 7], [1, 40, 41, 12, 3, 3, 18, 30, 22, 9, 11], [4],
+                   [1, 2, 3], [9, 9, 9, 9], [1, 30], [17, 2, 5, 6, 7, 8]]
+
+
+def _decode_chars(ids):
+    return "".join(chr(97 + i % 26) for i in ids)
+
+
+def sampler_program() -> dict:
+    """The sampler with each process passing its own prompts (rows over fsdp): random
+    samples with an explicit key, greedy ones with stop strings (a host loop whose stops are
+    agreed across processes). One prefill compilation, two decode ones."""
+    from flax import nnx
+
+    from ptrain import model as M
+    from ptrain import sampler as S
+    config = M.ModelConfig(vocab_size=48, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                           d_ff=64)
+    n, p = jax.process_count(), jax.process_index()
+    k = len(SAMPLER_PROMPTS) // n
+    prompts = SAMPLER_PROMPTS[p * k:(p + 1) * k]
+    model = M.init(config, seed=3, mesh=sharding.make_mesh(fsdp=-1))
+    params = nnx.state(model)
+    sampler = S.Sampler(model, decode=_decode_chars, stop_check_every=3)
+    a = sampler.sample(params, prompts, max_new_tokens=8, num_samples=2, temperature=0.8,
+                       key=jax.random.key(7))
+    b = sampler.sample(params, prompts, max_new_tokens=8, num_samples=2, greedy=True,
+                       stop_strings=("c", "f", "k", "p"))
+    return {k: (s.tokens, s.logp, s.logp_t1, s.lengths, s.finish_reasons, s.prompt_index)
+            for k, s in (("random", a), ("stops", b))}
+
+
+def checkpoint_program(directory: str, save: bool) -> dict:
+    """Save step 5 (arrays over fsdp, each process its own data state) and restore it onto
+    another mesh; or only restore what another process count saved."""
+    import optax
+
+    from ptrain.checkpoint import Checkpointer
+    mesh = sharding.make_mesh(fsdp=-1)
+    other = sharding.make_mesh(fsdp=2, tensor=-1)
+    rows = sharding.local_rows(mesh, 16)
+    w = np.arange(16 * 4, dtype=np.float32).reshape(16, 4)
+    params = {"w_dv": sharding.from_process_local(w[rows], mesh, axes=("batch", None),
+                                                  global_rows=16),
+              "b": jax.device_put(jnp.arange(4.0), jax.sharding.NamedSharding(
+                  mesh, jax.sharding.PartitionSpec()))}
+    opt_state = optax.adam(0.1).init(params)
+    rng = jax.random.key(3)
+    out = {}
+    with Checkpointer(directory, max_to_keep=2) as ckpt:
+        if save:
+            grads = jax.tree.map(jnp.ones_like, params)
+            updates, opt_state = optax.adam(0.1).update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            ckpt.save(5, params=params, opt_state=opt_state, rng=jax.random.fold_in(rng, 5),
+                      data_state={"pos": 10 + jax.process_index()}, extra={"kl": 0.5})
+            ckpt.wait()
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.named(
+            other, ("batch", None)[:x.ndim], x.shape)), (params, opt_state))
+    with Checkpointer(directory) as ckpt:
+        restored = ckpt.restore(params=target[0], opt_state=target[1], rng=rng)
+    out["step"], out["extra"], out["data_state"] = restored.step, restored.extra, \
+        restored.data_state
+    out["specs"] = [tuple(x.sharding.spec) for x in jax.tree.leaves(restored.params)]
+    out["values"] = sharding.to_host((restored.params, restored.opt_state))
+    out["rng"] = np.asarray(jax.random.key_data(restored.rng))
+    return out

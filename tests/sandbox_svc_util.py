@@ -278,3 +278,14 @@ def run_driver(mode, timeout_s, **args):
          json.dumps(args)], capture_output=True, text=True, timeout=timeout_s, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def forge_a_reply(answer):
+    """Writes a reply to a request the pool never sent (id 999) on its worker's socket, then
+    answers: the pool must not take the forged reply for this request's."""
+    import socket
+    from sandbox import pool
+    sock = socket.socket(fileno=os.dup(int(sys.argv[1])))
+    pool._send(sock, (999, True, "forged"))
+    sock.detach()
+    return answer

@@ -1,7 +1,8 @@
 """Every file in configs/ builds: get_config() returns a locked ConfigDict that its consumer
 accepts (`ptrain.plan.check_config` for PLAN_CONFIGS, `ptrain.closed_loop.check_config` for
-configs with tasks, `ptrain.learner.check_config` for the rest), and a bad override fails
-with a message that names it."""
+configs with tasks, `ptrain.terminal_loop.check_config` for those with a terminal section,
+`ptrain.learner.check_config` for the rest), and a bad override fails with a message that
+names it."""
 
 import importlib
 import pathlib
@@ -13,8 +14,10 @@ import subprocess
 import sys
 
 from ptrain import closed_loop
+from ptrain import config as config_lib
 from ptrain import learner
 from ptrain import plan
+from ptrain import terminal_loop
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if p.stem != "__init__")
@@ -35,6 +38,8 @@ def test_config_builds(name):
         plan.check_config(config)
     elif "tasks" in config:
         closed_loop.check_config(config)
+    elif "terminal" in config:
+        terminal_loop.check_config(config)
     else:
         learner.check_config(config)
 
@@ -59,3 +64,57 @@ def test_a_bad_override_fails_clearly(tmp_path, override, message):
     assert run.returncode != 0
     assert message in run.stderr
     assert not any(tmp_path.iterdir())  # nothing ran
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_config_sets_only_keys_that_exist(name):
+    """Each config is defaults() with changes: it holds exactly the keys of its defaults
+    (a plan's model section takes any ModelConfig field), and its base is locked before the
+    changes, so a misspelt key fails when the file builds."""
+    module = importlib.import_module(f"configs.{name}")
+    config = module.get_config()
+    if name in PLAN_CONFIGS:
+        ref = config_lib.plan_defaults()
+    elif "terminal" in config:
+        ref = terminal_loop.defaults()
+    else:
+        ref = config_lib.defaults(closed_loop="tasks" in config)
+    missing, unknown = config_lib.key_diff(ref, config)
+    if name in PLAN_CONFIGS:
+        missing = [k for k in missing if not k.startswith("model.")]
+        unknown = [k for k in unknown if not k.startswith("model.")]
+    assert (missing, unknown) == ([], [])
+
+
+def test_the_config_module_is_pure_data():
+    run = subprocess.run([sys.executable, "-c", "import sys; from configs import quickstart, "
+                          "grpo_toy; quickstart.get_config(); grpo_toy.get_config(); "
+                          "print('jax' in sys.modules)"], cwd=CONFIG_DIR.parent,
+                         capture_output=True, text=True, timeout=60)
+    assert run.stdout.strip() == "False", run.stderr
+
+
+def test_chat_formats_match_the_closed_loop():
+    assert set(config_lib.CHAT_FORMATS) == set(closed_loop.CHAT_FORMATS)
+
+
+@pytest.mark.parametrize("mesh, change, message", [
+    (dict(data=3, fsdp=1), {}, "microbatch of 16 rows .* data x fsdp = 3"),
+    (dict(data=1, fsdp=1, sequence=3), {},
+     "continuation length 8 .* must divide over mesh sequence=3"),
+    (dict(data=1, fsdp=1), {"sft.steps": 5, "sft.microbatch_size": 2}, None),
+    (dict(data=4, fsdp=1), {"sft.steps": 5, "sft.microbatch_size": 2},
+     "sft's microbatch of 2 rows"),
+])
+def test_batch_and_sequence_dims_must_divide_their_mesh_axes(mesh, change, message):
+    from configs import grpo_toy
+    config = grpo_toy.get_config()
+    config.mesh.update(tensor=1, **mesh)
+    for dotted, value in change.items():
+        section, key = dotted.split(".")
+        config[section][key] = value
+    if message is None:
+        learner.check_config(config)
+    else:
+        with pytest.raises(ValueError, match=message):
+            learner.check_config(config)

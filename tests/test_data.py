@@ -83,14 +83,22 @@ def test_mixture_follows_weights(tmp_path):
                             process_count=1)
 
 
-def test_hosts_get_disjoint_interleaved_shards(ten):
-    def stream(index, count, batch_size):
+def test_hosts_hold_their_slice_of_each_global_batch(ten):
+    def stream(index, count, batch_size, num_epochs=None):
         prompts = data.prompt_batches([ten], batch_size=batch_size, seed=5, process_index=index,
-                                      process_count=count)
-        return ids(take(prompts.iterator(), 2))
+                                      process_count=count, num_epochs=num_epochs)
+        return [ids([b]) for b in prompts.iterator()] if num_epochs else \
+            [ids([b]) for b in take(prompts.iterator(), 3)]
 
-    whole = stream(0, 1, 6)
-    assert stream(0, 2, 3) == whole[0::2] and stream(1, 2, 3) == whole[1::2]
+    whole = stream(0, 1, 6)  # one host, global batches of 6
+    for count, size in [(2, 3), (3, 2)]:
+        hosts = [stream(i, count, size) for i in range(count)]
+        for k in range(3):  # host i holds rows i*size .. of global batch k, in order
+            assert sum((h[k] for h in hosts), []) == whole[k]
+    # A finite stream: 10 records x 2 epochs = 6 slices of 3 = 3 global batches of 2 hosts...
+    assert [len(stream(i, 2, 3, num_epochs=2)) for i in range(2)] == [3, 3]
+    # ... and of 4 hosts: 6 slices make one whole global batch of 4; the rest is dropped.
+    assert [len(stream(i, 4, 3, num_epochs=2)) for i in range(4)] == [1, 1, 1, 1]
     with pytest.raises(ValueError, match="process_index"):
         stream(2, 2, 3)
 

@@ -169,3 +169,19 @@ def test_session_errors_are_clear(cluster):
 def _count(lock, counter):
     with lock:
         counter[0] += 1
+
+
+def test_open_pool_by_config(cluster):
+    c, _ = cluster
+    with fleet.open_pool("ray", workers=1, backend="process", address=c.address) as pool:
+        assert pool.cluster == "ray"
+        make = fleet.session_factory(pool)
+        with make(backend="process", files={"a.txt": "x"}) as s:
+            assert isinstance(s, fleet.Session)
+            assert s.run(command=["cat", "a.txt"], timeout_s=10).stdout == b"x"
+    assert ray.is_initialized()  # connected before: left connected
+    with fleet.open_pool("local", workers=1, backend="process") as pool:
+        assert pool.cluster == "local" and fleet.session_factory(pool) is sandbox.Session
+    with pytest.raises(ValueError, match="sandbox.cluster must be 'local' or 'ray'"):
+        with fleet.open_pool("k8s", workers=1):
+            pass

@@ -96,6 +96,20 @@ def test_learner_applies_runtime_model_keys_to_a_checkpoint(checkpoint):
     assert config.d_model == hf.config_from_hf(hf.read_config(path)).d_model
 
 
+def test_a_model_key_that_contradicts_config_json_is_an_error(checkpoint):
+    path, _ = checkpoint
+    ours = hf.config_from_hf(hf.read_config(path))
+    c = learner.defaults()
+    c.hf_model = path
+    c.model.update(attention_impl="reference", remat="full")  # run-time keys may differ
+    c.model.d_model = ours.d_model  # agreeing with config.json is fine
+    learner.check_config(c)
+    c.model.d_model = 12345
+    with pytest.raises(ValueError, match=rf"model.d_model=12345 but hf_model's config.json .*"
+                                         rf"gives d_model={ours.d_model}"):
+        learner.check_config(c)
+
+
 def test_round_trip_identical_tensors_and_transformers_loads_it(checkpoint, tmp_path):
     path, ref_model = checkpoint
     model, config = hf.load(path)

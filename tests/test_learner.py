@@ -19,7 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 from configs import grpo_toy
 from configs import ppo_toy
+from ptrain import batch as batch_lib
 from ptrain import learner as L
+from ptrain import step as step_lib
 from ptrain import sharding
 from ptrain.metrics import read_jsonl
 
@@ -229,7 +231,7 @@ def test_token_logprobs_sequence_parallel(initial_params):
         batch = sharding.shard_batch(episodes.arrays(), learner.mesh)
 
         def f(params):
-            logp, ent = L.token_logprobs(learner.graphdef, params, batch, group_size=group,
+            logp, ent = step_lib.token_logprobs(learner.graphdef, params, batch, group_size=group,
                                          chunk=4)
             return (weights * logp).sum() + 0.1 * ent.sum(), (logp, ent)
 
@@ -511,7 +513,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_caps(tmp_path):
         return _episodes(rewards, [0, 0, 1, 1], lengths)
 
     batches = iter([[{"id": i}] * 2 for i in range(10)])
-    episodes, metrics = L.collect_episodes(rollout, batches, config)
+    episodes, metrics = batch_lib.collect(rollout, batches, config)
     assert [a for _, a in log] == [0, 1, 2] and log[2][0] == [{"id": 2}] * 2
     assert [m["row"] for m in episodes.meta] == [2, 3, 0, 1]
     np.testing.assert_array_equal(episodes.rewards_b, [0.0, 1.0, 1.0, 0.0])
@@ -522,14 +524,14 @@ def test_dynamic_sampling_keeps_informative_groups_and_caps(tmp_path):
     # before the groups are judged: group 0 of the second call now differs and is kept.
     calls[1] = ([0.0, 0.0, 1.0, 1.0], [8, 6, 2, 2])
     log.clear()
-    episodes, metrics = L.collect_episodes(rollout, iter([[{}] * 2] * 3), config)
+    episodes, metrics = batch_lib.collect(rollout, iter([[{}] * 2] * 3), config)
     assert metrics["dapo/gen_batches"] == 2
     np.testing.assert_allclose(episodes.rewards_b, [0.0, 1.0, -1.0, -0.5])
 
     # Capped at 2 calls with one informative group: topped up with a dropped one.
     config.dapo.max_gen_batches = 2
     calls[1] = ([0.0, 0.0, 1.0, 1.0], [8, 8, 2, 2])
-    episodes, metrics = L.collect_episodes(rollout, iter([[{}] * 2] * 2), config)
+    episodes, metrics = batch_lib.collect(rollout, iter([[{}] * 2] * 2), config)
     assert metrics["dapo/gen_batches"] == 2 and metrics["dapo/uninformative_groups"] == 1
     np.testing.assert_allclose(episodes.rewards_b, [0.0, 1.0, -1.0, -1.0])
 

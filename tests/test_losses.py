@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ptrain import batch as batch_lib
 from ptrain import losses
 
 RTOL, ATOL = 2e-5, 1e-6
@@ -483,19 +484,19 @@ def test_filter_overlong_masks_truncated_episodes():
 def test_dynamic_sampling_selection_and_accumulation():
     groups1 = np.array([10, 10, 11, 11, 12, 13, 13])
     rewards1 = np.array([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0])  # 11, 13 all equal; 12 singleton
-    keep1 = losses.informative_groups(rewards1, groups1)
+    keep1 = batch_lib.informative_groups(rewards1, groups1)
     assert keep1.tolist() == [True, True, False, False, True, False, False]
     batch1 = {"group_id": groups1, "reward": rewards1, "text": [f"a{i}" for i in range(7)]}
-    acc, full = losses.accumulate_groups(None, batch1, keep1, num_groups=3)
+    acc, full = batch_lib.accumulate_groups(None, batch1, keep1, num_groups=3)
     assert not full and acc["text"] == ["a0", "a1", "a4"]
     groups2 = np.array([20, 20, 21, 21])
     batch2 = {"group_id": groups2, "reward": np.array([0.0, 1.0, 1.0, 0.0]),
               "text": ["b0", "b1", "b2", "b3"]}
-    acc, full = losses.accumulate_groups(acc, batch2, np.ones(4, bool), num_groups=3)
+    acc, full = batch_lib.accumulate_groups(acc, batch2, np.ones(4, bool), num_groups=3)
     assert full and acc["group_id"].tolist() == [10, 10, 12, 20, 20]
     assert acc["text"] == ["a0", "a1", "a4", "b0", "b1"]
     with pytest.raises(ValueError, match="repeat across generation batches"):
-        losses.accumulate_groups(acc, batch1, keep1, num_groups=9)
+        batch_lib.accumulate_groups(acc, batch1, keep1, num_groups=9)
 
 
 # ------------------------------------------------------------ log-probs from hidden states

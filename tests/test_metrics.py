@@ -105,3 +105,20 @@ def test_progress_bar_eta_and_quiet_without_tty(tmp_path, capsys):
     with MetricsWriter(tmp_path / "b", total_steps=10) as w:  # stderr is not a TTY here
         w.write(1, {"reward": 0.5})
     assert capsys.readouterr().err == ""
+
+
+def test_only_the_primary_process_writes(tmp_path):
+    """With many processes, process 0 writes; the others check their input and write nothing."""
+    with MetricsWriter(tmp_path / "other", total_steps=3, primary=False) as w:
+        w.write(1, {"reward/mean": 0.5})
+        w.write_rollouts(1, [sample(1, 0.5)])
+        assert w.plot() == []
+        with pytest.raises(ValueError, match="must be a number"):
+            w.write(2, {"reward": [1.0, 2.0]})
+        with pytest.raises(ValueError, match=r"lacks \['completion'\]"):
+            w.write_rollouts(2, [{"prompt": "p", "reward": 1.0}])
+    assert not os.path.exists(tmp_path / "other")
+    with MetricsWriter(tmp_path / "one") as w:  # one process: it is process 0
+        assert w.primary
+        w.write(1, {"reward/mean": 0.5})
+    assert read_jsonl(tmp_path / "one" / "metrics.jsonl") == [{"step": 1, "reward/mean": 0.5}]

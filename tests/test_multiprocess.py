@@ -1,5 +1,6 @@
 """Multi-controller JAX: 2 processes x 4 CPU devices (gloo) against 1 process x 8 devices."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -42,3 +43,41 @@ def test_agree(helpers_2x4):
 def test_worker_failure_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         multiprocess.run("mp_programs:fails_on_one", n=2, devices=1, timeout=60)
+
+
+def test_sampler_rows_where_their_prompts_live():
+    """Each process samples its own prompts; together they equal one process with all."""
+    one = mp_programs.sampler_program()
+    two = multiprocess.run("mp_programs:sampler_program", n=2, devices=4, timeout=600)
+    assert "stop" in one["stops"][4] and "length" in one["stops"][4]
+    for kind in ("random", "stops"):
+        tokens, logp, logp_t1, lengths, reasons, index = one[kind]
+        got = [r[kind] for r in two]
+        np.testing.assert_array_equal(np.concatenate([g[0] for g in got]), tokens)
+        np.testing.assert_allclose(np.concatenate([g[1] for g in got]), logp, atol=1e-5)
+        np.testing.assert_allclose(np.concatenate([g[2] for g in got]), logp_t1, atol=1e-5)
+        np.testing.assert_array_equal(np.concatenate([g[3] for g in got]), lengths)
+        assert sum((g[4] for g in got), []) == reasons
+        # prompt_index counts this process's prompts
+        np.testing.assert_array_equal(np.concatenate([g[5] + 4 * i for i, g in enumerate(got)]),
+                                      index)
+
+
+def test_checkpoint_across_process_counts(tmp_path):
+    """2 x 4 saves (each process its shards and its data state) and restores onto another
+    mesh; 1 x 8 restores that too, and 2 x 4 restores what 1 x 8 saved."""
+    two = multiprocess.run("mp_programs:checkpoint_program", n=2, devices=4, timeout=300,
+                           args={"directory": str(tmp_path / "two"), "save": True})
+    one = mp_programs.checkpoint_program(str(tmp_path / "two"), save=False)
+    ref = mp_programs.checkpoint_program(str(tmp_path / "one"), save=True)
+    back = multiprocess.run("mp_programs:checkpoint_program", n=2, devices=4, timeout=300,
+                            args={"directory": str(tmp_path / "one"), "save": False})
+    assert [r["data_state"] for r in two] == [{"pos": 10}, {"pos": 11}]
+    assert ref["data_state"] == {"pos": 10}
+    assert one["data_state"] is None and [r["data_state"] for r in back] == [None, None]
+    for r in two + [one] + back:
+        assert r["step"] == 5 and r["extra"] == {"kl": 0.5}
+        assert r["specs"] == [("fsdp",), ("fsdp", None)]
+        for a, b in zip(jax.tree.leaves(r["values"]), jax.tree.leaves(ref["values"])):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(r["rng"], ref["rng"])

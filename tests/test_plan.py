@@ -11,10 +11,10 @@ import optax
 import pytest
 from flax import nnx
 
-from ptrain import learner
 from ptrain import model as M
 from ptrain import plan
 from ptrain import sharding
+from ptrain import step as step_lib
 
 TINY = M.ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
                      attention_impl="ring", attn_block_q=64, attn_block_k=64, remat="full")
@@ -114,7 +114,7 @@ def test_step_on_a_sequence_mesh_equals_a_dense_step():
     Adam's eps is large so that the update is linear in the gradient."""
     config = TINY.replace(attn_block_q=8, attn_block_k=8)
     optim = ml_collections.ConfigDict({**OPTIM.to_dict(), "eps": 1.0, "lr": 1e-2})
-    tx, _ = learner.make_optimizer(optim, total_steps=1)
+    tx, _ = step_lib.make_optimizer(optim, total_steps=1)
     rng = np.random.RandomState(0)
     tokens = rng.randint(0, config.vocab_size, (2, 64))
     segments = np.repeat([[1] * 23 + [2] * 36 + [0] * 5], 2, axis=0)

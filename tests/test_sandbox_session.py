@@ -194,7 +194,7 @@ def test_many_concurrent_sessions_share_a_bounded_set_of_workers(backend, monkey
     more than MAX_WORKERS_PER_KEY workers ever live."""
     sandbox.shutdown()
     before = _host_view(backend)
-    monkeypatch.setattr(sandbox.session, "MAX_WORKERS_PER_KEY", 3)
+    monkeypatch.setattr(sandbox.warm_workers, "MAX_WORKERS_PER_KEY", 3)
     live = []
 
     def episode(i):

@@ -1,6 +1,8 @@
 """sandbox.server on a loopback port: the same results as local calls, clear 4xx errors."""
 
 import json
+import os
+import secrets
 import socket
 import threading
 import urllib.request
@@ -9,6 +11,18 @@ import pytest
 
 import sandbox
 from sandbox import judge, server
+
+
+@pytest.fixture(scope="module", autouse=True)
+def token():
+    """The servers here and their clients share a token through the environment."""
+    old = os.environ.get(server.TOKEN_ENV)
+    os.environ[server.TOKEN_ENV] = value = secrets.token_urlsafe(24)
+    yield value
+    if old is None:
+        del os.environ[server.TOKEN_ENV]
+    else:
+        os.environ[server.TOKEN_ENV] = old
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +39,8 @@ def service():
 
 
 def post(url, path, body: bytes, headers=None):
-    req = urllib.request.Request(url + path, data=body, method="POST", headers=headers or {})
+    headers = {"Authorization": f"Bearer {os.environ[server.TOKEN_ENV]}", **(headers or {})}
+    req = urllib.request.Request(url + path, data=body, method="POST", headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             return resp.status, json.loads(resp.read())

@@ -165,3 +165,27 @@ def test_cli_model_agent_with_a_tiny_hf_model(qwen, tmp_path):
              f"--model={path}", f"--out={code}", "--max_new_tokens=8")
     rows = read_rows(code)
     assert [r["reward"] for r in rows] == [0.0, 0.0] and all(r["turns"] == 1 for r in rows)
+
+
+def test_cli_model_agent_from_a_training_run_workdir(hf_dir, tmp_path):
+    """--model=WORKDIR: the run's latest checkpoint, exported (launch/export.py), answers."""
+    import jax
+    import optax
+    from flax import nnx
+    from ptrain import checkpoint, closed_loop, hf, metrics
+    from tests.test_eval import MBPP, read_rows, run_eval, write_jsonl
+    source = hf_dir("qwen2.5-instruct")
+    workdir = str(tmp_path / "run")
+    config = closed_loop.defaults()
+    config.hf_model, config.rollout.chat_format = source, "qwen"
+    metrics.write_run_record(workdir, config, ["launch/train.py", "--config=byo.py"])
+    _, params = nnx.split(hf.load(source)[0])
+    with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False) as c:
+        c.save(4, params=params, opt_state=optax.adam(1e-3).init(params),
+               rng=jax.random.key(0), extra={"kl_coef": 0.0})
+    out = str(tmp_path / "eval")
+    p = run_eval(f"--tasks={write_jsonl(tmp_path / 'mbpp.jsonl', MBPP)}", "--agent=model",
+                 f"--model={workdir}", f"--out={out}", "--max_new_tokens=4", "--greedy")
+    assert "rl checkpoint exported" in p.stderr
+    assert os.path.isfile(os.path.join(out, "model", "config.json"))
+    assert [r["agent"] for r in read_rows(out)] == ["model", "model"]

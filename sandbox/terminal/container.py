@@ -111,8 +111,10 @@ def remove_orphans(client=None) -> int:
     it (a crash, a SIGKILL); returns how many."""
     client = client or docker_client()
     n = 0
-    for c in client.containers.list(all=True, filters={"label": "ptrain-term"}):
-        labels = c.labels or {}
+    # sparse: no inspect per container, which fails (404) for one another process removes
+    # between the listing and the inspect
+    for c in client.containers.list(all=True, filters={"label": "ptrain-term"}, sparse=True):
+        labels = c.attrs.get("Labels") or {}
         if labels.get("ptrain-term-host") != socket.gethostname():
             continue
         try:

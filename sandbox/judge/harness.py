@@ -17,14 +17,17 @@ that the solution can neither forge the verdict nor read what it is compared aga
     the key and the tests, which saves an interpreter start.
   C (untrusted) is the solution. For unit tests it executes the solution as module
     `solution` and answers T's requests (calls, attribute access) with plain data (exact
-    builtin types, which T decodes into genuine builtin objects; judge_codec.py) or handles
-    to its objects, which T can only call, read attributes of and take len() of: comparing,
+    builtin types, which T decodes into genuine builtin objects: codec.py) or handles to
+    its objects, which T can only call, read attributes of and take len() of: comparing,
     arithmetic, `in`, hashing, printing or iterating one is an `unjudgeable` verdict naming
-    its type (judge_rpc.Handle). A restarted C never rebinds the tests' own globals. For stdin/stdout it runs as
-    `__main__` on one case's input; the expected outputs never enter the sandbox.
+    its type (rpc.Handle). A restarted C never rebinds the tests' own globals. For
+    stdin/stdout it runs as `__main__` on one case's input; the expected outputs never
+    enter the sandbox. Z and C live in zygote.py.
 
 Z and C import only C-level modules (the solution's own imports are its cost); what only T
-needs is imported where T needs it. `split_tests` is shared with the host.
+needs is imported where T needs it. The tests are split into units by split.py, which the
+host shares. The judge's modules reach the sandbox inline (the run's payload) and load each
+other through `_load_module`.
 """
 
 import _signal
@@ -40,7 +43,6 @@ import struct
 import sys
 import time
 
-TESTS_FILE = "tests.py"
 REPORT_PREFIX = b"JUDGE-REPORT "
 KEY_BYTES = 32
 
@@ -50,7 +52,7 @@ _LOADED = {}
 
 def _load_module(name):
     """Another module of the judge (once per process): from the payload the run was given
-    (the bootstrap's globals, see sandbox/judge.py), else from beside this file (on the
+    (the bootstrap's globals, see judge/api.py), else from beside this file (on the
     host)."""
     if name in _LOADED:
         return _LOADED[name]
@@ -72,7 +74,9 @@ def _load_module(name):
     return module
 
 
-rpc = _load_module("judge_rpc")
+rpc = _load_module("rpc")
+split = _load_module("split")
+zygote = _load_module("zygote")
 
 
 class _Timeout(BaseException):
@@ -81,364 +85,12 @@ class _Timeout(BaseException):
 
 
 # ----------------------------------------------------------------------------------------------
-# Splitting tests into units (T and the host)
-# ----------------------------------------------------------------------------------------------
-
-def _has_assert(node):
-    """Whether `node` contains an assert outside nested function and class bodies."""
-    import ast
-    if isinstance(node, ast.Assert):
-        return True
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
-            continue
-        if _has_assert(child):
-            return True
-    return False
-
-
-def _is_pytest_def(stmt):
-    import ast
-    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return stmt.name.startswith("test")
-    return isinstance(stmt, ast.ClassDef) and stmt.name.startswith("Test")
-
-
-def split_tests(source, entry_point=None, style="auto"):
-    """Parses test code into (style, units, candidate_name).
-
-    assert style: each top-level statement that contains an `assert` is one test, run after
-    the other statements that precede it (where no top-level statement has an assert, each
-    bare call such as `check(f)` is a test). With `entry_point`, a HumanEval-style
-    `def check(candidate)` is unrolled: its statements are the units and `candidate` is bound
-    to the solution's `entry_point`.
-    pytest style: each `test*` function and `Test*` class method is a test (expanded at run
-    time by `parametrize`); the other module statements are setup, run once.
-    Units are (name, [stmts]). Raises ValueError for code that does not parse or has no test.
-    """
-    import ast
-    try:
-        module = ast.parse(source, TESTS_FILE)
-    except SyntaxError as e:
-        raise ValueError(f"the tests do not parse: {e.msg} (line {e.lineno})") from None
-    if style == "auto":
-        style = "pytest" if any(_is_pytest_def(s) for s in module.body) else "assert"
-    if style not in ("assert", "pytest"):
-        raise ValueError(f"style must be 'auto', 'assert' or 'pytest', got {style!r}")
-    if style == "pytest":
-        units = [(s.name, [s]) for s in module.body if _is_pytest_def(s)]
-        if not units:
-            raise ValueError("the tests define no test* function or Test* class")
-        return style, units, None
-    lines = source.splitlines()
-    body, candidate, pending = module.body, None, []
-    check = [s for s in body if isinstance(s, ast.FunctionDef) and s.name == "check"]
-    if entry_point is not None and check and check[0].args.args:
-        candidate = check[0].args.args[0].arg
-        pending = [s for s in body if s is not check[0] and not (
-            isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
-            and isinstance(s.value.func, ast.Name) and s.value.func.id == "check")]
-        body = check[0].body
-    calls_are_tests = not any(_has_assert(s) for s in body)
-    units = []
-    for stmt in body:
-        pending.append(stmt)
-        if _has_assert(stmt) or calls_are_tests and isinstance(stmt, ast.Expr) and isinstance(
-                stmt.value, ast.Call):
-            text = lines[stmt.lineno - 1].strip() if stmt.lineno <= len(lines) else ""
-            units.append((f"line {stmt.lineno}: {text[:100]}", pending))
-            pending = []
-    if not units:
-        raise ValueError("the tests contain no assert statement (nor a call such as check(f))")
-    return style, units, candidate
-
-
-_CMP = {"Eq": "==", "NotEq": "!=", "Lt": "<", "LtE": "<=", "Gt": ">", "GtE": ">=",
-        "In": "in", "NotIn": "not in", "Is": "is", "IsNot": "is not"}
-_CMP_FUNCS = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le,
-              ">": operator.gt, ">=": operator.ge, "in": lambda a, b: a in b,
-              "not in": lambda a, b: a not in b, "is": operator.is_, "is not": operator.is_not}
-
-
-def _compile_stmts(stmts, lines):
-    """Compiles test statements with every `assert` made an explicit check: immune to
-    `python -O`, and a failing single comparison reports both values (`assert 5 == 4`)."""
-    import ast
-
-    class Rewriter(ast.NodeTransformer):
-        def visit_Assert(self, node):
-            self.generic_visit(node)
-            test = node.test
-            if (node.msg is None and isinstance(test, ast.Compare) and len(test.ops) == 1
-                    and type(test.ops[0]).__name__ in _CMP):
-                op = ast.Constant(_CMP[type(test.ops[0]).__name__])
-                new = ast.Expr(ast.Call(ast.Name("__judge_compare__", ast.Load()),
-                                        [test.left, op, test.comparators[0]], []))
-            else:
-                end = min(node.end_lineno or node.lineno, len(lines))
-                text = " ".join(lines[i].strip() for i in range(node.lineno - 1, end))
-                msg = node.msg if node.msg is not None else ast.Constant(text)
-                raise_ = ast.Raise(ast.Call(ast.Name("AssertionError", ast.Load()), [msg], []))
-                new = ast.If(ast.UnaryOp(ast.Not(), test), [raise_], [])
-            return ast.copy_location(new, node)
-
-    module = ast.Module(body=[Rewriter().visit(s) for s in stmts], type_ignores=[])
-    ast.fix_missing_locations(module)
-    return compile(module, TESTS_FILE, "exec")
-
-
-# ----------------------------------------------------------------------------------------------
 # C: the solution process
 # ----------------------------------------------------------------------------------------------
-
-def _close_fds(keep):
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd > 2 and fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-def _flush_quietly():
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:  # noqa: B036 - a solution may have closed or replaced them
-            pass
-
-
-def _child_main(mode, fds, code_obj, syntax_error, source):
-    """Runs in the forked solution process; never returns."""
-    status = 1
-    try:
-        try:
-            with open("/proc/self/oom_score_adj", "w") as f:
-                f.write("1000")  # under a shared memory limit, the solution dies first
-        except OSError:
-            pass
-        for fd, target in zip(fds[:3], (0, 1, 2)):
-            os.dup2(fd, target)
-        if mode == "unit":
-            os.dup2(fds[3], 3)
-        _close_fds({3} if mode == "unit" else set())
-        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8",
-                                     errors="surrogateescape")
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
-                                      errors="surrogateescape")
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                                      errors="backslashreplace", line_buffering=True)
-        sys.argv = [rpc.SOLUTION_FILE]
-        rpc.SOURCES[rpc.SOLUTION_FILE] = source.splitlines()
-        if mode == "stdio":
-            status = _child_stdio(code_obj, syntax_error)
-        else:
-            status = _child_unit(_socket.socket(fileno=3), code_obj, syntax_error)
-    except BaseException:  # noqa: B036 - the exit status says it; nothing may escape a fork
-        status = 1
-    finally:
-        _flush_quietly()
-        os._exit(status)
-
-
-def _child_stdio(code_obj, syntax_error):
-    if syntax_error is not None:
-        sys.stderr.write(rpc.exception_line(syntax_error))
-        return 1
-    try:
-        exec(code_obj, {"__name__": "__main__", "__builtins__": builtins,
-                        "__file__": rpc.SOLUTION_FILE})
-    except SystemExit as e:
-        if e.code is None or type(e.code) is int:
-            return e.code or 0
-        sys.stderr.write(f"{e.code}\n")
-        return 1
-    except BaseException as e:  # noqa: B036 - reported like Python would, trimmed
-        sys.stderr.write(rpc.user_traceback(e, rpc.SOLUTION_FILE))
-        return 1
-    return 0
-
-
-def _child_unit(sock, code_obj, syntax_error):
-    ep = rpc.Endpoint(sock, before_send=_flush_quietly)
-    module = type(sys)("solution")
-    module.__file__ = rpc.SOLUTION_FILE
-    sys.modules["solution"] = module
-    try:
-        if syntax_error is not None:
-            raise syntax_error
-        exec(code_obj, module.__dict__)
-    except BaseException as e:  # noqa: B036 - a broken solution is a verdict, not a crash
-        ep.send({"import_error": rpc.describe_exception(e)})
-        return 0
-    names = {}
-    for name, value in list(module.__dict__.items()):
-        if name.startswith("__"):
-            continue
-        if isinstance(value, type(sys)):
-            names[name] = [["m", str(value.__name__)]]
-            continue
-        try:
-            names[name] = ep.encode(value)
-        except rpc.TooLarge:  # judged only if the tests use it, as any object that is not data
-            names[name] = [ep._ref(value)]
-    ep.send({"ready": names})
-    while True:
-        try:
-            msg = ep.recv()
-        except rpc.ChildGone:
-            return 0
-        ep.serve(msg)
-
-
-# ----------------------------------------------------------------------------------------------
-# Z: the zygote
-# ----------------------------------------------------------------------------------------------
-
-def _send_fds(sock, data, fds):
-    sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS,
-                           struct.pack(f"{len(fds)}i", *fds))])
-
-
-def _recv_fds(sock, size, max_fds):
-    data, ancillary, _, _ = sock.recvmsg(size, _socket.CMSG_SPACE(max_fds * 4))
-    fds = []
-    for level, kind, raw in ancillary:
-        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
-            fds += struct.unpack(f"{len(raw) // 4}i", raw[:len(raw) // 4 * 4])
-    return data, fds
-
-
-def _zygote_main(ctl, mode, source, first_fds):
-    """Forks one solution process per request from T (the first one, if `first_fds`, without
-    being asked); reports its pid, then how it ended."""
-    # fd 0 held T's stdin or Z's boot data: replace it, so received fds never land on 0-2.
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    code_obj, syntax_error = None, None
-    try:
-        code_obj = compile(source, rpc.SOLUTION_FILE, "exec")
-    except (SyntaxError, ValueError) as e:
-        syntax_error = e if isinstance(e, SyntaxError) else SyntaxError(str(e))
-    while True:
-        if first_fds:
-            fds, first_fds = first_fds, None
-        else:
-            try:
-                data, fds = _recv_fds(ctl, 4096, 8)
-            except OSError:
-                return
-            if not data:
-                return
-        pid = os.fork()
-        if pid == 0:
-            ctl.close()
-            _child_main(mode, fds, code_obj, syntax_error, source)
-        for fd in fds:
-            os.close(fd)
-        try:
-            os.setpgid(pid, pid)
-        except OSError:
-            pass  # the child set it itself, or is already gone
-        ctl.send(b"%d" % pid)
-        _, status = os.waitpid(pid, 0)
-        for kill in (os.killpg, os.kill):  # whatever the solution left in its group
-            try:
-                kill(pid, _signal.SIGKILL)
-            except OSError:
-                pass
-        ctl.send(b"%d" % status)
-
-
-_ZYGOTE_BOOT = """import sys, marshal, zlib, binascii
-boot = marshal.loads(open(0, "rb", closefd=False).read())
-compiled, source = boot["payload"]["judge_harness"]
-if boot["marshal"]:
-    code = marshal.loads(zlib.decompress(binascii.a2b_base64(compiled)))
-else:
-    code = compile(zlib.decompress(binascii.a2b_base64(source)), "judge_harness.py", "exec")
-ns = {"__name__": "judge_zygote", "_JUDGE_PAYLOAD": boot["payload"],
-      "_JUDGE_MARSHAL": boot["marshal"]}
-exec(code, ns)
-ns["zygote_entry"](boot)
-"""
-
-
-def zygote_entry(boot):
-    """Z started as a fresh interpreter: its control socket is fd 3, the first solution
-    process's fds (unit tests) are 4-7."""
-    _set_interpreter_limits()
-    first = [4, 5, 6, 7] if boot["mode"] == "unit" else None
-    _zygote_main(_socket.socket(fileno=3), boot["mode"], boot["code"], first)
-
-
-def _memfd(data):
-    try:
-        fd = os.memfd_create("judge")
-    except (AttributeError, OSError):  # no memfd (old kernel, seccomp): an unlinked temp file
-        import tempfile
-        with tempfile.TemporaryFile() as f:
-            fd = os.dup(f.fileno())
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
-def _start_zygote(setup, first_fds):
-    """(pid, T's control socket) of Z: a fresh interpreter if this run's memory may hold
-    secrets (see the module docstring), else a fork made before T reads any secret."""
-    t_ctl, z_ctl = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
-    payload = globals().get("_JUDGE_PAYLOAD", {})
-    if (os.environ.get("SANDBOX_CLEAN_FORK") == "1" or "judge_harness" not in payload
-            or not sys.executable):
-        pid = os.fork()
-        if pid == 0:
-            status = 0
-            try:
-                t_ctl.close()
-                os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-                _close_fds({z_ctl.fileno(), *first_fds})
-                _zygote_main(z_ctl, setup["mode"], setup["code"], first_fds)
-            except BaseException:  # noqa: B036 - nothing may escape a fork
-                status = 1
-            os._exit(status)
-    else:
-        import fcntl
-        modules = {name: payload[name] for name in ("judge_harness", "judge_rpc", "judge_codec")}
-        boot = marshal.dumps({"marshal": globals()["_JUDGE_MARSHAL"], "payload": modules,
-                              "mode": setup["mode"], "code": setup["code"]})
-        sources = [_memfd(boot), os.open(os.devnull, os.O_WRONLY), z_ctl.fileno(), *first_fds]
-        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in sources]
-        targets = [0, 1, 3, 4, 5, 6, 7][:len(high)]
-        pid = os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", "-c", _ZYGOTE_BOOT],
-                             dict(os.environ),
-                             file_actions=[(os.POSIX_SPAWN_DUP2, h, t)
-                                           for h, t in zip(high, targets)])
-        for fd in high + sources[:2]:
-            os.close(fd)
-    z_ctl.close()
-    for fd in first_fds:
-        os.close(fd)
-    return pid, t_ctl
-
 
 # ----------------------------------------------------------------------------------------------
 # T: the trusted judge
 # ----------------------------------------------------------------------------------------------
-
-_SIGNAL_NAMES = {4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 9: "SIGKILL",
-                 11: "SIGSEGV", 15: "SIGTERM", 24: "SIGXCPU", 25: "SIGXFSZ", 31: "SIGSYS"}
-
-
-def _status_text(status):
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        return f"killed by signal {_SIGNAL_NAMES.get(sig, sig)}" + (
-            " (out of memory?)" if sig == 9 else "")
-    return f"exited with code {os.WEXITSTATUS(status)}"
-
 
 class Judge:
     """T's state: the zygote channel, the live solution process, captured output, the timer.
@@ -488,7 +140,7 @@ class Judge:
 
     def spawn(self, fds):
         """Asks Z for a solution process with fds (stdin, stdout, stderr[, rpc])."""
-        _send_fds(self.ctl, b"spawn", fds)
+        zygote.send_fds(self.ctl, b"spawn", fds)
         return self.ctl_recv()
 
     def reap(self, pid):
@@ -663,7 +315,7 @@ def _import_real(name):
 
 
 def _judge_compare(left, op, right):
-    if not _CMP_FUNCS[op](left, right):
+    if not split.CMP_FUNCS[op](left, right):
         raise AssertionError(f"assert {_repr(left)} {op} {_repr(right)}")
 
 
@@ -681,7 +333,7 @@ def _test_traceback(e):
         tail = "".join(ln for ln in remote.splitlines(True) if not ln.startswith("Traceback"))
     else:
         tail = rpc.exception_line(e)
-    head = "Traceback (most recent call last):\n" + "".join(rpc.traceback_lines(e, TESTS_FILE))
+    head = "Traceback (most recent call last):\n" + "".join(rpc.traceback_lines(e, split.TESTS_FILE))
     return rpc.short(head + tail, 4 * rpc.MAX_TEXT)
 
 
@@ -692,7 +344,7 @@ def _outcome(e, judge, pytest_module):
                 str(e.info.get("traceback", "")))
     if isinstance(e, rpc.ChildGone):  # it closed the channel: it is exiting, or soon killed
         status = judge.stop_child(grace_s=0.5)
-        how = _status_text(status) if status is not None else "ended"
+        how = zygote.status_text(status) if status is not None else "ended"
         return "crashed", f"the solution process {how} during this test", ""
     if pytest_module is not None and isinstance(e, pytest_module.Skipped):
         return "skipped", str(e), ""
@@ -707,10 +359,10 @@ def _outcome(e, judge, pytest_module):
 def _run_unit_tests(judge, payload):
     import ast
     source, entry_point = payload["tests"], payload.get("entry_point")
-    style, units, candidate = split_tests(source, entry_point, payload.get("style", "auto"))
+    style, units, candidate = split.split_tests(source, entry_point, payload.get("style", "auto"))
     lines = source.splitlines()
-    rpc.SOURCES[TESTS_FILE] = lines
-    tree = ast.parse(source, TESTS_FILE)
+    rpc.SOURCES[split.TESTS_FILE] = lines
+    tree = ast.parse(source, split.TESTS_FILE)
     referenced = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     ns = {"__name__": "tests", "__builtins__": builtins, "__judge_compare__": _judge_compare}
     module, bound = type(sys)("solution"), {}
@@ -733,11 +385,11 @@ def _run_unit_tests(judge, payload):
         code(ns) if kind == "pytest" else exec(code, ns)
 
     if style == "pytest":
-        pytest_module = _load_module("judge_pytest")
+        pytest_module = _load_module("pytest_shim")
         ns["pytest"] = sys.modules["pytest"] = pytest_module.shim()
-        queue = [("collect", "module setup", _compile_stmts(tree.body, lines))]
+        queue = [("collect", "module setup", split.compile_units(tree.body, lines))]
     else:
-        queue = [("unit", name, _compile_stmts(stmts, lines)) for name, stmts in units]
+        queue = [("unit", name, split.compile_units(stmts, lines)) for name, stmts in units]
     _signal.signal(_signal.SIGALRM, judge.on_alarm)
     results = []
     while queue:
@@ -808,7 +460,7 @@ def _run_stdio(judge, payload):
 
 def _run_case(judge, inp, cap, timeout):
     """Runs the solution on one input; returns what it wrote and how it ended."""
-    stdin_fd = _memfd(inp.encode("utf-8", "surrogateescape"))
+    stdin_fd = zygote.memfd(inp.encode("utf-8", "surrogateescape"))
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     start = time.monotonic()
@@ -882,11 +534,6 @@ def _read_section(fd):
     return rpc.loads(bytes(_read_exact(fd, n)).decode())
 
 
-def _set_interpreter_limits():
-    if hasattr(sys, "set_int_max_str_digits"):  # big ints travel as JSON digits
-        sys.set_int_max_str_digits(0)
-
-
 def _make_undumpable():
     """PR_SET_DUMPABLE 0: same-uid processes without CAP_SYS_PTRACE can no longer read this
     process's memory (/proc/pid/mem, ptrace) or open its fds (/proc/pid/fd)."""
@@ -903,10 +550,11 @@ def main():
     sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.abspath(p) != cwd
                    and not os.path.abspath(p).startswith(cwd + os.sep)]
     sys.dont_write_bytecode = True
-    _set_interpreter_limits()
+    zygote.set_interpreter_limits()
     setup = _read_section(0)
     t_sock, c_side, out_r = _child_fds() if setup["mode"] == "unit" else (None, [], None)
-    zygote, ctl = _start_zygote(setup, c_side)
+    zygote_pid, ctl = zygote.start(setup, c_side, globals().get("_JUDGE_PAYLOAD", {}),
+                                     globals().get("_JUDGE_MARSHAL", False))
     key = bytes(_read_exact(0, KEY_BYTES))
     payload = _read_section(0)
     os.close(0)
@@ -927,8 +575,8 @@ def main():
     report["output_dropped"] = judge.output_dropped
     ctl.close()
     try:
-        os.kill(zygote, _signal.SIGKILL)
-        os.waitpid(zygote, 0)
+        os.kill(zygote_pid, _signal.SIGKILL)
+        os.waitpid(zygote_pid, 0)
     except OSError:
         pass
     import hashlib

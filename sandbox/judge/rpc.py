@@ -1,19 +1,19 @@
 """Values and calls across the judge's channel between its trusted process and the solution.
 
-Values travel as plain data (judge_codec.py) and are decoded into genuine builtin objects;
+Values travel as plain data (judge/codec.py) and are decoded into genuine builtin objects;
 any other object stays where it lives and travels as a handle (`Handle`). In T, a handle to a
 solution's object can only be called, have its attributes read or set and its len() taken:
 every other use is an `Unjudgeable` verdict, so the solution's code never decides anything
 about a value the tests compare. Exceptions travel as descriptions and are raised again
 as exceptions of the matching builtin type, with the traceback trimmed to the solution.
-Imports only C-level modules: a solution process pays nothing for it. See judge_harness.py.
+Imports only C-level modules: a solution process pays nothing for it. See judge/harness.py.
 """
 
 import builtins
 import operator
 import struct
 
-codec = _load_module("judge_codec")  # noqa: F821 - given by the harness's module loader
+codec = _load_module("codec")  # noqa: F821 - given by the harness's module loader
 ProtocolError, TooLarge, MAX_ITEMS = codec.ProtocolError, codec.TooLarge, codec.MAX_ITEMS
 
 SOLUTION_FILE = "solution.py"

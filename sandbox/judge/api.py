@@ -1,10 +1,10 @@
 """Judge a solution: unit tests (assert- or pytest-style) or stdin/stdout cases.
 
-One judge call is one sandbox run of `judge_harness.py`, which runs all tests in a single
+One judge call is one sandbox run of `judge/harness.py`, which runs all tests in a single
 trusted process against one solution process (restarted only after a crash or timeout), so a
 call costs about one run. The verdict leaves the sandbox signed with a per-call key that no
 solution process ever holds; the expected outputs of stdio cases never enter the sandbox (they
-are compared here). See `judge_harness.py` for why a program cannot fake a pass.
+are compared here). See judge/harness.py for why a program cannot fake a pass.
 
 Nothing the program does raises: it is all in the Report. Bad arguments raise ValueError or
 TypeError; a sandbox that failed raises `sandbox.WorkerError` (safe to retry; a Pool does).
@@ -27,7 +27,8 @@ import sys
 import zlib
 from typing import Callable, Optional, Sequence
 
-from sandbox import backends
+from sandbox import backends, session
+from sandbox.judge import split
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -56,7 +57,7 @@ def preload_source() -> str:
     before it forks any run (`judge_backend`); a run then only calls its `main`. Sources
     only (the server compiles them in its own Python, whatever its version)."""
     return _bootstrap("False", {name: ("", _payload(name)[1]) for name in _MODULES}) + (
-        '_load_module("judge_pytest")\n')
+        '_load_module("pytest_shim")\n')
 
 
 def _bootstrap(use_marshal: str, payload: dict) -> str:
@@ -64,16 +65,16 @@ def _bootstrap(use_marshal: str, payload: dict) -> str:
 _JUDGE_MARSHAL = {use_marshal}
 _JUDGE_PAYLOAD = {payload!r}
 import binascii, zlib
-_code = _JUDGE_PAYLOAD["judge_harness"]
+_code = _JUDGE_PAYLOAD["harness"]
 if _JUDGE_MARSHAL:
     import marshal
     exec(marshal.loads(zlib.decompress(binascii.a2b_base64(_code[0]))))
 else:
-    exec(compile(zlib.decompress(binascii.a2b_base64(_code[1])), "judge_harness.py", "exec"))
+    exec(compile(zlib.decompress(binascii.a2b_base64(_code[1])), "harness.py", "exec"))
 """
 
 
-_MODULES = ("judge_harness", "judge_rpc", "judge_codec", "judge_pytest")
+_MODULES = ("harness", "rpc", "codec", "split", "zygote", "pytest_shim")
 # A judge run on a fork server that preloaded the harness (see `judge_backend`).
 _PRELOADED_RUN = "import sys\nsys.modules['judge_harness'].main()\n"
 
@@ -157,7 +158,7 @@ def unit_tests(code: str, tests: str, *, entry_point: Optional[str] = None,
     """
     _check_str("code", code)
     _check_str("tests", tests)
-    _, units, _ = _harness().split_tests(tests, entry_point, style)
+    _, units, _ = split.split_tests(tests, entry_point, style)
     names = [name for name, _ in units]
     payload = {"tests": tests, "entry_point": entry_point, "style": style,
                "test_timeout_s": _positive("test_timeout_s", test_timeout_s),
@@ -247,9 +248,8 @@ def _execute(mode, code, payload, timeout_s, memory_mb, backend, run):
     if run is None:
         # sandbox.run's fork server hands a run its stdin (the key, the tests) without it
         # ever becoming an object in the run's memory (forkserver.lay_in), so the harness may
-        # fork its zygote before it reads them (judge_harness.py) rather than start one.
-        import sandbox
-        run = functools.partial(sandbox.run, env={"SANDBOX_CLEAN_FORK": "1"})
+        # fork its zygote before it reads them (judge/harness.py) rather than start one.
+        run = functools.partial(session.run, env={"SANDBOX_CLEAN_FORK": "1"})
         backend, program = judge_backend(backend), _PRELOADED_RUN
     else:
         program = harness_code()
@@ -266,9 +266,9 @@ def _execute(mode, code, payload, timeout_s, memory_mb, backend, run):
 
 
 def _harness():
-    """The harness module (for `split_tests` and its constants), imported on first use."""
-    from sandbox import judge_harness
-    return judge_harness
+    """The harness module (for its constants), imported on first use."""
+    from sandbox.judge import harness
+    return harness
 
 
 def judge_backend(backend):

@@ -1,6 +1,6 @@
 """A pytest subset for the judge's pytest-style tests, so they run without importing pytest.
 
-Runs in the judge's trusted process only (see judge_harness.py): `shim()` is the module the
+Runs in the judge's trusted process only (see judge/harness.py): `shim()` is the module the
 tests get as `pytest` (raises, approx, mark.parametrize/skip, skip, fail, fixture), `collect`
 expands the test functions. Fixtures are those defined in the test file.
 """

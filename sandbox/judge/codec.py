@@ -1,12 +1,12 @@
 """The plain-data codec of the judge's channel: what a value is when it crosses between the
-trusted process T and the solution process C (see judge_harness.py).
+trusted process T and the solution process C (see judge/harness.py).
 
 Only data crosses: None, bool, int, float, str, bytes, bytearray, complex, range, list,
 tuple, dict, set, frozenset, their dict views, namedtuples, OrderedDict, Counter,
 defaultdict, deque, Decimal, Fraction, numpy arrays and scalars (exact types; subclasses are
 not data), and iterators, drained on the sending side into their items. The receiver builds
 genuine builtin objects from it, so nothing done to a decoded value runs the sender's code.
-Anything else goes as a handle token that the endpoint (judge_rpc.Endpoint) turns into an
+Anything else goes as a handle token that the endpoint (judge/rpc.py's Endpoint) turns into an
 object whose uses it restricts. Imports only C-level modules.
 """
 

@@ -1,0 +1,276 @@
+"""A batch of finished episodes, and how a step's batch is collected.
+
+  Batch        host-side numpy rows (ex `Episodes`, kept as an alias): G consecutive rows per
+               group, each its group's prompt and the row's continuation, with loss mask,
+               sampler log-probs, reward and group id; `from_rows` / `from_histories` pack
+               per-row lists
+  collect      calls a producer on prompt batches until the step's batch is full: the DAPO
+               overlong penalty, dynamic sampling (groups whose rewards are all equal are
+               dropped and more prompts drawn, up to a cap) and group filling; its metrics
+               (rewards, lengths, per-domain means)
+
+Everything here is numpy on the host; the device programs are `ptrain.step`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from ptrain import losses
+
+
+# ===================================================================================== Batch
+
+
+@dataclasses.dataclass
+class Batch:
+    """A batch of finished episodes on the host (numpy): one row per sample, G rows per group
+    (`Episodes` is its former name, kept as an alias).
+
+    A row is its group's prompt (left-padded to a fixed width, identical for the G rows of a
+    group, which are consecutive) and the row's continuation: everything after the prompt
+    (model turns and, in multi-turn episodes, tool observations), right-padded. Per-token
+    arrays are aligned with `tokens_bn`: column j describes continuation token j, whose
+    log-prob is that of the token given everything before it. `loss_mask_bn` is 1 only on
+    tokens the model produced and is trained on (never on observations or padding).
+
+    The learner runs each group's prompt once and continues it G times through the KV cache,
+    as the sampler does, so a long prompt costs one forward and one backward per group.
+    `meta` is host-only (texts, feedback, domain) and never goes to the device.
+    """
+
+    prompt_bp: np.ndarray  # int32 [b, p]: the group's prompt, left-padded
+    prompt_lens_b: np.ndarray  # int32 [b]
+    tokens_bn: np.ndarray  # int32 [b, n]: the continuation, right-padded
+    lengths_b: np.ndarray  # int32 [b]: tokens in the continuation
+    loss_mask_bn: np.ndarray  # float32 [b, n]
+    rollout_logp_bn: np.ndarray  # float32 [b, n]: the sampler's temperature-1 log-probs
+    rewards_b: np.ndarray  # float32 [b]
+    group_ids_b: np.ndarray  # int32 [b]
+    meta: list = dataclasses.field(default_factory=list)  # one dict per row
+
+    @classmethod
+    def from_rows(cls, prompts, continuations, loss_masks, rollout_logps, rewards, group_ids,
+                  *, prompt_len, length, meta=None, pad_id=0) -> Batch:
+        """Packs per-row lists (prompt ids; continuation ids with one 0/1 loss-mask value and
+        one log-prob each) into arrays of `prompt_len` and `length` columns."""
+        b = len(prompts)
+        out = cls(prompt_bp=np.full((b, prompt_len), pad_id, np.int32),
+                  prompt_lens_b=np.zeros(b, np.int32),
+                  tokens_bn=np.full((b, length), pad_id, np.int32),
+                  lengths_b=np.zeros(b, np.int32),
+                  loss_mask_bn=np.zeros((b, length), np.float32),
+                  rollout_logp_bn=np.zeros((b, length), np.float32),
+                  rewards_b=np.asarray(rewards, np.float32).reshape(b),
+                  group_ids_b=np.asarray(group_ids, np.int32).reshape(b),
+                  meta=list(meta) if meta is not None else [{} for _ in range(b)])
+        rows = zip(prompts, continuations, loss_masks, rollout_logps)
+        for i, (prompt, tok, mask, logp) in enumerate(rows):
+            p, n = len(prompt), len(tok)
+            if not 0 < p <= prompt_len:
+                raise ValueError(f"episode {i}: its prompt has {p} tokens; it needs 1 to "
+                                 f"prompt_len={prompt_len}")
+            if n > length:
+                raise ValueError(f"episode {i} continues its prompt with {n} tokens, more than "
+                                 f"the length {length}; raise the cap or cut the episode")
+            if len(mask) != n or len(logp) != n:
+                raise ValueError(f"episode {i}: {n} tokens but {len(mask)} mask values and "
+                                 f"{len(logp)} log-probs; give one per token")
+            out.prompt_bp[i, prompt_len - p:], out.prompt_lens_b[i] = prompt, p
+            out.tokens_bn[i, :n], out.lengths_b[i] = tok, n
+            out.loss_mask_bn[i, :n], out.rollout_logp_bn[i, :n] = mask, logp
+        return out
+
+    @classmethod
+    def from_histories(cls, tokens, loss_masks, rollout_logps, rewards, group_ids, *,
+                       prompt_lens, prompt_len, length, meta=None, pad_id=0) -> Batch:
+        """Like `from_rows`, from whole histories (prompt included): row i's first
+        prompt_lens[i] tokens are its prompt, the rest its continuation."""
+        split = [(list(t[:p]), list(t[p:]), list(m[p:]), list(lp[p:]))
+                 for t, m, lp, p in zip(tokens, loss_masks, rollout_logps, prompt_lens)]
+        for i, (t, m, p) in enumerate(zip(tokens, loss_masks, prompt_lens)):
+            if any(m[:p]):
+                raise ValueError(f"episode {i}: its loss mask is 1 inside the prompt (the "
+                                 f"first {p} tokens); prompt tokens are never trained on")
+        prompts, continuations, masks, logps = zip(*split) if split else ((),) * 4
+        return cls.from_rows(prompts, continuations, masks, logps, rewards, group_ids,
+                             prompt_len=prompt_len, length=length, meta=meta, pad_id=pad_id)
+
+    def __len__(self):
+        return len(self.tokens_bn)
+
+    def columns(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """What goes to the device."""
+        return {k: v for k, v in self.columns().items() if k != "meta"}
+
+    def check_groups(self, group_size: int) -> None:
+        """Groups must be G consecutive rows with one id and one prompt."""
+        b = len(self)
+        if b % group_size:
+            raise ValueError(f"{b} episodes do not form groups of {group_size}")
+        for name, what in (("group_ids_b", "group id"), ("prompt_bp", "prompt")):
+            x = getattr(self, name).reshape((b // group_size, group_size, -1))
+            if not (x == x[:, :1]).all():
+                raise ValueError(f"episodes: the {group_size} consecutive rows of a group must "
+                                 f"share their {what}; keep each prompt's samples together")
+
+
+Episodes = Batch  # the former name, for a release
+
+
+# =================================================================================== collect
+
+
+def collect(rollout, batches, config):
+    """Calls rollout(records, attempt) on prompt batches until the step's batch is full.
+
+    Without dynamic sampling: one call. With it: rows of groups whose rewards are all equal
+    are dropped and more prompts are drawn, up to dapo.max_gen_batches calls; a batch still
+    short is topped up with dropped groups (their advantage is 0) and the count is logged.
+    The DAPO overlong penalty is added to the rewards first. Returns (Batch, metrics).
+    """
+    c = config
+    n_groups = c.data.prompts_per_step
+    acc, full, all_rewards, last = None, False, [], None
+    calls = 0
+    for attempt in range(c.dapo.max_gen_batches if c.dapo.dynamic_sampling else 1):
+        episodes = rollout(next(batches), attempt)
+        calls += 1
+        _check(episodes, c)
+        if c.dapo.overlong_buffer:
+            lengths_b = episodes.loss_mask_bn.sum(-1)
+            episodes.rewards_b = episodes.rewards_b + np.asarray(losses.overlong_penalty(
+                lengths_b, max_len=c.sampling.max_new_tokens, buffer_len=c.dapo.overlong_buffer,
+                penalty_factor=c.dapo.overlong_penalty))
+        # Group ids unique across the calls of this step.
+        _, local = np.unique(episodes.group_ids_b, return_inverse=True)
+        episodes.group_ids_b = (attempt * len(episodes) + local).astype(np.int32)
+        all_rewards.append(episodes.rewards_b)
+        last = episodes
+        if not c.dapo.dynamic_sampling:
+            acc, full = episodes.columns(), True
+            break
+        keep = informative_groups(episodes.rewards_b, episodes.group_ids_b)
+        acc, full = accumulate_groups(acc, episodes.columns(), keep, num_groups=n_groups,
+                                             group_key="group_ids_b")
+        if full:
+            break
+    rewards = np.concatenate(all_rewards)
+    metrics = {"reward/mean": rewards.mean(), "reward/std": rewards.std(),
+               "reward/max": rewards.max(), "reward/min": rewards.min()}
+    if c.dapo.dynamic_sampling:
+        filler = 0
+        if not full:
+            before = len(set(np.asarray(acc["group_ids_b"]).tolist()))
+            keep = informative_groups(last.rewards_b, last.group_ids_b)
+            acc, full = accumulate_groups(acc, last.columns(), ~keep, num_groups=n_groups,
+                                                 group_key="group_ids_b")
+            filler = len(set(np.asarray(acc["group_ids_b"]).tolist())) - before
+        if not full:
+            raise ValueError("dynamic sampling could not fill the batch: a rollout returned "
+                             f"fewer than data.prompts_per_step={n_groups} groups")
+        metrics.update({"dapo/gen_batches": calls, "dapo/uninformative_groups": filler,
+                        "reward/batch_mean": np.mean(acc["rewards_b"])})
+    episodes = Batch(**acc)
+    mask = episodes.loss_mask_bn
+    metrics["response/length_mean"] = mask.sum(-1).mean()
+    metrics["response/length_max"] = mask.sum(-1).max()
+    reasons = [m.get("finish_reason") for m in episodes.meta]
+    if any(r is not None for r in reasons):
+        metrics["response/clip_ratio"] = np.mean([r == "length" for r in reasons])
+    metrics.update(domain_metrics(episodes))
+    return episodes, metrics
+
+
+def domain_metrics(episodes: Batch) -> dict[str, float]:
+    """Per-domain means when the rows' meta name a domain: reward/<domain>/mean, and the
+    numeric episode fields a producer reports (pass rate, turns, tool calls and errors)."""
+    fields = ("passed", "turns", "tool_calls", "tool_errors", "attempts")
+    by_domain: dict[str, list[int]] = {}
+    for i, meta in enumerate(episodes.meta):
+        if "domain" in meta:
+            by_domain.setdefault(meta["domain"], []).append(i)
+    out = {}
+    for domain, rows in sorted(by_domain.items()):
+        out[f"reward/{domain}/mean"] = float(np.mean(episodes.rewards_b[rows]))
+        for field in fields:
+            values = [episodes.meta[i][field] for i in rows if field in episodes.meta[i]]
+            if values:
+                out[f"episode/{domain}/{field}"] = float(np.mean(values))
+    return out
+
+
+def _check(episodes, config):
+    rows = config.data.prompts_per_step * config.sampling.num_samples
+    if not isinstance(episodes, Batch):
+        raise TypeError(f"a producer's score (or rollout_fn) must return a ptrain.batch.Batch "
+                        f"(ex Episodes), got {type(episodes).__name__}")
+    if len(episodes) != rows:
+        raise ValueError(f"a producer returned {len(episodes)} rows; the batch shape is fixed "
+                         f"at data.prompts_per_step * sampling.num_samples = {rows}")
+
+
+def rollout_samples(episodes: Batch, n: int) -> list[dict]:
+    """The first n rows as rollouts.jsonl samples (prompt, completion, reward, feedback...)."""
+    out = []
+    for i in range(min(n, len(episodes))):
+        meta = episodes.meta[i] if i < len(episodes.meta) else {}
+        out.append({"prompt": meta.get("prompt", ""), "completion": meta.get("completion", ""),
+                    **meta, "reward": float(episodes.rewards_b[i]),
+                    "group": int(episodes.group_ids_b[i])})
+    return out
+
+
+# ============================================================ DAPO dynamic sampling (numpy)
+
+
+def informative_groups(rewards_b, group_ids_b):
+    """DAPO dynamic sampling: True for samples whose group's rewards are not all equal.
+
+    verl's DAPO trainer keeps a group when the std of its rewards is > 0 or it has one
+    sample. Host-side numpy; returns a bool mask [b].
+    """
+    r_b, g_b = np.asarray(rewards_b, np.float64), np.asarray(group_ids_b)
+    keep_b = np.zeros(len(r_b), bool)
+    for g in np.unique(g_b):
+        in_g = g_b == g
+        keep_b[in_g] = in_g.sum() == 1 or np.std(r_b[in_g]) > 0
+    return keep_b
+
+
+def _take(x, idx):
+    return [x[i] for i in idx] if isinstance(x, list) else np.asarray(x)[idx]
+
+
+def _concat(a, b):
+    return a + b if isinstance(a, list) else np.concatenate([a, b])
+
+
+def accumulate_groups(acc, batch, keep_b, *, num_groups, group_key="group_id"):
+    """Adds the kept rows of `batch` to `acc` until it holds `num_groups` whole groups.
+
+    batch: dict of per-sample columns (numpy arrays or lists, leading dimension b), one of
+    them `group_key`. acc: None or the previous return value. Returns (acc, full); once
+    full, acc is cut to the first `num_groups` groups. Group ids must be unique across
+    generation batches. The loop that samples again until full, with a cap, is `collect`.
+    """
+    idx = np.flatnonzero(keep_b)
+    new = {k: _take(v, idx) for k, v in batch.items()}
+    if acc is not None:
+        clash = set(np.asarray(acc[group_key]).tolist()) & set(np.asarray(new[group_key]).tolist())
+        if clash:
+            raise ValueError(f"group ids {sorted(clash)[:5]} repeat across generation batches; "
+                             "give every prompt of the run a distinct group id")
+        new = {k: _concat(acc[k], v) for k, v in new.items()}
+    groups = list(dict.fromkeys(np.asarray(new[group_key]).tolist()))
+    if len(groups) < num_groups:
+        return new, False
+    chosen = set(groups[:num_groups])
+    rows = [i for i, g in enumerate(np.asarray(new[group_key]).tolist()) if g in chosen]
+    return {k: _take(v, rows) for k, v in new.items()}, True

@@ -1,0 +1,400 @@
+"""Every key a run reads, with its default, and the one checker. Pure data: this module imports
+ml_collections and nothing of JAX, so configs in configs/ build on it (`defaults()`, then set
+only what the experiment changes).
+
+  defaults()                  the learner's keys: model, data, sampling, rl, critic, kl, dapo,
+                              optim, sft, log, checkpoint
+  defaults(closed_loop=True)  plus the closed loop's sections: tasks, rollout, reward,
+                              sandbox, eval
+  plan_defaults()             a memory plan's keys (launch/plan.py)
+  resolve(config)             the static settings of the device programs (`StepSettings`
+                              for the RL, critic and SFT updates), resolved once
+  check(config)               missing and unknown keys, bad values, with hf_model a model.*
+                              key that contradicts config.json, and (given the mesh) batch
+                              and sequence dimensions that do not divide their mesh axes
+
+The checks that need the mesh run when the learner has built it (`check_mesh`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import ml_collections
+
+ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "gae")
+CRITIC_INITS = ("policy", "random")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+SCHEDULES = ("cosine", "constant")
+CHAT_FORMATS = ("plain", "qwen")  # rollout.chat_format; the formats are ptrain.rollout's
+TASK_SOURCES = ("synthetic", "jsonl")
+LOOP_SECTIONS = ("tasks", "rollout", "reward", "sandbox", "eval")  # beyond the learner's
+
+
+# ================================================================================ defaults
+
+
+def _optim(**changes):
+    out = dict(lr=1e-6, warmup_steps=0, schedule="cosine",  # SCHEDULES
+               min_lr_ratio=0.0, weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8,
+               grad_clip=1.0)  # 0: no clipping
+    out.update(changes)
+    return out
+
+
+def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
+    """Every key the learner reads (and with closed_loop, the closed loop), with its default.
+    `check` rejects missing and unknown keys."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # the one seed: model init, data order, sampling
+    c.steps = 100  # RL steps; each draws data.prompts_per_step prompts
+    # ModelConfig fields for a randomly initialised model. With hf_model, config.json gives
+    # the model; only the run-time keys (attention implementation, block sizes, remat) may
+    # differ from it, and a key set here that contradicts it is an error.
+    c.model = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+                   tie_embeddings=False, rope_theta=10000.0, dtype="float32",
+                   param_dtype="float32", remat="none", attention_impl="blockwise",
+                   attn_block_q=512, attn_block_k=512)
+    c.hf_model = ""  # a local Hugging Face model directory to start from
+    c.tokenizer = ""  # a local Hugging Face tokenizer directory; "" means records carry ids
+    c.mesh = dict(data=1, fsdp=-1, sequence=1, tensor=1)
+    # Prompts: JSONL/ArrayRecord `sources` (paths or (path, weight)), or `records_fn(seed)`
+    # returning a list of dicts (written once to <workdir>/prompts.jsonl). A record holds
+    # "prompt_ids" (token ids) or "prompt" (text, with a tokenizer) and whatever the reward
+    # function needs.
+    c.data = dict(sources=(), records_fn=None, prompts_per_step=8, max_prompt_len=64,
+                  on_error="raise")
+    # reward_fn(record, completion_ids, completion_text) -> reward, or (reward, feedback text).
+    c.reward_fn = None
+    c.sampling = dict(num_samples=8, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,
+                      stop_token_ids=(), stop_strings=(), stop_check_every=16)
+    c.rl = dict(
+        estimator="grpo",  # ESTIMATORS
+        loss="ppo",  # POLICY_LOSSES
+        clip_low=0.2, clip_high=0.2,  # clip-higher (DAPO): clip_high=0.28
+        dual_clip=3.0,  # 0: off
+        agg="token-mean",  # losses.AGG_MODES; gspo needs seq-mean-token-mean
+        ppo_epochs=1, num_minibatches=1,
+        # Rows per gradient-accumulation step, a multiple of sampling.num_samples (groups
+        # stay whole: their prompt is computed once); 0: the whole minibatch.
+        microbatch_size=0,
+        gamma=1.0,  # discount (reinforce++, gae)
+        lam=1.0,  # GAE lambda (gae)
+        entropy_coef=0.0,
+        tis_cap=0.0,  # truncated importance sampling against the sampler's log-probs; 0: off
+        tis_level="token",  # token | sequence
+        logprob_chunk=256,  # time steps per chunk of the log-prob computation
+        # 0: on-policy. 1: batch t is scored (in the sandbox) while batch t+1 is generated
+        # from the same parameters, so batch t+1 trains one update late; needs a producer
+        # with separate generate/score (see `learner.train`) and tis_cap > 0 to correct it.
+        staleness=0,
+    )
+    # The value function of rl.estimator="gae" (PPO), ignored otherwise. init "policy": the
+    # policy's decoder (verl's default) with a new value head; "random": a fresh decoder
+    # (seed + 1). clip_value: verl's cliprange_value. The loss aggregates like the actor's
+    # (rl.agg); the optimizer is the critic's own (verl: lr 1e-5, weight decay 0.01, constant).
+    c.critic = dict(init="policy", clip_value=0.5,
+                    optim=_optim(lr=1e-5, schedule="constant", weight_decay=0.01))
+    # KL to the frozen initial policy: coef 0 turns it (and the reference model) off.
+    c.kl = dict(coef=0.0, kind="k3", in_reward=False,
+                target=0.0, horizon=10000.0)  # target > 0: adaptive coefficient (in-reward)
+    c.dapo = dict(
+        overlong_buffer=0,  # > 0: soft overlong penalty over the last N tokens before the max
+        overlong_penalty=1.0,
+        dynamic_sampling=False,  # keep sampling until every group's rewards differ
+        max_gen_batches=4,  # cap; the batch is then topped up with uninformative groups
+    )
+    c.optim = _optim()
+    # Supervised warm start (`learner.sft`): records hold prompt_ids + completion_ids (or
+    # prompt + completion text with a tokenizer); the loss covers completion tokens only.
+    c.sft = dict(sources=(), records_fn=None, steps=0, batch_size=8, max_prompt_len=64,
+                 max_completion_len=64, microbatch_size=0,
+                 checkpoint_every=0,  # 0: checkpoint.every (SFT steps are often much shorter)
+                 optim=_optim(lr=1e-3))
+    c.log = dict(every=1, rollouts_every=10, num_rollouts=4)
+    c.checkpoint = dict(every=10, keep=3, async_save=True)
+    if closed_loop:
+        _closed_loop_sections(c)
+    return c
+
+
+def _closed_loop_sections(c):
+    c.tasks = dict(
+        source="synthetic",  # TASK_SOURCES
+        domains=("code", "arith", "files"),  # synthetic: a subset of synthetic_tasks.DOMAINS
+        weights=(1.0, 1.0, 1.0),  # sampling weight of each domain in RL
+        n_train=3000, n_heldout=100,  # synthetic: instances per domain
+        bug_rate=0.7,  # synthetic: how often a triggered demonstration carries its bug
+        train=(), heldout=(),  # jsonl: one task file per domain (ptrain.tasks records)
+    )
+    c.rollout = dict(max_turns=3, max_attempts=1, attempt_reward="final", discount=0.5,
+                     max_len=72,  # tokens after the prompt (turns, observations, feedback)
+                     max_tool_output_chars=1000, tool_timeout_s=5.0,
+                     chat_format="plain")  # CHAT_FORMATS
+    c.reward = dict(partial_credit=False, timeout_s=10.0, test_timeout_s=2.0, memory_mb=512)
+    c.sandbox = dict(backend="auto", workers=2)
+    c.eval = dict(n=100,  # held-out tasks per domain (at most the held-out split)
+                  sample=False)  # also pass@1 at the sampling temperature
+
+
+def plan_defaults() -> ml_collections.ConfigDict:
+    """Every key a plan config holds (`ptrain.plan.check_config` checks them)."""
+    c = ml_collections.ConfigDict()
+    # ModelConfig fields (attention_impl, attn_block_q/k and remat included); the rest keep
+    # their ModelConfig defaults.
+    c.model = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+                   attention_impl="ring", remat="full")
+    c.seq_len = 1024  # tokens per sequence (packed documents)
+    c.batch = 1  # sequences per step
+    c.mesh = dict(data=1, fsdp=1, sequence=1, tensor=1)  # no -1: a plan names its devices
+    c.layout = "zigzag"  # the token order the data pipeline feeds (long_context.LAYOUTS)
+    c.logprob_chunk = 1024  # time steps per chunk of the log-prob computation
+    c.optim = _optim(lr=1e-5, schedule="constant", b2=0.95)
+    c.budget_gib = 80.0  # usable memory per device
+    # `search`: device counts to try (ascending) and compiles per count.
+    c.search = dict(device_counts=(8, 16, 32, 64, 128), confirm=2)
+    return c
+
+
+# ================================================================================ checking
+
+
+def key_diff(ref, config, prefix: str = "") -> tuple[list[str], list[str]]:
+    """(missing, unknown) dotted keys of `config` against `ref`, recursively."""
+    missing, unknown = [], []
+    ref_keys, keys = set(ref.keys()), set(config.keys())
+    missing += [prefix + k for k in sorted(ref_keys - keys)]
+    unknown += [prefix + k for k in sorted(keys - ref_keys)]
+    for k in sorted(ref_keys & keys):
+        if isinstance(ref[k], ml_collections.ConfigDict):
+            if not isinstance(config[k], ml_collections.ConfigDict):
+                missing.append(f"{prefix}{k}.*")
+                continue
+            m, u = key_diff(ref[k], config[k], f"{prefix}{k}.")
+            missing, unknown = missing + m, unknown + u
+    return missing, unknown
+
+
+def check(config, *, closed_loop: bool | None = None) -> None:
+    """Raises a ValueError naming every missing or unknown key, or a bad value. closed_loop
+    (default: whether the config has a `tasks` section) adds the closed loop's sections."""
+    if closed_loop is None:
+        closed_loop = "tasks" in config
+    _check_keys(config, closed_loop)
+    _check_values(config)
+    if closed_loop:
+        _check_loop_values(config)
+    if config.hf_model:
+        check_hf_model(config)
+
+
+def _check_keys(config, closed_loop):
+    if closed_loop:
+        for name in LOOP_SECTIONS:
+            if name not in config:
+                raise ValueError(f"config: missing section {name!r} (see "
+                                 "ptrain.config.defaults(closed_loop=True))")
+    ref = defaults(closed_loop=closed_loop)
+    missing, unknown = key_diff(ref, config)
+    if missing or unknown:
+        where = "defaults(closed_loop=True)" if closed_loop else "defaults()"
+        raise ValueError(
+            f"config does not match ptrain.config.{where}: "
+            + (f"missing keys {missing}" if missing else "")
+            + ("; " if missing and unknown else "")
+            + (f"unknown keys {unknown}" if unknown else "")
+            + ". Build the config on ptrain.config.defaults() and set only existing keys.")
+
+
+def _check_values(config):
+    from ptrain import losses  # the loss modes are the loss module's
+    rl, s, d = config.rl, config.sampling, config.data
+    mb_rows = d.prompts_per_step * s.num_samples // max(rl.num_minibatches, 1)
+    micro = rl.microbatch_size
+    checks = [
+        (rl.estimator in ESTIMATORS, f"rl.estimator={rl.estimator!r}; use one of {ESTIMATORS}"),
+        (rl.loss in POLICY_LOSSES, f"rl.loss={rl.loss!r}; use one of {POLICY_LOSSES}"),
+        (rl.agg in losses.AGG_MODES, f"rl.agg={rl.agg!r}; use one of {losses.AGG_MODES}"),
+        (rl.loss != "gspo" or rl.agg == "seq-mean-token-mean",
+         "rl.loss='gspo' aggregates seq-mean-token-mean; set rl.agg to it"),
+        (config.kl.kind in losses.KL_KINDS, f"kl.kind={config.kl.kind!r}; use {losses.KL_KINDS}"),
+        (rl.tis_level in ("token", "sequence"), "rl.tis_level must be 'token' or 'sequence'"),
+        (config.steps >= 0 and rl.ppo_epochs >= 1 and rl.num_minibatches >= 1,
+         "steps must be >= 0, rl.ppo_epochs and rl.num_minibatches >= 1"),
+        (d.prompts_per_step % rl.num_minibatches == 0,
+         f"data.prompts_per_step={d.prompts_per_step} groups must divide into "
+         f"rl.num_minibatches={rl.num_minibatches}"),
+        (micro == 0 or (micro % s.num_samples == 0 and mb_rows % micro == 0),
+         f"rl.microbatch_size={micro} must be a multiple of sampling.num_samples="
+         f"{s.num_samples} that divides the minibatch of {mb_rows} rows"),
+        (config.sft.microbatch_size == 0
+         or config.sft.batch_size % config.sft.microbatch_size == 0,
+         "sft.microbatch_size must divide sft.batch_size"),
+        (all(o.schedule in SCHEDULES
+             for o in (config.optim, config.sft.optim, config.critic.optim)),
+         "optim.schedule (and sft.optim's, critic.optim's) must be 'cosine' or 'constant'"),
+        (rl.estimator != "gae" or (0 <= rl.gamma <= 1 and 0 <= rl.lam <= 1),
+         f"rl.estimator='gae' needs 0 <= rl.gamma <= 1 and 0 <= rl.lam <= 1; got "
+         f"gamma={rl.gamma}, lam={rl.lam}"),
+        (config.critic.init in CRITIC_INITS,
+         f"critic.init={config.critic.init!r}; use one of {CRITIC_INITS}"),
+        (config.critic.clip_value > 0,
+         f"critic.clip_value={config.critic.clip_value} must be > 0 (large: no clipping)"),
+        (not (d.sources and d.records_fn), "set data.sources or data.records_fn, not both"),
+        (config.dapo.max_gen_batches >= 1, "dapo.max_gen_batches must be >= 1"),
+        (config.kl.target == 0 or config.kl.in_reward,
+         "kl.target (adaptive KL) applies to the KL in the reward: set kl.in_reward=True"),
+        (rl.staleness in (0, 1), "rl.staleness must be 0 (on-policy) or 1 (overlapped)"),
+        (rl.staleness == 0 or not config.dapo.dynamic_sampling,
+         "dynamic sampling needs the rewards before the next batch is drawn: set "
+         "rl.staleness=0 or dapo.dynamic_sampling=False"),
+    ]
+    _raise_first(checks)
+    _check_mesh_sizes(config, _fixed_mesh(config.mesh))
+
+
+def _check_loop_values(config):
+    from ptrain import synthetic_tasks  # its domains
+    t = config.tasks
+    _raise_first([
+        (t.source in TASK_SOURCES, "tasks.source must be 'synthetic' or 'jsonl'"),
+        (len(t.weights) == len(t.domains), "tasks.weights needs one weight per domain"),
+        (t.source != "synthetic" or set(t.domains) <= set(synthetic_tasks.DOMAINS),
+         f"synthetic domains are {synthetic_tasks.DOMAINS}"),
+        (t.source != "jsonl" or len(t.train) == len(t.heldout) == len(t.domains),
+         "tasks.train and tasks.heldout need one task file per domain"),
+        (config.rollout.chat_format in CHAT_FORMATS,
+         f"rollout.chat_format must be one of {sorted(CHAT_FORMATS)}"),
+        (config.rollout.max_attempts == 1 or not config.rl.staleness,
+         "self-correction (rollout.max_attempts > 1) scores during the episode: rl.staleness=0"),
+    ])
+
+
+def _raise_first(checks):
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(f"config: {message}")
+
+
+def check_hf_model(config) -> None:
+    """With hf_model, config.json gives the model: a model.* key other than the run-time
+    ones that is set (differs from defaults()) and differs from config.json is an error."""
+    from ptrain import hf
+    from ptrain import model as model_lib
+    ours = hf.config_from_hf(hf.read_config(config.hf_model))
+    base = defaults().model
+    for key, value in config.model.items():
+        if key in model_lib.RUNTIME_FIELDS or value == base.get(key):
+            continue
+        theirs = getattr(ours, key, None)
+        if key == "vocab_size" and value == 0:  # 0: the tokenizer's / the checkpoint's
+            continue
+        if value != theirs:
+            raise ValueError(
+                f"config: model.{key}={value!r} but hf_model's config.json "
+                f"({os.path.join(config.hf_model, 'config.json')}) gives {key}={theirs!r}; "
+                f"the checkpoint's shapes win: remove model.{key} from the config or set it "
+                f"to {theirs!r} (only {', '.join(model_lib.RUNTIME_FIELDS)} may differ)")
+
+
+def _fixed_mesh(mesh) -> dict[str, int] | None:
+    """The mesh's sizes when none is -1 (then they are known before any device is seen)."""
+    sizes = {k: int(v) for k, v in mesh.items()}
+    return None if any(v < 1 for v in sizes.values()) else sizes
+
+
+def check_mesh(config, mesh_shape) -> None:
+    """Batch and sequence dimensions must divide their mesh axes (`mesh_shape`: axis ->
+    size, e.g. a built mesh's `.shape`); weights may still replicate, with a warning."""
+    _check_mesh_sizes(config, {k: int(v) for k, v in dict(mesh_shape).items()})
+
+
+def _check_mesh_sizes(config, sizes):
+    if sizes is None:
+        return
+    rows_axes = sizes.get("data", 1) * sizes.get("fsdp", 1)
+    seq = sizes.get("sequence", 1)
+    rl, s, d = config.rl, config.sampling, config.data
+    rows = d.prompts_per_step * s.num_samples
+    micro = rl.microbatch_size or rows // max(rl.num_minibatches, 1)
+    checks = [
+        (micro % rows_axes == 0,
+         f"the learner's microbatch of {micro} rows (rl.microbatch_size, or the minibatch of "
+         f"data.prompts_per_step * sampling.num_samples / rl.num_minibatches) does not "
+         f"divide over mesh data x fsdp = {rows_axes}; change the batch or the mesh"),
+    ]
+    if config.sft.steps:
+        sft_micro = config.sft.microbatch_size or config.sft.batch_size
+        checks.append((sft_micro % rows_axes == 0,
+                       f"sft's microbatch of {sft_micro} rows (sft.microbatch_size or "
+                       f"sft.batch_size) does not divide over mesh data x fsdp = {rows_axes}"))
+    if seq > 1:
+        length = config.rollout.max_len if "rollout" in config else s.max_new_tokens
+        prompt = config.data.max_prompt_len
+        checks.append((length % seq == 0 and prompt % seq == 0,
+                       f"the continuation length {length} (sampling.max_new_tokens, or "
+                       f"rollout.max_len in the closed loop) and data.max_prompt_len={prompt} "
+                       f"must divide over mesh sequence={seq}"))
+    _raise_first(checks)
+
+
+# ================================================================================ resolved
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The static part of a compiled update (`ptrain.step`; hashable)."""
+
+    kind: str  # "rl" | "sft" | "critic"
+    group_size: int = 1  # rows sharing one prompt
+    estimator: str = "grpo"
+    loss: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = 3.0
+    agg: str = "token-mean"
+    gamma: float = 1.0
+    lam: float = 1.0
+    clip_value: float = 0.5
+    entropy_coef: float = 0.0
+    tis_cap: float = 0.0
+    tis_level: str = "token"
+    kl_kind: str = "k3"
+    kl_loss: bool = False
+    kl_in_reward: bool = False
+    has_old_logp: bool = False
+    chunk: int = 256
+    epochs: int = 1
+    minibatches: int = 1
+    microbatch: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """What the learner's device programs read from a config, resolved once."""
+
+    rl: StepSettings
+    critic: StepSettings | None  # rl.estimator="gae" only
+    sft: StepSettings
+    updates_per_step: int  # optimizer updates per RL step (epochs x minibatches)
+
+
+def resolve(config) -> Resolved:
+    """The config's step settings (a checked config: see `check`)."""
+    c, rl = config, config.rl
+    updates = rl.ppo_epochs * rl.num_minibatches
+    kl_on = c.kl.coef > 0
+    rl_settings = StepSettings(
+        kind="rl", group_size=c.sampling.num_samples, estimator=rl.estimator, loss=rl.loss,
+        clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip or None,
+        agg=rl.agg, gamma=rl.gamma, lam=rl.lam, clip_value=c.critic.clip_value,
+        entropy_coef=rl.entropy_coef, tis_cap=rl.tis_cap, tis_level=rl.tis_level,
+        kl_kind=c.kl.kind, kl_loss=kl_on and not c.kl.in_reward,
+        kl_in_reward=kl_on and c.kl.in_reward,
+        has_old_logp=updates > 1 or (kl_on and c.kl.in_reward), chunk=rl.logprob_chunk,
+        epochs=rl.ppo_epochs, minibatches=rl.num_minibatches, microbatch=rl.microbatch_size)
+    critic = (dataclasses.replace(rl_settings, kind="critic") if rl.estimator == "gae"
+              else None)
+    sft = StepSettings(kind="sft", chunk=rl.logprob_chunk, microbatch=c.sft.microbatch_size)
+    return Resolved(rl=rl_settings, critic=critic, sft=sft, updates_per_step=updates)

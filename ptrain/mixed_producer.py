@@ -1,0 +1,76 @@
+"""One RL batch from several producers: records routed by kind, episodes packed together.
+
+    producer = MixedProducer({"terminal": terminal_producer, "tasks": task_producer},
+                             route=by_task_dir)
+    learner.train(config, workdir, producer=producer, ...)
+
+The learner draws one batch of records from its weighted mixture of sources (terminal task
+records {"task_dir": ...} next to ptrain task records, each source with its domain weight);
+`generate` hands each producer its records (in the order given) and `score` packs what they
+return into one `learner.Episodes`: rows padded to the widest continuation, group ids made
+unique (each producer numbers its groups from 0), the meta (with each row's domain, for the
+per-domain metrics) kept. GRPO groups stay whole: a producer returns its records' groups as
+consecutive rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from ptrain import learner as learner_lib
+
+
+def by_task_dir(record) -> str:
+    """"terminal" for a terminal task record ({"task_dir": ...}), else "tasks"."""
+    return "terminal" if "task_dir" in record else "tasks"
+
+
+class MixedProducer:
+    def __init__(self, producers: dict, route=by_task_dir, pad_id: int = 0):
+        self.producers, self.route, self.pad_id = dict(producers), route, pad_id
+
+    def generate(self, params, records, key):
+        routed = {name: [] for name in self.producers}
+        for r in records:
+            name = self.route(r)
+            if name not in routed:
+                raise ValueError(f"record routed to {name!r}, which is not one of the "
+                                 f"producers {sorted(self.producers)}: {sorted(r)[:6]}")
+            routed[name].append(r)
+        return [(name, self.producers[name].generate(params, rs, jax.random.fold_in(key, i)))
+                for i, (name, rs) in enumerate(routed.items()) if rs]
+
+    def score(self, generated) -> learner_lib.Episodes:
+        return concat([self.producers[name].score(g) for name, g in generated],
+                      pad_id=self.pad_id)
+
+
+def concat(parts, *, pad_id: int = 0) -> learner_lib.Episodes:
+    """The rows of several Episodes in one (see the module docstring)."""
+    if not parts:
+        raise ValueError("no episodes to concatenate")
+    p = {e.prompt_bp.shape[1] for e in parts}
+    if len(p) > 1:
+        raise ValueError(f"the producers pad prompts to different widths {sorted(p)}; give "
+                         "them the same prompt_len (data.max_prompt_len)")
+    n = max(e.tokens_bn.shape[1] for e in parts)
+
+    def widen(x, fill):
+        return np.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=fill)
+    offset, group_ids = 0, []
+    for e in parts:
+        ids = np.asarray(e.group_ids_b)
+        _, dense = np.unique(ids, return_inverse=True)  # 0..k-1 in order of id
+        group_ids.append(dense + offset)
+        offset += int(dense.max()) + 1 if len(dense) else 0
+    return learner_lib.Episodes(
+        prompt_bp=np.concatenate([e.prompt_bp for e in parts]),
+        prompt_lens_b=np.concatenate([e.prompt_lens_b for e in parts]),
+        tokens_bn=np.concatenate([widen(e.tokens_bn, pad_id) for e in parts]),
+        lengths_b=np.concatenate([e.lengths_b for e in parts]),
+        loss_mask_bn=np.concatenate([widen(e.loss_mask_bn, 0.0) for e in parts]),
+        rollout_logp_bn=np.concatenate([widen(e.rollout_logp_bn, 0.0) for e in parts]),
+        rewards_b=np.concatenate([e.rewards_b for e in parts]),
+        group_ids_b=np.concatenate(group_ids).astype(np.int32),
+        meta=[m for e in parts for m in (e.meta or [{} for _ in range(len(e))])])

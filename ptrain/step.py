@@ -1,0 +1,307 @@
+"""The learner's device programs: pure functions of (graphdef, params, batch), jitted.
+
+  token_logprobs  log p(token | everything before it) and its entropy for every continuation
+                  token of a `ptrain.batch.Batch`: each group's prompt runs once
+                  (`ptrain.prefill`), its KV cache repeated for the G continuations
+  token_values    the critic's value of the state before each continuation token
+  prepare         one step's device batch: old and reference log-probs, KL in the reward,
+                  advantages (and with GAE the critic's values and returns)
+  update          all optimizer updates of a step (epochs x minibatches, gradients
+                  accumulated over microbatches), for the policy ("rl"), the critic
+                  ("critic") or supervised training ("sft"): `jit_update`
+  packed_update   one AdamW step on packed sequences (documents back to back, ring attention
+                  over `sequence`): the long-context step `ptrain.plan` compiles
+
+The static settings of each program are a `ptrain.config.StepSettings` (`config.resolve`).
+Shapes are fixed by the config, so every program compiles once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from ptrain import losses
+from ptrain import sharding
+from ptrain.config import StepSettings
+from ptrain.prefill import prefill_shared
+
+
+# ================================================================================ optimizer
+
+
+def make_optimizer(optim, *, total_steps: int, updates_per_step: int = 1):
+    """AdamW with warmup then cosine decay (or constant), and global-norm clipping.
+
+    The schedule is in RL steps (each makes `updates_per_step` optimizer updates).
+    Returns (optax transformation, schedule(step) -> learning rate).
+    """
+    warmup = optax.linear_schedule(0.0, optim.lr, optim.warmup_steps)
+    if optim.schedule == "cosine":
+        main = optax.cosine_decay_schedule(optim.lr, max(total_steps - optim.warmup_steps, 1),
+                                           alpha=optim.min_lr_ratio)
+    else:
+        main = optax.constant_schedule(optim.lr)
+    schedule = optax.join_schedules([warmup, main], [optim.warmup_steps])
+
+    def per_update(count):
+        return schedule(count // updates_per_step)
+
+    parts = [optax.clip_by_global_norm(optim.grad_clip)] if optim.grad_clip > 0 else []
+    parts.append(optax.adamw(per_update, b1=optim.b1, b2=optim.b2, eps=optim.eps,
+                             weight_decay=optim.weight_decay))
+    return optax.chain(*parts), schedule
+
+
+def opt_state_shardings(tx, params, param_shardings, mesh):
+    """Shardings of tx.init(params) (found abstractly): moments like the parameters they
+    mirror, counters replicated."""
+    abstract = jax.eval_shape(tx.init, params)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return optax.tree_map_params(tx, lambda _, s: s, abstract, param_shardings,
+                                 transform_non_params=lambda _: replicated)
+
+
+# ================================================================================ log-probs
+
+
+def token_logprobs(graphdef, params, batch, *, group_size=1, chunk=256):
+    """log p(token | everything before it) of every continuation token, and the entropy of
+    that distribution ([b, n] each), computed in chunks (never float32 [b, n, v]).
+
+    Each group's prompt runs once (rows 0, G, 2G, ... hold the prompts); its KV cache is
+    repeated for the G continuations, so gradients from all G reach the one prompt forward.
+    """
+    model = nnx.merge(graphdef, params)
+    tokens_bn = batch["tokens_bn"]
+    h_gd, h_bnd = _continuation_hidden(model, batch, group_size)
+    # Token j is predicted by the hidden state before it: the prompt's last for j = 0, else
+    # the row's state j - 1. The int32 targets shift, not the (time-sharded) hidden states,
+    # so with sequence parallelism each shard scores its own tokens.
+    w_dv = model.unembedding_vd().T
+    next_bn = jnp.pad(tokens_bn[:, 1:], ((0, 0), (0, 1)))
+    logp_bn, ent_bn = losses.chunked_logprobs(h_bnd, w_dv, next_bn, chunk=chunk,
+                                              return_entropy=True, mesh=model.mesh)
+    first_b1 = losses.chunked_logprobs(jnp.repeat(h_gd, group_size, axis=0)[:, None], w_dv,
+                                       tokens_bn[:, :1], return_entropy=True)
+    return tuple(jnp.concatenate([a_b1, a_bn[:, :-1]], axis=1)
+                 for a_b1, a_bn in zip(first_b1, (logp_bn, ent_bn)))
+
+
+def token_values(critic_graphdef, critic_params, batch, *, group_size=1):
+    """The critic's value of the state before each continuation token, float32 [b, n]: for
+    token j, the value at the prompt's last token (j = 0) or at the row's token j - 1, the
+    alignment of `token_logprobs` (verl's values[:, -response_length - 1:-1])."""
+    critic = nnx.merge(critic_graphdef, critic_params)
+    h_gd, h_bnd = _continuation_hidden(critic.decoder, batch, group_size)
+    first_b = jnp.repeat(critic.values(h_gd), group_size)
+    return jnp.concatenate([first_b[:, None], critic.values(h_bnd)[:, :-1]], axis=1)
+
+
+def _continuation_hidden(model, batch, group_size):
+    """Final hidden states of each group's prompt (its last token, [b / G, d]) and of every
+    continuation token ([b, n, d]); the prompt runs once, its KV cache repeated G times."""
+    tokens_bn, lengths_b = batch["tokens_bn"], batch["lengths_b"]
+    n = tokens_bn.shape[1]
+    h_gd, cache = prefill_shared(
+        model, batch["prompt_bp"][::group_size], batch["prompt_lens_b"][::group_size],
+        repeats=group_size, extra_slots=n)
+    valid_bn = (jnp.arange(n)[None, :] < lengths_b[:, None]).astype(jnp.int32)
+    positions_bn = batch["prompt_lens_b"][:, None] + jnp.arange(n)[None, :]
+    h_bnd, _ = model.hidden(tokens_bn, positions_bn, valid_bn, cache)
+    return h_gd, h_bnd
+
+
+def _last_token_onehot(mask_bn):
+    """1 on the last token of each row where the mask is 1 (the sequence reward goes there)."""
+    n = mask_bn.shape[1]
+    last_b = n - 1 - jnp.argmax(mask_bn[:, ::-1] > 0, axis=1)
+    return (jnp.arange(n)[None, :] == last_b[:, None]) & (mask_bn.sum(-1, keepdims=True) > 0)
+
+
+# ================================================================================== prepare
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "critic_graphdef", "s"))
+def prepare(params, ref_params, critic_params, batch, kl_coef, *, graphdef, critic_graphdef,
+             s: StepSettings):
+    mask_bn = batch["loss_mask_bn"]
+    logp = functools.partial(token_logprobs, graphdef, batch=batch, group_size=s.group_size,
+                             chunk=s.chunk)
+    out, metrics = dict(batch), {}
+    old_bn = logp(params)[0] if s.has_old_logp else None
+    if old_bn is not None:
+        out["old_logp_bn"] = old_bn
+        metrics["rollout/logp_mismatch"] = losses.masked_mean(
+            jnp.abs(old_bn - batch["rollout_logp_bn"]), mask_bn)
+    if s.kl_loss or s.kl_in_reward:
+        out["ref_logp_bn"] = logp(ref_params)[0]
+    scores_bn = jnp.where(_last_token_onehot(mask_bn), batch["rewards_b"][:, None], 0.0)
+    if s.kl_in_reward:
+        scores_bn, batch_kl = losses.kl_in_reward(scores_bn, old_bn, out["ref_logp_bn"], mask_bn,
+                                                  coef=kl_coef, kind=s.kl_kind)
+        metrics["kl/in_reward"] = batch_kl
+    if s.estimator in ("grpo", "drgrpo", "rloo"):
+        adv_bn = losses.group_advantages(scores_bn, batch["group_ids_b"], estimator=s.estimator,
+                                         mask_bt=mask_bn)
+    elif s.estimator == "reinforce++":
+        adv_bn = losses.reinforce_pp_advantages(scores_bn, mask_bn, gamma=s.gamma)[0]
+    elif s.estimator == "reinforce++-baseline":
+        adv_bn = losses.reinforce_pp_baseline_advantages(scores_bn, mask_bn,
+                                                         batch["group_ids_b"])
+    else:  # gae: the critic's values before the update are the old values of its loss
+        values_bn = token_values(critic_graphdef, critic_params, batch, group_size=s.group_size)
+        adv_bn, returns_bn = losses.gae(scores_bn, values_bn, mask_bn, gamma=s.gamma, lam=s.lam)
+        out["old_values_bn"], out["returns_bn"] = values_bn, returns_bn
+        metrics["critic/values_mean"] = losses.masked_mean(values_bn, mask_bn)
+        metrics["critic/returns_mean"] = losses.masked_mean(returns_bn, mask_bn)
+        metrics["critic/vf_explained_var"] = losses.explained_variance(returns_bn, values_bn,
+                                                                       mask_bn)
+    out["adv_bn"] = adv_bn
+    metrics["adv/mean"] = losses.masked_mean(adv_bn, mask_bn)
+    metrics["adv/abs_mean"] = losses.masked_mean(jnp.abs(adv_bn), mask_bn)
+    return out, metrics
+
+
+# =================================================================================== update
+
+
+def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: StepSettings):
+    """The loss of one microbatch, normalised by the whole minibatch's token and sequence
+    counts, so that microbatch losses (and gradients) add up to the minibatch's."""
+    mask_bn = x["loss_mask_bn"]
+    logp_bn, ent_bn = token_logprobs(graphdef, params, x, group_size=s.group_size,
+                                     chunk=s.chunk)
+    share = mask_bn.sum() / jnp.maximum(num_tokens, 1)  # this microbatch's share of the tokens
+    agg = functools.partial(losses.agg_loss, mask_bt=mask_bn, mode=s.agg, num_tokens=num_tokens,
+                            num_seqs=num_seqs)
+    if s.kind == "sft":
+        loss = -agg(logp_bn)
+        return loss, {"sft/loss": loss,
+                      "sft/entropy": share * losses.masked_mean(ent_bn, mask_bn)}
+    old_bn = x["old_logp_bn"] if s.has_old_logp else jax.lax.stop_gradient(logp_bn)
+    is_w = None
+    metrics = {}
+    if s.tis_cap > 0:
+        is_w = losses.truncated_is_weights(old_bn, x["rollout_logp_bn"], mask_bn,
+                                           level=s.tis_level, cap=s.tis_cap)
+        metrics["tis/weight_mean"] = share * losses.masked_mean(is_w, mask_bn)
+    pg_loss, pg_metrics = losses.policy_loss(
+        logp_bn, old_bn, x["adv_bn"], mask_bn, kind=s.loss, clip_low=s.clip_low,
+        clip_high=s.clip_high, dual_clip=s.dual_clip, agg=s.agg, is_weights=is_w,
+        num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = pg_loss
+    metrics.update({f"actor/{k}": share * v for k, v in pg_metrics.items()})
+    metrics["actor/pg_loss"] = pg_loss
+    if not s.has_old_logp:
+        metrics["rollout/logp_mismatch"] = share * losses.masked_mean(
+            jnp.abs(old_bn - x["rollout_logp_bn"]), mask_bn)
+    if s.kl_loss:
+        kl_loss = agg(losses.kl(logp_bn, x["ref_logp_bn"], s.kl_kind))
+        loss = loss + kl_coef * kl_loss
+        metrics["kl/loss"] = kl_loss
+    if s.kl_loss or s.kl_in_reward:
+        metrics["kl/k1"] = share * losses.masked_mean(
+            jax.lax.stop_gradient(logp_bn) - x["ref_logp_bn"], mask_bn)
+    entropy = agg(ent_bn)
+    if s.entropy_coef:
+        loss = loss - s.entropy_coef * entropy
+    metrics["actor/entropy"] = jax.lax.stop_gradient(entropy)
+    return loss, metrics
+
+
+def _critic_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: StepSettings):
+    """The clipped value loss of one microbatch, normalised like `_rl_loss`."""
+    del kl_coef
+    mask_bn = x["loss_mask_bn"]
+    vpreds_bn = token_values(graphdef, params, x, group_size=s.group_size)
+    share = mask_bn.sum() / jnp.maximum(num_tokens, 1)
+    loss, clipfrac = losses.value_loss(vpreds_bn, x["returns_bn"], x["old_values_bn"], mask_bn,
+                                       clip_value=s.clip_value, agg=s.agg,
+                                       num_tokens=num_tokens, num_seqs=num_seqs)
+    return loss, {"critic/vf_clipfrac": share * clipfrac,
+                  "critic/vpred_mean": share * losses.masked_mean(
+                      jax.lax.stop_gradient(vpreds_bn), mask_bn)}
+
+
+def update(params, opt_state, batch, kl_coef, *, graphdef, s: StepSettings, tx, mesh):
+    """All optimizer updates of one step: epochs x minibatches, each minibatch's gradient
+    accumulated over microbatches (a scan, so the program does not grow with their number).
+
+    Groups (G consecutive rows) are dealt out in turn: group j goes to minibatch j % m and to
+    microbatch (j // m) % k of it. Each device keeps its own rows (the split moves no data
+    between devices) and the minibatches do not depend on the microbatch size.
+    """
+    mask_bn = batch["loss_mask_bn"]
+    b, g = mask_bn.shape[0], s.group_size
+    m = s.minibatches
+    micro = (s.microbatch or b // m) // g  # groups per microbatch
+    k = b // g // m // micro
+
+    def split(x):  # [b, ...] -> [m, k, micro * g, ...], sharded like b was
+        rest = x.shape[1:]
+        x = x.reshape((micro, k, m, g) + rest)
+        x = jnp.transpose(x, (2, 1, 0, 3) + tuple(range(4, x.ndim)))
+        x = x.reshape((m, k, micro * g) + rest)
+        return sharding.constrain(x, (None, None, "batch") + (None,) * len(rest), mesh)
+
+    split = {name: split(x) for name, x in batch.items() if name != "rewards_b"}
+    loss_fn, prefix, loss_key = ((_critic_loss, "critic", "critic/vf_loss")
+                                 if s.kind == "critic" else (_rl_loss, "optim", "optim/loss"))
+    grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef, s=s),
+                                 has_aux=True)
+
+    def minibatch(carry, i):
+        params, opt_state = carry
+        mb = jax.tree.map(lambda x: x[i], split)
+        mb_mask = mb["loss_mask_bn"]
+        num_tokens = mb_mask.sum()
+        num_seqs = (mb_mask.sum(-1) > 0).sum()
+
+        def accumulate(grads, x):
+            (loss, metrics), g = grad_fn(params, x, num_tokens, num_seqs, kl_coef)
+            return jax.tree.map(jnp.add, grads, g), {loss_key: loss, **metrics}
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, metrics = jax.lax.scan(accumulate, zeros, mb)
+        metrics = jax.tree.map(lambda v: v.sum(0), metrics)
+        metrics[f"{prefix}/grad_norm"] = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), metrics
+
+    order = jnp.tile(jnp.arange(m), s.epochs)
+    (params, opt_state), metrics = jax.lax.scan(minibatch, (params, opt_state), order)
+    return params, opt_state, jax.tree.map(lambda v: v.mean(0), metrics)
+
+
+@functools.cache
+def jit_update(graphdef, settings, tx, mesh):
+    """`update` jitted for these static arguments (cached), params and opt_state donated."""
+    return jax.jit(functools.partial(update, graphdef=graphdef, s=settings, tx=tx, mesh=mesh),
+                   donate_argnums=(0, 1))
+
+
+# ============================================================================ packed update
+
+
+def packed_update(params, opt_state, batch, *, graphdef, tx, chunk):
+    """One AdamW step on packed sequences: token-mean negative log-likelihood of the
+    targets where loss_mask_bt is 1. Returns (params, opt_state, {"loss", "grad_norm"})."""
+
+    def loss_fn(params):
+        model = nnx.merge(graphdef, params)
+        h_btd, _ = model.hidden(batch["tokens_bt"], batch["positions_bt"],
+                                batch["segment_ids_bt"])
+        logp_bt = losses.chunked_logprobs(h_btd, model.unembedding_vd().T, batch["targets_bt"],
+                                          chunk=chunk, mesh=model.mesh)
+        return -losses.masked_mean(logp_bt, batch["loss_mask_bt"])
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    return optax.apply_updates(params, updates), opt_state, metrics
+

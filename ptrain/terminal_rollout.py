@@ -1,0 +1,231 @@
+"""RL episodes on terminal tasks: the shell agent in many task containers at once, rewarded
+by each task's own verifier.
+
+    producer = TerminalProducer(sampler, tokenizer, harness=h, fmt=chat.PLAIN, stop_ids=...,
+                                config=TerminalRolloutConfig(num_samples=8), prompt_len=32)
+    episodes = producer.score(producer.generate(params, records, key))   # learner.Episodes
+
+`generate` opens `num_samples` episodes of every task (a clean warm container and a fresh
+shell each, `sandbox.terminal.Harness`), then runs the turns of all of them in lockstep: one
+`Sampler.sample` call per turn for every episode still going (batched on the device), then
+each episode's tool calls in its own shell, concurrently (`ShellAgent.step`: the same parsing
+and rendering as the evaluation's agent). `score` runs every episode's verifier (the task's
+tests, copied in only now), closes the episodes (their containers are reset and kept warm)
+and packs the token histories for the learner: the loss mask is 1 on the model's tokens
+only, the log-probs are the sampler's, the reward is the verifier's, the rows' meta carry the
+domain ("terminal"), pass, turns, tool calls and how the episode ended (per-domain metrics:
+`batch.domain_metrics`). A record names its task by directory: {"task_dir": PATH}; rows of
+task i form group `first_group_id + i`.
+
+The learner's producer interface (`generate(params, records, key)`, `score(generated) ->
+Episodes`) is all this module needs of the training loop.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+
+import jax
+import numpy as np
+
+from ptrain import chat
+from ptrain import terminal_agent
+
+
+@dataclasses.dataclass(frozen=True)
+class TerminalRolloutConfig:
+    num_samples: int = 8  # episodes per task (a GRPO group)
+    max_new_tokens: int = 64  # per model turn
+    max_turns: int = 4
+    max_len: int = 256  # tokens after the prompt: turns and tool results
+    max_output_chars: int = 500  # of a command's output, in the observation
+    call_timeout_s: float = 20.0
+    temperature: float = 1.0
+    greedy: bool = False
+    threads: int = 16  # episodes opened, stepped and verified at once
+    system: str = terminal_agent.SYSTEM  # "" for a small model trained on bare instructions
+
+    def __post_init__(self):
+        if min(self.num_samples, self.max_new_tokens, self.max_turns, self.threads) < 1:
+            raise ValueError("num_samples, max_new_tokens, max_turns and threads must be >= 1")
+        if self.max_new_tokens > self.max_len:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} exceeds max_len="
+                             f"{self.max_len} (tokens after the prompt)")
+
+
+@dataclasses.dataclass
+class Rollout:
+    task: object  # sandbox.terminal.Task
+    group_id: int
+    episode: object  # sandbox.terminal.Episode (open until `score`)
+    tokens: terminal_agent.Tokens | None = None
+    done: bool = False
+    verdict: object = None  # sandbox.terminal.Verdict
+    error: str = ""  # the harness could not run this episode (it scores 0)
+    turns: int = 0  # kept from the episode when it closes
+    tool_calls: int = 0
+
+
+class _Tasks:
+    """Terminal tasks by directory, each loaded once."""
+
+    def __init__(self):
+        self._by_dir, self._lock = {}, threading.Lock()
+
+    def get(self, task_dir: str):
+        from sandbox import terminal
+        with self._lock:
+            if task_dir not in self._by_dir:
+                self._by_dir[task_dir] = terminal.load_task(task_dir)
+            return self._by_dir[task_dir]
+
+
+def generate(sampler, params, tasks, *, harness, agent: terminal_agent.ShellAgent, key,
+             config: TerminalRolloutConfig, first_group_id: int = 0,
+             pool: concurrent.futures.Executor) -> list[Rollout]:
+    """`config.num_samples` episodes of every task, their agent turns done (see the module
+    docstring); the episodes stay open for `score`."""
+    c = config
+    specs = [(task, first_group_id + i) for i, task in enumerate(tasks)
+             for _ in range(c.num_samples)]
+
+    def open_one(spec):
+        task, group = spec
+        try:
+            return Rollout(task, group, harness.episode(task))
+        except Exception as e:  # noqa: BLE001 (no environment: this episode scores 0)
+            return Rollout(task, group, None, done=True, error=f"{type(e).__name__}: {e}")
+
+    rollouts = list(pool.map(open_one, specs))
+    try:
+        for r in rollouts:
+            if r.episode is not None:
+                r.tokens = agent.start(r.episode)
+            else:  # the group's prompt all the same, nothing after it
+                ids = terminal_agent.render_prompt(agent.fmt, agent.tokenizer,
+                                                   r.task.instruction, agent.system)
+                r.tokens = terminal_agent.Tokens(ids, [0] * len(ids), [0.0] * len(ids),
+                                                 len(ids), finish="error")
+        for turn in range(c.max_turns):
+            active = [r for r in rollouts if not r.done]
+            if not active:
+                break
+            samples = sampler.sample(params, [r.tokens.ids for r in active],
+                                     max_new_tokens=c.max_new_tokens,
+                                     temperature=c.temperature, greedy=c.greedy,
+                                     stop_token_ids=agent.stop_ids,
+                                     key=jax.random.fold_in(key, turn))
+
+            def step(row):
+                r = active[row]
+                n = int(samples.lengths[row])
+                r.done = agent.step(r.episode, r.tokens, samples.tokens[row, :n].tolist(),
+                                    samples.logp_t1[row, :n].tolist())
+            list(pool.map(step, range(len(active))))
+        for r in rollouts:
+            if not r.done:
+                r.done, r.tokens.finish = True, "max_turns"
+    except BaseException:
+        close(rollouts, pool)
+        raise
+    return rollouts
+
+
+def score(rollouts: list[Rollout], pool: concurrent.futures.Executor) -> None:
+    """Each episode's verdict (the task's tests), then the episodes are closed."""
+    def verify(r):
+        if r.episode is None:
+            return
+        try:
+            r.verdict = r.episode.verify()
+        except Exception as e:  # noqa: BLE001 (a container that died: reward 0, with why)
+            r.error = f"{type(e).__name__}: {e}"
+    try:
+        list(pool.map(verify, rollouts))
+    finally:
+        close(rollouts, pool)
+
+
+def close(rollouts, pool) -> None:
+    def close_one(r):
+        if r.episode is not None:
+            r.turns, r.tool_calls = r.episode.turns, r.episode.tool_calls
+            try:
+                r.episode.close()
+            except Exception:  # noqa: BLE001 (the harness drops a container it cannot reset)
+                pass
+            r.episode = None
+    list(pool.map(close_one, rollouts))
+
+
+def reward(r: Rollout) -> float:
+    return float(r.verdict.reward) if r.verdict is not None else 0.0
+
+
+def passed(r: Rollout) -> bool:
+    return bool(r.verdict is not None and r.verdict.passed)
+
+
+def to_rows(rollouts: list[Rollout], tokenizer) -> dict:
+    """Per-row lists for `learner.Episodes.from_histories` (after `score`)."""
+    tokens, masks, logps, prompt_lens, meta = [], [], [], [], []
+    for r in rollouts:
+        t = r.tokens
+        tokens.append(t.ids)
+        masks.append(t.mask)
+        logps.append(t.logp)
+        prompt_lens.append(t.prompt_len)
+        v = r.verdict
+        meta.append({"task_id": r.task.name, "domain": "terminal", "passed": passed(r),
+                     "turns": r.turns, "tool_calls": r.tool_calls, "finish": t.finish, "error": r.error or (v.error if v else "") or "",
+                     "feedback": (v.feedback[:500] if v else r.error),
+                     "prompt": tokenizer.decode(t.ids[:t.prompt_len]),
+                     "completion": tokenizer.decode(t.ids[t.prompt_len:])})
+    return dict(tokens=tokens, loss_masks=masks, rollout_logps=logps,
+                rewards=[reward(r) for r in rollouts],
+                group_ids=[r.group_id for r in rollouts], prompt_lens=prompt_lens, meta=meta)
+
+
+class TerminalProducer:
+    """The learner's producer on terminal task records ({"task_dir": PATH}): `generate` on
+    the device and in the containers, `score` by the verifiers (see the module docstring)."""
+
+    def __init__(self, sampler, tokenizer, *, harness, fmt: chat.ChatFormat, stop_ids,
+                 config: TerminalRolloutConfig, prompt_len: int, pad_id: int = 0):
+        self.sampler, self.tokenizer, self.harness = sampler, tokenizer, harness
+        self.config, self.prompt_len, self.pad_id = config, prompt_len, pad_id
+        self.agent = terminal_agent.ShellAgent(
+            None, tokenizer, fmt, stop_ids=stop_ids, max_turns=config.max_turns,
+            max_len=config.max_len, max_output_chars=config.max_output_chars,
+            call_timeout_s=config.call_timeout_s, system=config.system)
+        self.pool = concurrent.futures.ThreadPoolExecutor(config.threads)
+        self.tasks = _Tasks()
+
+    def generate(self, params, records, key, *, config: TerminalRolloutConfig | None = None):
+        for r in records:
+            if "task_dir" not in r:
+                raise ValueError(f"a terminal record names its task directory as "
+                                 f"'task_dir'; got keys {sorted(r)}")
+        tasks = [self.tasks.get(r["task_dir"]) for r in records]
+        return generate(self.sampler, params, tasks, harness=self.harness, agent=self.agent,
+                        key=key, config=config or self.config, pool=self.pool)
+
+    def score(self, rollouts):
+        from ptrain import learner as learner_lib
+        score(rollouts, self.pool)
+        rows = to_rows(rollouts, self.tokenizer)
+        return learner_lib.Episodes.from_histories(
+            **rows, prompt_len=self.prompt_len, length=self.config.max_len, pad_id=self.pad_id)
+
+    def evaluate(self, params, task_dirs, key) -> list[Rollout]:
+        """Greedy, one episode per task: the held-out pass rate is mean(passed(r))."""
+        greedy = dataclasses.replace(self.config, num_samples=1, greedy=True)
+        rollouts = self.generate(params, [{"task_dir": d} for d in task_dirs], key,
+                                 config=greedy)
+        score(rollouts, self.pool)
+        return rollouts
+
+    def close(self):
+        self.pool.shutdown()

@@ -1,0 +1,111 @@
+"""Test splitting: the units a judge reports on, and the units compiled with every `assert`
+made an explicit check. Shared by the host (`sandbox.judge.unit_tests` names the tests before
+the run) and the judge's trusted process T in the sandbox (judge/harness.py).
+Standard library only."""
+
+import operator
+
+TESTS_FILE = "tests.py"
+
+
+def _has_assert(node):
+    """Whether `node` contains an assert outside nested function and class bodies."""
+    import ast
+    if isinstance(node, ast.Assert):
+        return True
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        if _has_assert(child):
+            return True
+    return False
+
+
+def _is_pytest_def(stmt):
+    import ast
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return stmt.name.startswith("test")
+    return isinstance(stmt, ast.ClassDef) and stmt.name.startswith("Test")
+
+
+def split_tests(source, entry_point=None, style="auto"):
+    """Parses test code into (style, units, candidate_name).
+
+    assert style: each top-level statement that contains an `assert` is one test, run after
+    the other statements that precede it (where no top-level statement has an assert, each
+    bare call such as `check(f)` is a test). With `entry_point`, a HumanEval-style
+    `def check(candidate)` is unrolled: its statements are the units and `candidate` is bound
+    to the solution's `entry_point`.
+    pytest style: each `test*` function and `Test*` class method is a test (expanded at run
+    time by `parametrize`); the other module statements are setup, run once.
+    Units are (name, [stmts]). Raises ValueError for code that does not parse or has no test.
+    """
+    import ast
+    try:
+        module = ast.parse(source, TESTS_FILE)
+    except SyntaxError as e:
+        raise ValueError(f"the tests do not parse: {e.msg} (line {e.lineno})") from None
+    if style == "auto":
+        style = "pytest" if any(_is_pytest_def(s) for s in module.body) else "assert"
+    if style not in ("assert", "pytest"):
+        raise ValueError(f"style must be 'auto', 'assert' or 'pytest', got {style!r}")
+    if style == "pytest":
+        units = [(s.name, [s]) for s in module.body if _is_pytest_def(s)]
+        if not units:
+            raise ValueError("the tests define no test* function or Test* class")
+        return style, units, None
+    lines = source.splitlines()
+    body, candidate, pending = module.body, None, []
+    check = [s for s in body if isinstance(s, ast.FunctionDef) and s.name == "check"]
+    if entry_point is not None and check and check[0].args.args:
+        candidate = check[0].args.args[0].arg
+        pending = [s for s in body if s is not check[0] and not (
+            isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
+            and isinstance(s.value.func, ast.Name) and s.value.func.id == "check")]
+        body = check[0].body
+    calls_are_tests = not any(_has_assert(s) for s in body)
+    units = []
+    for stmt in body:
+        pending.append(stmt)
+        if _has_assert(stmt) or calls_are_tests and isinstance(stmt, ast.Expr) and isinstance(
+                stmt.value, ast.Call):
+            text = lines[stmt.lineno - 1].strip() if stmt.lineno <= len(lines) else ""
+            units.append((f"line {stmt.lineno}: {text[:100]}", pending))
+            pending = []
+    if not units:
+        raise ValueError("the tests contain no assert statement (nor a call such as check(f))")
+    return style, units, candidate
+
+
+CMP = {"Eq": "==", "NotEq": "!=", "Lt": "<", "LtE": "<=", "Gt": ">", "GtE": ">=",
+        "In": "in", "NotIn": "not in", "Is": "is", "IsNot": "is not"}
+CMP_FUNCS = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le,
+              ">": operator.gt, ">=": operator.ge, "in": lambda a, b: a in b,
+              "not in": lambda a, b: a not in b, "is": operator.is_, "is not": operator.is_not}
+
+
+def compile_units(stmts, lines):
+    """Compiles test statements with every `assert` made an explicit check: immune to
+    `python -O`, and a failing single comparison reports both values (`assert 5 == 4`)."""
+    import ast
+
+    class Rewriter(ast.NodeTransformer):
+        def visit_Assert(self, node):
+            self.generic_visit(node)
+            test = node.test
+            if (node.msg is None and isinstance(test, ast.Compare) and len(test.ops) == 1
+                    and type(test.ops[0]).__name__ in CMP):
+                op = ast.Constant(CMP[type(test.ops[0]).__name__])
+                new = ast.Expr(ast.Call(ast.Name("__judge_compare__", ast.Load()),
+                                        [test.left, op, test.comparators[0]], []))
+            else:
+                end = min(node.end_lineno or node.lineno, len(lines))
+                text = " ".join(lines[i].strip() for i in range(node.lineno - 1, end))
+                msg = node.msg if node.msg is not None else ast.Constant(text)
+                raise_ = ast.Raise(ast.Call(ast.Name("AssertionError", ast.Load()), [msg], []))
+                new = ast.If(ast.UnaryOp(ast.Not(), test), [raise_], [])
+            return ast.copy_location(new, node)
+
+    module = ast.Module(body=[Rewriter().visit(s) for s in stmts], type_ignores=[])
+    ast.fix_missing_locations(module)
+    return compile(module, TESTS_FILE, "exec")
