@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import long_context
+from ptrain import sharding
 
 IMPLS = ("reference", "blockwise", "ring", "cudnn")
 
@@ -66,7 +67,7 @@ def _ring(q_bthe, k_btke, v_btke, *, mesh, causal, scale, positions_bt, segment_
     """
     b, _, h, _ = q_bthe.shape
     k = k_btke.shape[2]
-    batch_axes = tuple(a for a in ("data", "fsdp") if a in mesh.shape)
+    batch_axes = sharding.batch_axes(mesh)
     if b % math.prod(mesh.shape[a] for a in batch_axes):
         batch_axes = ()
     tensor = mesh.shape.get("tensor", 1)

@@ -1,9 +1,11 @@
-"""Hugging Face checkpoints <-> ptrain: Llama 3.x, Qwen2 / 2.5 and Qwen3.
+"""Hugging Face checkpoints <-> ptrain: Llama 3.x, Qwen2 / 2.5, Qwen3 and Qwen3-MoE.
 
 `load` reads `config.json` and the `*.safetensors` files of a local directory (one file, or
 sharded with `model.safetensors.index.json`) and builds each parameter directly on its
 shards: every device reads only its slice of each tensor from a memory map, so the whole
-model never sits on one host. `save` writes a directory that `transformers` loads: weights,
+model never sits on one host. Qwen3-MoE's per-expert tensors
+(`model.layers.{i}.mlp.experts.{j}.gate_proj.weight`, ...) stack into our [MoE layers, experts,
+...] arrays, dense layers' MLPs (`mlp_only_layers`) into the dense stack. `save` writes a directory that `transformers` loads: weights,
 config.json, generation_config.json and, given one, the tokenizer with its chat template.
 """
 
@@ -19,12 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ptrain import moe
 from ptrain import safetensors_io
 from ptrain import sharding
 from ptrain.model import RUNTIME_FIELDS, ModelConfig, Transformer
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 _CLASSES = {family: arch for arch, family in ARCHITECTURES.items()}
 _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}
 
@@ -79,6 +82,15 @@ def config_from_hf(hf: dict, *, dtype: str | None = None,
         factor = max_pos / original if rope_type == "yarn" else 1.0
 
     bias = bool(hf.get("attention_bias", False))
+    experts = {}
+    if family == "qwen3_moe":
+        experts = dict(
+            n_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0))),
+            n_experts_per_token=int(hf["num_experts_per_tok"]),
+            d_ff_expert=int(hf["moe_intermediate_size"]),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            moe_layer_step=int(hf.get("decoder_sparse_step", 1)),
+            dense_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()))
     eos = hf.get("eos_token_id")
     eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
     ckpt_dtype = _DTYPE_NAMES.get(str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
@@ -96,7 +108,7 @@ def config_from_hf(hf: dict, *, dtype: str | None = None,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=True if family == "qwen2" else bias,
         o_bias=False if family == "qwen2" else bias,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rope_type=rope_type,
         rope_factor=float(factor),
@@ -114,6 +126,7 @@ def config_from_hf(hf: dict, *, dtype: str | None = None,
         dtype=dtype or param_dtype or ckpt_dtype,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos,
+        **experts,
     )
 
 
@@ -127,8 +140,13 @@ def config_to_hf(c: ModelConfig) -> dict:
         raise ValueError("a qwen2 checkpoint has q/k/v biases, no o bias and no q/k norm")
     if c.family != "qwen2" and c.qkv_bias != c.o_bias:
         raise ValueError(f"{c.family}: attention_bias covers q, k, v and o together")
-    if c.qk_norm != (c.family == "qwen3"):
-        raise ValueError("q/k norm exists only in qwen3 checkpoints")
+    if c.qk_norm != (c.family in ("qwen3", "qwen3_moe")):
+        raise ValueError("q/k norm exists only in qwen3 and qwen3_moe checkpoints")
+    if (c.n_experts > 0) != (c.family == "qwen3_moe"):
+        raise ValueError(f"family {c.family!r} with n_experts={c.n_experts}: experts exist only "
+                         "in qwen3_moe checkpoints (and every qwen3_moe config has them)")
+    if c.n_shared_experts:
+        raise ValueError("qwen3_moe checkpoints have no shared experts (n_shared_experts=0)")
     rope = {"rope_type": c.rope_type, "rope_theta": c.rope_theta}
     if c.rope_type in ("linear", "llama3", "yarn"):
         rope["factor"] = c.rope_factor
@@ -166,6 +184,11 @@ def config_to_hf(c: ModelConfig) -> dict:
     }
     if c.family != "qwen2":
         hf["attention_bias"] = c.qkv_bias
+    if c.n_experts:
+        hf.update(num_experts=c.n_experts, num_experts_per_tok=c.n_experts_per_token,
+                  moe_intermediate_size=c.d_ff_expert, norm_topk_prob=c.norm_topk_prob,
+                  decoder_sparse_step=c.moe_layer_step, mlp_only_layers=list(c.dense_layers),
+                  router_aux_loss_coef=c.router_aux_loss_coef)
     return hf
 
 
@@ -175,15 +198,29 @@ def config_to_hf(c: ModelConfig) -> dict:
 class _Tensor:
     """How one ptrain parameter is stored in a checkpoint.
 
-    `name` has `{i}` for per-layer tensors (stacked on our leading layer axis). Linear
-    weights are stored [out, in]; ours is the transpose, reshaped: `split` says how many of
-    our (per-layer) dims come from HF's `in` dim. None means the same layout, reshaped.
+    `name` has `{i}` for per-layer tensors (stacked on our leading layer axis: the layers
+    `layers`, or all of them) and `{j}` for per-expert ones (`experts` of them, stacked on our
+    second axis). Linear weights are stored [out, in]; ours is the transpose, reshaped:
+    `split` says how many of our (per-layer) dims come from HF's `in` dim. None means the same
+    layout, reshaped.
     """
 
     path: tuple[str, ...]
     name: str
     hf_shape: tuple[int, ...]
     split: int | None = None
+    layers: tuple[int, ...] | None = None
+    experts: int = 0
+
+    def layer_ids(self, c: ModelConfig) -> tuple[int, ...]:
+        return tuple(range(c.n_layers)) if self.layers is None else self.layers
+
+    def names(self, c: ModelConfig) -> list[str]:
+        """Every checkpoint name of this tensor, layer-major then expert."""
+        if "{i}" not in self.name:
+            return [self.name]
+        return [self.name.format(i=i, j=j) for i in self.layer_ids(c)
+                for j in range(max(self.experts, 1))]
 
 
 def _tensors(c: ModelConfig) -> list[_Tensor]:
@@ -200,9 +237,6 @@ def _tensors(c: ModelConfig) -> list[_Tensor]:
         ("wv", "self_attn.v_proj.weight", (k * e, d), 1),
         ("wo", "self_attn.o_proj.weight", (d, h * e), 2),
         ("mlp_norm", "post_attention_layernorm.weight", (d,), None),
-        ("w_gate", "mlp.gate_proj.weight", (f, d), 1),
-        ("w_up", "mlp.up_proj.weight", (f, d), 1),
-        ("w_down", "mlp.down_proj.weight", (d, f), 1),
     ]
     if c.qkv_bias:
         per_layer += [("bq", "self_attn.q_proj.bias", (h * e,), None),
@@ -215,6 +249,22 @@ def _tensors(c: ModelConfig) -> list[_Tensor]:
                       ("k_norm", "self_attn.k_norm.weight", (e,), None)]
     out += [_Tensor(("layers", ours), layer + theirs, shape, split)
             for ours, theirs, shape, split in per_layer]
+    kinds = [moe.is_moe_layer(c, i) for i in range(c.n_layers)]
+    dense = tuple(i for i, sparse in enumerate(kinds) if not sparse)
+    sparse = tuple(i for i, is_sparse in enumerate(kinds) if is_sparse)
+    if dense:
+        out += [_Tensor(("layers", ours), layer + theirs, shape, 1, dense)
+                for ours, theirs, shape in (("w_gate", "mlp.gate_proj.weight", (f, d)),
+                                            ("w_up", "mlp.up_proj.weight", (f, d)),
+                                            ("w_down", "mlp.down_proj.weight", (d, f)))]
+    if sparse:
+        n, fe = c.n_experts, c.d_ff_expert
+        out.append(_Tensor(("experts", "router"), layer + "mlp.gate.weight", (n, d), 1, sparse))
+        expert = layer + "mlp.experts.{j}."
+        out += [_Tensor(("experts", ours), expert + theirs, shape, 1, sparse, n)
+                for ours, theirs, shape in (("w_gate", "gate_proj.weight", (fe, d)),
+                                            ("w_up", "up_proj.weight", (fe, d)),
+                                            ("w_down", "down_proj.weight", (d, fe)))]
     return out
 
 
@@ -312,16 +362,22 @@ def load(path: str, *, mesh=None, dtype: str | None = None, param_dtype: str | N
     def build(key_path, var):
         leaf = var.get_value()
         t = by_path[_path(key_path)]
-        stacked = "{i}" in t.name
-        ours = leaf.shape[1:] if stacked else leaf.shape
+        lead = 0 if "{i}" not in t.name else 2 if t.experts else 1  # stacked axes
+        ours = leaf.shape[lead:]
 
         def read(index):
             index = _normalise(index, len(leaf.shape))
-            if not stacked:
+            if not lead:
                 return _read_block(ckpt.array(t.name), t, ours, index).astype(param_dtype)
-            layers = range(*index[0].indices(config.n_layers))
-            return np.stack([_read_block(ckpt.array(t.name.format(i=i)), t, ours, index[1:])
-                             for i in layers]).astype(param_dtype)
+            layers = t.layer_ids(config)[index[0]]
+            experts = range(*index[1].indices(t.experts)) if t.experts else [0]
+
+            def one(i, j):
+                return _read_block(ckpt.array(t.name.format(i=i, j=j)), t, ours, index[lead:])
+
+            blocks = [np.stack([one(i, j) for j in experts]) if t.experts else one(i, 0)
+                      for i in layers]
+            return np.stack(blocks).astype(param_dtype)
 
         if mesh is None:
             return var.replace(jnp.asarray(read(())))
@@ -334,9 +390,7 @@ def load(path: str, *, mesh=None, dtype: str | None = None, param_dtype: str | N
 def _check_tensors(ckpt: _Checkpoint, tensors: list[_Tensor], c: ModelConfig) -> None:
     missing, wrong, used = [], [], set()
     for t in tensors:
-        names = ([t.name.format(i=i) for i in range(c.n_layers)] if "{i}" in t.name
-                 else [t.name])
-        for name in names:
+        for name in t.names(c):
             used.add(name)
             if name not in ckpt.where:
                 missing.append(name)
@@ -408,8 +462,13 @@ def _param_arrays(model) -> dict[tuple[str, ...], jax.Array]:
 
 def _to_hf(t: _Tensor, full: np.ndarray, c: ModelConfig):
     """(HF name, HF-layout array) for each layer of one of our parameters."""
-    layers = ([(t.name.format(i=i), full[i]) for i in range(c.n_layers)]
-              if "{i}" in t.name else [(t.name, full)])
+    if "{i}" not in t.name:
+        layers = [(t.name, full)]
+    elif t.experts:
+        layers = [(t.name.format(i=i, j=j), full[a, j])
+                  for a, i in enumerate(t.layer_ids(c)) for j in range(t.experts)]
+    else:
+        layers = [(t.name.format(i=i), full[a]) for a, i in enumerate(t.layer_ids(c))]
     for name, ours in layers:
         if t.split is not None:
             ours = ours.reshape(math.prod(ours.shape[:t.split]), -1).T

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from ptrain import attention
+from ptrain import moe
 from ptrain import sharding
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -33,15 +34,17 @@ DTYPES = ("float32", "bfloat16")
 
 # ModelConfig fields that choose how the model runs, not what its parameters are: they may
 # differ from a checkpoint's (hf.load overrides, the learner's config.model with hf_model).
-RUNTIME_FIELDS = ("attention_impl", "attn_block_q", "attn_block_k", "remat")
+RUNTIME_FIELDS = ("attention_impl", "attn_block_q", "attn_block_k", "remat", "moe_dispatch",
+                  "moe_capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture and numerics of a decoder. `hf.config_from_hf` builds one from config.json.
 
-    `family` (llama | qwen2 | qwen3) only names the Hugging Face class on export; the
-    architecture itself is fully described by the flags (biases, q/k norm, tying, RoPE).
+    `family` (llama | qwen2 | qwen3 | qwen3_moe) only names the Hugging Face class on export;
+    the architecture itself is fully described by the flags (biases, q/k norm, tying, RoPE,
+    experts).
     """
 
     vocab_size: int
@@ -81,11 +84,24 @@ class ModelConfig:
     attn_block_k: int = 512
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (`ptrain.moe`, Qwen3-MoE); n_experts = 0 is a dense decoder.
+    n_experts: int = 0
+    n_experts_per_token: int = 0  # top-k
+    d_ff_expert: int = 0  # each expert's hidden size (HF moe_intermediate_size)
+    norm_topk_prob: bool = False  # renormalise the k routing weights to sum to 1
+    moe_layer_step: int = 1  # layer i is sparse when (i + 1) % step == 0 (decoder_sparse_step)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of d_ff (mlp_only_layers)
+    n_shared_experts: int = 0  # DeepSeek-style always-on experts (one MLP of n * d_ff_expert)
+    moe_dispatch: str = "dropless"  # moe.DISPATCHES: dropless | capacity | dense
+    moe_capacity_factor: float = 1.25  # capacity dispatch only
+    router_aux_loss_coef: float = 0.0  # load-balancing loss weight in the training loss
+    router_z_loss_coef: float = 0.0  # router z-loss weight
 
     def __post_init__(self):
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
         checks = [
             (self.n_heads % self.n_kv_heads == 0,
              f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"),
@@ -98,7 +114,7 @@ class ModelConfig:
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
             (self.attention_impl in attention.IMPLS,
              f"attention_impl {self.attention_impl!r} is not one of {attention.IMPLS}"),
-        ]
+        ] + moe.check_config(self)
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"ModelConfig: {message}")
@@ -107,13 +123,21 @@ class ModelConfig:
     def n_params(self) -> int:
         d, e, f, v = self.d_model, self.head_dim, self.d_ff, self.vocab_size
         attn = d * e * (2 * self.n_heads + 2 * self.n_kv_heads)
-        per_layer = attn + 3 * d * f + 2 * d
+        per_layer = attn + 2 * d
         if self.qkv_bias:
             per_layer += e * (self.n_heads + 2 * self.n_kv_heads)
         if self.qk_norm:
             per_layer += 2 * e
         embeddings = v * d * (1 if self.tie_embeddings else 2)
-        return self.n_layers * per_layer + embeddings + d
+        n_dense = self.n_layers - moe.n_moe_layers(self)
+        return (self.n_layers * per_layer + n_dense * 3 * d * f + moe.n_params(self)[0]
+                + embeddings + d)
+
+    @property
+    def n_active_params(self) -> int:
+        """Parameters a token passes through (the k routed experts, not all of them)."""
+        total, active = moe.n_params(self)
+        return self.n_params - total + active
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -178,6 +202,7 @@ class Layers(nnx.Module):
 
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
         l, d, h, k, e, f = c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff
+        n_dense = l - moe.n_moe_layers(c)  # the dense MLPs stack over dense layers only
         dt = jnp.dtype(c.param_dtype)
         self.attn_norm = _param(rngs, (l, d), ("layers", None), dt, "ones")
         self.wq = _param(rngs, (l, d, h, e), ("layers", "embed", "heads", None), dt)
@@ -194,9 +219,10 @@ class Layers(nnx.Module):
             self.q_norm = _param(rngs, (l, e), ("layers", None), dt, "ones")
             self.k_norm = _param(rngs, (l, e), ("layers", None), dt, "ones")
         self.mlp_norm = _param(rngs, (l, d), ("layers", None), dt, "ones")
-        self.w_gate = _param(rngs, (l, d, f), ("layers", "embed", "mlp"), dt)
-        self.w_up = _param(rngs, (l, d, f), ("layers", "embed", "mlp"), dt)
-        self.w_down = _param(rngs, (l, f, d), ("layers", "mlp", "embed"), dt)
+        if n_dense:
+            self.w_gate = _param(rngs, (n_dense, d, f), ("layers", "embed", "mlp"), dt)
+            self.w_up = _param(rngs, (n_dense, d, f), ("layers", "embed", "mlp"), dt)
+            self.w_down = _param(rngs, (n_dense, f, d), ("layers", "mlp", "embed"), dt)
 
     def arrays(self) -> dict[str, jax.Array]:
         """The stacked arrays by name, for the scanned layer function."""
@@ -213,6 +239,8 @@ class Transformer(nnx.Module):
         dt = jnp.dtype(c.param_dtype)
         self.embed = _param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"), dt)
         self.layers = Layers(c, rngs)
+        if c.n_experts:
+            self.experts = moe.Experts(c, rngs, _param)
         self.final_norm = _param(rngs, (c.d_model,), (None,), dt, "ones")
         if not c.tie_embeddings:
             self.lm_head = _param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"), dt)
@@ -236,6 +264,16 @@ class Transformer(nnx.Module):
         Losses use this with `unembedding_vd()` to compute token log-probs in chunks, so that
         float32 [b, t, v] is never materialised.
         """
+        h_btd, new_cache, _ = self.forward(tokens_bt, positions_bt, segment_ids_bt, cache)
+        return h_btd, new_cache
+
+    def forward(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache=None, *,
+                replay_lbtk=None):
+        """(hidden states as `hidden`, the updated cache, a `moe.Routing` or None).
+
+        `replay_lbtk` [MoE layers, b, t, k]: experts to route each token to instead of the
+        router's top-k (router replay: a rollout's recorded `Routing.experts_lbtk`).
+        """
         c = self.config
         b, t = tokens_bt.shape
         start = jnp.zeros((), jnp.int32) if cache is None else cache.index
@@ -246,54 +284,93 @@ class Transformer(nnx.Module):
             segment_ids_bt = jnp.ones((b, t), jnp.int32)
         positions_bt = positions_bt.astype(jnp.int32)
         segment_ids_bt = segment_ids_bt.astype(jnp.int32)
+        if replay_lbtk is not None:
+            expected = (moe.n_moe_layers(c), b, t, c.n_experts_per_token)
+            if tuple(replay_lbtk.shape) != expected:
+                raise ValueError(f"replay_lbtk has shape {tuple(replay_lbtk.shape)}; this model "
+                                 f"and batch need {expected} (MoE layers, batch, time, k)")
 
         # FSDP gathers the table (as it does every weight) so the lookup stays local.
         embed_vd = sharding.constrain(self.embed[...], (None, None), self.mesh)
         x_btd = jnp.take(embed_vd, tokens_bt, axis=0).astype(c.dtype)
         x_btd = sharding.constrain(x_btd, ("batch", "seq", None), self.mesh)
-        layer = _remat(c.remat, functools.partial(
+        layer = functools.partial(
             _layer, c=c, mesh=self.mesh, rope=rope_tables(c), q_pos_bt=positions_bt,
-            q_seg_bt=segment_ids_bt, start=start))
+            q_seg_bt=segment_ids_bt, start=start)
         params = self.layers.arrays()
-
+        mlps = {False: {k: params.pop(k) for k in _DENSE_MLP if k in params},
+                True: self.experts.arrays() if c.n_experts else {}}
         if cache is None:
-            def step(x_btd, p):
-                return layer(p, x_btd, None, kv_pos_bs=positions_bt,
-                             kv_seg_bs=segment_ids_bt)[0], None
-
-            x_btd, _ = jax.lax.scan(step, x_btd, params)
-            new_cache = None
+            kw = dict(kv_pos_bs=positions_bt, kv_seg_bs=segment_ids_bt)
         else:
             kv_pos_bs = write_rows(cache.positions_bs, positions_bt, start)
             kv_seg_bs = write_rows(cache.segment_ids_bs, segment_ids_bt, start)
-
             kw = dict(kv_pos_bs=kv_pos_bs, kv_seg_bs=kv_seg_bs)
-            if t == 1:
+            k_lbske, v_lbske = cache.k_lbske, cache.v_lbske
+            k_parts, v_parts = [], []
+
+        # Layers run in stages of one kind (dense or MoE MLP), each stage one scan.
+        routing = []
+        for is_moe, lo, hi, offset in moe.stages(c):
+            p = {name: _rows(a, lo, hi) for name, a in params.items()}
+            p.update({name: _rows(a, offset, offset + hi - lo) for name, a in mlps[is_moe].items()})
+            replay = (None if replay_lbtk is None or not is_moe
+                      else _rows(replay_lbtk, offset, offset + hi - lo))
+            fn = _remat(c.remat, functools.partial(layer, is_moe=is_moe))
+            if cache is None:
+                def step(x_btd, p_and_r):
+                    p, r = p_and_r
+                    x_btd, _, stats = fn(p, x_btd, None, replay_btk=r, **kw)
+                    return x_btd, stats
+
+                x_btd, stats = jax.lax.scan(step, x_btd, (p, replay))
+            elif t == 1:
                 # Decoding: the stacked cache rides in the carry and each layer writes its
                 # slot in place (scanned as xs/ys, the whole cache would be copied per token).
-                def step(carry, p_and_l):
+                def step(carry, xs):
                     x_btd, k_all, v_all = carry
-                    p, l = p_and_l
-                    x_btd, (k_all, v_all, _) = layer(p, x_btd, (k_all, v_all, l), **kw)
-                    return (x_btd, k_all, v_all), None
+                    p, l, r = xs
+                    x_btd, (k_all, v_all, _), stats = fn(p, x_btd, (k_all, v_all, l),
+                                                         replay_btk=r, **kw)
+                    return (x_btd, k_all, v_all), stats
 
-                (x_btd, k_lbske, v_lbske), _ = jax.lax.scan(
-                    step, (x_btd, cache.k_lbske, cache.v_lbske),
-                    (params, jnp.arange(c.n_layers)))
+                (x_btd, k_lbske, v_lbske), stats = jax.lax.scan(
+                    step, (x_btd, k_lbske, v_lbske), (p, jnp.arange(lo, hi), replay))
             else:
                 # Prefill and training: per-layer slices in and out. (Differentiating through
                 # a carried cache would save the whole stack once per layer.)
-                def step(x_btd, p_and_kv):
-                    p, (k, v) = p_and_kv
-                    x_btd, (k, v, _) = layer(p, x_btd, (k, v, None), **kw)
-                    return x_btd, (k, v)
+                def step(x_btd, xs):
+                    p, (k, v), r = xs
+                    x_btd, (k, v, _), stats = fn(p, x_btd, (k, v, None), replay_btk=r, **kw)
+                    return x_btd, (k, v, stats)
 
-                x_btd, (k_lbske, v_lbske) = jax.lax.scan(
-                    step, x_btd, (params, (cache.k_lbske, cache.v_lbske)))
-            new_cache = KVCache(k_lbske, v_lbske, kv_pos_bs, kv_seg_bs, start + t)
+                x_btd, (k, v, stats) = jax.lax.scan(
+                    step, x_btd, (p, (_rows(k_lbske, lo, hi), _rows(v_lbske, lo, hi)), replay))
+                k_parts.append(k)
+                v_parts.append(v)
+            if is_moe:
+                routing.append(moe.routing_from_stats(stats))
+        if cache is None:
+            new_cache = None
+        else:
+            if t != 1:
+                k_lbske, v_lbske = (_concat(k_parts), _concat(v_parts))
+            new_cache = KVCache(k_lbske, v_lbske, kw["kv_pos_bs"], kw["kv_seg_bs"], start + t)
 
         h_btd = rms_norm(x_btd, self.final_norm[...].astype(c.dtype), c.rms_eps)
-        return h_btd, new_cache
+        return h_btd, new_cache, moe.concat(routing)
+
+
+_DENSE_MLP = ("w_gate", "w_up", "w_down")
+
+
+def _rows(a, lo: int, hi: int):
+    """a[lo:hi] along the layer axis (the array itself when that is all of it)."""
+    return a if (lo, hi) == (0, a.shape[0]) else a[lo:hi]
+
+
+def _concat(parts):
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
 def init(config: ModelConfig, *, seed: int = 0, mesh=None) -> Transformer:
@@ -312,9 +389,10 @@ def _remat(policy: str, fn):
 
 
 def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_pos_bs,
-           kv_seg_bs, start):
-    """One pre-norm decoder layer. `kv`: None, or (k cache, v cache, l) with this layer's
-    cache slices (l None) or every layer's stacked cache and this layer's index l."""
+           kv_seg_bs, start, is_moe=False, replay_btk=None):
+    """One pre-norm decoder layer: (x, kv, MoE routing statistics or None). `kv`: None, or
+    (k cache, v cache, l) with this layer's cache slices (l None) or every layer's stacked
+    cache and this layer's index l."""
     dt = jnp.dtype(c.dtype)
     w = {name: a.astype(dt) for name, a in p.items()}
 
@@ -355,11 +433,17 @@ def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_p
     x_btd = sharding.constrain(x_btd + attn_btd, ("batch", "seq", None), mesh)
 
     h_btd = rms_norm(x_btd, w["mlp_norm"], c.rms_eps)
-    gate_btf = jnp.einsum("btd,df->btf", h_btd, w["w_gate"])
-    up_btf = jnp.einsum("btd,df->btf", h_btd, w["w_up"])
-    act_btf = sharding.constrain(jax.nn.silu(gate_btf) * up_btf, ("batch", "seq", "mlp"), mesh)
-    x_btd = x_btd + jnp.einsum("btf,fd->btd", act_btf, w["w_down"])
-    return sharding.constrain(x_btd, ("batch", "seq", None), mesh), kv
+    stats = None
+    if is_moe:
+        mlp_btd, stats = moe.block(w, h_btd, q_seg_bt, c, mesh, replay_btk)
+    else:
+        gate_btf = jnp.einsum("btd,df->btf", h_btd, w["w_gate"])
+        up_btf = jnp.einsum("btd,df->btf", h_btd, w["w_up"])
+        act_btf = sharding.constrain(jax.nn.silu(gate_btf) * up_btf, ("batch", "seq", "mlp"),
+                                     mesh)
+        mlp_btd = jnp.einsum("btf,fd->btd", act_btf, w["w_down"])
+    x_btd = x_btd + mlp_btd
+    return sharding.constrain(x_btd, ("batch", "seq", None), mesh), kv, stats
 
 
 def write_rows(buf, x_bt, start, *, layer=None):

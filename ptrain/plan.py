@@ -211,9 +211,10 @@ def _device_bytes(tree) -> int:
 
 
 def model_flops(mc, *, seq_len, batch) -> float:
-    """Training FLOPs of one step without recomputation: 6 x matmul parameters x tokens, plus
-    causal attention, 6 x layers x heads x head_dim x seq_len^2 per sequence."""
-    matmul_params = mc.n_params - (0 if mc.tie_embeddings else mc.vocab_size * mc.d_model)
+    """Training FLOPs of one step without recomputation: 6 x matmul parameters x tokens (the
+    active ones: a token passes k of the experts), plus causal attention, 6 x layers x heads
+    x head_dim x seq_len^2 per sequence."""
+    matmul_params = mc.n_active_params - (0 if mc.tie_embeddings else mc.vocab_size * mc.d_model)
     attention = 6.0 * mc.n_layers * mc.n_heads * mc.head_dim * seq_len ** 2
     return batch * (6.0 * matmul_params * seq_len + attention)
 

@@ -240,7 +240,9 @@ def _next_pow2(x: int) -> int:
 
 
 def _batch_shards(mesh) -> int:
-    return 1 if mesh is None else int(np.prod([mesh.shape[a] for a in ("data", "fsdp")]))
+    if mesh is None:
+        return 1
+    return int(np.prod([mesh.shape[a] for a in sharding.batch_axes(mesh)]))
 
 
 def _stop_string_end(decode, ids, checked, stop_strings):

@@ -1,10 +1,12 @@
 """The device mesh, the logical-axis rules, and parameters born sharded.
 
 Arrays name their dimensions with logical axes ("vocab", "embed", "heads", "batch", ...);
-`RULES` below is the one place that maps them onto the mesh axes `data`, `fsdp`, `sequence`
-and `tensor`. A dimension that does not divide evenly over its mesh axes is replicated
-instead (a 2-kv-head model on tensor=4 keeps its kv heads whole), so any model runs on any
-mesh.
+`RULES` below is the one place that maps them onto the mesh axes `data`, `fsdp`, `expert`,
+`sequence` and `tensor`. A dimension that does not divide evenly over its mesh axes is
+replicated instead (a 2-kv-head model on tensor=4 keeps its kv heads whole), so any model
+runs on any mesh; a mesh axis already used by an earlier dimension of the same array is
+skipped (an expert weight's "embed" dim does not shard over `expert`, which its "experts"
+dim took).
 """
 
 from __future__ import annotations
@@ -18,22 +20,26 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "sequence", "tensor")  # outermost to innermost (tensor: fastest links)
+# Outermost to innermost (tensor: fastest links, then sequence and the expert all-to-all).
+MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 
 # Logical axis -> mesh axes. Parameters shard their model dim over fsdp x sequence (the
 # sequence axis holds different tokens, so for weights it is one more data-parallel axis,
 # as in MaxText's context parallelism) and their heads / MLP / vocab dims over tensor;
-# activations shard batch over data x fsdp and time over sequence.
+# activations shard batch over data x fsdp and time over sequence. MoE experts shard over
+# `expert`, which holds different tokens too (batch) and, for the other weights, is one more
+# FSDP axis (`ptrain.moe`: tokens reach their experts by all-to-all over it).
 RULES: Mapping[str, str | tuple[str, ...] | None] = {
     # parameters
     "vocab": "tensor",
-    "embed": ("fsdp", "sequence"),
+    "embed": ("fsdp", "sequence", "expert"),
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
+    "experts": "expert",
     "layers": None,
     # activations
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "seq": "sequence",
 }
 
@@ -41,10 +47,12 @@ _warned: set[tuple] = set()
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, sequence: int = 1, tensor: int = 1,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with axes (data, fsdp, sequence, tensor); one size may be -1 (all the rest)."""
+              devices: Sequence[jax.Device] | None = None, expert: int = 1) -> Mesh:
+    """A mesh with axes (data, fsdp, expert, sequence, tensor); one size may be -1 (all the
+    rest)."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = {"data": data, "fsdp": fsdp, "sequence": sequence, "tensor": tensor}
+    sizes = {"data": data, "fsdp": fsdp, "expert": expert, "sequence": sequence,
+             "tensor": tensor}
     free = [name for name, size in sizes.items() if size == -1]
     if len(free) > 1:
         raise ValueError(f"mesh: at most one axis may be -1, got {free}")
@@ -65,15 +73,21 @@ def make_mesh(data: int = 1, fsdp: int = -1, sequence: int = 1, tensor: int = 1,
 
 
 def mesh_from_config(mesh_config) -> Mesh:
-    """From a config section with data/fsdp/sequence/tensor sizes."""
-    return make_mesh(**{name: int(mesh_config[name]) for name in MESH_AXES})
+    """From a config section with data/fsdp/sequence/tensor (and optionally expert) sizes."""
+    return make_mesh(**{name: int(mesh_config[name]) for name in MESH_AXES
+                        if name != "expert" or name in mesh_config})
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes that shard the batch (RULES["batch"] present in `mesh`)."""
+    return tuple(a for a in RULES["batch"] if a in mesh.shape)
 
 
 def spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
     """PartitionSpec for logical `axes` of an array of `shape` (replicating what won't divide)."""
     if len(axes) != len(shape):
         raise ValueError(f"logical axes {tuple(axes)} do not match shape {tuple(shape)}")
-    out = []
+    out, used = [], set()
     for name, size in zip(axes, shape):
         mesh_axes = RULES.get(name) if name is not None else None
         if name is not None and name not in RULES:
@@ -82,7 +96,7 @@ def spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
             out.append(None)
             continue
         mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
-        mesh_axes = tuple(a for a in mesh_axes if mesh.shape.get(a, 1) > 1)
+        mesh_axes = tuple(a for a in mesh_axes if mesh.shape.get(a, 1) > 1 and a not in used)
         n = math.prod(mesh.shape[a] for a in mesh_axes)
         if n > 1 and size % n:
             key = (name, size, n)
@@ -92,6 +106,7 @@ def spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
                                 "replicating it", name, size, mesh_axes, n)
             out.append(None)
         else:
+            used.update(mesh_axes)
             out.append(mesh_axes if len(mesh_axes) > 1 else (mesh_axes[0] if mesh_axes else None))
     return P(*out)
 

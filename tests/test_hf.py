@@ -37,6 +37,10 @@ FAMILIES = {
     # Qwen3 tied.
     "qwen3_tied": lambda: transformers.Qwen3Config(
         **SMALL, num_key_value_heads=4, tie_word_embeddings=True),
+    # Qwen3-MoE: 8 experts, top-2 renormalised; layer 1 dense (mlp_only_layers).
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **SMALL, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1]),
 }
 
 
@@ -144,6 +148,49 @@ def test_sharded_load_places_tensors_on_shards(tmp_path):
     assert shard_shapes == {(2, 32, 2, 16)}  # [l, d/fsdp, h/tensor, e]
     assert model.embed[...].sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
     tokens = _tokens(batch=4)
+    np.testing.assert_allclose(np.asarray(model(sharding.shard_batch(tokens, mesh))),
+                               _hf_logits(ref_model, tokens), atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_moe_block_matches_transformers(norm_topk_prob):
+    """One sparse MoE block against transformers' Qwen3MoeSparseMoeBlock, all dispatches."""
+    from ptrain import moe
+    config = FAMILIES["qwen3_moe"]()
+    config.norm_topk_prob = norm_topk_prob
+    torch.manual_seed(0)
+    block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+    x = np.random.RandomState(0).randn(2, 24, 64).astype(np.float32)
+    with torch.no_grad():
+        want = block(torch.tensor(x)).numpy()
+    e = block.experts
+    f = config.moe_intermediate_size
+    p = {"router": block.gate.weight.detach().numpy().T,
+         "w_gate": e.gate_up_proj.detach().numpy()[:, :f].transpose(0, 2, 1),
+         "w_up": e.gate_up_proj.detach().numpy()[:, f:].transpose(0, 2, 1),
+         "w_down": e.down_proj.detach().numpy().transpose(0, 2, 1)}
+    c = hf.config_from_hf(config.to_dict())
+    assert c.norm_topk_prob == norm_topk_prob
+    for dispatch in ("dropless", "capacity", "dense"):
+        got, _ = moe.block(p, x, np.ones((2, 24)), c.replace(moe_dispatch=dispatch,
+                                                            moe_capacity_factor=8.0), None)
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=0, err_msg=dispatch)
+
+
+def test_sharded_moe_load_matches_transformers(tmp_path):
+    path = str(tmp_path / "moe")
+    ref_model = _write_checkpoint(FAMILIES["qwen3_moe"](), path)
+    mesh = sharding.make_mesh(expert=4, fsdp=2)
+    model, config = hf.load(path, mesh=mesh)
+    assert config.n_experts == 8 and config.dense_layers == (1,)
+    assert model.experts.w_gate[...].sharding.spec == jax.sharding.PartitionSpec(
+        None, "expert", "fsdp", None)
+    assert {s.data.shape for s in model.experts.w_gate[...].addressable_shards} == {
+        (1, 2, 32, 32)}  # [MoE layers, experts / 4, d / 2, f]
+    tokens = _tokens(batch=8, time=16)
     np.testing.assert_allclose(np.asarray(model(sharding.shard_batch(tokens, mesh))),
                                _hf_logits(ref_model, tokens), atol=2e-4, rtol=0)
 

@@ -194,7 +194,7 @@ def test_bad_config_is_rejected(change, message):
 
 def test_mesh_sizes():
     mesh = sharding.make_mesh(data=2, fsdp=-1, tensor=2)
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 2}
     with pytest.raises(ValueError, match="needs 16 devices but 8"):
         sharding.make_mesh(data=4, fsdp=2, tensor=2)
     with pytest.raises(ValueError, match="at most one axis may be -1"):

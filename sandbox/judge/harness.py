@@ -34,9 +34,7 @@ import _signal
 import _socket
 import binascii
 import builtins
-import io
 import marshal
-import operator
 import os
 import select
 import struct
