@@ -47,7 +47,7 @@ class Batch:
     tokens_bn: np.ndarray  # int32 [b, n]: the continuation, right-padded
     lengths_b: np.ndarray  # int32 [b]: tokens in the continuation
     loss_mask_bn: np.ndarray  # float32 [b, n]
-    rollout_logp_bn: np.ndarray  # float32 [b, n]: the sampler's temperature-1 log-probs
+    rollout_logp_bn: np.ndarray  # float32 [b, n]: the sampler's, of logits / temperature
     rewards_b: np.ndarray  # float32 [b]
     group_ids_b: np.ndarray  # int32 [b]
     meta: list = dataclasses.field(default_factory=list)  # one dict per row

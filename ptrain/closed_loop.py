@@ -4,9 +4,12 @@
 
   tasks     per domain, a training split and a held-out split (instances never trained on):
             generated (`ptrain.synthetic_tasks`, the quickstart's default) or read from
-            task JSONL files (`ptrain.tasks`); mixed by the config's domain weights
+            task files in their formats (`ptrain.tasks`); mixed by the config's domain
+            weights; prompt lengths and the vocabulary checked before anything runs
+  eval      a brought model (hf_model) first: its baseline at step 0
   SFT       a warm start on demonstrations, loss on the model's own turns only
-  eval      greedy pass rate on the held-out split, per domain -> <workdir>/eval.jsonl
+  eval      greedy pass@1 on the held-out split, per domain (and sampled pass@1 / pass@k
+            with eval.sample) -> <workdir>/eval.jsonl, rows keyed by (stage, step)
   RL        `learner.train` with `TaskProducer`: multi-turn episodes whose tool calls run in
             the sandbox (`ptrain.rollout`), verdicts from the sandbox pool (`ptrain.rewards`),
             scoring of batch t overlapped with generating batch t+1 when rl.staleness=1
@@ -18,6 +21,7 @@ checkpoints, evaluations that are already in eval.jsonl are not repeated.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 import sandbox
+from ptrain import chat
 from ptrain import config as config_lib
 from ptrain import learner as learner_lib
 from ptrain import metrics as metrics_lib
@@ -41,7 +46,7 @@ from ptrain import synthetic_tasks
 from ptrain import tasks as tasks_lib
 
 SECTIONS = config_lib.LOOP_SECTIONS  # beyond the learner's
-CHAT_FORMATS = {"plain": rollout_lib.ChatFormat(), "qwen": rollout_lib.QWEN}
+CHAT_FORMATS = chat.FORMATS  # rollout.chat_format: plain | qwen | llama3
 
 
 # ==================================================================================== config
@@ -84,17 +89,31 @@ def make_tasks(config, tokenizer, workdir):
             rng = random.Random(f"{config.seed}/demos/{domain}")
             demos += [(g.task, synthetic_tasks.demonstration(g, rng, t.bug_rate)) for g in gen]
         else:
-            train[domain] = tasks_lib.read_jsonl(t.train[i])
-            heldout[domain] = tasks_lib.read_jsonl(t.heldout[i])
+            train[domain] = tasks_lib.load_entry(t.train[i], key=f"tasks.train[{i}]",
+                                                 domain=domain)
+            heldout[domain] = tasks_lib.load_entry(t.heldout[i], key=f"tasks.heldout[{i}]",
+                                                   domain=domain)
+            if t.tools:
+                train[domain], heldout[domain] = (
+                    [dataclasses.replace(x, tools=tuple(t.tools)) for x in found]
+                    for found in (train[domain], heldout[domain]))
         overlap = {x.prompt for x in train[domain]} & {x.prompt for x in heldout[domain]}
         if overlap:
             raise ValueError(f"{len(overlap)} {domain} held-out prompt(s) also appear in its "
                              f"training split, e.g. {sorted(overlap)[0]!r}")
         tasks_lib.write_jsonl(train[domain], _task_file(workdir, domain, "train"))
         tasks_lib.write_jsonl(heldout[domain], _task_file(workdir, domain, "heldout"))
+    fmt = CHAT_FORMATS[config.rollout.chat_format]
+    for domain, found in train.items():  # before anything is generated
+        tasks_lib.check_lengths(
+            {x.id: len(rollout_lib.render_prompt(x, tokenizer, fmt)) for x in found},
+            config.data.max_prompt_len, key="data.max_prompt_len", what=f"{domain} prompt")
     if demos:
-        fmt = CHAT_FORMATS[config.rollout.chat_format]
         rows = [demo_record(task, demo, tokenizer, fmt) for task, demo in demos]
+        for part, key in (("prompt", "max_prompt_len"), ("completion", "max_completion_len")):
+            tasks_lib.check_lengths({f"demonstration {i} ({r['domain']})": len(r[f"{part}_ids"])
+                                     for i, r in enumerate(rows)}, config.sft[key],
+                                    key=f"sft.{key}", what=f"SFT {part}")
         random.Random(config.seed).shuffle(rows)
         metrics_lib.write_jsonl(rows, os.path.join(workdir, "tasks", "sft.jsonl"))
     return train, heldout
@@ -106,19 +125,22 @@ def _task_file(workdir, domain, split):
 
 def demo_record(task, demo, tokenizer, fmt) -> dict:
     """A demonstration as an SFT record: the prompt's ids, then the model's turns (trained
-    on, the last one ending with EOS) and the tool outputs rendered as observations (not)."""
+    on, each ending with the format's end-of-turn token; in the plain format only the last,
+    with EOS, as a call turn ends at its closing tag) and the tool outputs rendered as
+    observations (not trained on), exactly as a rollout appends them."""
     ids, mask = [], []
+    end = list(chat.end_of_turn_ids(fmt, tokenizer)[:1])
     for i, text in enumerate(demo):
         if i % 2:  # a tool's output
-            part = rollout_lib.encode(tokenizer, fmt.observation.format(output=text))
+            part = chat.encode(tokenizer, chat.observation(fmt, [text], closed=True))
         else:
-            part = rollout_lib.encode(tokenizer, text)
-            if i == len(demo) - 1:
-                part.append(tokenizer.eos_token_id)
+            part = chat.encode(tokenizer, text)
+            if fmt.end_of_turn or i == len(demo) - 1:
+                part += end
         ids += part
         mask += [1 - i % 2] * len(part)
-    return {"prompt_ids": rollout_lib.render_prompt(task, tokenizer), "completion_ids": ids,
-            "completion_mask": mask, "domain": task.domain}
+    return {"prompt_ids": rollout_lib.render_prompt(task, tokenizer, fmt),
+            "completion_ids": ids, "completion_mask": mask, "domain": task.domain}
 
 
 # ================================================================================ episodes
@@ -180,14 +202,16 @@ def reward_config(config) -> rewards_lib.RewardConfig:
 
 
 def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step):
-    """Pass rates on the held-out split, per domain: greedy (and sampled, if configured).
+    """Pass rates on the held-out split, per domain: greedy pass@1, and with eval.sample
+    pass@1 and pass@k at the sampling temperature from sampling.num_samples samples per task
+    (the unbiased estimator of Chen et al. 2021, `sandbox.terminal.evaluate.pass_at_k`).
     Returns eval.jsonl lines."""
     lines = []
-    decodings = [("greedy", dict(greedy=True))]
+    decodings = [("greedy", dict(greedy=True, num_samples=1))]
     if config.eval.sample:
-        decodings.append(("sample", {}))
+        decodings.append(("sample", dict(num_samples=config.sampling.num_samples)))
     for decoding, change in decodings:
-        rc = rollout_config(config, num_samples=1, **change)
+        rc = rollout_config(config, **change)
         for domain, tasks in heldout.items():
             tasks = tasks[:config.eval.n]
             episodes = rollout_lib.generate(
@@ -195,23 +219,40 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step):
                 config=rc, fmt=CHAT_FORMATS[config.rollout.chat_format], pool=pool,
                 reward_config=reward_config(config), score_now=rc.max_attempts > 1)
             rollout_lib.score(episodes, pool=pool, config=reward_config(config))
-            passed = [bool(e.verdicts and e.verdicts[-1].passed) for e in episodes]
             lines.append({"stage": stage, "step": step, "split": "heldout", "domain": domain,
-                          "decoding": decoding, "pass_rate": float(np.mean(passed)),
-                          "n": len(passed)})
+                          "decoding": decoding, **eval_summary(episodes, rc.num_samples)})
     return lines
 
 
-def _evaluate_once(path, stage, **kwargs):
-    """Evaluates unless eval.jsonl already has this stage (a resumed run)."""
-    done = [r for r in metrics_lib.read_jsonl(path) if r.get("stage") == stage]
+def eval_summary(episodes, samples: int) -> dict:
+    """pass@1 (also `pass_rate`) and pass@k for k = 2, 4, ... up to `samples`, over episodes
+    that are task-major (`samples` consecutive episodes per task); how the episodes finished,
+    a turn cut at max_new_tokens counted as truncated."""
+    from sandbox.terminal.evaluate import summarize
+    rows = [{"task": f"{i // samples}", "attempt": i % samples, "reward": e.verdicts[-1].reward if e.verdicts else 0.0,
+             "passed": bool(e.verdicts and e.verdicts[-1].passed)}
+            for i, e in enumerate(episodes)]
+    summary = summarize(rows, samples)
+    ks = {k: summary[k] for k in summary if k.startswith("pass@")}
+    finishes = [e.finish for e in episodes]
+    return {"pass_rate": ks["pass@1"], **ks, "n": len(episodes) // samples, "samples": samples,
+            "truncated": finishes.count("truncated") / len(finishes),
+            "finish": {f: finishes.count(f) for f in rollout_lib.FINISHES if f in finishes}}
+
+
+def _evaluate_once(path, stage, step, **kwargs):
+    """Evaluates unless eval.jsonl already has this (stage, step): a resumed run repeats
+    nothing, a run extended to more steps evaluates its new last step."""
+    done = [r for r in metrics_lib.read_jsonl(path)
+            if r.get("stage") == stage and r.get("step") == step]
     if done:
         return done
-    lines = evaluate(stage=stage, **kwargs)
+    lines = evaluate(stage=stage, step=step, **kwargs)
     with open(path, "a") as f:
         f.write("".join(json.dumps(line) + "\n" for line in lines))
     for line in lines:
-        logging.info("eval %(stage)s %(domain)s %(decoding)s: %(pass_rate).3f (n=%(n)d)", line)
+        logging.info("eval %(stage)s step %(step)d %(domain)s %(decoding)s: pass@1 "
+                     "%(pass_rate).3f (n=%(n)d, truncated %(truncated).2f)", line)
     return lines
 
 
@@ -242,6 +283,10 @@ def run(config, workdir, *, mesh=None):
     with sandbox.Pool(config.sandbox.workers, backend=config.sandbox.backend) as pool:
         ev = dict(sampler=sampler, heldout=heldout, tokenizer=tokenizer, config=config,
                   pool=pool)
+        # -------------------------------------------------------- a brought model's baseline
+        if config.hf_model:
+            _evaluate_once(eval_path, "base", params=learner_lib.build_model(lcfg, mesh), step=0,
+                           **ev)
         # -------------------------------------------------------- SFT, then its evaluation
         params = None
         if config.sft.steps:
@@ -259,20 +304,28 @@ def run(config, workdir, *, mesh=None):
 
 def resolve(config, workdir, tokenizer) -> ml_collections.ConfigDict:
     """A copy with what the run derives filled in: the vocabulary (model.vocab_size 0 means
-    the tokenizer's), the RL prompt stream (one task file per domain, with its weight), the
-    synthetic SFT demonstrations, and the tokenizer's EOS among the stop tokens."""
+    the tokenizer's, len(tokenizer) with its added tokens), checked against the tokenizer;
+    the RL prompt stream (one task file per domain, with its weight), the synthetic SFT
+    demonstrations, and the stop ids of a turn (`chat.stop_ids`: the chat format's end of
+    turn, the eos ids of hf_model's config.json / generation_config.json, the tokenizer's
+    eos), each checked to exist in the vocabulary."""
     out = ml_collections.ConfigDict(config.to_dict())
     if out.model.vocab_size == 0:
-        out.model.vocab_size = tokenizer.vocab_size
+        out.model.vocab_size = chat.vocab_len(tokenizer)
+    vocab = learner_lib.model_config(out).vocab_size
+    chat.check_vocab(tokenizer, vocab, what=f"{out.hf_model}/config.json" if out.hf_model
+                     else "config.model.vocab_size")
     out.data.sources = tuple((_task_file(workdir, d, "train"), float(w))
                              for d, w in zip(out.tasks.domains, out.tasks.weights))
     out.data.records_fn = None
     if out.tasks.source == "synthetic":
         out.sft.sources = (os.path.join(workdir, "tasks", "sft.jsonl"),)
         out.sft.records_fn = None
-    stop = tuple(out.sampling.stop_token_ids)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stop:
-        out.sampling.stop_token_ids = stop + (tokenizer.eos_token_id,)
+    from ptrain import hf
+    eos = hf.eos_token_ids(out.hf_model) if out.hf_model else {}
+    chat.check_ids(out.sampling.stop_token_ids, vocab, where="sampling.stop_token_ids")
+    out.sampling.stop_token_ids = tuple(dict.fromkeys((*out.sampling.stop_token_ids, *chat.stop_ids(
+        CHAT_FORMATS[out.rollout.chat_format], tokenizer, eos_sources=eos, vocab_size=vocab))))
     out.lock()
     return out
 
@@ -315,11 +368,14 @@ def plot_rewards(workdir, domains) -> str:
     ax.set(xlabel="RL step", ylabel="mean reward", title="training reward", ylim=(-0.02, 1.02))
     ax.legend()
     greedy = [e for e in evals if e["decoding"] == "greedy"]
-    width = 0.38
-    for j, stage in enumerate(("sft", "rl")):
-        values = [next((e["pass_rate"] for e in greedy
-                        if e["stage"] == stage and e["domain"] == d), 0.0) for d in domains]
-        bx.bar(np.arange(len(domains)) + (j - 0.5) * width, values, width, label=f"after {stage}")
+    stages = [s for s in ("base", "sft", "rl") if any(e["stage"] == s for e in greedy)]
+    width = 0.8 / max(1, len(stages))
+    for j, stage in enumerate(stages):
+        values = [max(((e["step"], e["pass_rate"]) for e in greedy  # the latest step's
+                       if e["stage"] == stage and e["domain"] == d), default=(0, 0.0))[1]
+                  for d in domains]
+        bx.bar(np.arange(len(domains)) + (j - (len(stages) - 1) / 2) * width, values, width,
+               label="brought model" if stage == "base" else f"after {stage}")
     bx.set(xticks=range(len(domains)), xticklabels=domains, ylim=(0, 1),
            ylabel="held-out pass rate (greedy)", title="held-out evaluation")
     bx.legend()

@@ -27,7 +27,7 @@ ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "
 CRITIC_INITS = ("policy", "random")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 SCHEDULES = ("cosine", "constant")
-CHAT_FORMATS = ("plain", "qwen")  # rollout.chat_format; the formats are ptrain.rollout's
+CHAT_FORMATS = ("plain", "qwen", "llama3")  # rollout.chat_format: ptrain.chat.FORMATS
 TASK_SOURCES = ("synthetic", "jsonl")
 LOOP_SECTIONS = ("tasks", "rollout", "reward", "sandbox", "eval")  # beyond the learner's
 
@@ -126,7 +126,10 @@ def _closed_loop_sections(c):
         weights=(1.0, 1.0, 1.0),  # sampling weight of each domain in RL
         n_train=3000, n_heldout=100,  # synthetic: instances per domain
         bug_rate=0.7,  # synthetic: how often a triggered demonstration carries its bug
-        train=(), heldout=(),  # jsonl: one task file per domain (ptrain.tasks records)
+        # jsonl: one task file per domain, a path (ptrain.tasks records) or (path, format),
+        # format one of ptrain.tasks.FORMATS ("humaneval", "mbpp", "gsm8k", ...)
+        train=(), heldout=(),
+        tools=(),  # jsonl: tools every task may call (e.g. ("python",)); (): the file's own
     )
     c.rollout = dict(max_turns=3, max_attempts=1, attempt_reward="final", discount=0.5,
                      max_len=72,  # tokens after the prompt (turns, observations, feedback)
@@ -135,7 +138,7 @@ def _closed_loop_sections(c):
     c.reward = dict(partial_credit=False, timeout_s=10.0, test_timeout_s=2.0, memory_mb=512)
     c.sandbox = dict(backend="auto", workers=2)
     c.eval = dict(n=100,  # held-out tasks per domain (at most the held-out split)
-                  sample=False)  # also pass@1 at the sampling temperature
+                  sample=False)  # also pass@1, pass@k at the sampling temperature (num_samples)
 
 
 def plan_defaults() -> ml_collections.ConfigDict:
@@ -368,6 +371,9 @@ class StepSettings:
     epochs: int = 1
     minibatches: int = 1
     microbatch: int = 0
+    # Log-probs are of logits / temperature (verl, TRL): the policy the sampler drew from.
+    # sampling.temperature for RL; 1 for SFT's likelihood.
+    temperature: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,7 +399,8 @@ def resolve(config) -> Resolved:
         kl_kind=c.kl.kind, kl_loss=kl_on and not c.kl.in_reward,
         kl_in_reward=kl_on and c.kl.in_reward,
         has_old_logp=updates > 1 or (kl_on and c.kl.in_reward), chunk=rl.logprob_chunk,
-        epochs=rl.ppo_epochs, minibatches=rl.num_minibatches, microbatch=rl.microbatch_size)
+        epochs=rl.ppo_epochs, minibatches=rl.num_minibatches, microbatch=rl.microbatch_size,
+        temperature=float(c.sampling.temperature))
     critic = (dataclasses.replace(rl_settings, kind="critic") if rl.estimator == "gae"
               else None)
     sft = StepSettings(kind="sft", chunk=rl.logprob_chunk, microbatch=c.sft.microbatch_size)

@@ -187,7 +187,7 @@ class Learner:
                          "feedback": feedback, "finish_reason": out.finish_reasons[r]})
         return Batch.from_rows(
             [prompts[i] for i in out.prompt_index], completions,
-            [[1] * len(x) for x in completions], [out.logp_t1[r, :len(x)]
+            [[1] * len(x) for x in completions], [out.logp_temp[r, :len(x)]
                                                    for r, x in enumerate(completions)],
             rewards, out.prompt_index, prompt_len=c.data.max_prompt_len,
             length=s.max_new_tokens, meta=meta, pad_id=self.pad_id)
@@ -415,8 +415,9 @@ def _prompt_stream(data, batch_size, seed, workdir, name, *, on_error):
         metrics_lib.write_jsonl(data.records_fn(seed), path)
         sources = [path]
     if not sources:
-        raise ValueError(f"no {name}: set data.sources (JSONL / ArrayRecord files) or "
-                         "data.records_fn")
+        section = "sft" if name == "sft" else "data"
+        raise ValueError(f"no {name}: set {section}.sources (JSONL / ArrayRecord files) or "
+                         f"{section}.records_fn")
     return data_lib.prompt_batches(sources, batch_size=batch_size, seed=seed,
                                    on_error=on_error)
 
@@ -463,8 +464,13 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
 
     for step in range(start + 1, sc.steps + 1):
         t0 = time.perf_counter()
-        episodes = sft_episodes(learner, next(batches), prompt_len=sc.max_prompt_len,
-                                length=sc.max_completion_len)
+        try:
+            episodes = sft_episodes(learner, next(batches), prompt_len=sc.max_prompt_len,
+                                    length=sc.max_completion_len)
+        except ValueError as e:  # name the keys of the SFT section, not the RL ones
+            raise ValueError(f"SFT step {step}: {e} (prompt_len is sft.max_prompt_len="
+                             f"{sc.max_prompt_len}, the length sft.max_completion_len="
+                             f"{sc.max_completion_len})") from None
         params, opt_state, metrics = learner.sft_update(params, opt_state, episodes)
         if step % c.log.every == 0 or step == sc.steps:
             metrics = jax.device_get(metrics)

@@ -7,7 +7,7 @@
 The learner draws one batch of records from its weighted mixture of sources (terminal task
 records {"task_dir": ...} next to ptrain task records, each source with its domain weight);
 `generate` hands each producer its records (in the order given) and `score` packs what they
-return into one `learner.Episodes`: rows padded to the widest continuation, group ids made
+return into one `batch.Batch`: rows padded to the widest continuation, group ids made
 unique (each producer numbers its groups from 0), the meta (with each row's domain, for the
 per-domain metrics) kept. GRPO groups stay whole: a producer returns its records' groups as
 consecutive rows.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from ptrain import learner as learner_lib
+from ptrain import batch as batch_lib
 
 
 def by_task_dir(record) -> str:
@@ -41,13 +41,13 @@ class MixedProducer:
         return [(name, self.producers[name].generate(params, rs, jax.random.fold_in(key, i)))
                 for i, (name, rs) in enumerate(routed.items()) if rs]
 
-    def score(self, generated) -> learner_lib.Episodes:
+    def score(self, generated) -> batch_lib.Batch:
         return concat([self.producers[name].score(g) for name, g in generated],
                       pad_id=self.pad_id)
 
 
-def concat(parts, *, pad_id: int = 0) -> learner_lib.Episodes:
-    """The rows of several Episodes in one (see the module docstring)."""
+def concat(parts, *, pad_id: int = 0) -> batch_lib.Batch:
+    """The rows of several batches in one (see the module docstring)."""
     if not parts:
         raise ValueError("no episodes to concatenate")
     p = {e.prompt_bp.shape[1] for e in parts}
@@ -64,7 +64,7 @@ def concat(parts, *, pad_id: int = 0) -> learner_lib.Episodes:
         _, dense = np.unique(ids, return_inverse=True)  # 0..k-1 in order of id
         group_ids.append(dense + offset)
         offset += int(dense.max()) + 1 if len(dense) else 0
-    return learner_lib.Episodes(
+    return batch_lib.Batch(
         prompt_bp=np.concatenate([e.prompt_bp for e in parts]),
         prompt_lens_b=np.concatenate([e.prompt_lens_b for e in parts]),
         tokens_bn=np.concatenate([widen(e.tokens_bn, pad_id) for e in parts]),

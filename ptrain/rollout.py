@@ -1,16 +1,20 @@
 """Episodes: single- and multi-turn, with tool calls run in the sandbox, and retries.
 
 Token in, token out. An episode's history is a list of token ids that only ever grows: the
-rendered prompt, then each model turn exactly as sampled, then each tool observation (or
-retry feedback) rendered by `ChatFormat` and encoded on its own. Nothing is re-tokenised, so
-the log-probs the sampler reported are those of the very tokens the learner trains on, and
-the loss mask is 1 exactly on the tokens the model produced.
+prompt (rendered by the chat format, `ptrain.chat`, through the tokenizer's own template),
+then each model turn exactly as sampled (its end-of-turn token included), then each tool
+observation (or retry feedback) rendered by the chat format and encoded on its own. Nothing is
+re-tokenised, so the log-probs the sampler reported are those of the very tokens the learner
+trains on, and the loss mask is 1 exactly on the tokens the model produced.
 
-Tool calls use the Hermes / Qwen format, `<tool_call>{"name": ..., "arguments": {...}}
-</tool_call>`: generation stops at the closing tag, the call runs in the episode's
-`sandbox.Session` (one work dir per episode, kept across its turns, removed after it), and
-the output comes back as an observation. A malformed call (not JSON, no name, an unknown or
-disallowed tool) becomes an error observation the model can learn from, never an exception.
+A turn ends at the format's end-of-turn token (Qwen's <|im_end|>, Llama 3's <|eot_id|>), or,
+in the plain format (no turn token), at the closing tag of a tool call or at the eos. The
+turn's calls (`chat.parse_tool_calls`: several Hermes calls per turn, or Llama 3's one) run
+in order in the episode's `sandbox.Session` (one work dir per episode, kept across its turns,
+removed after it), and their outputs come back as one observation. A malformed call (not
+JSON, no name, an unknown or disallowed tool) becomes an error observation the model can learn
+from, never an exception. A verifier sees the answer turn's text without special tokens
+(`chat.verifier_text`): the stop token is trained on, never judged.
 
 Self-correction: after a final answer fails its verifier, the feedback is appended and the
 model tries again, up to `max_attempts`; `attempt_reward` says how attempts make a reward.
@@ -20,8 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
-import re
 from collections.abc import Sequence
 
 import jax
@@ -30,29 +32,13 @@ import numpy as np
 import sandbox
 from sandbox import tools as sandbox_tools
 
+from ptrain import chat
 from ptrain import rewards as rewards_lib
 from ptrain.tasks import Files, Task
 
 ATTEMPT_REWARDS = ("final", "first", "mean", "discounted")
-
-
-@dataclasses.dataclass(frozen=True)
-class ChatFormat:
-    """The text around the model's turns. Observations and feedback are model-facing text
-    appended after a turn; `{output}` / `{feedback}` are filled in."""
-
-    tool_call_start: str = "<tool_call>"
-    tool_call_end: str = "</tool_call>"
-    observation: str = "\n<tool_response>\n{output}\n</tool_response>\n"
-    feedback: str = "\n<feedback>\n{feedback}\n</feedback>\n"
-
-
-# Qwen2.5 / Qwen3 chat template: tool responses come back in a user turn.
-QWEN = ChatFormat(
-    observation=("<|im_end|>\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response>"
-                 "<|im_end|>\n<|im_start|>assistant\n"),
-    feedback=("<|im_end|>\n<|im_start|>user\n{feedback}\nPlease fix it.<|im_end|>\n"
-              "<|im_start|>assistant\n"))
+FINISHES = ("answered", "truncated", "max_turns", "max_len")  # Episode.finish
+PLAIN_CALL_END = "</tool_call>"  # where a plain-format turn that calls a tool ends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +72,10 @@ class RolloutConfig:
 @dataclasses.dataclass
 class Episode:
     """One episode on the host. `tokens`, `mask` and `logp` are aligned: token i was produced
-    by the model iff mask[i] == 1, in which case logp[i] is its sampled temperature-1 log-prob.
+    by the model iff mask[i] == 1, in which case logp[i] is its log-prob under the sampled
+    policy (logits / temperature, `Samples.logp_temp`).
+    `finish`: answered (a turn without calls), truncated (an answer cut at max_new_tokens,
+    judged as it is), max_turns, max_len (out of room).
     """
 
     task: Task
@@ -100,9 +89,9 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
-    finish: str = ""  # answered | max_turns | max_len
+    finish: str = ""  # FINISHES
     session: sandbox.Session | None = None
-    _turn_text: str = ""
+    closed: bool = True  # the last model turn ended with its sampled end-of-turn token
 
     @property
     def attempts(self) -> int:
@@ -132,61 +121,30 @@ class Episode:
 
 # ----------------------------------------------------------------------------- rendering
 
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of `text` with no special tokens added (a BOS in mid-episode is wrong)."""
-    try:
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    except TypeError:  # a tokenizer without the keyword adds none anyway
-        return list(tokenizer.encode(text))
+def render_prompt(task: Task, tokenizer, fmt: chat.ChatFormat = chat.PLAIN) -> list[int]:
+    """The task's prompt ids, ending where the model's first turn begins (`chat.render_prompt`:
+    the tokenizer's chat template with the task's tools, or plain text)."""
+    return chat.render_prompt(fmt, tokenizer, prompt=task.prompt, messages=task.messages,
+                              tools=task.tools)
 
 
-def render_prompt(task: Task, tokenizer) -> list[int]:
-    """The prompt's token ids: through the tokenizer's chat template when it has one."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        if task.messages:
-            raise ValueError(f"task {task.id} has chat messages but the tokenizer has no chat "
-                             "template; give the task a plain prompt")
-        return encode(tokenizer, task.prompt)
-    messages = list(task.messages) or [{"role": "user", "content": task.prompt}]
-    schemas = sandbox_tools.schemas([t for t in sandbox_tools.TOOLS if t.name in task.tools])
-    ids = tokenizer.apply_chat_template(messages, tools=schemas or None,
-                                        add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def parse_tool_call(text: str, fmt: ChatFormat = ChatFormat()):
-    """The call in a model turn: (name, arguments) if well formed, an error message (str) if
-    malformed, None if the turn makes no call (it is a final answer)."""
-    start = text.rfind(fmt.tool_call_start)
-    if start < 0:
-        return None
-    end = text.find(fmt.tool_call_end, start)
-    if end < 0:
-        return f"Error: the tool call is not closed with {fmt.tool_call_end}."
-    body = text[start + len(fmt.tool_call_start):end].strip()
-    try:
-        call = json.loads(body)
-    except ValueError as e:
-        return f"Error: the tool call is not valid JSON ({e})."
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return 'Error: a tool call is {"name": <tool>, "arguments": {...}}.'
-    arguments = call.get("arguments", {})
-    if isinstance(arguments, str):  # some models send the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except ValueError as e:
-            return f"Error: the arguments are not valid JSON ({e})."
-    return call["name"], arguments
+def turn_stops(fmt: chat.ChatFormat, tokenizer, stop_token_ids=(), *, tools=False):
+    """(stop ids, stop strings) of a model turn: the configured ids and the format's end-of-turn
+    tokens; in the plain format, with tools, also the end of a tool call (an id when it is one
+    token, else a stop string)."""
+    ids = tuple(dict.fromkeys((*map(int, stop_token_ids), *(
+        chat.end_of_turn_ids(fmt, tokenizer) if fmt.end_of_turn else ()))))
+    if not tools or fmt.end_of_turn:
+        return ids, ()
+    end = chat.encode(tokenizer, PLAIN_CALL_END)
+    return (tuple(dict.fromkeys(ids + tuple(end))), ()) if len(end) == 1 else (ids,
+                                                                              (PLAIN_CALL_END,))
 
 
 # ----------------------------------------------------------------------------- episodes
 
 def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
-             config: RolloutConfig = RolloutConfig(), fmt: ChatFormat = ChatFormat(),
+             config: RolloutConfig = RolloutConfig(), fmt: chat.ChatFormat = chat.PLAIN,
              pool=None, reward_config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
              first_group_id: int = 0, score_now: bool | None = None) -> list[Episode]:
     """Runs `num_samples` episodes of every task; rows are task-major (task i owns rows
@@ -200,7 +158,7 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
     score_now = c.max_attempts > 1 if score_now is None else score_now
     if c.max_attempts > 1 and not score_now:
         raise ValueError("self-correction (max_attempts > 1) needs verdicts during the episode")
-    prompts = [render_prompt(task, tokenizer) for task in tasks]
+    prompts = [render_prompt(task, tokenizer, fmt) for task in tasks]
     episodes = [Episode(task=task, group_id=first_group_id + i, tokens=list(prompt),
                         mask=[0] * len(prompt), logp=[0.0] * len(prompt),
                         prompt_len=len(prompt))
@@ -214,14 +172,15 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as threads:
         try:
             for attempt in range(c.max_attempts):
-                active = [e for e in episodes if attempt == 0 or
-                          (e.verdicts and not e.verdicts[-1].passed and e.finish == "answered")]
+                active = [e for e in episodes if attempt == 0 or (
+                    e.verdicts and not e.verdicts[-1].passed and
+                    e.finish in ("answered", "truncated"))]
                 if not active:
                     break
                 if attempt > 0:
                     for e in active:
-                        _append(e, tokenizer, fmt.feedback.format(
-                            feedback=e.verdicts[-1].feedback), c)
+                        _append(e, tokenizer, chat.feedback(fmt, e.verdicts[-1].feedback,
+                                                            closed=e.closed), c)
                     active = [e for e in active if e.finish != "max_len"]
                 _run_attempt(sampler, params, active, keys, tokenizer, fmt, c, threads,
                              first=attempt == 0, prompts=prompts)
@@ -242,13 +201,10 @@ def _needs_session(task: Task) -> bool:
 def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *, first,
                  prompts):
     """Model turns until each episode answers (a turn without a tool call) or hits a cap."""
-    stop_ids, stop_strings = tuple(c.stop_token_ids), ()
-    if any(e.task.tools for e in episodes):
-        # A closing tag that is one token (Qwen's </tool_call>, the quickstart's) stops on the
-        # device; otherwise the sampler checks the text every few tokens.
-        end = encode(tokenizer, fmt.tool_call_end)
-        stop_ids, stop_strings = ((stop_ids + tuple(end), ()) if len(end) == 1
-                                  else (stop_ids, (fmt.tool_call_end,)))
+    stop_ids, stop_strings = turn_stops(fmt, tokenizer, c.stop_token_ids,
+                                        tools=any(e.task.tools for e in episodes))
+    end_of_turn = set(chat.end_of_turn_ids(fmt, tokenizer)) if fmt.end_of_turn else set()
+    strip = turn_stops(fmt, tokenizer, c.stop_token_ids)[0]  # not a plain call's end tag
     active = list(episodes)
     for turn in range(c.max_turns):
         if not active:
@@ -269,24 +225,26 @@ def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *,
             new = new[:room]
             e.tokens += new
             e.mask += [1] * len(new)
-            e.logp += samples.logp_t1[row, :len(new)].tolist()
+            e.logp += samples.logp_temp[row, :len(new)].tolist()
             e.turns += 1
-            text = tokenizer.decode(new)
+            e.closed = bool(new) and new[-1] in end_of_turn
             if truncated:
                 e.finish = "max_len"
-                e.answers.append(text)
+                e.answers.append(chat.verifier_text(tokenizer, new, strip))
                 continue
-            call = parse_tool_call(text, fmt) if e.task.tools else None
-            if call is None:
-                e.finish = "answered"
-                e.answers.append(text)
+            found = (chat.parse_tool_calls(fmt, chat.turn_text(tokenizer, new, strip))
+                     if e.task.tools else [])
+            if found:
+                calls.append((e, found))
             else:
-                calls.append((e, call))
-        # Run this turn's tool calls concurrently, then append their observations.
-        outputs = threads.map(lambda ec: _call(ec[0], ec[1], c), calls)
+                e.finish = "truncated" if samples.finish_reasons[row] == "length" else "answered"
+                e.answers.append(chat.verifier_text(tokenizer, new, strip))
+        # Run this turn's tool calls (episodes concurrently, an episode's calls in order),
+        # then append their outputs as one observation each.
+        outputs = threads.map(lambda ec: [_call(ec[0], call, c) for call in ec[1]], calls)
         still = []
         for (e, _), output in zip(calls, outputs):
-            _append(e, tokenizer, fmt.observation.format(output=output), c)
+            _append(e, tokenizer, chat.observation(fmt, output, closed=e.closed), c)
             if e.finish == "max_len":
                 e.answers.append("")  # out of room before answering
             else:
@@ -302,12 +260,12 @@ def _call(e: Episode, call, c: RolloutConfig) -> str:
     if isinstance(call, str):
         e.tool_errors += 1
         return call
-    name, arguments = call
-    if name not in e.task.tools:
+    if call.name not in e.task.tools:
         e.tool_errors += 1
         allowed = ", ".join(e.task.tools)
-        return f"Error: tool {name!r} is not available here; use one of: {allowed}."
-    output = sandbox_tools.call_tool(e.session, name, arguments, timeout_s=c.tool_timeout_s,
+        return f"Error: tool {call.name!r} is not available here; use one of: {allowed}."
+    output = sandbox_tools.call_tool(e.session, call.name, call.arguments,
+                                     timeout_s=c.tool_timeout_s,
                                      max_output_chars=c.max_tool_output_chars)
     if output.startswith("Error:"):
         e.tool_errors += 1
@@ -316,7 +274,7 @@ def _call(e: Episode, call, c: RolloutConfig) -> str:
 
 def _append(e: Episode, tokenizer, text: str, c: RolloutConfig) -> None:
     """Appends rendered observation / feedback tokens (not trained on)."""
-    ids = encode(tokenizer, text)
+    ids = chat.encode(tokenizer, text)
     room = c.max_len - (len(e.tokens) - e.prompt_len)
     if len(ids) + 1 > room:  # no room left for the model to respond
         e.finish = "max_len"

@@ -69,9 +69,11 @@ def opt_state_shardings(tx, params, param_shardings, mesh):
 # ================================================================================ log-probs
 
 
-def token_logprobs(graphdef, params, batch, *, group_size=1, chunk=256):
+def token_logprobs(graphdef, params, batch, *, group_size=1, chunk=256, temperature=1.0):
     """log p(token | everything before it) of every continuation token, and the entropy of
-    that distribution ([b, n] each), computed in chunks (never float32 [b, n, v]).
+    that distribution ([b, n] each), computed in chunks (never float32 [b, n, v]); p is the
+    softmax of logits / temperature, the distribution the sampler drew from (before top-k /
+    top-p): so the ratio, KL, entropy and truncated IS refer to the sampled policy.
 
     Each group's prompt runs once (rows 0, G, 2G, ... hold the prompts); its KV cache is
     repeated for the G continuations, so gradients from all G reach the one prompt forward.
@@ -85,9 +87,11 @@ def token_logprobs(graphdef, params, batch, *, group_size=1, chunk=256):
     w_dv = model.unembedding_vd().T
     next_bn = jnp.pad(tokens_bn[:, 1:], ((0, 0), (0, 1)))
     logp_bn, ent_bn = losses.chunked_logprobs(h_bnd, w_dv, next_bn, chunk=chunk,
-                                              return_entropy=True, mesh=model.mesh)
+                                              temperature=temperature, return_entropy=True,
+                                              mesh=model.mesh)
     first_b1 = losses.chunked_logprobs(jnp.repeat(h_gd, group_size, axis=0)[:, None], w_dv,
-                                       tokens_bn[:, :1], return_entropy=True)
+                                       tokens_bn[:, :1], temperature=temperature,
+                                       return_entropy=True)
     return tuple(jnp.concatenate([a_b1, a_bn[:, :-1]], axis=1)
                  for a_b1, a_bn in zip(first_b1, (logp_bn, ent_bn)))
 
@@ -131,7 +135,7 @@ def prepare(params, ref_params, critic_params, batch, kl_coef, *, graphdef, crit
              s: StepSettings):
     mask_bn = batch["loss_mask_bn"]
     logp = functools.partial(token_logprobs, graphdef, batch=batch, group_size=s.group_size,
-                             chunk=s.chunk)
+                             chunk=s.chunk, temperature=s.temperature)
     out, metrics = dict(batch), {}
     old_bn = logp(params)[0] if s.has_old_logp else None
     if old_bn is not None:
@@ -175,7 +179,7 @@ def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: StepSetti
     counts, so that microbatch losses (and gradients) add up to the minibatch's."""
     mask_bn = x["loss_mask_bn"]
     logp_bn, ent_bn = token_logprobs(graphdef, params, x, group_size=s.group_size,
-                                     chunk=s.chunk)
+                                     chunk=s.chunk, temperature=s.temperature)
     share = mask_bn.sum() / jnp.maximum(num_tokens, 1)  # this microbatch's share of the tokens
     agg = functools.partial(losses.agg_loss, mask_bt=mask_bn, mode=s.agg, num_tokens=num_tokens,
                             num_seqs=num_seqs)

@@ -48,7 +48,7 @@ BASH = {"type": "function", "function": {
 @dataclasses.dataclass
 class Tokens:
     """An episode's token history: ids[i] is the model's iff mask[i] == 1, and then logp[i]
-    is its sampled temperature-1 log-prob."""
+    is its sampled log-prob (logits / temperature)."""
 
     ids: list[int]
     mask: list[int]
@@ -103,7 +103,8 @@ def shell_observation(result, limit: int) -> str:
 
 
 class SamplerPolicy:
-    """policy(ids) -> (new turn ids, their temperature-1 log-probs), from a `Sampler` (one
+    """policy(ids) -> (new turn ids, their log-probs under logits / temperature, the policy the
+    learner trains), from a `Sampler` (one
     row per call; calls from several episodes' threads take turns)."""
 
     def __init__(self, sampler, params, *, stop_ids, max_new_tokens: int = 256,
@@ -122,7 +123,7 @@ class SamplerPolicy:
                                     temperature=self.temperature, greedy=self.greedy,
                                     stop_token_ids=self.stop_ids, key=key)
         n = int(s.lengths[0])
-        return s.tokens[0, :n].tolist(), s.logp_t1[0, :n].tolist()
+        return s.tokens[0, :n].tolist(), s.logp_temp[0, :n].tolist()
 
 
 class ShellAgent:

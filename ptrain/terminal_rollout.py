@@ -3,7 +3,7 @@ by each task's own verifier.
 
     producer = TerminalProducer(sampler, tokenizer, harness=h, fmt=chat.PLAIN, stop_ids=...,
                                 config=TerminalRolloutConfig(num_samples=8), prompt_len=32)
-    episodes = producer.score(producer.generate(params, records, key))   # learner.Episodes
+    episodes = producer.score(producer.generate(params, records, key))   # batch.Batch
 
 `generate` opens `num_samples` episodes of every task (a clean warm container and a fresh
 shell each, `sandbox.terminal.Harness`), then runs the turns of all of them in lockstep: one
@@ -18,7 +18,7 @@ domain ("terminal"), pass, turns, tool calls and how the episode ended (per-doma
 task i form group `first_group_id + i`.
 
 The learner's producer interface (`generate(params, records, key)`, `score(generated) ->
-Episodes`) is all this module needs of the training loop.
+Batch`) is all this module needs of the training loop.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def generate(sampler, params, tasks, *, harness, agent: terminal_agent.ShellAgen
                 r = active[row]
                 n = int(samples.lengths[row])
                 r.done = agent.step(r.episode, r.tokens, samples.tokens[row, :n].tolist(),
-                                    samples.logp_t1[row, :n].tolist())
+                                    samples.logp_temp[row, :n].tolist())
             list(pool.map(step, range(len(active))))
         for r in rollouts:
             if not r.done:
@@ -169,7 +169,7 @@ def passed(r: Rollout) -> bool:
 
 
 def to_rows(rollouts: list[Rollout], tokenizer) -> dict:
-    """Per-row lists for `learner.Episodes.from_histories` (after `score`)."""
+    """Per-row lists for `batch.Batch.from_histories` (after `score`)."""
     tokens, masks, logps, prompt_lens, meta = [], [], [], [], []
     for r in rollouts:
         t = r.tokens
@@ -213,10 +213,10 @@ class TerminalProducer:
                         key=key, config=config or self.config, pool=self.pool)
 
     def score(self, rollouts):
-        from ptrain import learner as learner_lib
+        from ptrain import batch as batch_lib
         score(rollouts, self.pool)
         rows = to_rows(rollouts, self.tokenizer)
-        return learner_lib.Episodes.from_histories(
+        return batch_lib.Batch.from_histories(
             **rows, prompt_len=self.prompt_len, length=self.config.max_len, pad_id=self.pad_id)
 
     def evaluate(self, params, task_dirs, key) -> list[Rollout]:

@@ -176,7 +176,9 @@ def test_quickstart_short_end_to_end_and_resume(tmp_path):
     assert [(e["stage"], e["domain"]) for e in evals] == \
         [(s, d) for s in ("sft", "rl") for d in domains]
     for e in evals:
-        assert set(e) == {"stage", "step", "split", "domain", "decoding", "pass_rate", "n"}
+        assert set(e) == {"stage", "step", "split", "domain", "decoding", "pass_rate", "n",
+                          "pass@1", "samples", "truncated", "finish"}
+        assert e["pass@1"] == e["pass_rate"] and e["samples"] == 1
         assert e["split"] == "heldout" and e["decoding"] == "greedy"
         assert e["n"] == config.eval.n and 0.0 <= e["pass_rate"] <= 1.0
         assert e["step"] == (config.sft.steps if e["stage"] == "sft" else config.steps)
@@ -210,3 +212,94 @@ def test_quickstart_short_end_to_end_and_resume(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert metrics.read_jsonl(os.path.join(workdir, "eval.jsonl")) == evals
     assert metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl")) == rows
+
+
+# --------------------------------------------------------------- load-time checks, evaluation
+
+
+def _jsonl_config(tmp_path, train, heldout, **changes):
+    c = closed_loop.defaults()
+    c.tasks.update(source="jsonl", domains=("code",), weights=(1.0,), train=(train,),
+                   heldout=(heldout,))
+    for key, value in changes.items():
+        section, name = key.split(".")
+        c[section][name] = value
+    return c
+
+
+def _task_file(path, prompts):
+    from ptrain import tasks
+    tasks.write_jsonl([tasks.Task(f"t{i}", "code", tasks.Answer("1"), prompt=p)
+                       for i, p in enumerate(prompts)], str(path))
+    return str(path)
+
+
+def test_task_files_are_checked_when_loaded_naming_the_key(tmp_path):
+    from ptrain import synthetic_tasks
+    tok = synthetic_tasks.WordTokenizer.for_tasks()
+    human_eval = tmp_path / "he.jsonl"
+    human_eval.write_text(json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n    \"\"\"One.\"\"\"\n",
+                                      "test": "def check(c): pass", "entry_point": "f"}) + "\n")
+    held = _task_file(tmp_path / "held.jsonl", ["code: 1 plus 1"])
+    with pytest.raises(ValueError, match=r"tasks.train\[0\]: .*set the file's format: "
+                                         r"tasks.train\[0\]=\(.*he.jsonl', 'humaneval'\)"):
+        closed_loop.make_tasks(_jsonl_config(tmp_path, str(human_eval), held), tok,
+                               str(tmp_path / "w"))
+    train, _ = closed_loop.make_tasks(
+        _jsonl_config(tmp_path, (str(human_eval), "humaneval"), held), tok, str(tmp_path / "w"))
+    assert train["code"][0].id == "HumanEval/0" and train["code"][0].domain == "code"
+    long = _task_file(tmp_path / "long.jsonl", ["code: 2 plus 2", "code: " + "1 plus " * 40])
+    with pytest.raises(ValueError, match=r"1 of 2 code prompts are longer than "
+                                         r"data.max_prompt_len=64 tokens \(the longest, 't1'"):
+        closed_loop.make_tasks(_jsonl_config(tmp_path, long, held), tok, str(tmp_path / "w"))
+
+
+def test_resolve_counts_added_tokens_and_stops_where_a_chat_turn_ends(hf_dir, tmp_path):
+    from ptrain import hf
+    base = hf_dir("qwen2.5-base")
+    tok = hf.load_tokenizer(base)
+    c = _jsonl_config(tmp_path, "t.jsonl", "h.jsonl", **{"rollout.chat_format": "qwen"})
+    c.hf_model = base
+    out = closed_loop.resolve(c, str(tmp_path), tok)
+    im_end, eos = tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id
+    assert out.sampling.stop_token_ids == (im_end, eos)  # a base model's eos is not the turn's
+    c.hf_model = ""
+    c.model.vocab_size = 0  # the tokenizer's: len(tokenizer), added tokens included
+    assert closed_loop.resolve(c, str(tmp_path), tok).model.vocab_size == len(tok) > \
+        tok.vocab_size
+    c.model.vocab_size = len(tok) - 3
+    with pytest.raises(ValueError, match=r"config.model.vocab_size.*at least"):
+        closed_loop.resolve(c, str(tmp_path), tok)
+
+
+def test_eval_summary_pass_at_k_and_truncated_turns():
+    from types import SimpleNamespace
+
+    from sandbox.terminal.evaluate import pass_at_k
+
+    def episode(passed, finish="answered"):
+        return SimpleNamespace(verdicts=[SimpleNamespace(passed=passed, reward=float(passed))],
+                               finish=finish)
+    # two tasks, four samples each: 1 of 4 and 3 of 4 passed; one answer cut short
+    episodes = [episode(p) for p in (False, True, False, False)] + \
+        [episode(True), episode(True), episode(False, "truncated"), episode(True)]
+    out = closed_loop.eval_summary(episodes, 4)
+    for k in (1, 2, 4):
+        assert out[f"pass@{k}"] == pytest.approx((pass_at_k(4, 1, k) + pass_at_k(4, 3, k)) / 2)
+    assert out["pass_rate"] == out["pass@1"] == 0.5
+    assert (out["n"], out["samples"], out["truncated"]) == (2, 4, 1 / 8)
+    assert out["finish"] == {"answered": 7, "truncated": 1}
+
+
+def test_evaluations_are_keyed_by_stage_and_step(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(closed_loop, "evaluate", lambda **k: calls.append(k["step"]) or [
+        {"stage": k["stage"], "step": k["step"], "domain": "code", "decoding": "greedy",
+         "pass_rate": 0.5, "n": 1, "truncated": 0.0}])
+    path = str(tmp_path / "eval.jsonl")
+    closed_loop._evaluate_once(path, "rl", 100)
+    closed_loop._evaluate_once(path, "rl", 100)  # resumed: nothing new
+    closed_loop._evaluate_once(path, "rl", 150)  # extended to more steps: its new last step
+    assert calls == [100, 150]
+    assert [(r["stage"], r["step"]) for r in metrics.read_jsonl(path)] == [("rl", 100),
+                                                                          ("rl", 150)]

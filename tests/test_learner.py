@@ -591,3 +591,30 @@ def test_config_keys_and_values_are_checked():
         with pytest.raises(ValueError, match=message):
             L.check_config(toy_config(**change))
     assert isinstance(L.defaults(), ml_collections.ConfigDict)
+
+
+def test_sft_errors_name_the_sft_keys(initial_params, tmp_path):
+    config = toy_config(**{"sft.steps": 1, "sft.batch_size": 2, "sft.max_prompt_len": 8,
+                           "sft.max_completion_len": 4})
+    with pytest.raises(ValueError, match=r"no sft: set sft.sources .* or sft.records_fn"):
+        L.sft(config, str(tmp_path / "none"), params=initial_params, mesh=one_device())
+    config.sft.records_fn = lambda seed: [{"prompt_ids": [1, 2], "completion_ids": [7] * 6}] * 2
+    with pytest.raises(ValueError, match=r"SFT step 1: .*6 tokens.*sft.max_completion_len=4"):
+        L.sft(config, str(tmp_path / "long"), params=initial_params, mesh=one_device())
+
+
+def test_log_probs_are_of_logits_over_the_sampling_temperature(initial_params):
+    """At T = 0.6 the learner's log-probs (old, for the ratio) are the sampler's behaviour
+    log-probs (logits / T), as verl and TRL define the policy; the T = 1 log-probs are not."""
+    config = toy_config(**{"sampling.temperature": 0.6, "rl.ppo_epochs": 2})
+    learner = _learner(config, initial_params)
+    records = grpo_toy.prompt_records(0)[:config.data.prompts_per_step]
+    params = learner.initial_params
+    episodes = learner.rollout(params, records, jax.random.key(1))
+    batch, metrics = learner.prepare(params, episodes)
+    assert float(metrics["rollout/logp_mismatch"]) < 1e-5
+    mask = np.asarray(batch["loss_mask_bn"])
+    t1 = step_lib.token_logprobs(learner.graphdef, params, batch,
+                             group_size=config.sampling.num_samples)[0]
+    gap = np.abs(np.asarray(t1) - np.asarray(batch["rollout_logp_bn"]))
+    assert (gap * mask).sum() / mask.sum() > 1e-2

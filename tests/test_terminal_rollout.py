@@ -120,8 +120,8 @@ def test_producer_rewards_episodes_by_the_tasks_tests(terminal, generated):
         assert np.all(episodes.rollout_logp_bn[i, :n][mask == 1] == -0.5)
     assert "No such file or directory" in tok.decode(
         episodes.tokens_bn[1, :episodes.lengths_b[1]].tolist())
-    from ptrain import learner as learner_lib
-    metrics = learner_lib.domain_metrics(episodes)
+    from ptrain import batch as batch_lib
+    metrics = batch_lib.domain_metrics(episodes)
     assert metrics["reward/terminal/mean"] == pytest.approx(np.mean(want))
     assert metrics["episode/terminal/tool_calls"] == 1.0
 
