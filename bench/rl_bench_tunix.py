@@ -2,7 +2,8 @@
 
 Loads the Qwen3 checkpoint rl_bench.py wrote, then measures Tunix's sampler (decode tokens/s)
 and Tunix's GRPO learner (seconds per RL step) on the workload given as JSON, and prints one
-JSON line with the results. Imports nothing of ptrain.
+JSON line with the results ("decode_only": the sampler alone, for bench/rollout_bench.py).
+Imports nothing of ptrain.
 """
 
 import json
@@ -78,6 +79,9 @@ def main():
         generate(r + 1)
         times.append(time.perf_counter() - start)
     out["decode_s"] = [float(np.min(times)), float(np.median(times))]
+    if work.get("decode_only"):  # bench/rollout_bench.py: the sampler alone
+        print(json.dumps(out))
+        return
 
     # ------------------------------------------------------------------ GRPO steps
     model, _ = load(work, mesh)

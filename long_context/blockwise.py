@@ -31,47 +31,47 @@ DEFAULT_BLOCK_K = 512
 _F32 = jnp.float32
 
 
-def blockwise_attention(q_bthd, k_bskd, v_bskd, *, causal=True, segment_ids=None,
+def blockwise_attention(q_bthe, k_bske, v_bske, *, causal=True, segment_ids=None,
                         positions=None, scale=None, block_q=DEFAULT_BLOCK_Q,
                         block_k=DEFAULT_BLOCK_K, kv_segment_ids=None, kv_positions=None):
-    """Softmax attention over [b, t, h, d] queries and [b, s, k, d] keys/values (h = k * g).
+    """Softmax attention over [b, t, h, e] queries and [b, s, k, e] keys/values (h = k * g).
 
     segment_ids / positions: [b, t] ints of the queries (0 = padding, see module doc);
     positions default to arange. kv_segment_ids / kv_positions: the same for the keys; they
     default to the query ones when s == t (self-attention) and to arange(s) / none otherwise
-    (e.g. prefill into a cache: pass both sides). scale: default d ** -0.5. Blocks are
+    (e.g. prefill into a cache: pass both sides). scale: default e ** -0.5. Blocks are
     clipped to the lengths, which are padded internally to multiples of the blocks.
-    Returns [b, t, h, d] in the dtype of q.
+    Returns [b, t, h, e] in the dtype of q.
     """
-    b, t, s, d = check_qkv(q_bthd, k_bskd, v_bskd)
+    b, t, s, e = check_qkv(q_bthe, k_bske, v_bske)
     tokens = check_tokens(b, t, s, positions, segment_ids, kv_positions, kv_segment_ids)
-    scale = d ** -0.5 if scale is None else float(scale)
-    *args, bq, bk = pad_to_blocks(q_bthd, k_bskd, v_bskd, *tokens, block_q, block_k)
+    scale = e ** -0.5 if scale is None else float(scale)
+    *args, bq, bk = pad_to_blocks(q_bthe, k_bske, v_bske, *tokens, block_q, block_k)
     return _flash(*args, bool(causal), scale, bq, bk)[:, :t]
 
 
 # ----------------------------------------------------------------------------- checks, padding
 
 
-def check_qkv(q_bthd, k_bskd, v_bskd):
-    """Validates shapes and dtypes; returns (b, t, s, d)."""
-    if q_bthd.ndim != 4 or k_bskd.ndim != 4 or v_bskd.ndim != 4:
+def check_qkv(q_bthe, k_bske, v_bske):
+    """Validates shapes and dtypes; returns (b, t, s, e)."""
+    if q_bthe.ndim != 4 or k_bske.ndim != 4 or v_bske.ndim != 4:
         raise ValueError(f"q, k, v must be [batch, time, heads, head_dim]; got shapes "
-                         f"{q_bthd.shape}, {k_bskd.shape}, {v_bskd.shape}")
-    if k_bskd.shape != v_bskd.shape:
-        raise ValueError(f"k and v must have the same shape; got {k_bskd.shape} and "
-                         f"{v_bskd.shape}")
-    b, t, h, d = q_bthd.shape
-    if k_bskd.shape[0] != b or k_bskd.shape[3] != d:
-        raise ValueError(f"k/v {k_bskd.shape} must match q {q_bthd.shape} in batch and "
+                         f"{q_bthe.shape}, {k_bske.shape}, {v_bske.shape}")
+    if k_bske.shape != v_bske.shape:
+        raise ValueError(f"k and v must have the same shape; got {k_bske.shape} and "
+                         f"{v_bske.shape}")
+    b, t, h, e = q_bthe.shape
+    if k_bske.shape[0] != b or k_bske.shape[3] != e:
+        raise ValueError(f"k/v {k_bske.shape} must match q {q_bthe.shape} in batch and "
                          f"head_dim")
-    if h % k_bskd.shape[2]:
+    if h % k_bske.shape[2]:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads "
-                         f"({k_bskd.shape[2]}) for grouped-query attention")
-    if not (q_bthd.dtype == k_bskd.dtype == v_bskd.dtype):
-        raise ValueError(f"q, k, v must share a dtype; got {q_bthd.dtype}, {k_bskd.dtype}, "
-                         f"{v_bskd.dtype}")
-    return b, t, k_bskd.shape[1], d
+                         f"({k_bske.shape[2]}) for grouped-query attention")
+    if not (q_bthe.dtype == k_bske.dtype == v_bske.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q_bthe.dtype}, {k_bske.dtype}, "
+                         f"{v_bske.dtype}")
+    return b, t, k_bske.shape[1], e
 
 
 def check_tokens(b, t, s, positions, segment_ids, kv_positions=None, kv_segment_ids=None):
@@ -126,30 +126,30 @@ def pad_to_blocks(q, k, v, q_pos, q_seg, kv_pos, kv_seg, block_q, block_k):
 
 # ----------------------------------------------------------------------------- block layouts
 # Head-major, so every block matmul is a plain batched matmul over (b, k) without copies:
-# Queries, outputs and their gradients:  [n_q, b, k, g, block_q, d]   (h = k * g)
-# Keys, values and their gradients:      [n_k, b, k, block_k, d]
+# Queries, outputs and their gradients:  [n_q, b, k, g, block_q, e]   (h = k * g)
+# Keys, values and their gradients:      [n_k, b, k, block_k, e]
 # Per-row softmax statistics (m, l, lse, delta): [n_q, b, k, g, block_q]
 
 
-def split_q(x_bthd, kv_heads, block):
-    b, t, h, d = x_bthd.shape
-    x = x_bthd.reshape(b, t // block, block, kv_heads, h // kv_heads, d)
+def split_q(x_bthe, kv_heads, block):
+    b, t, h, e = x_bthe.shape
+    x = x_bthe.reshape(b, t // block, block, kv_heads, h // kv_heads, e)
     return x.transpose(1, 0, 3, 4, 2, 5)
 
 
-def merge_q(x_nbkgqd):
-    n, b, k, g, bq, d = x_nbkgqd.shape
-    return x_nbkgqd.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * bq, k * g, d)
+def merge_q(x_nbkgqe):
+    n, b, k, g, bq, e = x_nbkgqe.shape
+    return x_nbkgqe.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * bq, k * g, e)
 
 
-def split_kv(x_btkd, block):
-    b, t, k, d = x_btkd.shape
-    return x_btkd.reshape(b, t // block, block, k, d).transpose(1, 0, 3, 2, 4)
+def split_kv(x_btke, block):
+    b, t, k, e = x_btke.shape
+    return x_btke.reshape(b, t // block, block, k, e).transpose(1, 0, 3, 2, 4)
 
 
-def merge_kv(x_nbksd):
-    n, b, k, bk, d = x_nbksd.shape
-    return x_nbksd.transpose(1, 0, 3, 2, 4).reshape(b, n * bk, k, d)
+def merge_kv(x_nbkse):
+    n, b, k, bk, e = x_nbkse.shape
+    return x_nbkse.transpose(1, 0, 3, 2, 4).reshape(b, n * bk, k, e)
 
 
 def split_tokens(x_bt, block):
@@ -225,14 +225,14 @@ def _maybe(live, compute, skip, operand):
 
 def init_state(q_blocks, axes):
     """Running (max, denominator, numerator) for every query row, in float32."""
-    n, b, k, g, bq, d = q_blocks.shape
+    n, b, k, g, bq, e = q_blocks.shape
     m = make_varying(jnp.full((n, b, k, g, bq), -jnp.inf, _F32), axes)
-    return m, _zeros((n, b, k, g, bq), _F32, axes), _zeros((n, b, k, g, bq, d), _F32, axes)
+    return m, _zeros((n, b, k, g, bq), _F32, axes), _zeros((n, b, k, g, bq, e), _F32, axes)
 
 
-def _forward_block(q_bkgqd, kt_bkds, v_bksd, mask, state, scale):
+def _forward_block(q_bkgqe, kt_bkes, v_bkse, mask, state, scale):
     m, l, acc = state
-    s = jnp.einsum("bkgqd,bkds->bkgqs", q_bkgqd, kt_bkds, preferred_element_type=_F32) * scale
+    s = jnp.einsum("bkgqe,bkes->bkgqs", q_bkgqe, kt_bkes, preferred_element_type=_F32) * scale
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -241,7 +241,7 @@ def _forward_block(q_bkgqd, kt_bkds, v_bksd, mask, state, scale):
     p = jnp.exp(s - m_safe[..., None])
     corr = jnp.exp(m - m_safe)
     l = l * corr + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v_bksd.dtype), v_bksd,
+    pv = jnp.einsum("bkgqs,bkse->bkgqe", p.astype(v_bkse.dtype), v_bkse,
                     preferred_element_type=_F32)
     return m_new, l, acc * corr[..., None] + pv
 
@@ -282,22 +282,22 @@ def finalize(state, dtype):
 
 def delta_rows(do_blocks, out_blocks):
     """rowsum(dO * O) in float32, the softmax-gradient correction term."""
-    return jnp.einsum("nbkgqd,nbkgqd->nbkgq", do_blocks, out_blocks, preferred_element_type=_F32)
+    return jnp.einsum("nbkgqe,nbkgqe->nbkgq", do_blocks, out_blocks, preferred_element_type=_F32)
 
 
 def _backward_block(q, qt, kt, k, v, do, dot, lse, delta, mask_t, scale):
     """Gradients of one block pair, computed transposed ([s, q] scores) so that every matmul
     takes its operands in their stored layout: no per-block transposes (kt, qt, dot are the
     transposed k, q, dO, made once per chunk or query block)."""
-    s_t = jnp.einsum("bksd,bkdgq->bksgq", k, qt, preferred_element_type=_F32) * scale
+    s_t = jnp.einsum("bkse,bkegq->bksgq", k, qt, preferred_element_type=_F32) * scale
     if mask_t is not None:
         s_t = jnp.where(mask_t, s_t, -jnp.inf)
     p_t = jnp.exp(s_t - lse[:, :, None])
-    dv = jnp.einsum("bksgq,bkgqd->bksd", p_t.astype(do.dtype), do, preferred_element_type=_F32)
-    dp_t = jnp.einsum("bksd,bkdgq->bksgq", v, dot, preferred_element_type=_F32)
+    dv = jnp.einsum("bksgq,bkgqe->bkse", p_t.astype(do.dtype), do, preferred_element_type=_F32)
+    dp_t = jnp.einsum("bkse,bkegq->bksgq", v, dot, preferred_element_type=_F32)
     ds_t = p_t * (dp_t - delta[:, :, None])
-    dk = jnp.einsum("bksgq,bkgqd->bksd", ds_t.astype(q.dtype), q, preferred_element_type=_F32)
-    dq_t = jnp.einsum("bkds,bksgq->bkdgq", kt, ds_t.astype(kt.dtype),
+    dk = jnp.einsum("bksgq,bkgqe->bkse", ds_t.astype(q.dtype), q, preferred_element_type=_F32)
+    dq_t = jnp.einsum("bkes,bksgq->bkegq", kt, ds_t.astype(kt.dtype),
                       preferred_element_type=_F32)
     return dq_t * scale, dk * scale, dv
 

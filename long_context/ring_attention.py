@@ -33,22 +33,22 @@ _HEAD_AXES = ("tensor",)
 _F32 = jnp.float32
 
 
-def ring_attention(q_bthd, k_btkd, v_btkd, *, mesh, axis="sequence", causal=True,
+def ring_attention(q_bthe, k_btke, v_btke, *, mesh, axis="sequence", causal=True,
                    segment_ids=None, positions=None, scale=None, block_q=DEFAULT_BLOCK_Q,
                    block_k=DEFAULT_BLOCK_K, batch_axes=None, head_axes=None):
-    """Attention over global [b, t, h, d] / [b, t, k, d] arrays, time sharded over `axis`.
+    """Attention over global [b, t, h, e] / [b, t, k, e] arrays, time sharded over `axis`.
 
     positions: [b, t] true token positions for the causal rule; default arange, i.e. the
     contiguous layout. For zigzag/striped, pass the reordered positions
     (`layout_permutation`). segment_ids: [b, t], 0 = padding. batch_axes / head_axes: mesh
     axes sharding the batch and the heads; None infers those of ("data", "fsdp") and
     ("tensor",) present in the mesh; () means replicated. Inputs are resharded to these specs
-    if they are not already. Returns [b, t, h, d] sharded like q.
+    if they are not already. Returns [b, t, h, e] sharded like q.
     """
-    b, t, s, _ = bw.check_qkv(q_bthd, k_btkd, v_btkd)
+    b, t, s, _ = bw.check_qkv(q_bthe, k_btke, v_btke)
     _check_self_attention(t, s)
     positions, segment_ids, _, _ = bw.check_tokens(b, t, t, positions, segment_ids)
-    h = q_bthd.shape[2]
+    h = q_bthe.shape[2]
     if axis not in mesh.axis_names:
         raise ValueError(f"axis {axis!r} is not a mesh axis; the mesh has {mesh.axis_names}")
     n = mesh.shape[axis]
@@ -58,12 +58,12 @@ def ring_attention(q_bthd, k_btkd, v_btkd, *, mesh, axis="sequence", causal=True
     head_axes = _mesh_axes(mesh, head_axes, _HEAD_AXES, axis, "head_axes")
     _check_divisible(mesh, batch_axes, b, "batch", "batch_axes")
     _check_divisible(mesh, head_axes, h, "query heads", "head_axes")
-    _check_divisible(mesh, head_axes, k_btkd.shape[2], "kv heads (repeat them up to a "
+    _check_divisible(mesh, head_axes, k_btke.shape[2], "kv heads (repeat them up to a "
                      "multiple of the head axes first)", "head_axes")
 
     batch, heads = batch_axes or None, head_axes or None
     spec_x, spec_t = P(batch, axis, heads, None), P(batch, axis)
-    args = [q_bthd, k_btkd, v_btkd, positions]
+    args = [q_bthe, k_btke, v_btke, positions]
     specs = [spec_x, spec_x, spec_x, spec_t]
     if segment_ids is not None:
         args.append(segment_ids)
@@ -78,7 +78,7 @@ def ring_attention(q_bthd, k_btkd, v_btkd, *, mesh, axis="sequence", causal=True
     return jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=spec_x)(*args)
 
 
-def ring_attention_shard(q_bthd, k_btkd, v_btkd, *, axis="sequence", causal=True,
+def ring_attention_shard(q_bthe, k_btke, v_btke, *, axis="sequence", causal=True,
                          segment_ids=None, positions=None, scale=None,
                          block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
     """Per-shard ring attention: call inside a shard_map that is manual over `axis`.
@@ -86,7 +86,7 @@ def ring_attention_shard(q_bthd, k_btkd, v_btkd, *, axis="sequence", causal=True
     Arguments are the local shards ([b, t_local, ...]). positions default to the contiguous
     layout (axis_index * t_local + arange); pass them for any other layout.
     """
-    b, t, s, d = bw.check_qkv(q_bthd, k_btkd, v_btkd)
+    b, t, s, e = bw.check_qkv(q_bthe, k_btke, v_btke)
     _check_self_attention(t, s)
     if not isinstance(axis, str):
         raise ValueError(f"axis must be one mesh axis name; got {axis!r}")
@@ -94,8 +94,8 @@ def ring_attention_shard(q_bthd, k_btkd, v_btkd, *, axis="sequence", causal=True
         start = lax.axis_index(axis).astype(jnp.int32) * t
         positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
     tokens = bw.check_tokens(b, t, t, positions, segment_ids)
-    scale = d ** -0.5 if scale is None else float(scale)
-    *args, bq, bk = bw.pad_to_blocks(q_bthd, k_btkd, v_btkd, *tokens, block_q, block_k)
+    scale = e ** -0.5 if scale is None else float(scale)
+    *args, bq, bk = bw.pad_to_blocks(q_bthe, k_btke, v_btke, *tokens, block_q, block_k)
     return _ring(*args, axis, bool(causal), scale, bq, bk)[:, :t]
 
 

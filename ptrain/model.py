@@ -149,14 +149,16 @@ class KVCache:
 
     Slots are filled left to right from `index`. `segment_ids_bs` is 0 for empty (or padding)
     slots, which attention masks out; `positions_bs` holds each slot's RoPE position, so left
-    padding and packed documents need no special cases.
+    padding and packed documents need no special cases. `index` is a scalar (every row
+    writes at the same slot) or int32 [b], one write position per row (the rollout engine's
+    decode slots, each at its own length); per-row writes past `max_len` are dropped.
     """
 
     k_lbske: jax.Array
     v_lbske: jax.Array
     positions_bs: jax.Array
     segment_ids_bs: jax.Array
-    index: jax.Array  # int32 scalar: the next slot to write
+    index: jax.Array  # int32 scalar or [b]: the next slot to write
 
     @property
     def max_len(self) -> int:
@@ -276,7 +278,8 @@ class Transformer(nnx.Module):
         b, t = tokens_bt.shape
         start = jnp.zeros((), jnp.int32) if cache is None else cache.index
         if positions_bt is None:
-            positions_bt = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+            first = start[:, None] if jnp.ndim(start) == 1 else start
+            positions_bt = jnp.broadcast_to(first + jnp.arange(t, dtype=jnp.int32), (b, t))
         if segment_ids_bt is None:
             segment_ids_bt = jnp.ones((b, t), jnp.int32)
         positions_bt = positions_bt.astype(jnp.int32)
@@ -300,9 +303,8 @@ class Transformer(nnx.Module):
         if cache is None:
             kw = dict(kv_pos_bs=positions_bt, kv_seg_bs=segment_ids_bt)
         else:
-            kv_pos_bs = jax.lax.dynamic_update_slice(cache.positions_bs, positions_bt, (0, start))
-            kv_seg_bs = jax.lax.dynamic_update_slice(
-                cache.segment_ids_bs, segment_ids_bt, (0, start))
+            kv_pos_bs = write_rows(cache.positions_bs, positions_bt, start)
+            kv_seg_bs = write_rows(cache.segment_ids_bs, segment_ids_bt, start)
             kw = dict(kv_pos_bs=kv_pos_bs, kv_seg_bs=kv_seg_bs)
             k_lbske, v_lbske = cache.k_lbske, cache.v_lbske
             k_parts, v_parts = [], []
@@ -412,16 +414,12 @@ def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_p
     else:
         k_cache, v_cache, l = kv
         if l is None:  # this layer's cache [b, s, k, e]
-            k_bske = jax.lax.dynamic_update_slice(k_cache, k_btke.astype(k_cache.dtype),
-                                                  (0, start, 0, 0))
-            v_bske = jax.lax.dynamic_update_slice(v_cache, v_btke.astype(v_cache.dtype),
-                                                  (0, start, 0, 0))
+            k_bske = write_rows(k_cache, k_btke.astype(k_cache.dtype), start)
+            v_bske = write_rows(v_cache, v_btke.astype(v_cache.dtype), start)
             kv = (k_bske, v_bske, None)
         else:  # every layer's cache [l, b, s, k, e], written in place at (l, :, start)
-            k_cache = jax.lax.dynamic_update_slice(k_cache, k_btke.astype(k_cache.dtype)[None],
-                                                   (l, 0, start, 0, 0))
-            v_cache = jax.lax.dynamic_update_slice(v_cache, v_btke.astype(v_cache.dtype)[None],
-                                                   (l, 0, start, 0, 0))
+            k_cache = write_rows(k_cache, k_btke.astype(k_cache.dtype), start, layer=l)
+            v_cache = write_rows(v_cache, v_btke.astype(v_cache.dtype), start, layer=l)
             k_bske, v_bske = k_cache[l], v_cache[l]
             kv = (k_cache, v_cache, l)
     o_bthe = attention.attend(
@@ -446,6 +444,23 @@ def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_p
         mlp_btd = jnp.einsum("btf,fd->btd", act_btf, w["w_down"])
     x_btd = x_btd + mlp_btd
     return sharding.constrain(x_btd, ("batch", "seq", None), mesh), kv, stats
+
+
+def write_rows(buf, x_bt, start, *, layer=None):
+    """`buf` ([b, s, ...], or [l, b, s, ...] with `layer`) with x [b, t, ...] written at slot
+    `start` of each row: one slice for a scalar start, a scatter for per-row starts [b]
+    (writes past the end are dropped, never clamped onto earlier slots)."""
+    if jnp.ndim(start) == 0:
+        if layer is None:
+            return jax.lax.dynamic_update_slice(buf, x_bt, (0, start) + (0,) * (buf.ndim - 2))
+        return jax.lax.dynamic_update_slice(buf, x_bt[None],
+                                            (layer, 0, start) + (0,) * (buf.ndim - 3))
+    b, t = x_bt.shape[:2]
+    rows_b1 = jnp.arange(b)[:, None]
+    slots_bt = start[:, None] + jnp.arange(t)
+    if layer is None:
+        return buf.at[rows_b1, slots_bt].set(x_bt, mode="drop")
+    return buf.at[layer, rows_b1, slots_bt].set(x_bt, mode="drop")
 
 
 def rms_norm(x, weight, eps: float):

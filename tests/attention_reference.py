@@ -10,19 +10,19 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def dense_attention(q_bthd, k_bskd, v_bskd, *, causal, segment_ids=None, positions=None,
+def dense_attention(q_bthe, k_bske, v_bske, *, causal, segment_ids=None, positions=None,
                     kv_segment_ids=None, kv_positions=None):
-    """softmax(q k^T / sqrt(d) + mask) v; rows with nothing visible give zeros.
+    """softmax(q k^T / sqrt(e) + mask) v; rows with nothing visible give zeros.
 
     Key-side positions / segment ids default to the query-side ones.
     """
-    b, t, h, d = q_bthd.shape
-    s_len = k_bskd.shape[1]
-    group = h // k_bskd.shape[2]
-    k = jnp.repeat(k_bskd, group, axis=2).astype(jnp.float32)
-    v = jnp.repeat(v_bskd, group, axis=2).astype(jnp.float32)
-    q = q_bthd.astype(jnp.float32)
-    s = jnp.einsum("bqhd,bshd->bhqs", q, k, precision="highest") / np.sqrt(d)
+    b, t, h, e = q_bthe.shape
+    s_len = k_bske.shape[1]
+    group = h // k_bske.shape[2]
+    k = jnp.repeat(k_bske, group, axis=2).astype(jnp.float32)
+    v = jnp.repeat(v_bske, group, axis=2).astype(jnp.float32)
+    q = q_bthe.astype(jnp.float32)
+    s = jnp.einsum("bqhd,bshd->bhqs", q, k, precision="highest") / np.sqrt(e)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     kv_positions = positions if kv_positions is None else kv_positions
@@ -39,13 +39,13 @@ def dense_attention(q_bthd, k_bskd, v_bskd, *, causal, segment_ids=None, positio
     return jnp.einsum("bhqs,bshd->bqhd", p, v, precision="highest")
 
 
-def qkv(b, t, h, kv_heads, d, dtype=jnp.float32, seed=0):
+def qkv(b, t, h, kv_heads, e, dtype=jnp.float32, seed=0):
     """Random q, k, v and an output cotangent w (so gradients are not all alike)."""
     kq, kk, kv, kw = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(kq, (b, t, h, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (b, t, kv_heads, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (b, t, kv_heads, d), jnp.float32).astype(dtype)
-    w = jax.random.normal(kw, (b, t, h, d), jnp.float32).astype(dtype)
+    q = jax.random.normal(kq, (b, t, h, e), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (b, t, kv_heads, e), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (b, t, kv_heads, e), jnp.float32).astype(dtype)
+    w = jax.random.normal(kw, (b, t, h, e), jnp.float32).astype(dtype)
     return q, k, v, w
 
 

@@ -1,0 +1,508 @@
+"""The rollout engine: continuous batching over decode slots, multi-turn without re-prefill.
+
+engine = Engine(model, slots=16, max_len=1024, max_new_tokens=256, temperature=1.0,
+                stop_token_ids=(eos,))
+engine.warm_up()                      # compiles every program a run can use, once
+trajs = engine.generate(params, [Request(prompt_ids, key, num_samples=8), ...])
+
+A request is a prompt and a PRNG key; its `num_samples` sequences share one prefill (the
+prompt runs once, its cache rows are copied into G slots). Each sequence holds a slot
+(ptrain/kv_slots.py) from its prefill until it ends; the slots decode together on the
+device, and when one finishes the host takes its tokens and gives the slot to the next
+waiting request at once, without waiting for the others. Decoding runs on a bucket of the
+live rows only (powers of two up to `slots`), so a long tail decodes one row, not N.
+
+Multi-turn: `on_turn(traj)` is called after each model turn, in a thread (a tool call can
+take as long as it likes); it returns the observation's token ids, or None to end the
+sequence. The observation is appended to the sequence's own cache (a prefill of just those
+tokens, never of the history) and the sequence decodes its next turn. While one sequence
+waits on its tool, the others decode; the time the device had nothing to do but wait on
+tools is reported.
+
+Stop strings are checked on the host every `stop_check_every` tokens, on the text of the
+tokens since the last check (and a few before), never the whole completion; a sequence that
+went past one is truncated on the device.
+
+Weights: `generate` takes the learner's parameters as they are; with `decode_dtype=
+"bfloat16"` (and a mesh) the engine keeps its own copy, cast and resharded for decoding
+(heads over `tensor`, no FSDP gathers per token), refreshed by `sync_weights(params)` after
+each update; the sync's time is in `metrics()`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ptrain import kv_slots
+from ptrain import model as model_lib
+from ptrain import sharding
+
+FINISH = {kv_slots.STOP: "stop", kv_slots.LENGTH: "length"}  # and "max_len": the cache is full
+
+
+@dataclasses.dataclass
+class Request:
+    """A prompt to continue `num_samples` times. `key`: a typed PRNG key (or an int seed);
+    sample g uses fold_in(key, g), so its tokens depend on nothing else."""
+
+    prompt: Sequence[int]
+    key: object = 0
+    num_samples: int = 1
+    max_new_tokens: int | None = None  # per turn; None: the engine's
+    on_turn: Callable | None = None  # (Trajectory) -> observation ids | None (end)
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One sequence: the prompt, each model turn (mask 1) and each observation (mask 0).
+    `logp_t1` is the plain model's log-prob of each token, `logp` the sampled-from one
+    (0 on prompt and observation tokens)."""
+
+    request: int
+    sample: int
+    prompt_len: int
+    tokens: list = dataclasses.field(default_factory=list)
+    mask: list = dataclasses.field(default_factory=list)
+    logp: list = dataclasses.field(default_factory=list)
+    logp_t1: list = dataclasses.field(default_factory=list)
+    turns: list = dataclasses.field(default_factory=list)  # each turn's token ids
+    finish_reasons: list = dataclasses.field(default_factory=list)  # per turn
+    tool_wait_s: float = 0.0
+
+    def completion(self, turn: int = -1) -> list[int]:
+        return self.turns[turn]
+
+
+def buckets(top: int, bottom: int = 1) -> tuple[int, ...]:
+    """Powers of two from `bottom` up to and including `top` (which need not be one)."""
+    out, b = [], bottom
+    while b < top:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (top,)
+
+
+def _bucket(x: int, sizes: Sequence[int]) -> int:
+    for s in sizes:
+        if x <= s:
+            return s
+    raise ValueError(f"{x} is larger than the largest bucket {sizes[-1]}")
+
+
+class Engine:
+    """Continuous-batching sampler for one model (see the module docstring).
+
+    slots: decode slots (rows of the KV cache). max_len: cache positions per slot, the most
+      tokens a sequence can hold (prompt, turns and observations). max_new_tokens: per turn.
+    prefill_rows: the most prompts (or observations) prefilled in one call.
+    token_buckets: the lengths prompts and observations are padded to (default: powers of
+      two from 16 up to max_len).
+    """
+
+    def __init__(self, model: model_lib.Transformer, *, slots: int, max_len: int,
+                 max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, greedy: bool = False, stop_token_ids: Sequence[int] = (),
+                 stop_strings: Sequence[str] = (), decode: Callable | None = None,
+                 stop_check_every: int = 16, pad_id: int = 0, prefill_rows: int = 8,
+                 token_buckets: Sequence[int] | None = None, decode_dtype: str | None = None,
+                 mesh=None, tool_threads: int = 16, sync_every: int = 32):
+        c = model.config
+        checks = [
+            (slots >= 1 and max_new_tokens >= 1, "slots and max_new_tokens must be >= 1"),
+            (max_len > max_new_tokens, f"max_len ({max_len}) must exceed max_new_tokens "
+                                       f"({max_new_tokens}): it holds the prompt as well"),
+            (greedy or temperature > 0, f"temperature must be > 0 (or greedy), got {temperature}"),
+            (not stop_strings or decode is not None,
+             "stop_strings need decode= (a tokenizer's decode)"),
+            (all(0 <= t < c.vocab_size for t in stop_token_ids),
+             f"stop_token_ids must be in [0, {c.vocab_size})"),
+            (decode_dtype in (None, "float32", "bfloat16"),
+             f"decode_dtype must be None, float32 or bfloat16, got {decode_dtype!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"Engine: {message}")
+        self.config, self.slots, self.max_len = c, int(slots), int(max_len)
+        self.max_new_tokens, self.prefill_rows = int(max_new_tokens), int(prefill_rows)
+        self.settings = kv_slots.Settings(float(temperature), int(top_k), float(top_p),
+                                          bool(greedy), tuple(int(t) for t in stop_token_ids),
+                                          int(pad_id))
+        self.stop_strings, self.decode_text = tuple(stop_strings), decode
+        self.stop_check_every, self.sync_every = int(stop_check_every), int(sync_every)
+        self.token_buckets = tuple(token_buckets or buckets(self.max_len, 16))
+        self.row_buckets = buckets(self.slots)
+        self.prefill_buckets = buckets(min(self.prefill_rows, self.slots))
+        self.decode_dtype, self.mesh = decode_dtype, mesh
+        dc = c if decode_dtype is None else c.replace(dtype=decode_dtype, param_dtype=decode_dtype)
+        # Activation constraints off: rows come in buckets that need not divide the mesh.
+        self.graphdef = nnx.graphdef(nnx.eval_shape(
+            lambda: model_lib.Transformer(dc, rngs=nnx.Rngs(0), mesh=None)))
+        self.params = None  # the decode copy (decode_dtype set) after sync_weights
+        self.state = kv_slots.init_state(c if decode_dtype is None else dc, self.slots,
+                                         self.max_len, self.max_new_tokens)
+        self.threads = concurrent.futures.ThreadPoolExecutor(max_workers=tool_threads)
+        self._metrics = collections.Counter()
+        self._queue_max = collections.Counter()
+        self._last_queues = {}
+
+    # ------------------------------------------------------------------ weights
+
+    def sync_weights(self, params) -> float:
+        """Refreshes the decode copy from the learner's parameters; returns its seconds."""
+        start = time.perf_counter()
+        params = nnx.state(params) if isinstance(params, nnx.Module) else params
+        dtype = jnp.dtype(self.decode_dtype or "float32")
+        cast = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                            else x, params)
+        if self.mesh is not None:
+            cast = jax.device_put(cast, decode_shardings(cast, self.mesh))
+        self.params = jax.block_until_ready(cast)
+        seconds = time.perf_counter() - start
+        self._metrics["weight_sync_s"] += seconds
+        self._metrics["weight_syncs"] += 1
+        return seconds
+
+    def _params(self, params):
+        if self.decode_dtype is not None:
+            if params is not None:
+                raise ValueError("Engine: with decode_dtype the engine decodes its own copy; "
+                                 "call sync_weights(params) after each update, not generate(params)")
+            if self.params is None:
+                raise ValueError("Engine: call sync_weights(params) before generate")
+            return self.params
+        if params is None:
+            raise ValueError("Engine: generate needs the parameters")
+        return nnx.state(params) if isinstance(params, nnx.Module) else params
+
+    # ------------------------------------------------------------------ compilation
+
+    def warm_up(self, params=None) -> int:
+        """Runs every program at every shape a run can use, on rows that do not exist (so the
+        state is unchanged); returns the number of compilations it caused."""
+        params = self._params(params)
+        before = sum(kv_slots.TRACES.values())
+        n = self.slots
+        for r in self.prefill_buckets:
+            for t in self.token_buckets:
+                self._extend(params, np.full(r, n), np.zeros((r, t), np.int32), np.ones(r),
+                             np.zeros(r, bool), np.zeros(r), np.zeros((r, 2), np.uint32))
+        for b in self.row_buckets:
+            self._fork(np.full(b, n), np.full(b, n), np.zeros((b, 2), np.uint32))
+            self._decode(params, np.full(b, n), 1)
+        self._truncate({})
+        jax.block_until_ready(self.state)
+        return sum(kv_slots.TRACES.values()) - before
+
+    def _extend(self, params, rows, tokens, lengths, reset, limit, keys):
+        self.state = kv_slots.extend(
+            params, self.state, jnp.asarray(rows, jnp.int32), jnp.asarray(tokens, jnp.int32),
+            jnp.asarray(lengths, jnp.int32), jnp.asarray(reset, bool),
+            jnp.asarray(limit, jnp.int32), jnp.asarray(keys, jnp.uint32), graphdef=self.graphdef)
+
+    def _fork(self, src, dst, keys):
+        self.state = kv_slots.fork(self.state, jnp.asarray(src, jnp.int32),
+                                   jnp.asarray(dst, jnp.int32), jnp.asarray(keys, jnp.uint32))
+
+    def _decode(self, params, rows, max_steps):
+        self.state, steps, busy = kv_slots.decode(
+            params, self.state, jnp.asarray(rows, jnp.int32), jnp.int32(max_steps),
+            graphdef=self.graphdef, settings=self.settings)
+        return steps, busy
+
+    def _truncate(self, cuts):
+        """cuts: row -> (length, gen, count)."""
+        n = self.slots
+        arr = np.full((4, n), 0, np.int32)
+        arr[0] = n
+        for i, (row, values) in enumerate(cuts.items()):
+            arr[:, i] = (row,) + tuple(values)
+        self.state = kv_slots.truncate(self.state, *(jnp.asarray(a) for a in arr))
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, params, requests: Sequence[Request]) -> list[Trajectory]:
+        """Runs every request to the end; trajectories come back request-major (request i's
+        samples at i*G ... in order)."""
+        params = self._params(params)
+        run = _Run(self, params, requests)
+        return run.loop()
+
+    def metrics(self) -> dict:
+        """Totals since the engine was made, and rates from them."""
+        m = dict(self._metrics)
+        if m.get("decode_s"):
+            m["tokens_per_s"] = m["tokens"] / m["decode_s"]
+        if m.get("decode_steps"):
+            m["slot_occupancy"] = m["busy_row_steps"] / (m["decode_steps"] * self.slots)
+            m["bucket_occupancy"] = m["busy_row_steps"] / m["bucket_row_steps"]
+        for name in self._last_queues:
+            if m.get("rounds"):
+                m[f"queue_{name}_mean"] = m.pop(f"queue_{name}_sum", 0) / m["rounds"]
+            m[f"queue_{name}_max"] = self._queue_max[name]
+        return m
+
+    def reset_metrics(self) -> None:
+        self._metrics.clear()
+        self._queue_max.clear()
+
+    def queues(self) -> dict:
+        """Queue lengths at the last scheduling round: sequences waiting for a slot, live
+        (decoding) and on tools."""
+        return dict(self._last_queues)
+
+
+def decode_shardings(params, mesh):
+    """Shardings for decoding: like the model's, but the model dim whole on every device
+    (heads, MLP and vocab over `tensor`), so a decode step gathers no weights."""
+    def one(var):
+        axes = tuple(None if a == "embed" else a for a in var.get_metadata()["axes"])
+        return var.replace(sharding.named(mesh, axes, var.shape))
+    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _key_data(key) -> np.ndarray:
+    if isinstance(key, (int, np.integer)):
+        key = jax.random.key(int(key))
+    return np.asarray(jax.random.key_data(key), np.uint32)
+
+
+class _Run:
+    """One `generate` call: the host-side scheduler."""
+
+    def __init__(self, engine: Engine, params, requests):
+        self.e, self.params = engine, params
+        self.trajs, self.waiting = [], collections.deque()
+        for i, req in enumerate(requests):
+            prompt = [int(t) for t in req.prompt]
+            if not prompt:
+                raise ValueError(f"Engine: request {i} has an empty prompt")
+            if min(prompt) < 0 or max(prompt) >= engine.config.vocab_size:
+                raise ValueError(f"Engine: request {i} has token ids outside [0, vocab_size)")
+            if len(prompt) >= engine.max_len or len(prompt) > engine.token_buckets[-1]:
+                raise ValueError(f"Engine: request {i}'s prompt ({len(prompt)} tokens) leaves no "
+                                 f"room in max_len={engine.max_len}")
+            if not 1 <= req.num_samples <= engine.slots:
+                raise ValueError(f"Engine: num_samples must be in [1, slots={engine.slots}]")
+            key = _key_data(req.key)
+            group = []
+            for g in range(req.num_samples):
+                t = Trajectory(request=i, sample=g, prompt_len=len(prompt), tokens=list(prompt),
+                               mask=[0] * len(prompt), logp=[0.0] * len(prompt),
+                               logp_t1=[0.0] * len(prompt))
+                group.append((t, np.asarray(jax.random.key_data(jax.random.fold_in(
+                    jax.random.wrap_key_data(key), g)), np.uint32)))
+                self.trajs.append(t)
+            self.waiting.append((req, group))
+        self.free = list(range(engine.slots))[::-1]
+        self.row_of = {}  # id(traj) -> row
+        self.live = {}  # row -> (traj, request, turn start: (gen, count 0), checked)
+        self.tools = {}  # future -> (row, traj, request, submitted at)
+        self.ready = []  # (row, traj, request, observation ids)
+
+    def loop(self):
+        e = self.e
+        while self.waiting or self.live or self.tools or self.ready:
+            self._admit()
+            self._collect_tools(block=not self.live and not self.ready)
+            self._append_observations()
+            e._last_queues = dict(waiting=sum(len(g) for _, g in self.waiting),
+                                  live=len(self.live), on_tools=len(self.tools))
+            e._metrics["rounds"] += 1
+            for name, value in e._last_queues.items():
+                e._metrics[f"queue_{name}_sum"] += value
+                e._queue_max[name] = max(e._queue_max[name], value)
+            if self.live:
+                self._decode_round()
+        e._last_queues = dict(waiting=0, live=0, on_tools=0)
+        return self.trajs
+
+    # -- admission: a waiting request's prefill goes into free slots as soon as there are G
+    def _admit(self):
+        e = self.e
+        batch = []  # (req, group, rows)
+        while self.waiting and len(self.waiting[0][1]) <= len(self.free):
+            req, group = self.waiting.popleft()
+            rows = [self.free.pop() for _ in group]
+            batch.append((req, group, rows))
+        by_len = collections.defaultdict(list)
+        for item in batch:
+            by_len[_bucket(len(item[0].prompt), e.token_buckets)].append(item)
+        forks = []
+        for t, items in sorted(by_len.items()):
+            for start in range(0, len(items), e.prefill_buckets[-1]):
+                chunk = items[start:start + e.prefill_buckets[-1]]
+                r = _bucket(len(chunk), e.prefill_buckets)
+                rows, tokens = np.full(r, e.slots), np.zeros((r, t), np.int32)
+                lengths, limits = np.ones(r), np.zeros(r)
+                keys = np.zeros((r, 2), np.uint32)
+                for i, (req, group, slot_rows) in enumerate(chunk):
+                    rows[i], lengths[i] = slot_rows[0], len(req.prompt)
+                    tokens[i, :len(req.prompt)] = req.prompt
+                    limits[i] = self._limit(req, len(req.prompt))
+                    keys[i] = group[0][1]
+                    for (traj, key), row in zip(group[1:], slot_rows[1:]):
+                        forks.append((slot_rows[0], row, key))
+                e._extend(self.params, rows, tokens, lengths, np.ones(r, bool), limits, keys)
+                e._metrics["prefill_tokens"] += int(sum(len(c[0].prompt) for c in chunk))
+                e._metrics["prefill_calls"] += 1
+        for start in range(0, len(forks), e.slots):
+            chunk = forks[start:start + e.slots]
+            c = _bucket(len(chunk), e.row_buckets)
+            src, dst = np.full(c, e.slots), np.full(c, e.slots)
+            keys = np.zeros((c, 2), np.uint32)
+            for i, (s, d, k) in enumerate(chunk):
+                src[i], dst[i], keys[i] = s, d, k
+            e._fork(src, dst, keys)
+        for req, group, rows in batch:
+            for (traj, _), row in zip(group, rows):
+                self.row_of[id(traj)] = row
+                self.live[row] = [traj, req, 0]  # checked: tokens of this turn stop-checked
+
+    def _limit(self, req, length):
+        turn = req.max_new_tokens or self.e.max_new_tokens
+        return max(0, min(turn, self.e.max_new_tokens, self.e.max_len - length))
+
+    # -- decoding: the live rows, in the smallest bucket that holds them
+    def _decode_round(self):
+        e = self.e
+        rows = sorted(self.live)
+        b = _bucket(len(rows), e.row_buckets)
+        rows_b = np.full(b, e.slots)
+        rows_b[:len(rows)] = rows
+        if e.stop_strings:
+            max_steps = e.stop_check_every
+        elif self.tools:
+            max_steps = e.sync_every  # come back soon for the observations
+        else:
+            max_steps = e.max_new_tokens
+        start = time.perf_counter()
+        steps, busy = e._decode(self.params, rows_b, max_steps)
+        s = e.state
+        live, count, reason, index, gen, tokens, logp, logp_t1, steps, busy = jax.device_get(
+            (s["live_n"], s["count_n"], s["reason_n"], s["cache"].index, s["gen_n"],
+             s["tokens_nm"], s["logp_nm"], s["logp_t1_nm"], steps, busy))
+        e._metrics["decode_s"] += time.perf_counter() - start
+        e._metrics["decode_calls"] += 1
+        e._metrics["decode_steps"] += int(steps)
+        e._metrics["busy_row_steps"] += int(busy)
+        e._metrics["bucket_row_steps"] += int(steps) * b
+        e._metrics["tokens"] += int(busy)
+        cuts, ended = {}, []
+        for row in rows:
+            traj, req, checked = self.live[row]
+            n = int(count[row])
+            if e.stop_strings and n > checked:
+                end = _stop_string_end(e.decode_text, tokens[row, :n].tolist(), checked,
+                                       e.stop_strings)
+                self.live[row][2] = n
+                if end is not None:
+                    if live[row] or end < n:
+                        cuts[row] = (int(index[row]) - (n - end), int(gen[row]) - (n - end), end)
+                    ended.append((row, end, "stop"))
+                    continue
+            if not live[row]:
+                ended.append((row, n, FINISH[int(reason[row])]))
+        if cuts:
+            e._truncate(cuts)
+        for row, n, why in ended:
+            traj, req, _ = self.live.pop(row)
+            traj.tokens += tokens[row, :n].tolist()
+            traj.mask += [1] * n
+            traj.logp += logp[row, :n].tolist()
+            traj.logp_t1 += logp_t1[row, :n].tolist()
+            traj.turns.append(tokens[row, :n].tolist())
+            if why == "length" and len(traj.tokens) >= e.max_len:
+                why = "max_len"
+            traj.finish_reasons.append(why)
+            if req.on_turn is None or len(traj.tokens) >= e.max_len:
+                self._release(traj)
+            else:
+                future = e.threads.submit(req.on_turn, traj)
+                self.tools[future] = (row, traj, req, time.perf_counter())
+
+    def _release(self, traj):
+        self.free.append(self.row_of.pop(id(traj)))
+
+    # -- tools: observations come back in any order; each is appended to its own slot
+    def _collect_tools(self, block: bool):
+        if not self.tools:
+            return
+        start = time.perf_counter()
+        if block:
+            done, _ = concurrent.futures.wait(self.tools,
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            self.e._metrics["tool_wait_s"] += time.perf_counter() - start
+        else:
+            done = [f for f in self.tools if f.done()]
+        for future in done:
+            row, traj, req, submitted = self.tools.pop(future)
+            traj.tool_wait_s += time.perf_counter() - submitted
+            ids = future.result()
+            if ids is None:
+                self._release(traj)
+                continue
+            ids = [int(t) for t in ids]
+            if not ids:
+                raise ValueError("Engine: on_turn returned no tokens; return None to end")
+            room = self.e.max_len - len(traj.tokens)
+            if len(ids) + 1 > room or len(ids) > self.e.token_buckets[-1]:
+                # no room for the model to answer after it: recorded, not run
+                ids = ids[:max(0, room)]
+                traj.tokens += ids
+                traj.mask += [0] * len(ids)
+                traj.logp += [0.0] * len(ids)
+                traj.logp_t1 += [0.0] * len(ids)
+                traj.finish_reasons.append("max_len")
+                self._release(traj)
+                continue
+            self.ready.append((row, traj, req, ids))
+
+    def _append_observations(self):
+        e = self.e
+        by_len = collections.defaultdict(list)
+        for item in self.ready:
+            by_len[_bucket(len(item[3]), e.token_buckets)].append(item)
+        self.ready = []
+        for t, items in sorted(by_len.items()):
+            for start in range(0, len(items), e.prefill_buckets[-1]):
+                chunk = items[start:start + e.prefill_buckets[-1]]
+                r = _bucket(len(chunk), e.prefill_buckets)
+                rows, tokens = np.full(r, e.slots), np.zeros((r, t), np.int32)
+                lengths, limits = np.ones(r), np.zeros(r)
+                for i, (row, traj, req, ids) in enumerate(chunk):
+                    rows[i], lengths[i] = row, len(ids)
+                    tokens[i, :len(ids)] = ids
+                    traj.tokens += ids
+                    traj.mask += [0] * len(ids)
+                    traj.logp += [0.0] * len(ids)
+                    traj.logp_t1 += [0.0] * len(ids)
+                    limits[i] = self._limit(req, len(traj.tokens))
+                e._extend(self.params, rows, tokens, lengths, np.zeros(r, bool), limits,
+                          np.zeros((r, 2), np.uint32))
+                e._metrics["prefill_tokens"] += int(sum(len(c[3]) for c in chunk))
+                e._metrics["prefill_calls"] += 1
+                for row, traj, req, ids in chunk:
+                    self.live[row] = [traj, req, 0]
+
+
+def _stop_string_end(decode, ids, checked, stop_strings, lookback: int = 8):
+    """The smallest n > checked with a stop string in the text of ids[lo:n], or None, where
+    lo starts a window of the longest stop string's length plus `lookback` tokens before
+    `checked` (ids[:checked] is known to hold none): the text decoded is only that window."""
+    back = max(len(s) for s in stop_strings) + lookback
+    lo = max(0, checked - back)
+    if not any(s in decode(ids[lo:]) for s in stop_strings):
+        return None
+    for n in range(max(checked, lo) + 1, len(ids) + 1):
+        if any(s in decode(ids[lo:n]) for s in stop_strings):
+            return n
+    return len(ids)
