@@ -154,7 +154,7 @@ def test_ray_pool_needs_ray_initialised():
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'ptrain[ray]')")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     yield ray
     ray.shutdown()
