@@ -298,7 +298,8 @@ def _shard_elems(shape, spec, sizes):
 
 
 def candidate_meshes(mc, devices, *, seq_len, batch, layout) -> list[dict]:
-    """Every (data, fsdp, sequence, tensor) split of `devices` that the step can use well:
+    """Every (data, fsdp, sequence, tensor) split of `devices` (expert = 1: dense candidates
+    only) that the step can use well:
     the batch divides over data x fsdp (else each device would compute the same rows), the
     kv heads over tensor (else they are repeated), and the sequence over `sequence` in
     `layout` (only ring attention shards the sequence)."""
@@ -312,7 +313,7 @@ def candidate_meshes(mc, devices, *, seq_len, batch, layout) -> list[dict]:
         if (batch % (data * fsdp) or mc.n_kv_heads % tensor or seq_len % chunks
                 or (sequence > 1 and mc.attention_impl != "ring")):
             continue
-        out.append(dict(data=data, fsdp=fsdp, sequence=sequence, tensor=tensor))
+        out.append(dict(data=data, fsdp=fsdp, sequence=sequence, tensor=tensor, expert=1))
     return out
 
 

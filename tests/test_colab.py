@@ -72,7 +72,8 @@ def test_quickstart_notebook_runs_and_shows_its_results(tmp_path, monkeypatch):
     assert sorted((e["stage"], e["domain"]) for e in evals) == sorted(
         (s, d) for s in ("sft", "rl") for d in DOMAINS)
     for e in evals:
-        assert set(e) == {"stage", "step", "split", "domain", "decoding", "pass_rate", "n"}
+        assert set(e) == {"stage", "step", "split", "domain", "decoding", "pass_rate", "n",
+                          "pass@1", "samples", "truncated", "finish"}
         assert (e["split"], e["decoding"], e["n"]) == ("heldout", "greedy", EVAL_N)
         assert e["step"] == {"sft": OVERRIDES["sft.steps"], "rl": OVERRIDES["steps"]}[e["stage"]]
         assert e["pass_rate"] * EVAL_N == pytest.approx(round(e["pass_rate"] * EVAL_N))
