@@ -98,6 +98,18 @@ def _bucket(x: int, sizes: Sequence[int]) -> int:
     raise ValueError(f"{x} is larger than the largest bucket {sizes[-1]}")
 
 
+def _prefill_chunks(items, length_of, token_buckets, prefill_buckets):
+    """(t, r, chunk): items grouped by their length bucket t, in chunks of at most the largest
+    prefill bucket, each padded to r rows (a bucket too), so prefills reuse compiled shapes."""
+    by_len = collections.defaultdict(list)
+    for item in items:
+        by_len[_bucket(length_of(item), token_buckets)].append(item)
+    for t, group in sorted(by_len.items()):
+        for start in range(0, len(group), prefill_buckets[-1]):
+            chunk = group[start:start + prefill_buckets[-1]]
+            yield t, _bucket(len(chunk), prefill_buckets), chunk
+
+
 class Engine:
     """Continuous-batching sampler for one model (see the module docstring).
 
@@ -333,27 +345,22 @@ class _Run:
             req, group = self.waiting.popleft()
             rows = [self.free.pop() for _ in group]
             batch.append((req, group, rows))
-        by_len = collections.defaultdict(list)
-        for item in batch:
-            by_len[_bucket(len(item[0].prompt), e.token_buckets)].append(item)
         forks = []
-        for t, items in sorted(by_len.items()):
-            for start in range(0, len(items), e.prefill_buckets[-1]):
-                chunk = items[start:start + e.prefill_buckets[-1]]
-                r = _bucket(len(chunk), e.prefill_buckets)
-                rows, tokens = np.full(r, e.slots), np.zeros((r, t), np.int32)
-                lengths, limits = np.ones(r), np.zeros(r)
-                keys = np.zeros((r, 2), np.uint32)
-                for i, (req, group, slot_rows) in enumerate(chunk):
-                    rows[i], lengths[i] = slot_rows[0], len(req.prompt)
-                    tokens[i, :len(req.prompt)] = req.prompt
-                    limits[i] = self._limit(req, len(req.prompt))
-                    keys[i] = group[0][1]
-                    for (traj, key), row in zip(group[1:], slot_rows[1:]):
-                        forks.append((slot_rows[0], row, key))
-                e._extend(self.params, rows, tokens, lengths, np.ones(r, bool), limits, keys)
-                e._metrics["prefill_tokens"] += int(sum(len(c[0].prompt) for c in chunk))
-                e._metrics["prefill_calls"] += 1
+        for t, r, chunk in _prefill_chunks(batch, lambda item: len(item[0].prompt),
+                                           e.token_buckets, e.prefill_buckets):
+            rows, tokens = np.full(r, e.slots), np.zeros((r, t), np.int32)
+            lengths, limits = np.ones(r), np.zeros(r)
+            keys = np.zeros((r, 2), np.uint32)
+            for i, (req, group, slot_rows) in enumerate(chunk):
+                rows[i], lengths[i] = slot_rows[0], len(req.prompt)
+                tokens[i, :len(req.prompt)] = req.prompt
+                limits[i] = self._limit(req, len(req.prompt))
+                keys[i] = group[0][1]
+                for (traj, key), row in zip(group[1:], slot_rows[1:]):
+                    forks.append((slot_rows[0], row, key))
+            e._extend(self.params, rows, tokens, lengths, np.ones(r, bool), limits, keys)
+            e._metrics["prefill_tokens"] += int(sum(len(c[0].prompt) for c in chunk))
+            e._metrics["prefill_calls"] += 1
         for start in range(0, len(forks), e.slots):
             chunk = forks[start:start + e.slots]
             c = _bucket(len(chunk), e.row_buckets)
@@ -468,30 +475,25 @@ class _Run:
 
     def _append_observations(self):
         e = self.e
-        by_len = collections.defaultdict(list)
-        for item in self.ready:
-            by_len[_bucket(len(item[3]), e.token_buckets)].append(item)
-        self.ready = []
-        for t, items in sorted(by_len.items()):
-            for start in range(0, len(items), e.prefill_buckets[-1]):
-                chunk = items[start:start + e.prefill_buckets[-1]]
-                r = _bucket(len(chunk), e.prefill_buckets)
-                rows, tokens = np.full(r, e.slots), np.zeros((r, t), np.int32)
-                lengths, limits = np.ones(r), np.zeros(r)
-                for i, (row, traj, req, ids) in enumerate(chunk):
-                    rows[i], lengths[i] = row, len(ids)
-                    tokens[i, :len(ids)] = ids
-                    traj.tokens += ids
-                    traj.mask += [0] * len(ids)
-                    traj.logp += [0.0] * len(ids)
-                    traj.logp_t1 += [0.0] * len(ids)
-                    limits[i] = self._limit(req, len(traj.tokens))
-                e._extend(self.params, rows, tokens, lengths, np.zeros(r, bool), limits,
-                          np.zeros((r, 2), np.uint32))
-                e._metrics["prefill_tokens"] += int(sum(len(c[3]) for c in chunk))
-                e._metrics["prefill_calls"] += 1
-                for row, traj, req, ids in chunk:
-                    self.live[row] = [traj, req, 0]
+        ready, self.ready = self.ready, []
+        for t, r, chunk in _prefill_chunks(ready, lambda item: len(item[3]),
+                                           e.token_buckets, e.prefill_buckets):
+            rows, tokens = np.full(r, e.slots), np.zeros((r, t), np.int32)
+            lengths, limits = np.ones(r), np.zeros(r)
+            for i, (row, traj, req, ids) in enumerate(chunk):
+                rows[i], lengths[i] = row, len(ids)
+                tokens[i, :len(ids)] = ids
+                traj.tokens += ids
+                traj.mask += [0] * len(ids)
+                traj.logp += [0.0] * len(ids)
+                traj.logp_t1 += [0.0] * len(ids)
+                limits[i] = self._limit(req, len(traj.tokens))
+            e._extend(self.params, rows, tokens, lengths, np.zeros(r, bool), limits,
+                      np.zeros((r, 2), np.uint32))
+            e._metrics["prefill_tokens"] += int(sum(len(c[3]) for c in chunk))
+            e._metrics["prefill_calls"] += 1
+            for row, traj, req, ids in chunk:
+                self.live[row] = [traj, req, 0]
 
 
 def _stop_string_end(decode, ids, checked, stop_strings, lookback: int = 8):
