@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ptrain import alerts, losses
+from ptrain import alerts, losses, sharding
 
 
 # ===================================================================================== Batch
@@ -124,11 +124,33 @@ class Batch:
 Episodes = Batch  # the former name, for a release
 
 
+def gather(batch: Batch, mesh=None) -> Batch:
+    """The global batch, the same on every process, from each process's own rows (the
+    rows of its block, `sharding.row_block`, scored where they were generated): blocks in
+    order, group ids made distinct across blocks (block k's shifted past block k-1's). With
+    one process, or rows replicated over processes, the batch itself."""
+    blocks = sharding.gather_blocks(batch, mesh)
+    if len(blocks) == 1:
+        return blocks[0]
+    shift = max(int(b.group_ids_b.max(initial=-1)) for b in blocks) + 1
+    columns = {}
+    for k, block in enumerate(blocks):
+        block = dataclasses.replace(block, group_ids_b=block.group_ids_b + k * shift)
+        for name, value in block.columns().items():
+            columns.setdefault(name, []).append(value)
+    return Batch(**{name: sum(parts, []) if name == "meta" else np.concatenate(parts)
+                    for name, parts in columns.items()})
+
+
 # =================================================================================== collect
 
 
-def collect(rollout, batches, config):
+def collect(rollout, batches, config, *, mesh=None):
     """Calls rollout(records, attempt) on prompt batches until the step's batch is full.
+
+    With many processes each one's rollout returns its own rows (`batches` yields its block
+    of the prompts), and everything after is on the global batch (`gather`), the same on
+    every process: the same groups kept, the same number of calls, the same metrics.
 
     Without dynamic sampling: one call. With it: rows of groups whose rewards are all equal
     are dropped and more prompts are drawn, up to dapo.max_gen_batches calls; a batch still
@@ -142,6 +164,8 @@ def collect(rollout, batches, config):
     for attempt in range(c.dapo.max_gen_batches if c.dapo.dynamic_sampling else 1):
         episodes = rollout(next(batches), attempt)
         calls += 1
+        _check_type(episodes)
+        episodes = gather(episodes, mesh)
         _check(episodes, c)
         if c.dapo.overlong_buffer:
             lengths_b = episodes.loss_mask_bn.sum(-1)
@@ -209,11 +233,14 @@ def domain_metrics(episodes: Batch) -> dict[str, float]:
     return out
 
 
-def _check(episodes, config):
-    rows = config.data.prompts_per_step * config.sampling.num_samples
+def _check_type(episodes):
     if not isinstance(episodes, Batch):
         raise TypeError(f"a producer's score (or rollout_fn) must return a ptrain.batch.Batch "
                         f"(ex Episodes), got {type(episodes).__name__}")
+
+
+def _check(episodes, config):
+    rows = config.data.prompts_per_step * config.sampling.num_samples
     if len(episodes) != rows:
         raise ValueError(f"a producer returned {len(episodes)} rows; the batch shape is fixed "
                          f"at data.prompts_per_step * sampling.num_samples = {rows}")

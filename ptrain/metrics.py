@@ -39,10 +39,12 @@ def read_jsonl(path):
 
 
 def write_jsonl(records, path):
-    """Writes the records as JSONL atomically (a temp file renamed into place)."""
-    with open(path + ".tmp", "w") as f:
+    """Writes the records as JSONL atomically (a temp file of this process renamed into
+    place: processes writing the same file do not collide)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in records))
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 CONFIG_FILE, COMMAND_FILE = "config.json", "command.txt"
