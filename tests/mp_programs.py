@@ -212,12 +212,13 @@ def format_tasks(seed, n=16):
 def multiturn_program(workdir: str) -> dict:
     """Multi-turn RL (self-correction: a failed first answer gets its feedback and a second
     attempt, so processes hold different numbers of live episodes) through closed_loop's
-    TaskProducer for two GRPO steps, then the held-out greedy evaluation. Returns process
+    Tasks producer for two GRPO steps, then the held-out greedy evaluation. Returns process
     0's metrics, the eval lines and the final parameters."""
     import os
 
     from ptrain import closed_loop as CL
     from ptrain import learner as L
+    from ptrain import rollout
     from ptrain.synthetic_tasks import WordTokenizer
     tok = WordTokenizer.for_tasks()
     c = CL.defaults()
@@ -233,7 +234,7 @@ def multiturn_program(workdir: str) -> dict:
     mesh = sharding.make_mesh(fsdp=-1)
     lcfg = CL.learner_part(c)
     sampler = CL.make_sampler(lcfg, mesh, tok)
-    producer = CL.TaskProducer(sampler, tok, c, pool=None)
+    producer = rollout.Tasks(sampler, tok, c, pool=None)
     params = L.train(lcfg, workdir, producer=producer, mesh=mesh, tokenizer=tok)
     heldout = {"fmt": [CL.tasks_lib.from_record(r) for r in format_tasks(5, n=6)]}
     lines = CL.evaluate(sampler, params, heldout, tokenizer=tok, config=c, pool=None,
