@@ -94,7 +94,7 @@ def learner_runs(tmp_path_factory):
     for n, devices in ((2, 4), (1, 8)):
         workdir = str(tmp_path_factory.mktemp(f"learner_{n}x{devices}"))
         runs[n] = multiprocess.run("mp_programs:learner_program", n=n, devices=devices,
-                                   timeout=900, cache_dir=cache,
+                                   timeout=900, cache_dir=cache, fast_compile=True,
                                    args={"workdir": workdir,
                                          "phases": ("sft", "rl", "multiturn")})
     return runs[2], runs[1][0]
