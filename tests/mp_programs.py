@@ -232,10 +232,9 @@ def multiturn_program(workdir: str) -> dict:
     c.checkpoint.async_save = False
     c.eval.n = 6  # 3 a process
     mesh = sharding.make_mesh(fsdp=-1)
-    lcfg = CL.learner_part(c)
-    sampler = CL.make_sampler(lcfg, mesh, tok)
+    sampler = CL.make_sampler(c, mesh, tok)
     producer = rollout.Tasks(sampler, tok, c, pool=None)
-    params = L.train(lcfg, workdir, producer=producer, mesh=mesh, tokenizer=tok)
+    params = L.train(c, workdir, producer=producer, mesh=mesh, tokenizer=tok)
     heldout = {"fmt": [CL.tasks_lib.from_record(r) for r in format_tasks(5, n=6)]}
     lines = CL.evaluate(sampler, params, heldout, tokenizer=tok, config=c, pool=None,
                         stage="rl", step=2)
