@@ -186,12 +186,16 @@ class Learner:
             rewards.append(reward)
             meta.append({"prompt": self.decode(prompts[i]), "completion": text,
                          "feedback": feedback, "finish_reason": out.finish_reasons[r]})
-        return Batch.from_rows(
+        batch = Batch.from_rows(
             [prompts[i] for i in out.prompt_index], completions,
             [[1] * len(x) for x in completions], [out.logp_temp[r, :len(x)]
                                                    for r, x in enumerate(completions)],
             rewards, out.prompt_index, prompt_len=c.data.max_prompt_len,
             length=s.max_new_tokens, meta=meta, pad_id=self.pad_id)
+        if out.experts is not None:  # MoE: the sampler's routing, for replay and agreement
+            batch.experts_bnlk = out.experts
+            batch.prompt_experts_bplk = out.prompt_experts[out.prompt_index]
+        return batch
 
     def prepare(self, params, episodes: Batch, kl_coef: float = 0.0, *,
                 critic_params=None):
@@ -486,6 +490,7 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
         metrics = sharding.to_host(metrics)
         step_metrics = {"sft/loss": metrics["sft/loss"], "sft/entropy": metrics["sft/entropy"],
                         "sft/grad_norm": metrics["optim/grad_norm"],
+                        **{k: v for k, v in metrics.items() if k.startswith("moe/")},
                         "optim/lr": float(learner.sft_schedule(step - 1)),
                         "time/step_s": time.perf_counter() - t0}
         fired = monitor.check(step, step_metrics)
