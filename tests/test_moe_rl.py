@@ -15,6 +15,7 @@ from flax import nnx
 from configs import grpo_toy
 from ptrain import learner as L
 from ptrain import moe
+from ptrain import rollout as rollout_lib
 from ptrain import sharding
 from ptrain import step as step_lib
 from ptrain.metrics import read_jsonl
@@ -119,7 +120,10 @@ def rollout():
     config = moe_config(**{"rl.num_minibatches": 2})  # old log-probs: measured in prepare
     learner = L.Learner(config, mesh=one_device())
     records = grpo_toy.prompt_records(0)[:4]
-    batch = learner.rollout(learner.initial_params, records, jax.random.key(3))
+    producer = rollout_lib.SingleTurn(config, rollout_lib.make_sampler(
+        nnx.merge(learner.graphdef, learner.initial_params), config))
+    batch = producer.score(producer.generate(learner.initial_params, records,
+                                             jax.random.key(3)))
     return learner, batch
 
 
