@@ -100,6 +100,9 @@ class Learner:
         resolved = config_lib.resolve(c)
         updates = resolved.updates_per_step
         self.settings, self.sft_settings = resolved.rl, resolved.sft
+        if self.settings.logprob_microbatch and self.model_config.n_experts:
+            raise ValueError("rl.logprob_microbatch_size is not yet supported with experts "
+                             "(MoE router metrics need the whole batch); set it to 0")
         self.tx, self.schedule = step_lib.make_optimizer(c.optim, total_steps=c.steps,
                                                          updates_per_step=updates)
         # PPO's value function (rl.estimator="gae"): own parameters (`init_critic`),
@@ -439,6 +442,7 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
         metrics = sharding.to_host(metrics)
         step_metrics = {"sft/loss": metrics["sft/loss"], "sft/entropy": metrics["sft/entropy"],
                         "sft/grad_norm": metrics["optim/grad_norm"],
+                        **{k: v for k, v in metrics.items() if k.startswith("moe/")},
                         "optim/lr": float(learner.sft_schedule(step - 1)),
                         "time/step_s": time.perf_counter() - t0}
         fired = monitor.check(step, step_metrics)

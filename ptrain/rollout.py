@@ -233,11 +233,14 @@ def _sample(sampler, params, histories, *, num_samples=1, **kwargs):
     mine = sharding.row_block(mesh)[0]
     start = sum(len(b) for b in blocks[:mine]) * num_samples
     rows = slice(start, start + len(histories) * num_samples)
+    prompts = slice(start // num_samples, start // num_samples + len(histories))
     return dataclasses.replace(
         out, tokens=out.tokens[rows], logp=out.logp[rows], logp_temp=out.logp_temp[rows],
         logp_t1=out.logp_t1[rows], lengths=out.lengths[rows],
         finish_reasons=out.finish_reasons[rows],
-        prompt_index=out.prompt_index[rows] - start // num_samples)
+        prompt_index=out.prompt_index[rows] - start // num_samples,
+        experts=None if out.experts is None else out.experts[rows],
+        prompt_experts=None if out.prompt_experts is None else out.prompt_experts[prompts])
 
 
 def _needs_session(task: Task) -> bool:
@@ -438,12 +441,16 @@ class SingleTurn:
             rewards.append(reward)
             meta.append({"prompt": decode(self.tokenizer, prompts[i]), "completion": text,
                          "feedback": feedback, "finish_reason": out.finish_reasons[r]})
-        return Batch.from_rows(
+        batch = Batch.from_rows(
             [prompts[i] for i in out.prompt_index], completions,
             [[1] * len(x) for x in completions], [out.logp_temp[r, :len(x)]
                                                    for r, x in enumerate(completions)],
             rewards, out.prompt_index, prompt_len=c.data.max_prompt_len,
             length=c.sampling.max_new_tokens, meta=meta, pad_id=pad_id(self.tokenizer))
+        if out.experts is not None:  # MoE: the sampler's routing, for replay and agreement
+            batch.experts_bnlk = out.experts
+            batch.prompt_experts_bplk = out.prompt_experts[out.prompt_index]
+        return batch
 
 
 def _reward_and_feedback(value):
