@@ -532,7 +532,8 @@ class EngineSampler:
     decoding settings and shape (each compiles once, on first use). Request i of a call
     draws from fold_in(key, i): greedy outputs equal the static sampler's, sampled ones come
     from other (per-request) randomness. top-k / top-p are not supported yet (the engine
-    records the log-prob at the sampling temperature only without them)."""
+    records the log-prob at the sampling temperature only without them), nor is recording
+    an MoE model's routing (`Samples.experts` stays None)."""
 
     def __init__(self, model: model_lib.Transformer, *, slots: int = 32, seed: int = 0,
                  pad_id: int = 0, decode: Callable | None = None, stop_check_every: int = 16):
@@ -544,8 +545,12 @@ class EngineSampler:
     def sample(self, params, prompts, *, max_new_tokens: int, num_samples: int = 1,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                greedy: bool = False, stop_token_ids=(), stop_strings=(), key=None,
-               prompt_len: int | None = None, batch_size: int | None = None):
+               prompt_len: int | None = None, batch_size: int | None = None,
+               record_routing: bool | None = None):
         del batch_size  # the engine's rows are its slots
+        if record_routing:
+            raise ValueError("sampling.engine: the engine does not record MoE routing yet; "
+                             "set sampling.engine=False for router replay")
         if top_k or top_p < 1.0:
             raise ValueError("sampling.engine: top_k / top_p are not supported by the engine "
                              "yet; set sampling.engine=False or top_k=0, top_p=1.0")
