@@ -21,7 +21,9 @@ from configs import grpo_toy
 from configs import ppo_toy
 from ptrain import batch as batch_lib
 from ptrain import learner as L
+from ptrain import rollout
 from ptrain import step as step_lib
+from ptrain.sampler import Sampler
 from ptrain import sharding
 from ptrain.metrics import read_jsonl
 
@@ -480,7 +482,8 @@ def test_sft_loss_covers_completion_tokens_only(initial_params, tmp_path):
     params = L.sft(config, str(tmp_path), params=initial_params, mesh=one_device())
     losses = [r["sft/loss"] for r in _metrics(tmp_path)]
     assert len(losses) == 40 and losses[-1] < 0.1 * losses[0]
-    out = learner.sampler.sample(params, [[1, 5], [1, 30, 2, 8]], max_new_tokens=4, greedy=True)
+    sampler = Sampler(nnx.merge(learner.graphdef, learner.initial_params))
+    out = sampler.sample(params, [[1, 5], [1, 30, 2, 8]], max_new_tokens=4, greedy=True)
     assert out.completions() == [[7, 9, 7, 2]] * 2
 
 
@@ -609,7 +612,9 @@ def test_log_probs_are_of_logits_over_the_sampling_temperature(initial_params):
     learner = _learner(config, initial_params)
     records = grpo_toy.prompt_records(0)[:config.data.prompts_per_step]
     params = learner.initial_params
-    episodes = learner.rollout(params, records, jax.random.key(1))
+    producer = rollout.SingleTurn(config, rollout.make_sampler(
+        nnx.merge(learner.graphdef, params), config))
+    episodes = producer.score(producer.generate(params, records, jax.random.key(1)))
     batch, metrics = learner.prepare(params, episodes)
     assert float(metrics["rollout/logp_mismatch"]) < 1e-5
     mask = np.asarray(batch["loss_mask_bn"])
