@@ -44,7 +44,8 @@ def get_config(arg: str = ""):
                   on_error="raise")
     c.reward_fn = None
     c.sampling = dict(num_samples=8, max_new_tokens=56, temperature=1.0, top_k=0, top_p=1.0,
-                      stop_token_ids=(), stop_strings=(), stop_check_every=16)
+                      stop_token_ids=(), stop_strings=(), stop_check_every=16, engine=False,
+                      engine_slots=32)
     c.rl = dict(estimator="grpo", loss="ppo", clip_low=0.2, clip_high=0.28, dual_clip=3.0,
                 agg="token-mean", ppo_epochs=1, num_minibatches=2, microbatch_size=0,
                 gamma=1.0, lam=1.0, entropy_coef=0.0, tis_cap=2.0, tis_level="token",

@@ -76,8 +76,11 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
                   on_error="raise")
     # reward_fn(record, completion_ids, completion_text) -> reward, or (reward, feedback text).
     c.reward_fn = None
+    # engine: the producers sample through the rollout engine (ptrain/engine.py, continuous
+    # batching over engine_slots decode slots) instead of the static sampler.
     c.sampling = dict(num_samples=8, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,
-                      stop_token_ids=(), stop_strings=(), stop_check_every=16)
+                      stop_token_ids=(), stop_strings=(), stop_check_every=16, engine=False,
+                      engine_slots=32)
     c.rl = dict(
         estimator="grpo",  # ESTIMATORS
         loss="ppo",  # POLICY_LOSSES

@@ -48,6 +48,7 @@ from sandbox import tools as sandbox_tools
 
 from ptrain import chat
 from ptrain import data as data_lib
+from ptrain import engine as engine_lib
 from ptrain import rewards as rewards_lib
 from ptrain import sharding
 from ptrain import tasks as tasks_lib
@@ -115,10 +116,6 @@ class Episode:
     @property
     def attempts(self) -> int:
         return len(self.answers)
-
-    @property
-    def completion_tokens(self) -> int:
-        return int(sum(self.mask))
 
     def reward(self, config: RolloutConfig) -> float:
         if not self.verdicts:
@@ -382,9 +379,15 @@ class Producer(Protocol):
     def score(self, generated) -> Batch: ...
 
 
-def make_sampler(model, config, tokenizer=None) -> Sampler:
+def make_sampler(model, config, tokenizer=None):
     """A sampler for `model` (concrete or abstract: parameters come with each call), with the
-    tokenizer's pad id and decode (stop strings) and config.sampling.stop_check_every."""
+    tokenizer's pad id and decode (stop strings) and config.sampling.stop_check_every; with
+    config.sampling.engine the rollout engine behind the same `sample` interface."""
+    if config.sampling.engine:
+        return engine_lib.EngineSampler(
+            model, slots=config.sampling.engine_slots, seed=config.seed,
+            pad_id=pad_id(tokenizer), decode=tokenizer.decode if tokenizer is not None else None,
+            stop_check_every=config.sampling.stop_check_every)
     return Sampler(model, seed=config.seed, pad_id=pad_id(tokenizer),
                    decode=tokenizer.decode if tokenizer is not None else None,
                    stop_check_every=config.sampling.stop_check_every)
@@ -406,7 +409,7 @@ class SingleTurn:
     """G samples per prompt record, each scored by reward_fn(record, completion_ids,
     completion_text) -> reward, or (reward, feedback text). Rows of prompt i form group i."""
 
-    def __init__(self, config, sampler: Sampler, *, tokenizer=None, reward_fn=None):
+    def __init__(self, config, sampler, *, tokenizer=None, reward_fn=None):
         self.config, self.sampler, self.tokenizer = config, sampler, tokenizer
         self.reward_fn = reward_fn or config.reward_fn
         if self.reward_fn is None:

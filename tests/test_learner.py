@@ -117,10 +117,9 @@ CHILD = textwrap.dedent("""
 
 def test_sigkill_then_resume_reproduces_the_uninterrupted_run(toy_run, tmp_path):
     workdir = str(tmp_path / "run")
-    env = {**os.environ, "PYTHONPATH": REPO,
-           # The two children compile the same programs: the second reads them from disk.
-           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    # The children compile toy_run's programs: they read them from the test run's compilation
+    # cache (JAX_COMPILATION_CACHE_DIR, set by conftest.py).
+    env = {**os.environ, "PYTHONPATH": REPO}
     kill_at = EVERY * 2 + 1  # the save of step 8 was started one step before (asynchronously)
     args = [sys.executable, "-c", CHILD, workdir]
     child = subprocess.Popen(args + [str(kill_at), str(STEPS), str(EVERY)], env=env, cwd=REPO,
