@@ -266,7 +266,9 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
     ref = policy["params"] if config.kl.coef > 0 else None
     rows = config.data.prompts_per_step * config.sampling.num_samples
     length = config.rollout.max_len if "rollout" in config else config.sampling.max_new_tokens
-    batch = rl_batch(mesh, rows=rows, prompt_len=config.data.max_prompt_len, length=length)
+    batch = rl_batch(mesh, rows=rows, prompt_len=config.data.max_prompt_len, length=length,
+                     routing=(moe.n_moe_layers(mc), mc.n_experts_per_token)
+                     if mc.n_experts else None)
     kl = jax.ShapeDtypeStruct((), jnp.float32)
 
     programs, live = {}, {}
@@ -302,16 +304,22 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
     return report
 
 
-def rl_batch(mesh, *, rows, prompt_len, length) -> dict:
+def rl_batch(mesh, *, rows, prompt_len, length, routing=None) -> dict:
     """The device batch of `step.prepare` (`batch.Batch.arrays()`) as ShapeDtypeStructs placed
-    as `sharding.shard_batch` places it (rows over the batch axes, time over `seq`)."""
+    as `sharding.shard_batch` places it (rows over the batch axes, time over `seq`). routing:
+    (MoE layers, experts per token) of a mixture-of-experts model, whose sampler records each
+    token's experts (`experts_bnlk`, `prompt_experts_bplk`)."""
     shapes = {"prompt_bp": ((rows, prompt_len), jnp.int32), "prompt_lens_b": ((rows,), jnp.int32),
               "tokens_bn": ((rows, length), jnp.int32), "lengths_b": ((rows,), jnp.int32),
               "loss_mask_bn": ((rows, length), jnp.float32),
               "rollout_logp_bn": ((rows, length), jnp.float32),
               "rewards_b": ((rows,), jnp.float32), "group_ids_b": ((rows,), jnp.int32)}
+    if routing is not None:
+        shapes["experts_bnlk"] = ((rows, length, *routing), jnp.int32)
+        shapes["prompt_experts_bplk"] = ((rows, prompt_len, *routing), jnp.int32)
+    names = ("batch", "seq", None, None)
     return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.named(
-        mesh, ("batch", "seq")[:len(shape)], shape)) for k, (shape, dtype) in shapes.items()}
+        mesh, names[:len(shape)], shape)) for k, (shape, dtype) in shapes.items()}
 
 
 def _abstract_state(make, mesh, tx) -> dict:
