@@ -1,13 +1,9 @@
-"""ptrain.learner: the toy GRPO run learns, SIGKILL + resume is exact, sharding changes nothing,
+"""ptrain.learner: the toy GRPO run learns, sharding changes nothing,
 advantages match their formulas, PPO's critic (values, GAE, training, resume), SFT trains on
-completion tokens only, DAPO sampling, config."""
+completion tokens only, DAPO sampling, config. (SIGKILL + resume: test_resume.py.)"""
 
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +21,6 @@ from ptrain import step as step_lib
 from ptrain import sharding
 from ptrain.metrics import read_jsonl
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.xdist_group("learner")  # the module fixtures run once, on one worker
 
 
@@ -87,58 +82,6 @@ def test_grpo_toy_run_reaches_high_reward(toy_run):
     rollouts = read_jsonl(os.path.join(toy_run, "rollouts.jsonl"))
     assert {r["step"] for r in rollouts} == {10} and len(rollouts) == 4
     assert os.path.exists(os.path.join(toy_run, "plots", "reward_mean.png"))
-
-
-# The child runs the toy config; with a kill step, it reports once that step's metrics are
-# written and waits to be killed there.
-CHILD = textwrap.dedent("""
-    import sys
-    import jax
-    from configs import grpo_toy
-    from ptrain import learner, metrics, sharding
-
-    workdir, (kill_at, steps, every) = sys.argv[1], map(int, sys.argv[2:5])
-    write = metrics.MetricsWriter.write
-
-    def write_then_wait(self, step, values):
-        write(self, step, values)
-        if step == kill_at:
-            print("wrote", step, flush=True)
-            sys.stdin.read()  # never returns: the parent kills us here
-
-    metrics.MetricsWriter.write = write_then_wait
-    config = grpo_toy.get_config()
-    config.steps, config.checkpoint.every = steps, every
-    learner.train(config, workdir, mesh=sharding.make_mesh(fsdp=1, devices=jax.devices()[:1]))
-""")
-
-
-def test_sigkill_then_resume_reproduces_the_uninterrupted_run(toy_run, tmp_path):
-    workdir = str(tmp_path / "run")
-    env = {**os.environ, "PYTHONPATH": REPO,
-           # The two children compile the same programs: the second reads them from disk.
-           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    kill_at = EVERY * 2 + 1  # the save of step 8 was started one step before (asynchronously)
-    args = [sys.executable, "-c", CHILD, workdir]
-    child = subprocess.Popen(args + [str(kill_at), str(STEPS), str(EVERY)], env=env, cwd=REPO,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        for line in child.stdout:
-            if line.strip() == f"wrote {kill_at}":
-                break
-        else:
-            pytest.fail(f"child exited ({child.wait()}) before step {kill_at}")
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait()
-    assert [r["step"] for r in _metrics(workdir)] == list(range(1, kill_at + 1))
-    subprocess.run(args + ["0", str(STEPS), str(EVERY)], env=env, cwd=REPO, check=True,
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-    assert _metrics(workdir) == _metrics(toy_run)
-    assert (read_jsonl(os.path.join(workdir, "rollouts.jsonl"))
-            == read_jsonl(os.path.join(toy_run, "rollouts.jsonl")))
 
 
 # ------------------------------------------------------------------------ one update, sharded
