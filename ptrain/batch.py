@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ptrain import alerts, losses
+from ptrain import config as config_lib
 
 
 # ===================================================================================== Batch
@@ -133,7 +134,10 @@ def collect(rollout, batches, config):
     Without dynamic sampling: one call. With it: rows of groups whose rewards are all equal
     are dropped and more prompts are drawn, up to dapo.max_gen_batches calls; a batch still
     short is topped up with dropped groups (their advantage is 0) and the count is logged.
-    The DAPO overlong penalty is added to the rewards first. Returns (Batch, metrics).
+    The DAPO overlong penalty is added to the rewards first: each episode's tokens after its
+    prompt (`lengths_b`: model turns and observations) against its cap
+    (`config.overlong_max_len`: rollout.max_len in the closed loop, else
+    sampling.max_new_tokens). Returns (Batch, metrics).
     """
     c = config
     n_groups = c.data.prompts_per_step
@@ -143,11 +147,10 @@ def collect(rollout, batches, config):
         episodes = rollout(next(batches), attempt)
         calls += 1
         _check(episodes, c)
-        if c.dapo.overlong_buffer:
-            lengths_b = episodes.loss_mask_bn.sum(-1)
+        if c.dapo.overlong_buffer:  # the tokens after the prompt against the episode's cap
             episodes.rewards_b = episodes.rewards_b + np.asarray(losses.overlong_penalty(
-                lengths_b, max_len=c.sampling.max_new_tokens, buffer_len=c.dapo.overlong_buffer,
-                penalty_factor=c.dapo.overlong_penalty))
+                episodes.lengths_b, max_len=config_lib.overlong_max_len(c),
+                buffer_len=c.dapo.overlong_buffer, penalty_factor=c.dapo.overlong_penalty))
         # Group ids unique across the calls of this step.
         _, local = np.unique(episodes.group_ids_b, return_inverse=True)
         episodes.group_ids_b = (attempt * len(episodes) + local).astype(np.int32)

@@ -307,6 +307,7 @@ def run(config, workdir, *, mesh=None):
 def resolve(config, workdir, tokenizer) -> ml_collections.ConfigDict:
     """A copy with what the run derives filled in: the vocabulary (model.vocab_size 0 means
     the tokenizer's, len(tokenizer) with its added tokens), checked against the tokenizer;
+    the episode's cap for the DAPO overlong penalty (dapo.overlong_max_len = rollout.max_len);
     the RL prompt stream (one task file per domain, with its weight), the synthetic SFT
     demonstrations, and the stop ids of a turn (`chat.stop_ids`: the chat format's end of
     turn, the eos ids of hf_model's config.json / generation_config.json, the tokenizer's
@@ -320,6 +321,7 @@ def resolve(config, workdir, tokenizer) -> ml_collections.ConfigDict:
     out.data.sources = tuple((_task_file(workdir, d, "train"), float(w))
                              for d, w in zip(out.tasks.domains, out.tasks.weights))
     out.data.records_fn = None
+    out.dapo.overlong_max_len = out.rollout.max_len  # (the learner's part has no rollout)
     if out.tasks.source == "synthetic":
         out.sft.sources = (os.path.join(workdir, "tasks", "sft.jsonl"),)
         out.sft.records_fn = None

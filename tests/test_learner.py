@@ -479,6 +479,55 @@ def test_dynamic_sampling_keeps_informative_groups_and_caps(tmp_path):
     np.testing.assert_allclose(episodes.rewards_b, [0.0, 1.0, -1.0, -1.0])
 
 
+def _dapo_overlong_reward(length, *, max_len, cache, factor):
+    """R_length of the DAPO paper (arXiv 2503.14476, eq. 13), times the penalty factor."""
+    if length <= max_len - cache:
+        return 0.0
+    if length <= max_len:
+        return factor * ((max_len - cache) - length) / cache
+    return -factor
+
+
+def test_overlong_penalty_measures_a_multi_turn_episode_against_rollout_max_len():
+    """Turns (mask 1) and tool observations (mask 0): the episode's tokens after the prompt
+    against rollout.max_len (40), not against the per-turn sampling.max_new_tokens (16)."""
+    from ptrain import closed_loop
+    config = closed_loop.defaults()
+    config.update_from_flattened_dict({
+        "data.prompts_per_step": 2, "sampling.num_samples": 2, "sampling.max_new_tokens": 16,
+        "rollout.max_len": 40, "dapo.overlong_buffer": 12, "dapo.overlong_penalty": 0.5})
+    closed_loop.check_config(config)
+    config.dapo.overlong_max_len = config.rollout.max_len  # what closed_loop.resolve sets
+    config = closed_loop.learner_part(config)  # what learner.train and batch.collect get
+    rng = np.random.RandomState(0)
+    turns = [[9, 16, 8], [4], [16, 6, 16, 2], [16, 12, 7]]  # per episode: turn, obs, turn...
+    histories, masks = [], []
+    for parts in turns:
+        ids, mask = [1, 2, 3], [0, 0, 0]
+        for k, n in enumerate(parts):
+            ids += rng.randint(4, 30, n).tolist()
+            mask += [1 - k % 2] * n
+        histories.append(ids)
+        masks.append(mask)
+    lengths = [sum(p) for p in turns]
+    assert lengths == [33, 4, 40, 35] and max(lengths) > config.sampling.max_new_tokens
+    rewards = [1.0, 0.0, 1.0, 0.0]
+    episodes = L.Episodes.from_histories(
+        histories, masks, [[0.0] * len(h) for h in histories], rewards, [0, 0, 1, 1],
+        prompt_lens=[3] * 4, prompt_len=4, length=config.dapo.overlong_max_len)
+    out, metrics = batch_lib.collect(lambda records, attempt: episodes, iter([[{}] * 2]), config)
+    expected = [r + _dapo_overlong_reward(n, max_len=40, cache=12, factor=0.5)
+                for r, n in zip(rewards, lengths)]
+    np.testing.assert_allclose(out.rewards_b, expected, rtol=1e-6)
+    assert expected == [1.0 - 0.5 * 5 / 12, 0.0, 0.5, -0.5 * 7 / 12]
+    assert metrics["reward/mean"] == pytest.approx(np.mean(expected))
+    # The buffer must fit in the episode's cap, checked with the config.
+    config = closed_loop.defaults()
+    config.rollout.max_len, config.dapo.overlong_buffer = 40, 41
+    with pytest.raises(ValueError, match=r"overlong_buffer=41 .* cap 40 \(rollout.max_len\)"):
+        closed_loop.check_config(config)
+
+
 def test_episodes_rows_are_checked():
     def rows(prompt=(1,), tokens=(5, 6), mask=(1, 1), logp=(0.0, 0.0), **kw):
         return L.Episodes.from_rows([list(prompt)], [list(tokens)], [list(mask)], [list(logp)],
