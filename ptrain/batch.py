@@ -137,7 +137,8 @@ def collect(rollout, batches, config):
     The DAPO overlong penalty is added to the rewards first: each episode's tokens after its
     prompt (`lengths_b`: model turns and observations) against its cap
     (`config.overlong_max_len`: rollout.max_len in the closed loop, else
-    sampling.max_new_tokens). Returns (Batch, metrics).
+    sampling.max_new_tokens). With dapo.filter_overlong, truncated episodes (`truncated`) are
+    masked out of the loss. Returns (Batch, metrics).
     """
     c = config
     n_groups = c.data.prompts_per_step
@@ -181,6 +182,11 @@ def collect(rollout, batches, config):
         metrics.update({"dapo/gen_batches": calls, "dapo/uninformative_groups": filler,
                         "reward/batch_mean": np.mean(acc["rewards_b"])})
     episodes = Batch(**acc)
+    if c.dapo.filter_overlong:  # DAPO's overlong filtering: no loss on cut episodes
+        truncated_b = np.array([truncated(m) for m in episodes.meta], bool)
+        episodes.loss_mask_bn = np.asarray(losses.filter_overlong(episodes.loss_mask_bn,
+                                                                  truncated_b))
+        metrics["dapo/filtered_overlong"] = truncated_b.mean()
     mask = episodes.loss_mask_bn
     metrics["response/length_mean"] = mask.sum(-1).mean()
     metrics["response/length_max"] = mask.sum(-1).max()
@@ -192,6 +198,16 @@ def collect(rollout, batches, config):
         metrics["sandbox/error_rate"] = alerts.sandbox_error_rate(errors)
     metrics.update(domain_metrics(episodes))
     return episodes, metrics
+
+
+TRUNCATED = ("truncated", "max_len")  # an episode's `finish` when a cap cut it
+
+
+def truncated(meta: dict) -> bool:
+    """Whether a row's episode was cut at a length cap before it ended: a single turn that
+    hit sampling.max_new_tokens (`finish_reason` "length"), an episode's answer cut at it or
+    an episode out of room (rollout.max_len, terminal.max_len; `finish`)."""
+    return meta.get("finish_reason") == "length" or meta.get("finish") in TRUNCATED
 
 
 def domain_metrics(episodes: Batch) -> dict[str, float]:

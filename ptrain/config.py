@@ -108,6 +108,7 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         # sampling.max_new_tokens (one turn); the closed loop sets rollout.max_len (turns and
         # observations).
         overlong_max_len=0,
+        filter_overlong=False,  # True: truncated episodes (cut at a cap) get no loss
         dynamic_sampling=False,  # keep sampling until every group's rewards differ
         max_gen_batches=4,  # cap; the batch is then topped up with uninformative groups
     )

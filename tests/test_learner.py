@@ -528,6 +528,22 @@ def test_overlong_penalty_measures_a_multi_turn_episode_against_rollout_max_len(
         closed_loop.check_config(config)
 
 
+def test_filter_overlong_masks_truncated_episodes_out_of_the_loss():
+    """dapo.filter_overlong: rows cut at a cap (a single turn at max_new_tokens, an episode's
+    answer cut or out of room) keep their tokens but lose their loss mask."""
+    config = toy_config(**{"data.prompts_per_step": 2, "sampling.num_samples": 2,
+                           "dapo.filter_overlong": True})
+    finishes = [{"finish_reason": "length"}, {"finish_reason": "stop"},
+                {"finish": "max_len"}, {"finish": "answered"}]
+    episodes = _episodes([1.0, 0.0, 1.0, 0.0], [0, 0, 1, 1], [8, 3, 12, 5])
+    episodes.meta = finishes
+    before = episodes.loss_mask_bn.copy()
+    out, metrics = batch_lib.collect(lambda records, attempt: episodes, iter([[{}] * 2]), config)
+    np.testing.assert_array_equal(out.loss_mask_bn, before * np.array([[0], [1], [0], [1]]))
+    assert metrics["dapo/filtered_overlong"] == 0.5
+    np.testing.assert_array_equal(out.lengths_b, [8, 3, 12, 5])  # the tokens stay
+
+
 def test_episodes_rows_are_checked():
     def rows(prompt=(1,), tokens=(5, 6), mask=(1, 1), logp=(0.0, 0.0), **kw):
         return L.Episodes.from_rows([list(prompt)], [list(tokens)], [list(mask)], [list(logp)],
