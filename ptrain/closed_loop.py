@@ -22,7 +22,6 @@ checkpoints, evaluations that are already in eval.jsonl are not repeated.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import random
@@ -248,8 +247,8 @@ def _evaluate_once(path, stage, step, **kwargs):
     if done:
         return done
     lines = evaluate(stage=stage, step=step, **kwargs)
-    with open(path, "a") as f:
-        f.write("".join(json.dumps(line) + "\n" for line in lines))
+    # Rewritten whole and renamed into place: a crash mid-write never tears a finished line.
+    metrics_lib.write_jsonl(metrics_lib.read_jsonl(path) + lines, path)
     for line in lines:
         logging.info("eval %(stage)s step %(step)d %(domain)s %(decoding)s: pass@1 "
                      "%(pass_rate).3f (n=%(n)d, truncated %(truncated).2f)", line)

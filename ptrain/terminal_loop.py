@@ -22,7 +22,6 @@ section (`defaults()`).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -147,8 +146,8 @@ def _evaluate_once(path, stage, **kwargs):
     if done:
         return done
     lines = evaluate(stage=stage, **kwargs)
-    with open(path, "a") as f:
-        f.write("".join(json.dumps(line) + "\n" for line in lines))
+    # Rewritten whole and renamed into place: a crash mid-write never tears a finished line.
+    metrics_lib.write_jsonl(metrics_lib.read_jsonl(path) + lines, path)
     for line in lines:
         logging.info("eval %(stage)s %(domain)s %(decoding)s: %(pass_rate).3f (n=%(n)d)", line)
     return lines
