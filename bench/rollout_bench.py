@@ -17,8 +17,8 @@ Two workloads (bench/rl_bench.py's model and checkpoint, float32):
 
 Tunix runs in its own venv (see bench/rl_bench.py's docstring) in a subprocess; without
 it, `--no-tunix`. `--rounds` alternates the implementations (a shared machine's load
-drifts); the best (min) and typical (median) times are reported, with the ratios of the
-best times.
+drifts); the best (min) and typical (median) times are reported, and the ratios round by
+round (of each round's medians) with their median and range.
 
     python bench/rollout_bench.py [--requests 64 --mean-len 64 --max-len 512 --slots 32 64]
 """
@@ -172,6 +172,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-tunix", action="store_true")
+    parser.add_argument("--workloads", nargs="+", default=["long-tail", "multi-turn"],
+                        choices=["long-tail", "multi-turn"])
     parser.add_argument("--compile-cache", default="",
                         help="a directory for JAX's persistent compilation cache")
     args = parser.parse_args()
@@ -197,18 +199,21 @@ def main():
         hf.save(model_lib.init(config, seed=0), config, model_dir)
         model, _ = hf.load(model_dir)
         for r in range(args.rounds):
-            if not args.no_tunix:
-                add("Tunix long tail", tunix_long_tail(model_dir, prompts, lengths, args))
-            add("static long tail", static_long_tail(model, prompts, lengths, args))
-            for slots in args.slots:
-                t, m = engine_long_tail(model, prompts, lengths, args, slots)
-                add(f"engine long tail, {slots} slots", t)
-                engine_metrics[f"long tail, {slots} slots"] = m
-            add("re-prefill multi-turn", reprefill_multi_turn(model, mt_prompts, args, threads))
-            for slots in args.slots:
-                t, m = engine_multi_turn(model, mt_prompts, args, slots)
-                add(f"engine multi-turn, {slots} slots", t)
-                engine_metrics[f"multi-turn, {slots} slots"] = m
+            if "long-tail" in args.workloads:
+                if not args.no_tunix:
+                    add("Tunix long tail", tunix_long_tail(model_dir, prompts, lengths, args))
+                add("static long tail", static_long_tail(model, prompts, lengths, args))
+                for slots in args.slots:
+                    t, m = engine_long_tail(model, prompts, lengths, args, slots)
+                    add(f"engine long tail, {slots} slots", t)
+                    engine_metrics[f"long tail, {slots} slots"] = m
+            if "multi-turn" in args.workloads:
+                add("re-prefill multi-turn",
+                    reprefill_multi_turn(model, mt_prompts, args, threads))
+                for slots in args.slots:
+                    t, m = engine_multi_turn(model, mt_prompts, args, slots)
+                    add(f"engine multi-turn, {slots} slots", t)
+                    engine_metrics[f"multi-turn, {slots} slots"] = m
             print(f"round {r}: " + ", ".join(f"{k} {v[-1][0] * 1e3:.0f} ms"
                                              for k, v in runs.items()), flush=True)
     best = {k: min(v[0] for v in vs) for k, vs in runs.items()}
@@ -218,27 +223,40 @@ def main():
     print(f"model: Qwen3-style, {config.n_params / 1e6:.2f}M params, float32, "
           f"{jax.default_backend()}; jax {jax.__version__}; {os.cpu_count()} cores; "
           f"{args.rounds} rounds x {args.repeats} repeats")
-    print(f"long tail: {args.requests} requests, lengths geometric mean {args.mean_len} "
-          f"(drawn: mean {np.mean(lengths):.1f}, max {max(lengths)}), {tokens} tokens; "
-          "tokens/s best / typical:")
-    for k in [k for k in runs if "long tail" in k]:
-        print(f"  {k:28s} {tokens / best[k]:8.0f} / {tokens / typical[k]:8.0f}  "
-              f"({best[k] * 1e3:.0f} ms)")
-    print(f"multi-turn: {episodes} episodes ({args.prompts} prompts x {args.samples}), "
-          f"{args.turns} turns x {args.turn_tokens} tokens, tools {args.tool_ms:g} ms -> "
-          f"{args.obs_tokens} tokens; episodes/s best / typical:")
-    for k in [k for k in runs if "multi-turn" in k]:
-        print(f"  {k:32s} {episodes / best[k]:8.1f} / {episodes / typical[k]:8.1f}  "
-              f"({best[k] * 1e3:.0f} ms)")
-    print("ratios (best times):")
+    if "long-tail" in args.workloads:
+        print(f"long tail: {args.requests} requests, lengths geometric mean {args.mean_len} "
+              f"(drawn: mean {np.mean(lengths):.1f}, max {max(lengths)}), {tokens} tokens; "
+              "tokens/s best / typical:")
+        for k in [k for k in runs if "long tail" in k]:
+            print(f"  {k:28s} {tokens / best[k]:8.0f} / {tokens / typical[k]:8.0f}  "
+                  f"({best[k] * 1e3:.0f} ms)")
+    if "multi-turn" in args.workloads:
+        print(f"multi-turn: {episodes} episodes ({args.prompts} prompts x {args.samples}), "
+              f"{args.turns} turns x {args.turn_tokens} tokens, tools {args.tool_ms:g} ms -> "
+              f"{args.obs_tokens} tokens; episodes/s best / typical:")
+        for k in [k for k in runs if "multi-turn" in k]:
+            print(f"  {k:32s} {episodes / best[k]:8.1f} / {episodes / typical[k]:8.1f}  "
+                  f"({best[k] * 1e3:.0f} ms)")
+    # Each round measures every implementation back to back, so a round's ratio shares
+    # its load; the spread over rounds is the ratio's.
+    print(f"ratios (round by round, each of medians of {args.repeats}; median [min, max] "
+          f"over {args.rounds} rounds):")
+
+    def ratio(base, name):
+        per_round = [b[1] / e[1] for b, e in zip(runs[base], runs[name])]
+        return (f"{np.median(per_round):.2f}x [{min(per_round):.2f}, {max(per_round):.2f}]"
+                f" ({', '.join(f'{x:.2f}' for x in per_round)})")
+
     for slots in args.slots:
-        e = best[f"engine long tail, {slots} slots"]
-        line = f"  {slots} slots: long tail vs static {best['static long tail'] / e:.2f}x"
-        if not args.no_tunix:
-            line += f", vs Tunix {best['Tunix long tail'] / e:.2f}x"
-        line += (f"; multi-turn vs re-prefill "
-                 f"{best['re-prefill multi-turn'] / best[f'engine multi-turn, {slots} slots']:.2f}x")
-        print(line)
+        if "long-tail" in args.workloads:
+            name = f"engine long tail, {slots} slots"
+            print(f"  {slots} slots: long tail vs static {ratio('static long tail', name)}")
+            if not args.no_tunix:
+                print(f"  {slots} slots: long tail vs Tunix {ratio('Tunix long tail', name)}")
+        if "multi-turn" in args.workloads:
+            name = f"engine multi-turn, {slots} slots"
+            print(f"  {slots} slots: multi-turn vs re-prefill "
+                  f"{ratio('re-prefill multi-turn', name)}")
     print("engine metrics (last run of each):")
     for name, m in engine_metrics.items():
         keys = ("tokens_per_s", "slot_occupancy", "bucket_occupancy", "decode_calls",

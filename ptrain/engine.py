@@ -118,6 +118,10 @@ class Engine:
     prefill_rows: the most prompts (or observations) prefilled in one call.
     token_buckets: the lengths prompts and observations are padded to (default: powers of
       two from 16 up to max_len).
+    refill_rows: a decode call runs many steps on the device and comes back to the host
+      (to give free slots to waiting requests, or to start tools) once this many rows have
+      finished a turn (default slots // 8, at least 1); it also comes back when half its
+      bucket of rows would hold the live ones, so the tail decodes in a smaller bucket.
     """
 
     def __init__(self, model: model_lib.Transformer, *, slots: int, max_len: int,
@@ -126,7 +130,8 @@ class Engine:
                  stop_strings: Sequence[str] = (), decode: Callable | None = None,
                  stop_check_every: int = 16, pad_id: int = 0, prefill_rows: int = 8,
                  token_buckets: Sequence[int] | None = None, decode_dtype: str | None = None,
-                 mesh=None, tool_threads: int = 16, sync_every: int = 32):
+                 mesh=None, tool_threads: int = 16, sync_every: int = 32,
+                 refill_rows: int | None = None):
         c = model.config
         checks = [
             (slots >= 1 and max_new_tokens >= 1, "slots and max_new_tokens must be >= 1"),
@@ -150,6 +155,7 @@ class Engine:
                                           int(pad_id))
         self.stop_strings, self.decode_text = tuple(stop_strings), decode
         self.stop_check_every, self.sync_every = int(stop_check_every), int(sync_every)
+        self.refill_rows = int(refill_rows or max(1, self.slots // 8))
         self.token_buckets = tuple(token_buckets or buckets(self.max_len, 16))
         self.row_buckets = buckets(self.slots)
         self.prefill_buckets = buckets(min(self.prefill_rows, self.slots))
@@ -209,7 +215,7 @@ class Engine:
                              np.zeros(r, bool), np.zeros(r), np.zeros((r, 2), np.uint32))
         for b in self.row_buckets:
             self._fork(np.full(b, n), np.full(b, n), np.zeros((b, 2), np.uint32))
-            self._decode(params, np.full(b, n), 1)
+            self._decode(params, np.full(b, n), 1, 1, 0)
         self._truncate({})
         jax.block_until_ready(self.state)
         return sum(kv_slots.TRACES.values()) - before
@@ -224,10 +230,11 @@ class Engine:
         self.state = kv_slots.fork(self.state, jnp.asarray(src, jnp.int32),
                                    jnp.asarray(dst, jnp.int32), jnp.asarray(keys, jnp.uint32))
 
-    def _decode(self, params, rows, max_steps):
+    def _decode(self, params, rows, max_steps, refill_at, min_live):
         self.state, steps, busy = kv_slots.decode(
             params, self.state, jnp.asarray(rows, jnp.int32), jnp.int32(max_steps),
-            graphdef=self.graphdef, settings=self.settings)
+            jnp.int32(refill_at), jnp.int32(min_live), graphdef=self.graphdef,
+            settings=self.settings)
         return steps, busy
 
     def _truncate(self, cuts):
@@ -392,10 +399,18 @@ class _Run:
         else:
             max_steps = e.max_new_tokens
         start = time.perf_counter()
-        steps, busy = e._decode(self.params, rows_b, max_steps)
+        # Back to the host when enough slots are free for waiting requests (or a turn
+        # ended and its tool can start), or when half the bucket would hold the live rows.
+        turns = any(self.live[row][1].on_turn is not None for row in rows)
+        if self.waiting:
+            refill_at = max(len(self.waiting[0][1]) - len(self.free), e.refill_rows)
+        else:
+            refill_at = e.refill_rows if turns else b + 1
+        min_live = b // 2 + 1 if b > 1 else 0
+        steps, busy = e._decode(self.params, rows_b, max_steps, refill_at, min_live)
         s = e.state
         live, count, reason, index, gen, tokens, logp, logp_t1, steps, busy = jax.device_get(
-            (s["live_n"], s["count_n"], s["reason_n"], s["cache"].index, s["gen_n"],
+            (s["live_n"], s["count_n"], s["reason_n"], s["index_n"], s["gen_n"],
              s["tokens_nm"], s["logp_nm"], s["logp_t1_nm"], steps, busy))
         e._metrics["decode_s"] += time.perf_counter() - start
         e._metrics["decode_calls"] += 1

@@ -1,20 +1,29 @@
 """Decode slots over one KV cache: the device side of the rollout engine (ptrain/engine.py).
 
 The state is N slots, each one row of a preallocated cache of S positions with its own
-length (`model.KVCache` with a per-row index): a slot holds one sequence, prompt, model
-turns and tool observations, left-aligned, so a token's RoPE position is its cache slot.
+length (`index_n`): a slot holds one sequence, prompt, model turns and tool observations,
+left-aligned, so a token's RoPE position is its cache position. Keys and values lie
+slot-major and head-major, [layers, slots, kv heads, positions, head dim], the layout a
+one-token query reads without a transposed copy (the model's [l, b, s, k, e] cache costs
+XLA a transposed copy of every layer's cache per decode step).
 Four jitted programs act on it; each compiles once per shape, and the shapes come from a
 small fixed set (the engine's buckets), so a run compiles a bounded number of programs:
 
   extend(rows [r], tokens [r, t])  appends tokens to rows (a prompt after a reset, a tool
                                    observation otherwise) and keeps their last logits
   fork(src [c], dst [c])           copies rows: G samples of a prompt share one prefill
-  decode(rows [B])                 decodes the live rows among B, on the device, until one
-                                   finishes or `max_steps` tokens
+  decode(rows [B])                 decodes the live rows among B, many steps on the device,
+                                   until enough rows finished to refill (or half the bucket
+                                   would hold the live ones) or `max_steps` tokens; each
+                                   step's attention reads only the blocks of positions the
+                                   longest live row needs, and writes in place
   truncate(rows [N])               moves rows back to a shorter length (stop strings)
 
 Row ids equal to N are padding: reads clip, writes drop. Decode gathers only the rows it
-runs (a bucket of the live ones), so slots waiting on a tool, and empty slots, cost nothing.
+runs (a bucket of the live ones), once per call, so slots waiting on a tool, and empty
+slots, cost nothing. A decode step runs the model's own layer functions
+(`model.layer_qkv`, `model.layer_out`) around its cache write and attention; extend runs
+`model.hidden` on the rows' cache in the model's layout.
 
 Every sampled token's randomness comes from its sequence's key folded with its index in the
 sequence (one uniform, inverse-CDF), so what a request samples does not depend on its slot,
@@ -54,14 +63,26 @@ class Settings:
     pad_id: int = 0
 
 
+def cache_layout(max_len: int, block: int = 128) -> tuple[int, int]:
+    """(cache positions, attention block): decode attends in blocks of `block` positions
+    (fewer when max_len is shorter), so the cache is max_len rounded up to whole blocks."""
+    block = min(block, max_len)
+    return -(-max_len // block) * block, block
+
+
 def init_state(config: model_lib.ModelConfig, slots: int, max_len: int,
                max_new_tokens: int) -> dict:
-    """N empty slots of `max_len` cache positions; turn outputs up to `max_new_tokens`."""
-    cache = model_lib.init_cache(config, slots, max_len)
-    cache = cache.replace(index=jnp.zeros(slots, jnp.int32))
+    """N empty slots of `max_len` cache positions; turn outputs up to `max_new_tokens`.
+
+    Keys and values are slot-major and head-major, [layers, slots, kv heads, positions,
+    head dim]: a decode step's attention reads them as they lie (no transposed copy)."""
     n, m = slots, max_new_tokens
+    s, _ = cache_layout(max_len)
+    shape = (config.n_layers, n, config.n_kv_heads, s, config.head_dim)
     return {
-        "cache": cache,
+        "k_lnkse": jnp.zeros(shape, config.dtype),
+        "v_lnkse": jnp.zeros(shape, config.dtype),
+        "index_n": jnp.zeros(n, jnp.int32),  # the next cache position to write (the length)
         "logits_nv": jnp.zeros((n, config.vocab_size), jnp.float32),
         "key_n2": jnp.zeros((n, 2), jnp.uint32),  # the sequence's PRNG key data
         "gen_n": jnp.zeros(n, jnp.int32),  # tokens sampled in the sequence so far
@@ -75,31 +96,23 @@ def init_state(config: model_lib.ModelConfig, slots: int, max_len: int,
     }
 
 
-def _rows(state, rows, mode):
-    """The state's rows `rows` (mode "clip" reads; used for gathers)."""
-    def take(x, axis):
-        return jnp.take(x, rows, axis=axis, mode=mode)
-    cache = state["cache"]
-    sub = {k: take(v, 0) for k, v in state.items() if k != "cache"}
-    sub["cache"] = model_lib.KVCache(take(cache.k_lbske, 1), take(cache.v_lbske, 1),
-                                     take(cache.positions_bs, 0), take(cache.segment_ids_bs, 0),
-                                     take(cache.index, 0))
-    return sub
+_CACHE = ("k_lnkse", "v_lnkse")  # row axis 1; every other entry's is 0
+
+
+def _rows(state, rows):
+    """The state's rows `rows` (ids out of range read the last row)."""
+    return {k: jnp.take(v, rows, axis=1 if k in _CACHE else 0, mode="clip")
+            for k, v in state.items()}
 
 
 def _put_rows(state, rows, sub):
     """The state with rows `rows` replaced by `sub` (ids out of range are dropped)."""
-    def put(x, y, axis):
-        if axis == 0:
-            return x.at[rows].set(y.astype(x.dtype), mode="drop")
-        return x.at[:, rows].set(y.astype(x.dtype), mode="drop")
-    c, s = state["cache"], sub["cache"]
-    out = {k: put(v, sub[k], 0) for k, v in state.items() if k != "cache"}
-    out["cache"] = model_lib.KVCache(put(c.k_lbske, s.k_lbske, 1), put(c.v_lbske, s.v_lbske, 1),
-                                     put(c.positions_bs, s.positions_bs, 0),
-                                     put(c.segment_ids_bs, s.segment_ids_bs, 0),
-                                     put(c.index, s.index, 0))
-    return out
+    def put(k, x, y):
+        y = y.astype(x.dtype)
+        if k in _CACHE:
+            return x.at[:, rows].set(y, mode="drop")
+        return x.at[rows].set(y, mode="drop")
+    return {k: put(k, v, sub[k]) for k, v in state.items()}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
@@ -111,19 +124,25 @@ def extend(params, state, rows_r, tokens_rt, lengths_r, reset_r, limit_r, key_r2
     model = nnx.merge(graphdef, params)
     r, t = tokens_rt.shape
     real_r = rows_r < state["live_n"].shape[0]
-    sub = _rows(state, rows_r, "clip")
-    cache = sub["cache"]
-    index_r = jnp.where(reset_r, 0, cache.index)
-    seg_rs = jnp.where(reset_r[:, None], 0, cache.segment_ids_bs)
+    sub = _rows(state, rows_r)
+    index_r = jnp.where(reset_r, 0, sub["index_n"])
+    # The model's cache layout [l, r, s, k, e] for these rows: a row holds positions
+    # 0 .. index-1, each at its own slot.
+    s = sub["k_lnkse"].shape[3]
+    slots_rs = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (r, s))
+    cache = model_lib.KVCache(sub["k_lnkse"].transpose(0, 1, 3, 2, 4),
+                              sub["v_lnkse"].transpose(0, 1, 3, 2, 4), slots_rs,
+                              (slots_rs < index_r[:, None]).astype(jnp.int32), index_r)
     positions_rt = index_r[:, None] + jnp.arange(t, dtype=jnp.int32)
     seg_rt = (jnp.arange(t)[None, :] < lengths_r[:, None]).astype(jnp.int32)
-    cache = model_lib.KVCache(cache.k_lbske, cache.v_lbske, cache.positions_bs, seg_rs, index_r)
     h_rtd, cache = model.hidden(tokens_rt, positions_rt, seg_rt, cache)
     h_rd = h_rtd[jnp.arange(r), jnp.maximum(lengths_r - 1, 0)]
     logits_rv = jnp.einsum("rd,vd->rv", h_rd, model.unembedding_vd(),
                            preferred_element_type=jnp.float32)
     sub.update(
-        cache=cache.replace(index=index_r + lengths_r),
+        k_lnkse=cache.k_lbske.transpose(0, 1, 3, 2, 4),
+        v_lnkse=cache.v_lbske.transpose(0, 1, 3, 2, 4),
+        index_n=index_r + lengths_r,
         logits_nv=logits_rv,
         key_n2=jnp.where(reset_r[:, None], key_r2, sub["key_n2"]),
         gen_n=jnp.where(reset_r, 0, sub["gen_n"]),
@@ -138,7 +157,7 @@ def extend(params, state, rows_r, tokens_rt, lengths_r, reset_r, limit_r, key_r2
 def fork(state, src_c, dst_c, key_c2):
     """Row dst_c[i] becomes a copy of row src_c[i] with the key key_c2[i]."""
     TRACES["fork"] += 1
-    sub = _rows(state, src_c, "clip")
+    sub = _rows(state, src_c)
     sub["key_n2"] = key_c2
     return _put_rows(state, dst_c, sub)
 
@@ -148,11 +167,7 @@ def truncate(state, rows_n, length_n, gen_n, count_n):
     """Row rows_n[i] keeps its first length_n[i] cache positions and stops (its turn ends
     with a stop string); gen_n / count_n are its token counts at that point."""
     TRACES["truncate"] += 1
-    cache = state["cache"]
-    index = cache.index.at[rows_n].set(length_n, mode="drop")
-    seg = jnp.where(jnp.arange(cache.max_len)[None, :] < index[:, None],
-                    cache.segment_ids_bs, 0)
-    return dict(state, cache=cache.replace(index=index, segment_ids_bs=seg),
+    return dict(state, index_n=state["index_n"].at[rows_n].set(length_n, mode="drop"),
                 gen_n=state["gen_n"].at[rows_n].set(gen_n, mode="drop"),
                 count_n=state["count_n"].at[rows_n].set(count_n, mode="drop"),
                 live_n=state["live_n"].at[rows_n].set(False, mode="drop"),
@@ -161,24 +176,29 @@ def truncate(state, rows_n, length_n, gen_n, count_n):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"),
                    donate_argnames=("state",))
-def decode(params, state, rows_b, max_steps, *, graphdef, settings: Settings):
-    """Decodes the live rows among rows_b until one of them finishes its turn (a stop token
-    or its limit) or `max_steps` steps; returns (state, steps, live row-steps)."""
+def decode(params, state, rows_b, max_steps, refill_at, min_live, *, graphdef,
+           settings: Settings):
+    """Decodes the live rows among rows_b, many steps per call, on the device. Returns after
+    `max_steps` steps, when no row is live, when `refill_at` rows have finished their turn
+    (their slots can take waiting requests) or when fewer than `min_live` rows are live (a
+    smaller bucket would hold them); returns (state, steps, live row-steps)."""
     TRACES["decode"] += 1
     model = nnx.merge(graphdef, params)
     n = state["live_n"].shape[0]
-    sub = _rows(state, rows_b, "clip")
+    sub = _rows(state, rows_b)
     sub["live_n"] = sub["live_n"] & (rows_b < n)
     b, m = sub["tokens_nm"].shape
     stop_ids = jnp.asarray(settings.stop_token_ids or (-1,), jnp.int32)
     keys_b = jax.random.wrap_key_data(sub["key_n2"])
+    _, block = cache_layout(sub["k_lnkse"].shape[3])
 
     def cond(carry):
         s, i, busy, finished = carry
-        return (i < max_steps) & jnp.any(s["live_n"]) & ~finished
+        live = jnp.sum(s["live_n"])
+        return (i < max_steps) & (live > 0) & (finished < refill_at) & (live >= min_live)
 
     def body(carry):
-        s, i, busy, _ = carry
+        s, i, busy, finished = carry
         live_b = s["live_n"]
         tok_b, logp_b, logp_t1_b = sample_rows(s["logits_nv"], keys_b, s["gen_n"], settings)
         tok_b = jnp.where(live_b, tok_b, settings.pad_id)
@@ -189,22 +209,91 @@ def decode(params, state, rows_b, max_steps, *, graphdef, settings: Settings):
 
         stopped_b = live_b & jnp.isin(tok_b, stop_ids)
         full_b = live_b & ~stopped_b & (s["count_n"] + 1 >= s["limit_n"])
-        cache = s["cache"]
-        logits_b1v, cache = model(tok_b[:, None], cache.index[:, None],
-                                  live_b[:, None].astype(jnp.int32), cache=cache)
+        logits_bv, k, v = decode_step(model, tok_b, s["index_n"], live_b, s["k_lnkse"],
+                                      s["v_lnkse"], block)
         new = dict(
-            s, cache=cache.replace(index=s["cache"].index + live_b),
-            logits_nv=logits_b1v[:, 0],
+            s, k_lnkse=k, v_lnkse=v, index_n=s["index_n"] + live_b, logits_nv=logits_bv,
             gen_n=s["gen_n"] + live_b, count_n=s["count_n"] + live_b,
             live_n=live_b & ~stopped_b & ~full_b,
             reason_n=jnp.where(stopped_b, STOP, jnp.where(full_b, LENGTH, s["reason_n"])),
             tokens_nm=put(s["tokens_nm"], tok_b), logp_nm=put(s["logp_nm"], logp_b),
             logp_t1_nm=put(s["logp_t1_nm"], logp_t1_b))
-        return new, i + 1, busy + jnp.sum(live_b), jnp.any(stopped_b | full_b)
+        return (new, i + 1, busy + jnp.sum(live_b),
+                finished + jnp.sum(stopped_b | full_b))
 
     zero = jnp.zeros((), jnp.int32)
-    sub, steps, busy, _ = jax.lax.while_loop(cond, body, (sub, zero, zero, jnp.array(False)))
+    sub, steps, busy, _ = jax.lax.while_loop(cond, body, (sub, zero, zero, zero))
     return _put_rows(state, rows_b, sub), steps, busy
+
+
+def decode_step(model, tok_b, pos_b, live_b, k_lbkse, v_lbkse, block: int):
+    """One token per row through the model (its own layer functions, model.layer_qkv and
+    model.layer_out), the row's keys and values written at cache position pos_b and its
+    query attending to positions 0..pos_b, in blocks of `block` positions up to the
+    furthest live row's (a short row costs only the blocks the longest one needs).
+    Returns (logits [b, v] float32, k, v)."""
+    c = model.config
+    rope = model_lib.rope_tables(c)
+    b = tok_b.shape[0]
+    rows_b = jnp.arange(b)
+    n_blocks = jnp.max(jnp.where(live_b, pos_b, 0)) // block + 1
+    valid_b1 = live_b[:, None].astype(jnp.int32)
+    x_b1d = model.embed_tokens(tok_b[:, None])
+    for is_moe, lo, hi, _, p in model.stages():
+        def layer(carry, xs, is_moe=is_moe):
+            x_b1d, k_all, v_all = carry
+            p, l = xs
+            w = model_lib.cast_layer(p, c)
+            q_b1he, k_b1ke, v_b1ke = model_lib.layer_qkv(w, x_b1d, pos_b[:, None], c=c,
+                                                         rope=rope)
+            k_all = k_all.at[l, rows_b, :, pos_b].set(k_b1ke[:, 0].astype(k_all.dtype),
+                                                      mode="drop")
+            v_all = v_all.at[l, rows_b, :, pos_b].set(v_b1ke[:, 0].astype(v_all.dtype),
+                                                      mode="drop")
+            o_bhe = _attend(q_b1he[:, 0], k_all, v_all, l, pos_b, n_blocks, block)
+            x_b1d, _ = model_lib.layer_out(w, x_b1d, o_bhe[:, None], c=c, mesh=None,
+                                           valid_bt=valid_b1, is_moe=is_moe)
+            return (x_b1d, k_all, v_all), None
+
+        (x_b1d, k_lbkse, v_lbkse), _ = jax.lax.scan(
+            layer, (x_b1d, k_lbkse, v_lbkse), (p, jnp.arange(lo, hi)))
+    h_bd = model_lib.rms_norm(x_b1d[:, 0], model.final_norm[...].astype(c.dtype), c.rms_eps)
+    logits_bv = jnp.einsum("bd,vd->bv", h_bd, model.unembedding_vd(),
+                           preferred_element_type=jnp.float32)
+    return logits_bv, k_lbkse, v_lbkse
+
+
+def _attend(q_bhe, k_lbkse, v_lbkse, l, pos_b, n_blocks, block: int):
+    """Softmax attention of one query per row over its cache positions 0..pos_b of layer l,
+    online over `n_blocks` blocks (float32 scores, as attention.reference_attention)."""
+    b, h, e = q_bhe.shape
+    kh = k_lbkse.shape[2]
+    q_bkge = q_bhe.reshape(b, kh, h // kh, e)
+    scale = e ** -0.5
+
+    def one(j, carry):
+        m_bkg, den_bkg, acc_bkge = carry
+        start = j * block
+        k_bkse = jax.lax.dynamic_slice(k_lbkse, (l, 0, 0, start, 0), (1, b, kh, block, e))[0]
+        v_bkse = jax.lax.dynamic_slice(v_lbkse, (l, 0, 0, start, 0), (1, b, kh, block, e))[0]
+        s_bkgs = jnp.einsum("bkge,bkse->bkgs", q_bkge, k_bkse,
+                            preferred_element_type=jnp.float32) * scale
+        seen_bs = start + jnp.arange(block)[None, :] <= pos_b[:, None]
+        s_bkgs = jnp.where(seen_bs[:, None, None], s_bkgs, -jnp.inf)
+        m_new = jnp.maximum(m_bkg, jnp.max(s_bkgs, axis=-1))
+        p_bkgs = jnp.exp(s_bkgs - m_new[..., None])
+        fix = jnp.exp(m_bkg - m_new)
+        acc_bkge = acc_bkge * fix[..., None] + jnp.einsum(
+            "bkgs,bkse->bkge", p_bkgs.astype(v_bkse.dtype), v_bkse,
+            preferred_element_type=jnp.float32)
+        return m_new, den_bkg * fix + jnp.sum(p_bkgs, axis=-1), acc_bkge
+
+    # Position 0 is in every row's first block, so the running max is finite after it.
+    init = (jnp.full((b, kh, h // kh), jnp.finfo(jnp.float32).min, jnp.float32),
+            jnp.zeros((b, kh, h // kh), jnp.float32), jnp.zeros((b, kh, h // kh, e), jnp.float32))
+    _, den_bkg, acc_bkge = jax.lax.fori_loop(0, n_blocks, one, init)
+    out_bkge = acc_bkge / jnp.where(den_bkg > 0, den_bkg, 1.0)[..., None]
+    return out_bkge.reshape(b, h, e).astype(q_bhe.dtype)
 
 
 def sample_rows(logits_bv, keys_b, gen_b, settings: Settings):

@@ -250,6 +250,27 @@ class Transformer(nnx.Module):
         w = self.embed if self.config.tie_embeddings else self.lm_head
         return w[...].astype(self.config.dtype)
 
+    def embed_tokens(self, tokens_bt):
+        """Input embeddings [b, t, d] in the compute dtype."""
+        # FSDP gathers the table (as it does every weight) so the lookup stays local.
+        embed_vd = sharding.constrain(self.embed[...], (None, None), self.mesh)
+        x_btd = jnp.take(embed_vd, tokens_bt, axis=0).astype(self.config.dtype)
+        return sharding.constrain(x_btd, ("batch", "seq", None), self.mesh)
+
+    def stages(self):
+        """Runs of layers of one kind (moe.stages): (is_moe, lo, hi, offset, parameters of
+        layers lo..hi stacked, with their MLP's), each run one scan."""
+        c = self.config
+        params = self.layers.arrays()
+        mlps = {False: {k: params.pop(k) for k in _DENSE_MLP if k in params},
+                True: self.experts.arrays() if c.n_experts else {}}
+        out = []
+        for is_moe, lo, hi, offset in moe.stages(c):
+            p = {name: _rows(a, lo, hi) for name, a in params.items()}
+            p.update({name: _rows(a, offset, offset + hi - lo) for name, a in mlps[is_moe].items()})
+            out.append((is_moe, lo, hi, offset, p))
+        return out
+
     def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache=None):
         """Float32 logits [b, t, v]; with a cache, `(logits, updated_cache)`."""
         h_btd, new_cache = self.hidden(tokens_bt, positions_bt, segment_ids_bt, cache)
@@ -290,16 +311,10 @@ class Transformer(nnx.Module):
                 raise ValueError(f"replay_lbtk has shape {tuple(replay_lbtk.shape)}; this model "
                                  f"and batch need {expected} (MoE layers, batch, time, k)")
 
-        # FSDP gathers the table (as it does every weight) so the lookup stays local.
-        embed_vd = sharding.constrain(self.embed[...], (None, None), self.mesh)
-        x_btd = jnp.take(embed_vd, tokens_bt, axis=0).astype(c.dtype)
-        x_btd = sharding.constrain(x_btd, ("batch", "seq", None), self.mesh)
+        x_btd = self.embed_tokens(tokens_bt)
         layer = functools.partial(
             _layer, c=c, mesh=self.mesh, rope=rope_tables(c), q_pos_bt=positions_bt,
             q_seg_bt=segment_ids_bt, start=start)
-        params = self.layers.arrays()
-        mlps = {False: {k: params.pop(k) for k in _DENSE_MLP if k in params},
-                True: self.experts.arrays() if c.n_experts else {}}
         if cache is None:
             kw = dict(kv_pos_bs=positions_bt, kv_seg_bs=segment_ids_bt)
         else:
@@ -311,9 +326,7 @@ class Transformer(nnx.Module):
 
         # Layers run in stages of one kind (dense or MoE MLP), each stage one scan.
         routing = []
-        for is_moe, lo, hi, offset in moe.stages(c):
-            p = {name: _rows(a, lo, hi) for name, a in params.items()}
-            p.update({name: _rows(a, offset, offset + hi - lo) for name, a in mlps[is_moe].items()})
+        for is_moe, lo, hi, offset, p in self.stages():
             replay = (None if replay_lbtk is None or not is_moe
                       else _rows(replay_lbtk, offset, offset + hi - lo))
             fn = _remat(c.remat, functools.partial(layer, is_moe=is_moe))
@@ -393,22 +406,8 @@ def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_p
     """One pre-norm decoder layer: (x, kv, MoE routing statistics or None). `kv`: None, or
     (k cache, v cache, l) with this layer's cache slices (l None) or every layer's stacked
     cache and this layer's index l."""
-    dt = jnp.dtype(c.dtype)
-    w = {name: a.astype(dt) for name, a in p.items()}
-
-    h_btd = rms_norm(x_btd, w["attn_norm"], c.rms_eps)
-    q_bthe = jnp.einsum("btd,dhe->bthe", h_btd, w["wq"])
-    k_btke = jnp.einsum("btd,dke->btke", h_btd, w["wk"])
-    v_btke = jnp.einsum("btd,dke->btke", h_btd, w["wv"])
-    if c.qkv_bias:
-        q_bthe, k_btke, v_btke = q_bthe + w["bq"], k_btke + w["bk"], v_btke + w["bv"]
-    if c.qk_norm:
-        q_bthe = rms_norm(q_bthe, w["q_norm"], c.rms_eps)
-        k_btke = rms_norm(k_btke, w["k_norm"], c.rms_eps)
-    q_bthe = apply_rope(q_bthe, q_pos_bt, *rope)
-    k_btke = apply_rope(k_btke, q_pos_bt, *rope)
-    q_bthe = sharding.constrain(q_bthe, ("batch", "seq", "heads", None), mesh)
-
+    w = cast_layer(p, c)
+    q_bthe, k_btke, v_btke = layer_qkv(w, x_btd, q_pos_bt, c=c, rope=rope, mesh=mesh)
     if kv is None:
         k_bske, v_bske = k_btke, v_btke
     else:
@@ -427,6 +426,39 @@ def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_p
         q_positions_bt=q_pos_bt, q_segment_ids_bt=q_seg_bt,
         kv_positions_bs=kv_pos_bs, kv_segment_ids_bs=kv_seg_bs,
         impl=c.attention_impl, mesh=mesh, block_q=c.attn_block_q, block_k=c.attn_block_k)
+    x_btd, stats = layer_out(w, x_btd, o_bthe, c=c, mesh=mesh, valid_bt=q_seg_bt,
+                             is_moe=is_moe, replay_btk=replay_btk)
+    return x_btd, kv, stats
+
+
+def cast_layer(p, c: ModelConfig) -> dict:
+    """One layer's parameters in the compute dtype."""
+    dt = jnp.dtype(c.dtype)
+    return {name: a.astype(dt) for name, a in p.items()}
+
+
+def layer_qkv(w, x_btd, pos_bt, *, c: ModelConfig, rope, mesh=None):
+    """The first half of a layer (`w` from `cast_layer`): queries [b, t, h, e], keys and
+    values [b, t, k, e] after the norm, biases, q/k norms and RoPE. The rollout engine
+    (ptrain/kv_slots.py) calls it with its own cache and attention."""
+    h_btd = rms_norm(x_btd, w["attn_norm"], c.rms_eps)
+    q_bthe = jnp.einsum("btd,dhe->bthe", h_btd, w["wq"])
+    k_btke = jnp.einsum("btd,dke->btke", h_btd, w["wk"])
+    v_btke = jnp.einsum("btd,dke->btke", h_btd, w["wv"])
+    if c.qkv_bias:
+        q_bthe, k_btke, v_btke = q_bthe + w["bq"], k_btke + w["bk"], v_btke + w["bv"]
+    if c.qk_norm:
+        q_bthe = rms_norm(q_bthe, w["q_norm"], c.rms_eps)
+        k_btke = rms_norm(k_btke, w["k_norm"], c.rms_eps)
+    q_bthe = apply_rope(q_bthe, pos_bt, *rope)
+    k_btke = apply_rope(k_btke, pos_bt, *rope)
+    return sharding.constrain(q_bthe, ("batch", "seq", "heads", None), mesh), k_btke, v_btke
+
+
+def layer_out(w, x_btd, o_bthe, *, c: ModelConfig, mesh, valid_bt, is_moe=False,
+              replay_btk=None):
+    """The second half of a layer: the attention output `o_bthe` projected and added, then
+    the MLP (dense, or MoE routing the tokens where valid_bt != 0): (x, routing stats)."""
     attn_btd = jnp.einsum("bthe,hed->btd", o_bthe, w["wo"])
     if c.o_bias:
         attn_btd = attn_btd + w["bo"]
@@ -435,7 +467,7 @@ def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_p
     h_btd = rms_norm(x_btd, w["mlp_norm"], c.rms_eps)
     stats = None
     if is_moe:
-        mlp_btd, stats = moe.block(w, h_btd, q_seg_bt, c, mesh, replay_btk)
+        mlp_btd, stats = moe.block(w, h_btd, valid_bt, c, mesh, replay_btk)
     else:
         gate_btf = jnp.einsum("btd,df->btf", h_btd, w["w_gate"])
         up_btf = jnp.einsum("btd,df->btf", h_btd, w["w_up"])
@@ -443,7 +475,7 @@ def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_p
                                      mesh)
         mlp_btd = jnp.einsum("btf,fd->btd", act_btf, w["w_down"])
     x_btd = x_btd + mlp_btd
-    return sharding.constrain(x_btd, ("batch", "seq", None), mesh), kv, stats
+    return sharding.constrain(x_btd, ("batch", "seq", None), mesh), stats
 
 
 def write_rows(buf, x_bt, start, *, layer=None):
