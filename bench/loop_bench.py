@@ -1,7 +1,7 @@
 """The closed loop's RL step: sandbox scoring overlapped with generation vs serial, against
 the ideal overlapped step max(generate, score + update), all measured in one run.
 
-The quickstart's model, tasks, sandbox pool and `TaskProducer` are built as
+The quickstart's model, tasks, sandbox pool and `rollout.Tasks` producer are built as
 `closed_loop.run` builds them. The policy is the config's fresh initialisation, or with
 `--sft_steps N` the quickstart's SFT warm start cut to N steps: a policy that makes tool
 calls (multi-turn arith episodes) and shorter answers, closer to the quickstart's RL phase.
@@ -37,11 +37,12 @@ from configs import quickstart  # noqa: E402
 from ptrain import closed_loop  # noqa: E402
 from ptrain import learner as learner_lib  # noqa: E402
 from ptrain import metrics as metrics_lib  # noqa: E402
+from ptrain import rollout  # noqa: E402
 from ptrain import sharding  # noqa: E402
 
 
 class TimedProducer:
-    """A TaskProducer that records how long each generate and score call took."""
+    """A producer (rollout.Tasks) that records how long each generate and score call took."""
 
     def __init__(self, producer):
         self.producer, self.times = producer, {"generate": [], "score": []}
@@ -60,8 +61,8 @@ class TimedProducer:
 
 
 def learner_config(config, **changes):
-    """The learner's part of the config, with dotted-key changes."""
-    lcfg = ml_collections.ConfigDict(closed_loop.learner_part(config).to_dict())
+    """A copy of the config with dotted-key changes."""
+    lcfg = ml_collections.ConfigDict(config.to_dict())
     lcfg.update_from_flattened_dict(changes)
     return lcfg
 
@@ -98,9 +99,8 @@ def main():
         tokenizer = closed_loop.make_tokenizer(config)
         config = closed_loop.resolve(config, root, tokenizer)
         closed_loop.make_tasks(config, tokenizer, root)
-        lcfg = closed_loop.learner_part(config)
-        mesh = sharding.mesh_from_config(lcfg.mesh)
-        sampler = closed_loop.make_sampler(lcfg, mesh, tokenizer)
+        mesh = sharding.mesh_from_config(config.mesh)
+        sampler = closed_loop.make_sampler(config, mesh, tokenizer)
         backend = sandbox.backends.resolve(config.sandbox.backend)
         params = None
         if args.sft_steps:
@@ -114,7 +114,7 @@ def main():
         load = os.getloadavg()[0]
         start = time.perf_counter()
         with sandbox.Pool(config.sandbox.workers, backend=config.sandbox.backend) as pool:
-            producer = closed_loop.TaskProducer(sampler, tokenizer, config, pool)
+            producer = rollout.Tasks(sampler, tokenizer, config, pool)
             for _ in range(args.repeats):
                 for s in (0, 1):
                     cpu0, t0 = _busy_s(), time.perf_counter()

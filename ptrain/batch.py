@@ -7,7 +7,8 @@
   collect      calls a producer on prompt batches until the step's batch is full: the DAPO
                overlong penalty, dynamic sampling (groups whose rewards are all equal are
                dropped and more prompts drawn, up to a cap) and group filling; its metrics
-               (rewards, lengths, per-domain means)
+               (rewards, lengths, per-domain means). `finish` does the same for one batch
+               (the overlapped loop's, scored while the next was generated)
 
 Everything here is numpy on the host; the device programs are `ptrain.step`'s.
 """
@@ -129,67 +130,94 @@ Episodes = Batch  # the former name, for a release
 
 
 def collect(rollout, batches, config):
-    """Calls rollout(records, attempt) on prompt batches until the step's batch is full.
+    """Calls rollout(records, attempt) -> Batch on prompt batches until the step's batch is
+    full. Returns (Batch, metrics).
 
-    Without dynamic sampling: one call. With it: rows of groups whose rewards are all equal
-    are dropped and more prompts are drawn, up to dapo.max_gen_batches calls; a batch still
-    short is topped up with dropped groups (their advantage is 0) and the count is logged.
-    The DAPO overlong penalty is added to the rewards first: each episode's tokens after its
-    prompt (`lengths_b`: model turns and observations) against its cap
+    Without dynamic sampling: one call (`finish`). With it: rows of groups whose rewards are
+    all equal are dropped and more prompts are drawn, up to dapo.max_gen_batches calls; a
+    batch still short is topped up with dropped groups (their advantage is 0) and the count
+    is logged. The DAPO overlong penalty is added to the rewards first: each episode's tokens
+    after its prompt (`lengths_b`: model turns and observations) against its cap
     (`config.overlong_max_len`: rollout.max_len in the closed loop, else
-    sampling.max_new_tokens). With dapo.filter_overlong, truncated episodes (`truncated`) are
-    masked out of the loss. Returns (Batch, metrics).
+    dapo.overlong_max_len or sampling.max_new_tokens). With dapo.filter_overlong, truncated
+    episodes (`truncated`) are masked out of the loss.
     """
     c = config
+    if not c.dapo.dynamic_sampling:
+        return finish(rollout(next(batches), 0), c)
     n_groups = c.data.prompts_per_step
     acc, full, all_rewards, last = None, False, [], None
     calls = 0
-    for attempt in range(c.dapo.max_gen_batches if c.dapo.dynamic_sampling else 1):
-        episodes = rollout(next(batches), attempt)
+    for attempt in range(c.dapo.max_gen_batches):
+        episodes = _shaped(rollout(next(batches), attempt), attempt, c)
         calls += 1
-        _check(episodes, c)
-        if c.dapo.overlong_buffer:  # the tokens after the prompt against the episode's cap
-            episodes.rewards_b = episodes.rewards_b + np.asarray(losses.overlong_penalty(
-                episodes.lengths_b, max_len=config_lib.overlong_max_len(c),
-                buffer_len=c.dapo.overlong_buffer, penalty_factor=c.dapo.overlong_penalty))
-        # Group ids unique across the calls of this step.
-        _, local = np.unique(episodes.group_ids_b, return_inverse=True)
-        episodes.group_ids_b = (attempt * len(episodes) + local).astype(np.int32)
         all_rewards.append(episodes.rewards_b)
         last = episodes
-        if not c.dapo.dynamic_sampling:
-            acc, full = episodes.columns(), True
-            break
         keep = informative_groups(episodes.rewards_b, episodes.group_ids_b)
         acc, full = accumulate_groups(acc, episodes.columns(), keep, num_groups=n_groups,
-                                             group_key="group_ids_b")
+                                      group_key="group_ids_b")
         if full:
             break
-    rewards = np.concatenate(all_rewards)
-    metrics = {"reward/mean": rewards.mean(), "reward/std": rewards.std(),
-               "reward/max": rewards.max(), "reward/min": rewards.min()}
-    if c.dapo.dynamic_sampling:
-        filler = 0
-        if not full:
-            before = len(set(np.asarray(acc["group_ids_b"]).tolist()))
-            keep = informative_groups(last.rewards_b, last.group_ids_b)
-            acc, full = accumulate_groups(acc, last.columns(), ~keep, num_groups=n_groups,
-                                                 group_key="group_ids_b")
-            filler = len(set(np.asarray(acc["group_ids_b"]).tolist())) - before
-        if not full:
-            raise ValueError("dynamic sampling could not fill the batch: a rollout returned "
-                             f"fewer than data.prompts_per_step={n_groups} groups")
-        metrics.update({"dapo/gen_batches": calls, "dapo/uninformative_groups": filler,
-                        "reward/batch_mean": np.mean(acc["rewards_b"])})
+    filler = 0
+    if not full:
+        before = len(set(np.asarray(acc["group_ids_b"]).tolist()))
+        keep = informative_groups(last.rewards_b, last.group_ids_b)
+        acc, full = accumulate_groups(acc, last.columns(), ~keep, num_groups=n_groups,
+                                      group_key="group_ids_b")
+        filler = len(set(np.asarray(acc["group_ids_b"]).tolist())) - before
+    if not full:
+        raise ValueError("dynamic sampling could not fill the batch: a rollout returned "
+                         f"fewer than data.prompts_per_step={n_groups} groups")
     episodes = Batch(**acc)
-    if c.dapo.filter_overlong:  # DAPO's overlong filtering: no loss on cut episodes
+    metrics = _reward_metrics(np.concatenate(all_rewards))
+    metrics.update({"dapo/gen_batches": calls, "dapo/uninformative_groups": filler,
+                    "reward/batch_mean": np.mean(acc["rewards_b"])})
+    return _filtered(episodes, c), {**metrics, **_batch_metrics(episodes, c)}
+
+
+def finish(episodes, config):
+    """One producer call's Batch as the step's batch (no dynamic sampling): checked, the
+    overlong penalty added. Returns (Batch, metrics)."""
+    episodes = _shaped(episodes, 0, config)
+    return _filtered(episodes, config), {**_reward_metrics(episodes.rewards_b),
+                                         **_batch_metrics(episodes, config)}
+
+
+def _shaped(episodes, attempt, config):
+    """Checks a producer's Batch, adds the DAPO overlong penalty to its rewards and makes its
+    group ids unique across the calls of a step."""
+    c = config
+    _check(episodes, c)
+    if c.dapo.overlong_buffer:  # the tokens after the prompt against the episode's cap
+        episodes.rewards_b = episodes.rewards_b + np.asarray(losses.overlong_penalty(
+            episodes.lengths_b, max_len=config_lib.overlong_max_len(c),
+            buffer_len=c.dapo.overlong_buffer, penalty_factor=c.dapo.overlong_penalty))
+    _, local = np.unique(episodes.group_ids_b, return_inverse=True)
+    episodes.group_ids_b = (attempt * len(episodes) + local).astype(np.int32)
+    return episodes
+
+
+def _filtered(episodes, config):
+    """With dapo.filter_overlong (DAPO's overlong filtering), truncated episodes keep their
+    tokens but get no loss (after the metrics, which describe what was generated)."""
+    if config.dapo.filter_overlong:
         truncated_b = np.array([truncated(m) for m in episodes.meta], bool)
         episodes.loss_mask_bn = np.asarray(losses.filter_overlong(episodes.loss_mask_bn,
                                                                   truncated_b))
-        metrics["dapo/filtered_overlong"] = truncated_b.mean()
+    return episodes
+
+
+def _reward_metrics(rewards):
+    return {"reward/mean": rewards.mean(), "reward/std": rewards.std(),
+            "reward/max": rewards.max(), "reward/min": rewards.min()}
+
+
+def _batch_metrics(episodes, config):
     mask = episodes.loss_mask_bn
-    metrics["response/length_mean"] = mask.sum(-1).mean()
-    metrics["response/length_max"] = mask.sum(-1).max()
+    metrics = {"response/length_mean": mask.sum(-1).mean(),
+               "response/length_max": mask.sum(-1).max()}
+    if config.dapo.filter_overlong:
+        metrics["dapo/filtered_overlong"] = np.mean([truncated(m) for m in episodes.meta])
     reasons = [m.get("finish_reason") for m in episodes.meta]
     if any(r is not None for r in reasons):
         metrics["response/clip_ratio"] = np.mean([r == "length" for r in reasons])
@@ -197,7 +225,7 @@ def collect(rollout, batches, config):
     if errors:  # verdicts whose sandbox failed (timeouts, worker errors): alerts watch it
         metrics["sandbox/error_rate"] = alerts.sandbox_error_rate(errors)
     metrics.update(domain_metrics(episodes))
-    return episodes, metrics
+    return metrics
 
 
 TRUNCATED = ("truncated", "max_len")  # an episode's `finish` when a cap cut it

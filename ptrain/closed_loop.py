@@ -10,8 +10,8 @@
   SFT       a warm start on demonstrations, loss on the model's own turns only
   eval      greedy pass@1 on the held-out split, per domain (and sampled pass@1 / pass@k
             with eval.sample) -> <workdir>/eval.jsonl, rows keyed by (stage, step)
-  RL        `learner.train` with `TaskProducer`: multi-turn episodes whose tool calls run in
-            the sandbox (`ptrain.rollout`), verdicts from the sandbox pool (`ptrain.rewards`),
+  RL        `learner.train` with the `rollout.Tasks` producer: multi-turn episodes whose tool
+            calls run in the sandbox, verdicts from the sandbox pool (`ptrain.rewards`),
             scoring of batch t overlapped with generating batch t+1 when rl.staleness=1
   eval      again, after RL; a reward-curve PNG
 
@@ -28,24 +28,19 @@ import random
 
 import jax
 import ml_collections
-import numpy as np
 from flax import nnx
 
 from sandbox import fleet
 from ptrain import chat
 from ptrain import config as config_lib
+from ptrain import jsonl
 from ptrain import learner as learner_lib
 from ptrain import metrics as metrics_lib
 from ptrain import model as model_lib
-from ptrain import rewards as rewards_lib
 from ptrain import rollout as rollout_lib
-from ptrain import sampler as sampler_lib
 from ptrain import sharding
 from ptrain import synthetic_tasks
 from ptrain import tasks as tasks_lib
-
-SECTIONS = config_lib.LOOP_SECTIONS  # beyond the learner's
-CHAT_FORMATS = chat.FORMATS  # rollout.chat_format: plain | qwen | llama3
 
 
 # ==================================================================================== config
@@ -59,14 +54,6 @@ def defaults() -> ml_collections.ConfigDict:
 def check_config(config) -> None:
     """The learner's checks, then the closed loop's sections (`ptrain.config.check`)."""
     config_lib.check(config, closed_loop=True)
-
-
-def learner_part(config) -> ml_collections.ConfigDict:
-    """A copy of the config without the closed loop's sections: what the learner reads."""
-    out = ml_collections.ConfigDict(
-        {k: v for k, v in config.items() if k not in SECTIONS})
-    out.lock()
-    return out
 
 
 # ===================================================================================== tasks
@@ -102,7 +89,7 @@ def make_tasks(config, tokenizer, workdir):
                              f"training split, e.g. {sorted(overlap)[0]!r}")
         tasks_lib.write_jsonl(train[domain], _task_file(workdir, domain, "train"))
         tasks_lib.write_jsonl(heldout[domain], _task_file(workdir, domain, "heldout"))
-    fmt = CHAT_FORMATS[config.rollout.chat_format]
+    fmt = chat.FORMATS[config.rollout.chat_format]
     for domain, found in train.items():  # before anything is generated
         tasks_lib.check_lengths(
             {x.id: len(rollout_lib.render_prompt(x, tokenizer, fmt)) for x in found},
@@ -114,7 +101,7 @@ def make_tasks(config, tokenizer, workdir):
                                      for i, r in enumerate(rows)}, config.sft[key],
                                     key=f"sft.{key}", what=f"SFT {part}")
         random.Random(config.seed).shuffle(rows)
-        metrics_lib.write_jsonl(rows, os.path.join(workdir, "tasks", "sft.jsonl"))
+        jsonl.write(rows, os.path.join(workdir, "tasks", "sft.jsonl"))
     return train, heldout
 
 
@@ -142,61 +129,6 @@ def demo_record(task, demo, tokenizer, fmt) -> dict:
             "completion_ids": ids, "completion_mask": mask, "domain": task.domain}
 
 
-# ================================================================================ episodes
-
-
-class TaskProducer:
-    """Episodes for the learner: `generate` runs the model and its tool calls, `score` judges
-    the answers in the sandbox pool and packs the rows (the learner may run the two in
-    different threads, overlapping batch t's scoring with batch t+1's generation)."""
-
-    def __init__(self, sampler, tokenizer, config, pool):
-        self.sampler, self.tokenizer, self.pool = sampler, tokenizer, pool
-        self.rollout_config = rollout_config(config)
-        self.reward_config = reward_config(config)
-        self.fmt = CHAT_FORMATS[config.rollout.chat_format]
-        self.prompt_len = config.data.max_prompt_len
-        self.length = config.rollout.max_len
-        self.pad_id = tokenizer.pad_token_id or 0
-
-    def generate(self, params, records, key):
-        tasks = [tasks_lib.from_record(r) for r in records]
-        return rollout_lib.generate(
-            self.sampler, params, tasks, tokenizer=self.tokenizer, key=key,
-            config=self.rollout_config, fmt=self.fmt, pool=self.pool,
-            reward_config=self.reward_config)
-
-    def score(self, episodes) -> learner_lib.Episodes:
-        rollout_lib.score(episodes, pool=self.pool, config=self.reward_config)
-        rows = rollout_lib.to_rows(episodes, self.rollout_config)
-        for meta, e in zip(rows["meta"], episodes):
-            meta["prompt"] = self.tokenizer.decode(e.tokens[:e.prompt_len])
-            meta["completion"] = self.tokenizer.decode(e.tokens[e.prompt_len:])
-        return learner_lib.Episodes.from_histories(
-            **rows, prompt_lens=[e.prompt_len for e in episodes], prompt_len=self.prompt_len,
-            length=self.length, pad_id=self.pad_id)
-
-
-def rollout_config(config, **changes) -> rollout_lib.RolloutConfig:
-    r, s = config.rollout, config.sampling
-    fields = dict(
-        num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, max_turns=r.max_turns,
-        max_attempts=r.max_attempts, attempt_reward=r.attempt_reward, discount=r.discount,
-        max_len=r.max_len, max_tool_output_chars=r.max_tool_output_chars,
-        tool_timeout_s=r.tool_timeout_s, temperature=s.temperature, top_k=s.top_k,
-        top_p=s.top_p, stop_token_ids=tuple(s.stop_token_ids),
-        session_backend=config.sandbox.backend)
-    fields.update(changes)
-    return rollout_lib.RolloutConfig(**fields)
-
-
-def reward_config(config) -> rewards_lib.RewardConfig:
-    r = config.reward
-    return rewards_lib.RewardConfig(partial_credit=r.partial_credit, timeout_s=r.timeout_s,
-                                    test_timeout_s=r.test_timeout_s, memory_mb=r.memory_mb,
-                                    backend=config.sandbox.backend)
-
-
 # ================================================================================ evaluation
 
 
@@ -210,14 +142,14 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step):
     if config.eval.sample:
         decodings.append(("sample", dict(num_samples=config.sampling.num_samples)))
     for decoding, change in decodings:
-        rc = rollout_config(config, **change)
+        rc = rollout_lib.rollout_config(config, **change)
         for domain, tasks in heldout.items():
             tasks = tasks[:config.eval.n]
             episodes = rollout_lib.generate(
                 sampler, params, tasks, tokenizer=tokenizer, key=jax.random.key(config.seed),
-                config=rc, fmt=CHAT_FORMATS[config.rollout.chat_format], pool=pool,
-                reward_config=reward_config(config), score_now=rc.max_attempts > 1)
-            rollout_lib.score(episodes, pool=pool, config=reward_config(config))
+                config=rc, fmt=chat.FORMATS[config.rollout.chat_format], pool=pool,
+                reward_config=rollout_lib.reward_config(config), score_now=rc.max_attempts > 1)
+            rollout_lib.score(episodes, pool=pool, config=rollout_lib.reward_config(config))
             lines.append({"stage": stage, "step": step, "split": "heldout", "domain": domain,
                           "decoding": decoding, **eval_summary(episodes, rc.num_samples)})
     return lines
@@ -242,13 +174,12 @@ def eval_summary(episodes, samples: int) -> dict:
 def _evaluate_once(path, stage, step, **kwargs):
     """Evaluates unless eval.jsonl already has this (stage, step): a resumed run repeats
     nothing, a run extended to more steps evaluates its new last step."""
-    done = [r for r in metrics_lib.read_jsonl(path)
+    done = [r for r in jsonl.read(path)
             if r.get("stage") == stage and r.get("step") == step]
     if done:
         return done
     lines = evaluate(stage=stage, step=step, **kwargs)
-    # Rewritten whole and renamed into place: a crash mid-write never tears a finished line.
-    metrics_lib.write_jsonl(metrics_lib.read_jsonl(path) + lines, path)
+    jsonl.append(lines, path)
     for line in lines:
         logging.info("eval %(stage)s step %(step)d %(domain)s %(decoding)s: pass@1 "
                      "%(pass_rate).3f (n=%(n)d, truncated %(truncated).2f)", line)
@@ -274,9 +205,8 @@ def run(config, workdir, *, mesh=None):
     tokenizer = make_tokenizer(config)
     config = resolve(config, workdir, tokenizer)
     train, heldout = make_tasks(config, tokenizer, workdir)
-    lcfg = learner_part(config)
-    mesh = sharding.mesh_from_config(lcfg.mesh) if mesh is None else mesh
-    sampler = make_sampler(lcfg, mesh, tokenizer)
+    mesh = sharding.mesh_from_config(config.mesh) if mesh is None else mesh
+    sampler = make_sampler(config, mesh, tokenizer)
     eval_path = os.path.join(workdir, "eval.jsonl")
 
     box = config.sandbox
@@ -286,27 +216,26 @@ def run(config, workdir, *, mesh=None):
                   pool=pool)
         # -------------------------------------------------------- a brought model's baseline
         if config.hf_model:
-            _evaluate_once(eval_path, "base", params=learner_lib.build_model(lcfg, mesh), step=0,
+            _evaluate_once(eval_path, "base", params=learner_lib.build_model(config, mesh), step=0,
                            **ev)
         # -------------------------------------------------------- SFT, then its evaluation
         params = None
         if config.sft.steps:
-            params = learner_lib.sft(lcfg, os.path.join(workdir, "sft"), mesh=mesh,
+            params = learner_lib.sft(config, os.path.join(workdir, "sft"), mesh=mesh,
                                      tokenizer=tokenizer)
             _evaluate_once(eval_path, "sft", params=params, step=config.sft.steps, **ev)
         # -------------------------------------------------------- RL, then its evaluation
-        producer = TaskProducer(sampler, tokenizer, config, pool)
-        params = learner_lib.train(lcfg, workdir, params=params, producer=producer, mesh=mesh,
-                                   tokenizer=tokenizer)
+        producer = rollout_lib.Tasks(sampler, tokenizer, config, pool)
+        params = learner_lib.train(config, workdir, params=params, producer=producer,
+                                   mesh=mesh, tokenizer=tokenizer)
         _evaluate_once(eval_path, "rl", params=params, step=config.steps, **ev)
-    plot_rewards(workdir, config.tasks.domains)
-    return metrics_lib.read_jsonl(eval_path)
+    metrics_lib.plot_rewards(workdir, config.tasks.domains)
+    return jsonl.read(eval_path)
 
 
 def resolve(config, workdir, tokenizer) -> ml_collections.ConfigDict:
     """A copy with what the run derives filled in: the vocabulary (model.vocab_size 0 means
     the tokenizer's, len(tokenizer) with its added tokens), checked against the tokenizer;
-    the episode's cap for the DAPO overlong penalty (dapo.overlong_max_len = rollout.max_len);
     the RL prompt stream (one task file per domain, with its weight), the synthetic SFT
     demonstrations, and the stop ids of a turn (`chat.stop_ids`: the chat format's end of
     turn, the eos ids of hf_model's config.json / generation_config.json, the tokenizer's
@@ -320,7 +249,6 @@ def resolve(config, workdir, tokenizer) -> ml_collections.ConfigDict:
     out.data.sources = tuple((_task_file(workdir, d, "train"), float(w))
                              for d, w in zip(out.tasks.domains, out.tasks.weights))
     out.data.records_fn = None
-    out.dapo.overlong_max_len = out.rollout.max_len  # (the learner's part has no rollout)
     if out.tasks.source == "synthetic":
         out.sft.sources = (os.path.join(workdir, "tasks", "sft.jsonl"),)
         out.sft.records_fn = None
@@ -328,18 +256,16 @@ def resolve(config, workdir, tokenizer) -> ml_collections.ConfigDict:
     eos = hf.eos_token_ids(out.hf_model) if out.hf_model else {}
     chat.check_ids(out.sampling.stop_token_ids, vocab, where="sampling.stop_token_ids")
     out.sampling.stop_token_ids = tuple(dict.fromkeys((*out.sampling.stop_token_ids, *chat.stop_ids(
-        CHAT_FORMATS[out.rollout.chat_format], tokenizer, eos_sources=eos, vocab_size=vocab))))
+        chat.FORMATS[out.rollout.chat_format], tokenizer, eos_sources=eos, vocab_size=vocab))))
     out.lock()
     return out
 
 
-def make_sampler(lcfg, mesh, tokenizer) -> sampler_lib.Sampler:
-    """A sampler for the learner config's model, built abstractly (parameters come with each
-    call)."""
+def make_sampler(config, mesh, tokenizer):
+    """A sampler for the config's model, built abstractly (parameters come with each call)."""
     abstract_model = nnx.eval_shape(lambda: model_lib.Transformer(
-        learner_lib.model_config(lcfg), rngs=nnx.Rngs(0), mesh=mesh))
-    return sampler_lib.Sampler(abstract_model, seed=lcfg.seed,
-                               pad_id=tokenizer.pad_token_id or 0, decode=tokenizer.decode)
+        learner_lib.model_config(config), rngs=nnx.Rngs(0), mesh=mesh))
+    return rollout_lib.make_sampler(abstract_model, config, tokenizer)
 
 
 def make_tokenizer(config):
@@ -349,41 +275,3 @@ def make_tokenizer(config):
         raise ValueError("tasks.source='jsonl' needs config.tokenizer (a local HF directory)")
     from ptrain import hf
     return hf.load_tokenizer(config.tokenizer)
-
-
-def plot_rewards(workdir, domains) -> str:
-    """<workdir>/reward_curve.png: RL reward per domain, and the held-out pass rates."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-    evals = metrics_lib.read_jsonl(os.path.join(workdir, "eval.jsonl"))
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-    for domain in domains:
-        key = f"reward/{domain}/mean"
-        points = [(r["step"], r[key]) for r in rows if key in r]
-        if points:
-            steps, values = zip(*points)
-            window = max(1, len(values) // 20)
-            smooth = np.convolve(values, np.ones(window) / window, mode="valid")
-            ax.plot(steps[window - 1:], smooth, label=domain)
-    ax.set(xlabel="RL step", ylabel="mean reward", title="training reward", ylim=(-0.02, 1.02))
-    ax.legend()
-    greedy = [e for e in evals if e["decoding"] == "greedy"]
-    stages = [s for s in ("base", "sft", "rl") if any(e["stage"] == s for e in greedy)]
-    width = 0.8 / max(1, len(stages))
-    for j, stage in enumerate(stages):
-        values = [max(((e["step"], e["pass_rate"]) for e in greedy  # the latest step's
-                       if e["stage"] == stage and e["domain"] == d), default=(0, 0.0))[1]
-                  for d in domains]
-        bx.bar(np.arange(len(domains)) + (j - (len(stages) - 1) / 2) * width, values, width,
-               label="brought model" if stage == "base" else f"after {stage}")
-    bx.set(xticks=range(len(domains)), xticklabels=domains, ylim=(0, 1),
-           ylabel="held-out pass rate (greedy)", title="held-out evaluation")
-    bx.legend()
-    fig.tight_layout()
-    path = os.path.join(workdir, "reward_curve.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

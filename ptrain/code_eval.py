@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from sandbox.terminal.evaluate import read_rows, summarize, write_transcript
 
+from ptrain import jsonl
 from ptrain import rewards as rewards_lib
 from ptrain import tasks as tasks_lib
 
@@ -77,7 +78,7 @@ def reference(record: dict, fmt: str) -> str | None:
 
 def detect_format(path: str) -> str:
     """The format of a task file, from its first record's keys."""
-    for _, record in tasks_lib._records(path):  # pylint: disable=protected-access
+    for _, record in jsonl.records(path):
         fmt = tasks_lib.guess_format(record)
         if fmt is None:
             raise ValueError(f"{path}: the first record's keys {sorted(record)} match none of "
@@ -91,7 +92,7 @@ def load(path: str, fmt: str = "") -> list[tuple[tasks_lib.Task, str | None]]:
     `ptrain.tasks.FORMATS` ("" detects it)."""
     fmt = fmt or detect_format(path)
     tasks = tasks_lib.load(path, fmt)
-    records = [r for _, r in tasks_lib._records(path)]  # pylint: disable=protected-access
+    records = [r for _, r in jsonl.records(path)]
     if len(records) != len(tasks):
         raise ValueError(f"{path}: {len(records)} records but {len(tasks)} tasks")
     items = [(t, reference(r, fmt)) for t, r in zip(tasks, records)]

@@ -105,8 +105,8 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         overlong_buffer=0,  # > 0: soft overlong penalty over the last N tokens before the max
         overlong_penalty=1.0,
         # The cap an episode's tokens after its prompt are measured against: 0 means
-        # sampling.max_new_tokens (one turn); the closed loop sets rollout.max_len (turns and
-        # observations).
+        # sampling.max_new_tokens (one turn); the closed loop uses rollout.max_len (turns and
+        # observations), the terminal loop terminal.max_len (`overlong_max_len`).
         overlong_max_len=0,
         filter_overlong=False,  # True: truncated episodes (cut at a cap) get no loss
         dynamic_sampling=False,  # keep sampling until every group's rewards differ

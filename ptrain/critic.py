@@ -1,7 +1,7 @@
 """PPO's critic: the policy's decoder with a scalar value head (rl.estimator="gae").
 
 The learner (`ptrain/learner.py`) builds it with `init`, reads its values with
-`learner.token_values` (aligned like the token log-probs) and trains it with a clipped value
+`step.token_values` (aligned like the token log-probs) and trains it with a clipped value
 loss (`losses.value_loss`) on the actor's minibatches.
 """
 

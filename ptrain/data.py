@@ -162,3 +162,19 @@ def prompt_batches(sources, *, batch_size, seed, num_epochs=None, shuffle=True,
             ds = ds[:len(ds) // process_count * process_count]
         ds = ds[process_index::process_count]
     return Prompts(dataset=ds, sources=opened, weights=weights)
+
+
+def record_ids(record, ids_key, text_key, tokenizer=None) -> list[int]:
+    """Token ids of a record's field: `ids_key` (ids), or `text_key` encoded by `tokenizer`."""
+    if ids_key in record:
+        return [int(t) for t in record[ids_key]]
+    if tokenizer is None or text_key not in record:
+        raise ValueError(f"record {short(record)} has no {ids_key!r}; give token ids, or "
+                         f"{text_key!r} text and config.tokenizer")
+    return list(tokenizer.encode(record[text_key]))
+
+
+def short(record, n=80) -> str:
+    """A record as JSON, cut to about n characters (for error messages)."""
+    text = json.dumps(record, default=str)
+    return text if len(text) <= n else text[:n] + "...}"

@@ -1,21 +1,22 @@
-"""The RL learner: prompts -> samples -> rewards -> advantages -> PPO updates -> logs, checkpoints.
+"""The loops: RL (`train`) and supervised warm start (`sft`), each read top to bottom.
 
-`train(config, workdir)` is the loop, read top to bottom. Its stages are public so that other
-loops (multi-turn tool episodes, sandbox rewards, overlapped scoring) reuse them:
+One RL step enters each room once:
 
-  rollout  `Learner.rollout(params, records, key) -> Episodes`: the default single-turn producer
-           (sampler, G samples per prompt, then `config.reward_fn`); replace it by passing
-           `rollout_fn` to `train`.
-  prepare  `Learner.prepare(params, episodes, kl_coef) -> batch`: on the device, the log-probs
-           of the current and reference policies, KL in the reward, advantages.
-  update   `Learner.update(params, opt_state, batch) -> params, opt_state, metrics`: PPO epochs
-           over minibatches, gradients accumulated over microbatches, one jitted call.
+  data      a batch of prompt records (`ptrain.data`)
+  rollout   a `rollout.Producer` turns them into a `batch.Batch`: `generate` (sampler, tool
+            calls) then `score` (reward_fn or sandbox verdicts); the default producer is
+            `rollout.SingleTurn` with config.reward_fn
+  collect   `batch.collect`: DAPO overlong shaping, dynamic sampling, group filling, metrics
+  prepare   `step.prepare` on the device: log-probs of the current and reference policies,
+            KL in the reward, advantages (with rl.estimator="gae", the critic's values)
+  update    `step.update`: the critic's updates, then the actor's (PPO epochs over
+            minibatches, gradients accumulated over microbatches, one jitted call each)
+  log, checkpoint
 
-PPO with a learned value function (rl.estimator="gae") adds a critic: the policy's decoder with
-a scalar value head (`ptrain/critic.py`), its own parameters and optimizer (config.critic).
-`prepare` then takes `critic_params` (old values, GAE advantages and returns) and
-`Learner.update_critic` trains it on the same minibatches and epochs as the actor (verl updates
-the critic, then the actor).
+`Learner` holds the static context of a run (mesh, model graph, optimizers, step settings,
+the frozen reference policy) and calls the jitted programs of `ptrain.step`; parameters and
+optimizer state are passed in and out, never kept. The config is checked and resolved once
+(`ptrain.config`).
 
 `sft(config, workdir)` trains on (prompt, completion) pairs with the loss on completion tokens
 only, as a warm start; `train(..., params=...)` continues from its result.
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -46,10 +46,11 @@ from ptrain import checkpoint as checkpoint_lib
 from ptrain import config as config_lib
 from ptrain import critic as critic_lib
 from ptrain import data as data_lib
+from ptrain import jsonl
 from ptrain import losses
 from ptrain import metrics as metrics_lib
 from ptrain import model as model_lib
-from ptrain import sampler as sampler_lib
+from ptrain import rollout as rollout_lib
 from ptrain import sharding
 from ptrain import step as step_lib
 from ptrain.batch import Batch, Episodes  # noqa: F401 (Episodes: learner.Episodes, ex name)
@@ -74,8 +75,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
 
 class Learner:
-    """The static context of a run (mesh, model graph, optimizer, sampler, compiled steps)
-    and its stages. Parameters and optimizer state are passed in and out, never kept."""
+    """The static context of a run (mesh, model graph, optimizers, step settings, reference
+    policy) and its device stages. Parameters and optimizer state are passed in and out,
+    never kept."""
 
     def __init__(self, config, *, mesh=None, params=None, tokenizer=None):
         """mesh: default from config.mesh. params: initial parameters (default: the config's
@@ -94,7 +96,7 @@ class Learner:
                 self.model_config, rngs=nnx.Rngs(0), mesh=self.mesh), self.mesh)
             self.initial_params = jax.device_put(params, jax.tree.map(
                 lambda x: x.sharding, abstract) if self.mesh is not None else None)
-        self.pad_id = _pad_id(self.tokenizer)
+        self.pad_id = rollout_lib.pad_id(self.tokenizer)
         resolved = config_lib.resolve(c)
         updates = resolved.updates_per_step
         self.settings, self.sft_settings = resolved.rl, resolved.sft
@@ -111,14 +113,9 @@ class Learner:
             self.critic_settings = resolved.critic
         self.sft_tx, self.sft_schedule = step_lib.make_optimizer(c.sft.optim,
                                                                  total_steps=c.sft.steps)
-        kl_on = c.kl.coef > 0
-        s = c.sampling
         # The reference policy is a copy: the live parameters are donated to each update.
-        self.ref_params = jax.tree.map(jnp.copy, self.initial_params) if kl_on else None
-        self.sampler = sampler_lib.Sampler(
-            nnx.merge(self.graphdef, self.initial_params), seed=c.seed, pad_id=self.pad_id,
-            decode=self.decode if self.tokenizer is not None else None,
-            stop_check_every=s.stop_check_every)
+        self.ref_params = (jax.tree.map(jnp.copy, self.initial_params) if c.kl.coef > 0
+                           else None)
 
     # ------------------------------------------------------------------ state
 
@@ -143,55 +140,11 @@ class Learner:
         return critic_lib.init(self.model_config, seed=c.seed + 1, mesh=self.mesh,
                                policy_params=policy)[1]
 
-    def decode(self, ids) -> str:
-        if self.tokenizer is None:
-            return " ".join(str(int(i)) for i in ids)
-        return self.tokenizer.decode(list(ids))
-
     def encode(self, record, ids_key, text_key) -> list[int]:
         """Token ids of a record's field: `ids_key` (ids), or `text_key` with the tokenizer."""
-        if ids_key in record:
-            return [int(t) for t in record[ids_key]]
-        if self.tokenizer is None or text_key not in record:
-            raise ValueError(f"record {_short(record)} has no {ids_key!r}; give token ids, or "
-                             f"{text_key!r} text and config.tokenizer")
-        return list(self.tokenizer.encode(record[text_key]))
+        return data_lib.record_ids(record, ids_key, text_key, self.tokenizer)
 
     # ------------------------------------------------------------------ stages
-
-    def rollout(self, params, records, key, *, reward_fn=None) -> Batch:
-        """The default single-turn producer: G samples per prompt, each scored by reward_fn
-        (default config.reward_fn). Rows of prompt i form group i."""
-        c, s = self.config, self.config.sampling
-        reward_fn = reward_fn or c.reward_fn
-        if reward_fn is None:
-            raise ValueError("config.reward_fn is not set: give a callable "
-                             "reward_fn(record, completion_ids, completion_text)")
-        prompts = [self.encode(r, "prompt_ids", "prompt") for r in records]
-        for record, prompt in zip(records, prompts):
-            if len(prompt) > c.data.max_prompt_len:
-                raise ValueError(f"prompt {_short(record)} has {len(prompt)} tokens, more than "
-                                 f"data.max_prompt_len={c.data.max_prompt_len}")
-        out = self.sampler.sample(
-            params, prompts, max_new_tokens=s.max_new_tokens, num_samples=s.num_samples,
-            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-            stop_token_ids=tuple(s.stop_token_ids), stop_strings=tuple(s.stop_strings),
-            key=key, prompt_len=c.data.max_prompt_len, batch_size=len(prompts))
-        completions = out.completions()
-        rewards, meta = [], []
-        for r, completion in enumerate(completions):
-            i = out.prompt_index[r]
-            text = self.decode(completion)
-            reward, feedback = _reward_and_feedback(reward_fn(records[i], completion, text))
-            rewards.append(reward)
-            meta.append({"prompt": self.decode(prompts[i]), "completion": text,
-                         "feedback": feedback, "finish_reason": out.finish_reasons[r]})
-        return Batch.from_rows(
-            [prompts[i] for i in out.prompt_index], completions,
-            [[1] * len(x) for x in completions], [out.logp_temp[r, :len(x)]
-                                                   for r, x in enumerate(completions)],
-            rewards, out.prompt_index, prompt_len=c.data.max_prompt_len,
-            length=s.max_new_tokens, meta=meta, pad_id=self.pad_id)
 
     def prepare(self, params, episodes: Batch, kl_coef: float = 0.0, *,
                 critic_params=None):
@@ -257,25 +210,6 @@ def _load_tokenizer(path):
     return hf.load_tokenizer(path)
 
 
-def _pad_id(tokenizer) -> int:
-    pad = getattr(tokenizer, "pad_token_id", None)
-    return int(pad) if pad is not None else 0
-
-
-def _reward_and_feedback(value):
-    if isinstance(value, tuple):
-        if len(value) != 2:
-            raise ValueError(f"reward_fn returned {value!r}; return a number or "
-                             "(reward, feedback)")
-        return float(value[0]), value[1]
-    return float(value), None
-
-
-def _short(record, n=80):
-    text = json.dumps(record, default=str)
-    return text if len(text) <= n else text[:n] + "...}"
-
-
 # ================================================================================ the loop
 
 
@@ -284,12 +218,14 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     """Runs RL from the config; resumes from the latest checkpoint in `workdir`.
 
     params: initial parameters (e.g. from `sft`); default: the config's model.
-    rollout_fn(params, records, key) -> Batch replaces the default single-turn rollout
-      (`Learner.rollout`); records are one batch of data.prompts_per_step prompt records.
-    producer: instead of rollout_fn, an object with `generate(params, records, key)` (the
-      device part: sampling, tool calls) and `score(generated) -> Batch` (verdicts from
-      the sandbox). With rl.staleness=1, batch t is scored in a thread while batch t+1 is
-      generated, so the accelerator does not wait for the sandbox.
+    producer: a `rollout.Producer`, `generate(params, records, key)` (the device part:
+      sampling, tool calls) and `score(generated) -> Batch` (rewards, verdicts from the
+      sandbox); records are one batch of data.prompts_per_step prompt records. With
+      rl.staleness=1, batch t is scored in a thread while batch t+1 is generated, so the
+      accelerator does not wait for the sandbox. Default: `rollout.SingleTurn` with
+      config.reward_fn.
+    rollout_fn(params, records, key) -> Batch: instead of a producer, one function
+      (`rollout.FromFunction`).
     tokenizer: default config.tokenizer.
     Returns the final parameters.
     """
@@ -298,13 +234,16 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     learner = Learner(c, mesh=mesh, params=params, tokenizer=tokenizer)
     if rollout_fn is not None and producer is not None:
         raise ValueError("give rollout_fn or producer, not both")
-    if c.rl.staleness and producer is None:
+    if c.rl.staleness and rollout_fn is not None:
         raise ValueError("rl.staleness=1 overlaps scoring with generation: pass a producer "
-                         "with separate generate() and score()")
-    if producer is not None:
-        def rollout_fn(params, records, key):
-            return producer.score(producer.generate(params, records, key))
-    rollout_fn = rollout_fn or learner.rollout
+                         "with separate generate() and score() (the default, "
+                         "rollout.SingleTurn, has them), not one rollout_fn")
+    if rollout_fn is not None:
+        producer = rollout_lib.FromFunction(rollout_fn)
+    elif producer is None:
+        producer = rollout_lib.SingleTurn(c, rollout_lib.make_sampler(
+            nnx.merge(learner.graphdef, learner.initial_params), c, learner.tokenizer),
+            tokenizer=learner.tokenizer)
     os.makedirs(workdir, exist_ok=True)
     prompts = _prompt_stream(c.data, c.data.prompts_per_step, c.seed, workdir, "prompts",
                              on_error=c.data.on_error)
@@ -365,16 +304,16 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                 if step < c.steps:
                     ahead = producer.generate(params, next(batches),
                                               jax.random.fold_in(root_key, step + 1))
-                # (collect_episodes draws nothing here: the batch is the one just scored.)
-                episodes, gen_metrics = batch_lib.collect(lambda records, attempt: scoring.result(),
-                                                         iter([None]), c)
+                episodes, gen_metrics = batch_lib.finish(scoring.result(), c)
             else:
                 # With DAPO dynamic sampling, groups whose rewards are all equal carry no signal:
                 # sample more prompts until the batch is full of informative groups (or the cap).
-                episodes, gen_metrics = batch_lib.collect(
-                    lambda records, attempt: rollout_fn(params, records,
-                                                        jax.random.fold_in(key, attempt)),
-                    batches, c)
+                def rollout(records, attempt):
+                    generated = producer.generate(params, records,
+                                                  jax.random.fold_in(key, attempt))
+                    return producer.score(generated)
+
+                episodes, gen_metrics = batch_lib.collect(rollout, batches, c)
                 data_state = batches.get_state()
             t1 = time.perf_counter()
 
@@ -435,7 +374,7 @@ def _prompt_stream(data, batch_size, seed, workdir, name, *, on_error):
     sources = list(data.sources)
     if data.records_fn is not None:
         path = os.path.join(workdir, f"{name}.jsonl")
-        metrics_lib.write_jsonl(data.records_fn(seed), path)
+        jsonl.write(data.records_fn(seed), path)
         sources = [path]
     if not sources:
         section = "sft" if name == "sft" else "data"

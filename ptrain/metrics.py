@@ -26,23 +26,10 @@ import tqdm
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from ptrain.jsonl import read as read_jsonl
+
 ROLLOUT_KEYS = ("prompt", "completion", "reward")  # also: feedback, domain, anything else
 DEFAULT_PLOT_PATTERN = re.compile(r"reward|kl|entropy|length")
-
-
-def read_jsonl(path):
-    """The records of a JSONL file (none if it does not exist)."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def write_jsonl(records, path):
-    """Writes the records as JSONL atomically (a temp file renamed into place)."""
-    with open(path + ".tmp", "w") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in records))
-    os.replace(path + ".tmp", path)
 
 
 CONFIG_FILE, COMMAND_FILE = "config.json", "command.txt"
@@ -215,3 +202,39 @@ def _to_json(value):
     """numpy / JAX scalars and arrays in rollout samples."""
     array = np.asarray(value)
     return array.item() if array.ndim == 0 else array.tolist()
+
+
+def plot_rewards(workdir, domains) -> str:
+    """<workdir>/reward_curve.png: RL reward per domain (metrics.jsonl) and the held-out
+    greedy pass rates of each stage's latest evaluation: the brought model (hf_model), after
+    SFT, after RL (eval.jsonl)."""
+    rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    evals = read_jsonl(os.path.join(workdir, "eval.jsonl"))
+    fig = Figure(figsize=(11, 4))
+    ax, bx = fig.subplots(1, 2)
+    for domain in domains:
+        key = f"reward/{domain}/mean"
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            steps, values = zip(*points)
+            window = max(1, len(values) // 20)
+            smooth = np.convolve(values, np.ones(window) / window, mode="valid")
+            ax.plot(steps[window - 1:], smooth, label=domain)
+    ax.set(xlabel="RL step", ylabel="mean reward", title="training reward", ylim=(-0.02, 1.02))
+    ax.legend()
+    greedy = [e for e in evals if e["decoding"] == "greedy"]
+    stages = [s for s in ("base", "sft", "rl") if any(e["stage"] == s for e in greedy)]
+    width = 0.8 / max(1, len(stages))
+    for j, stage in enumerate(stages):
+        values = [max(((e["step"], e["pass_rate"]) for e in greedy  # the latest step's
+                       if e["stage"] == stage and e["domain"] == d), default=(0, 0.0))[1]
+                  for d in domains]
+        bx.bar(np.arange(len(domains)) + (j - (len(stages) - 1) / 2) * width, values, width,
+               label="brought model" if stage == "base" else f"after {stage}")
+    bx.set(xticks=range(len(domains)), xticklabels=domains, ylim=(0, 1),
+           ylabel="held-out pass rate (greedy)", title="held-out evaluation")
+    bx.legend()
+    fig.tight_layout()
+    path = os.path.join(workdir, "reward_curve.png")
+    FigureCanvasAgg(fig).print_png(path)
+    return path

@@ -1,4 +1,16 @@
-"""Episodes: single- and multi-turn, with tool calls run in the sandbox, and retries.
+"""Producers of a step's batch, and the episodes they run: single- and multi-turn, with tool
+calls run in the sandbox, and retries.
+
+One protocol, `Producer`: `generate(params, records, key)` is the device part (sampling,
+tool calls), `score(generated) -> batch.Batch` the host part (rewards or sandbox verdicts,
+packing). `learner.train` draws every batch through one; with rl.staleness=1 it scores batch
+t in a thread while batch t+1 is generated. Three producers:
+
+  SingleTurn    G samples per prompt record, scored by `reward_fn(record, completion_ids,
+                completion_text)` (the learner's default, `config.reward_fn`)
+  Tasks         `ptrain.tasks.Task` records: multi-turn episodes with tool calls, verdicts
+                from the sandbox pool (the closed loop's)
+  FromFunction  a `rollout_fn(params, records, key) -> Batch` (generate and score in one)
 
 Token in, token out. An episode's history is a list of token ids that only ever grows: the
 prompt (rendered by the chat format, `ptrain.chat`, through the tokenizer's own template),
@@ -25,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -34,7 +47,11 @@ from sandbox import fleet
 from sandbox import tools as sandbox_tools
 
 from ptrain import chat
+from ptrain import data as data_lib
 from ptrain import rewards as rewards_lib
+from ptrain import tasks as tasks_lib
+from ptrain.batch import Batch
+from ptrain.sampler import Sampler
 from ptrain.tasks import Files, Task
 
 ATTEMPT_REWARDS = ("final", "first", "mean", "discounted")
@@ -309,7 +326,7 @@ def close(episodes: Sequence[Episode]) -> None:
 
 
 def to_rows(episodes: Sequence[Episode], config: RolloutConfig) -> dict:
-    """Per-row lists for `learner.Episodes.from_rows`, plus host-side metadata."""
+    """Per-row lists for `batch.Batch.from_histories`, plus host-side metadata."""
     return dict(
         tokens=[e.tokens for e in episodes], loss_masks=[e.mask for e in episodes],
         rollout_logps=[e.logp for e in episodes],
@@ -322,3 +339,156 @@ def to_rows(episodes: Sequence[Episode], config: RolloutConfig) -> dict:
                "feedback": e.verdicts[-1].feedback if e.verdicts else "",
                "error_type": e.verdicts[-1].error_type if e.verdicts else ""}
               for e in episodes])
+
+
+# ============================================================================ producers
+
+
+class Producer(Protocol):
+    """What `learner.train` draws a step's batch from (see the module docstring)."""
+
+    def generate(self, params, records: list[dict], key) -> Any: ...
+
+    def score(self, generated) -> Batch: ...
+
+
+def make_sampler(model, config, tokenizer=None) -> Sampler:
+    """A sampler for `model` (concrete or abstract: parameters come with each call), with the
+    tokenizer's pad id and decode (stop strings) and config.sampling.stop_check_every."""
+    return Sampler(model, seed=config.seed, pad_id=pad_id(tokenizer),
+                   decode=tokenizer.decode if tokenizer is not None else None,
+                   stop_check_every=config.sampling.stop_check_every)
+
+
+def pad_id(tokenizer) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return int(pad) if pad is not None else 0
+
+
+def decode(tokenizer, ids) -> str:
+    """Text of token ids; without a tokenizer, the ids themselves (records carry ids)."""
+    if tokenizer is None:
+        return " ".join(str(int(i)) for i in ids)
+    return tokenizer.decode(list(ids))
+
+
+class SingleTurn:
+    """G samples per prompt record, each scored by reward_fn(record, completion_ids,
+    completion_text) -> reward, or (reward, feedback text). Rows of prompt i form group i."""
+
+    def __init__(self, config, sampler: Sampler, *, tokenizer=None, reward_fn=None):
+        self.config, self.sampler, self.tokenizer = config, sampler, tokenizer
+        self.reward_fn = reward_fn or config.reward_fn
+        if self.reward_fn is None:
+            raise ValueError("config.reward_fn is not set: give a callable "
+                             "reward_fn(record, completion_ids, completion_text)")
+
+    def generate(self, params, records, key):
+        c, s = self.config, self.config.sampling
+        prompts = [data_lib.record_ids(r, "prompt_ids", "prompt", self.tokenizer)
+                   for r in records]
+        for record, prompt in zip(records, prompts):
+            if len(prompt) > c.data.max_prompt_len:
+                raise ValueError(f"prompt {data_lib.short(record)} has {len(prompt)} tokens, "
+                                 f"more than data.max_prompt_len={c.data.max_prompt_len}")
+        out = self.sampler.sample(
+            params, prompts, max_new_tokens=s.max_new_tokens, num_samples=s.num_samples,
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+            stop_token_ids=tuple(s.stop_token_ids), stop_strings=tuple(s.stop_strings),
+            key=key, prompt_len=c.data.max_prompt_len, batch_size=len(prompts))
+        return records, prompts, out
+
+    def score(self, generated) -> Batch:
+        records, prompts, out = generated
+        c = self.config
+        completions = out.completions()
+        rewards, meta = [], []
+        for r, completion in enumerate(completions):
+            i = out.prompt_index[r]
+            text = decode(self.tokenizer, completion)
+            reward, feedback = _reward_and_feedback(
+                self.reward_fn(records[i], completion, text))
+            rewards.append(reward)
+            meta.append({"prompt": decode(self.tokenizer, prompts[i]), "completion": text,
+                         "feedback": feedback, "finish_reason": out.finish_reasons[r]})
+        return Batch.from_rows(
+            [prompts[i] for i in out.prompt_index], completions,
+            [[1] * len(x) for x in completions], [out.logp_temp[r, :len(x)]
+                                                   for r, x in enumerate(completions)],
+            rewards, out.prompt_index, prompt_len=c.data.max_prompt_len,
+            length=c.sampling.max_new_tokens, meta=meta, pad_id=pad_id(self.tokenizer))
+
+
+def _reward_and_feedback(value):
+    if isinstance(value, tuple):
+        if len(value) != 2:
+            raise ValueError(f"reward_fn returned {value!r}; return a number or "
+                             "(reward, feedback)")
+        return float(value[0]), value[1]
+    return float(value), None
+
+
+class FromFunction:
+    """rollout_fn(params, records, key) -> Batch as a producer: `generate` does it all."""
+
+    def __init__(self, rollout_fn):
+        self.rollout_fn = rollout_fn
+
+    def generate(self, params, records, key) -> Batch:
+        return self.rollout_fn(params, records, key)
+
+    def score(self, batch: Batch) -> Batch:
+        return batch
+
+
+class Tasks:
+    """Task records (`ptrain.tasks`): `generate` runs the model and its tool calls, `score`
+    judges the answers in the sandbox pool and packs the rows (the learner may run the two in
+    different threads, overlapping batch t's scoring with batch t+1's generation)."""
+
+    def __init__(self, sampler, tokenizer, config, pool):
+        self.sampler, self.tokenizer, self.pool = sampler, tokenizer, pool
+        self.rollout_config = rollout_config(config)
+        self.reward_config = reward_config(config)
+        self.fmt = chat.FORMATS[config.rollout.chat_format]
+        self.prompt_len = config.data.max_prompt_len
+        self.length = config.rollout.max_len
+        self.pad_id = tokenizer.pad_token_id or 0
+
+    def generate(self, params, records, key):
+        tasks = [tasks_lib.from_record(r) for r in records]
+        return generate(self.sampler, params, tasks, tokenizer=self.tokenizer, key=key,
+                        config=self.rollout_config, fmt=self.fmt, pool=self.pool,
+                        reward_config=self.reward_config)
+
+    def score(self, episodes) -> Batch:
+        score(episodes, pool=self.pool, config=self.reward_config)
+        rows = to_rows(episodes, self.rollout_config)
+        for meta, e in zip(rows["meta"], episodes):
+            meta["prompt"] = self.tokenizer.decode(e.tokens[:e.prompt_len])
+            meta["completion"] = self.tokenizer.decode(e.tokens[e.prompt_len:])
+        return Batch.from_histories(
+            **rows, prompt_lens=[e.prompt_len for e in episodes], prompt_len=self.prompt_len,
+            length=self.length, pad_id=self.pad_id)
+
+
+def rollout_config(config, **changes) -> RolloutConfig:
+    """The closed-loop config's episode settings (rollout.*, sampling.*, sandbox.backend)."""
+    r, s = config.rollout, config.sampling
+    fields = dict(
+        num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, max_turns=r.max_turns,
+        max_attempts=r.max_attempts, attempt_reward=r.attempt_reward, discount=r.discount,
+        max_len=r.max_len, max_tool_output_chars=r.max_tool_output_chars,
+        tool_timeout_s=r.tool_timeout_s, temperature=s.temperature, top_k=s.top_k,
+        top_p=s.top_p, stop_token_ids=tuple(s.stop_token_ids),
+        session_backend=config.sandbox.backend)
+    fields.update(changes)
+    return RolloutConfig(**fields)
+
+
+def reward_config(config) -> rewards_lib.RewardConfig:
+    """The closed-loop config's verifier settings (reward.*, sandbox.backend)."""
+    r = config.reward
+    return rewards_lib.RewardConfig(partial_credit=r.partial_credit, timeout_s=r.timeout_s,
+                                    test_timeout_s=r.test_timeout_s, memory_mb=r.memory_mb,
+                                    backend=config.sandbox.backend)

@@ -45,16 +45,16 @@ class Samples:
     `pad_id` / 0 after each row's length; stop tokens and stop strings are part of the
     completion."""
 
-    tokens: np.ndarray  # int32 [n, max_new_tokens]
-    logp: np.ndarray  # float32 [n, max_new_tokens]: under the distribution sampled from
-    logp_temp: np.ndarray  # float32 [n, max_new_tokens]: logits / temperature, no top-k / p
-    logp_t1: np.ndarray  # float32 [n, max_new_tokens]: temperature 1, no top-k / top-p
-    lengths: np.ndarray  # int32 [n]
+    tokens: np.ndarray  # int32 [rows, max_new_tokens]
+    logp: np.ndarray  # float32 [rows, max_new_tokens]: under the distribution sampled from
+    logp_temp: np.ndarray  # float32 [rows, max_new_tokens]: logits / temperature, no top-k / p
+    logp_t1: np.ndarray  # float32 [rows, max_new_tokens]: temperature 1, no top-k / top-p
+    lengths: np.ndarray  # int32 [rows]
     finish_reasons: list  # "stop" | "length" per row
-    prompt_index: np.ndarray  # int32 [n]
+    prompt_index: np.ndarray  # int32 [rows]
 
     def completions(self) -> list[list[int]]:
-        return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
+        return [row[:length].tolist() for row, length in zip(self.tokens, self.lengths)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +127,7 @@ class Sampler:
         if isinstance(params, model_lib.Transformer):
             params = nnx.state(params)
         tokens_bt, lengths_b = self._pad_prompts(prompts, prompt_len, batch_size)
-        n = len(prompts) * num_samples  # this process's rows
+        rows = len(prompts) * num_samples  # this process's rows
         real_b = np.arange(len(tokens_bt)) < len(prompts)
         tokens_bt, lengths_b, real_b = sharding.from_process_local(
             (tokens_bt, lengths_b, real_b), self.mesh,
@@ -137,11 +137,11 @@ class Sampler:
         if not stop_strings:
             carry = _decode(params, carry, key, jnp.int32(max_new_tokens),
                             graphdef=self.graphdef, settings=settings)
-            return self._finish(carry, n, num_samples, {})
+            return self._finish(carry, rows, num_samples, {})
         # Stop strings need the text: decode `stop_check_every` tokens on the device, then
         # look for the strings on the host and mark the rows that hit one as done.
         cut = {}  # row -> length at which a stop string completes
-        checked = np.zeros(n, np.int64)
+        checked = np.zeros(rows, np.int64)
         limit = 0
         while limit < max_new_tokens:
             limit = min(limit + self.stop_check_every, max_new_tokens)
@@ -150,7 +150,7 @@ class Sampler:
             tokens, lengths, done = sharding.to_host_local(
                 (carry["tokens_bn"], carry["lengths_b"], carry["done_b"]))
             done = np.array(done)
-            for row in range(n):
+            for row in range(rows):
                 if row in cut or lengths[row] == checked[row]:
                     continue
                 end = _stop_string_end(self.decode, tokens[row, :lengths[row]].tolist(),
@@ -163,7 +163,7 @@ class Sampler:
                 break
             carry["done_b"] = jax.make_array_from_process_local_data(
                 carry["done_b"].sharding, done, carry["done_b"].shape)
-        return self._finish(carry, n, num_samples, cut)
+        return self._finish(carry, rows, num_samples, cut)
 
     def _settings(self, temperature, top_k, top_p, greedy, stop_token_ids, stop_strings,
                   max_new_tokens, num_samples) -> _Settings:
@@ -218,12 +218,12 @@ class Sampler:
                              f"{self.config.vocab_size}); got {tokens_bt.min()}..{tokens_bt.max()}")
         return tokens_bt, lengths_b
 
-    def _finish(self, carry, n, num_samples, cut) -> Samples:
+    def _finish(self, carry, rows, num_samples, cut) -> Samples:
         tokens, logp, logp_temp, logp_t1, lengths, reasons = sharding.to_host_local(
             (carry["tokens_bn"], carry["logp_bn"], carry["logp_temp_bn"], carry["logp_t1_bn"],
              carry["lengths_b"], carry["reason_b"]))
         tokens, logp, logp_temp, logp_t1, lengths, reasons = (
-            np.array(x[:n]) for x in (tokens, logp, logp_temp, logp_t1, lengths, reasons))
+            np.array(x[:rows]) for x in (tokens, logp, logp_temp, logp_t1, lengths, reasons))
         for row, end in cut.items():
             lengths[row], reasons[row] = end, _STOP
             tokens[row, end:] = self.pad_id
@@ -232,7 +232,7 @@ class Sampler:
         return Samples(tokens=tokens, logp=logp, logp_temp=logp_temp, logp_t1=logp_t1,
                        lengths=lengths,
                        finish_reasons=[FINISH_REASONS[r - 1] for r in reasons],
-                       prompt_index=(np.arange(n) // num_samples).astype(np.int32))
+                       prompt_index=(np.arange(rows) // num_samples).astype(np.int32))
 
 
 def _next_pow2(x: int) -> int:
@@ -288,19 +288,19 @@ def _prefill(params, tokens_bt, lengths_b, real_b, *, graphdef, num_samples, max
     def repeat(x):
         return jnp.repeat(x, num_samples, axis=0)
 
-    n = tokens_bt.shape[0] * num_samples
+    rows = tokens_bt.shape[0] * num_samples
     carry = {
         "cache": cache,
         "logits_bv": repeat(logits_bv),
         "next_pos_b": repeat(lengths_b).astype(jnp.int32),  # position of the next token
         "i": jnp.zeros((), jnp.int32),  # tokens generated so far
-        "tokens_bn": jnp.zeros((n, max_new_tokens), jnp.int32),
-        "logp_bn": jnp.zeros((n, max_new_tokens), jnp.float32),
-        "logp_temp_bn": jnp.zeros((n, max_new_tokens), jnp.float32),
-        "logp_t1_bn": jnp.zeros((n, max_new_tokens), jnp.float32),
-        "lengths_b": jnp.zeros(n, jnp.int32),
+        "tokens_bn": jnp.zeros((rows, max_new_tokens), jnp.int32),
+        "logp_bn": jnp.zeros((rows, max_new_tokens), jnp.float32),
+        "logp_temp_bn": jnp.zeros((rows, max_new_tokens), jnp.float32),
+        "logp_t1_bn": jnp.zeros((rows, max_new_tokens), jnp.float32),
+        "lengths_b": jnp.zeros(rows, jnp.int32),
         "done_b": ~repeat(real_b),  # padding rows are done from the start
-        "reason_b": jnp.zeros(n, jnp.int32),
+        "reason_b": jnp.zeros(rows, jnp.int32),
     }
     return _constrain_rows(carry, model.mesh)
 

@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import gzip
 import hashlib
 import json
-import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import Union
 
+from sandbox import tools as sandbox_tools
+
+from ptrain import jsonl
 from ptrain.answers import boxed
 
 
@@ -87,7 +88,7 @@ Verifier = Union[UnitTests, Stdio, Answer, Files, Format]
 VERIFIERS = {"unit_tests": UnitTests, "stdio": Stdio, "answer": Answer, "files": Files,
              "format": Format}
 _KIND = {cls: kind for kind, cls in VERIFIERS.items()}
-TOOLS = ("python", "bash", "write_file", "read_file")
+TOOLS = tuple(tool.name for tool in sandbox_tools.TOOLS)  # declared once, in sandbox.tools
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,34 +153,11 @@ def from_record(record: Mapping, where: str = "") -> Task:
 
 def write_jsonl(tasks: Iterable[Task], path: str) -> int:
     """Write tasks atomically; returns how many."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    n, tmp = 0, path + ".tmp"
-    with open(tmp, "w") as f:
-        for task in tasks:
-            f.write(json.dumps(to_record(task)) + "\n")
-            n += 1
-    os.replace(tmp, path)
-    return n
+    return jsonl.write((to_record(task) for task in tasks), path)
 
 
 def read_jsonl(path: str) -> list[Task]:
-    return [from_record(r, where) for where, r in _records(path)]
-
-
-def _records(path: str):
-    """(where, record) per non-empty line of a JSONL file (gzip-compressed if it ends .gz)."""
-    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: a JSON {type(record).__name__}, not an object")
-            yield where, record
+    return [from_record(r, where) for where, r in jsonl.records(path)]
 
 
 # ----------------------------------------------------------------------------- public formats
@@ -342,7 +320,7 @@ def load(path: str, fmt: str, *, domain: str | None = None) -> list[Task]:
                                              for t in found]
     loader = LOADERS[fmt]
     extra = {} if domain is None else {"domain": domain}
-    return [loader(record, where, **extra) for where, record in _records(path)]
+    return [loader(record, where, **extra) for where, record in jsonl.records(path)]
 
 
 def load_entry(entry, *, key: str, domain: str | None = None) -> list[Task]:
@@ -357,7 +335,7 @@ def load_entry(entry, *, key: str, domain: str | None = None) -> list[Task]:
         raise ValueError(f"{key}={entry!r}: give a path (ptrain task records) or a (path, "
                          f"format) pair with a format in {list(FORMATS)}")
     if fmt == "ptrain":
-        for where, record in _records(path):
+        for where, record in jsonl.records(path):
             guess = guess_format(record)
             if guess not in (None, "ptrain") and "verifier" not in record:
                 raise ValueError(f"{key}: {where} is a {guess} record, not a ptrain task "

@@ -32,7 +32,7 @@ import numpy as np
 
 from ptrain import chat
 from ptrain import learner as learner_lib
-from ptrain import metrics as metrics_lib
+from ptrain import jsonl
 from ptrain import sharding
 from ptrain import terminal_rollout
 from ptrain import terminal_tasks
@@ -94,13 +94,13 @@ def make_tasks(config, tokenizer, workdir):
     heldout = terminal_tasks.generate(root, t.n_heldout, seed=config.seed, split="heldout")
     train = terminal_tasks.generate(root, t.n_train, seed=config.seed, split="train",
                                     exclude={g.instruction for g in heldout})
-    metrics_lib.write_jsonl([{"task_dir": g.task_dir, "domain": "terminal"} for g in train],
-                            os.path.join(root, "terminal.train.jsonl"))
+    jsonl.write([{"task_dir": g.task_dir, "domain": "terminal"} for g in train],
+                os.path.join(root, "terminal.train.jsonl"))
     rng = random.Random(f"{config.seed}/terminal/demos")
     rows = [terminal_tasks.demo_record(g, tokenizer, *terminal_tasks.demonstration(
         g, rng, t.bug_rate)) for g in train]
     random.Random(config.seed).shuffle(rows)
-    metrics_lib.write_jsonl(rows, os.path.join(root, "sft.jsonl"))
+    jsonl.write(rows, os.path.join(root, "sft.jsonl"))
     return train, heldout
 
 
@@ -141,13 +141,12 @@ def evaluate(producer, params, heldout, *, stage, step, seed):
 def _evaluate_once(path, stage, **kwargs):
     """Evaluates unless eval.jsonl has this stage at this step (a resumed run; a run resumed
     with more steps evaluates its new last step)."""
-    done = [r for r in metrics_lib.read_jsonl(path)
+    done = [r for r in jsonl.read(path)
             if r.get("stage") == stage and r.get("step") == kwargs["step"]]
     if done:
         return done
     lines = evaluate(stage=stage, **kwargs)
-    # Rewritten whole and renamed into place: a crash mid-write never tears a finished line.
-    metrics_lib.write_jsonl(metrics_lib.read_jsonl(path) + lines, path)
+    jsonl.append(lines, path)
     for line in lines:
         logging.info("eval %(stage)s %(domain)s %(decoding)s: %(pass_rate).3f (n=%(n)d)", line)
     return lines
@@ -189,4 +188,4 @@ def run(config, workdir, *, mesh=None):
             _evaluate_once(eval_path, "rl", params=params, step=config.steps, **ev)
         finally:
             producer.close()
-    return metrics_lib.read_jsonl(eval_path)
+    return jsonl.read(eval_path)

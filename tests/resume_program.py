@@ -15,8 +15,8 @@ A kill point is (step, phase); the phases, in the order a step reaches them:
   write     the metrics of STEP have been written
   save      the checkpoint of STEP has been started (async: its arrays are being written)
 
-The producer is grpo_toy's rollout in two parts (sample on the device, reward on the host), so
-that rl.staleness=1 overlaps them as the closed loop does.
+The producer is the learner's default, `rollout.SingleTurn` (sample on the device, grpo_toy's
+reward on the host), which rl.staleness=1 overlaps as the closed loop does.
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import grpo_toy  # noqa: E402
-from ptrain import batch as batch_lib
 from ptrain import checkpoint as checkpoint_lib
 from ptrain import learner
 from ptrain import metrics
 from ptrain import model as model_lib
-from ptrain import sampler as sampler_lib
+from ptrain import rollout
 from ptrain import sharding
 
 PHASES = ("generate", "score", "update", "write", "save")
@@ -58,43 +57,19 @@ def config(staleness: int, steps: int):
     return c
 
 
-class ToyProducer:
-    """grpo_toy's single-turn rollout as generate (sampling) + score (rewards)."""
-
-    def __init__(self, c, mesh):
-        self.c = c
-        model = nnx.eval_shape(lambda: model_lib.Transformer(
-            learner.model_config(c), rngs=nnx.Rngs(0), mesh=mesh))
-        self.sampler = sampler_lib.Sampler(model, seed=c.seed)
-
-    def generate(self, params, records, key):
-        c, s = self.c, self.c.sampling
-        prompts = [r["prompt_ids"] for r in records]
-        return prompts, self.sampler.sample(
-            params, prompts, max_new_tokens=s.max_new_tokens, num_samples=s.num_samples,
-            temperature=s.temperature, key=key, prompt_len=c.data.max_prompt_len,
-            batch_size=len(prompts))
-
-    def score(self, generated):
-        c, (prompts, out) = self.c, generated
-        completions = out.completions()
-        return batch_lib.Batch.from_rows(
-            [prompts[i] for i in out.prompt_index], completions,
-            [[1] * len(x) for x in completions],
-            [out.logp_temp[r, :len(x)] for r, x in enumerate(completions)],
-            [grpo_toy.reward(None, x, "") for x in completions], out.prompt_index,
-            prompt_len=c.data.max_prompt_len, length=c.sampling.max_new_tokens,
-            meta=[{"completion": " ".join(map(str, x))} for x in completions])
-
-
 def one_device():
     return sharding.make_mesh(fsdp=1, devices=jax.devices()[:1])
 
 
-def run(workdir, staleness, steps, producer_cls=ToyProducer):
+def run(workdir, staleness, steps, producer_cls=rollout.SingleTurn):
+    """The run, with grpo_toy's reward through the default producer (`rollout.SingleTurn`:
+    generate samples on the device, score computes the rewards on the host)."""
     c = config(staleness, steps)
     mesh = one_device()
-    return learner.train(c, workdir, producer=producer_cls(c, mesh), mesh=mesh)
+    model = nnx.eval_shape(lambda: model_lib.Transformer(learner.model_config(c),
+                                                         rngs=nnx.Rngs(0), mesh=mesh))
+    producer = producer_cls(c, rollout.make_sampler(model, c))
+    return learner.train(c, workdir, producer=producer, mesh=mesh)
 
 
 def _killing(workdir, phase, kill_step):
@@ -106,7 +81,7 @@ def _killing(workdir, phase, kill_step):
         if name == phase and (now["step"] if step is None else step) == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    class Killing(ToyProducer):
+    class Killing(rollout.SingleTurn):
         def generate(self, *args):
             point("generate")
             return super().generate(*args)

@@ -192,7 +192,9 @@ def test_a_nan_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
     import numpy as np
 
     from configs import grpo_toy
-    from ptrain import learner, sharding
+    from flax import nnx
+
+    from ptrain import learner, rollout, sharding
     from ptrain.checkpoint import Checkpointer
     from ptrain.metrics import read_jsonl
 
@@ -204,12 +206,14 @@ def test_a_nan_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
 
     def poisoned(params, records, key):
         calls.append(1)
-        batch = model_learner.rollout(params, records, key)
+        batch = producer.score(producer.generate(params, records, key))
         if len(calls) == 3:
             batch = dataclasses.replace(batch, rewards_b=np.full_like(batch.rewards_b, np.nan))
         return batch
 
     model_learner = learner.Learner(config, mesh=mesh)
+    producer = rollout.SingleTurn(config, rollout.make_sampler(
+        nnx.merge(model_learner.graphdef, model_learner.initial_params), config))
     with pytest.raises(alerts.AlertStop, match=r"step 3: nonfinite: non-finite .*grad_norm"):
         learner.train(config, str(tmp_path), rollout_fn=poisoned, mesh=mesh,
                       params=model_learner.initial_params)

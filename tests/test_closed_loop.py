@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from configs import quickstart
-from ptrain import closed_loop, learner, metrics, sharding
+from ptrain import closed_loop, learner, metrics, rollout, sharding
 
 pytestmark = pytest.mark.xdist_group("closed_loop")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,8 +47,8 @@ def _tiny_config(staleness, steps=4):
     return c
 
 
-class Watched(closed_loop.TaskProducer):
-    """A real TaskProducer that records the order of its calls and the parameters each
+class Watched(rollout.Tasks):
+    """A real Tasks producer that records the order of its calls and the parameters each
     generate() got. With `hold`, score(i) waits (bounded) until generate(i+1) has started:
     only an overlapped loop lets it through."""
 
@@ -93,7 +93,7 @@ def _run(tmp_path, monkeypatch, staleness, hold):
     config = _tiny_config(staleness)
     watched = type("W", (Watched,), {"hold": hold, "steps": config.steps})
     instances = []
-    monkeypatch.setattr(closed_loop, "TaskProducer",
+    monkeypatch.setattr(rollout, "Tasks",
                         lambda *a, **k: instances.append(watched(*a, **k)) or instances[-1])
     workdir = str(tmp_path / f"staleness{staleness}")
     mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])

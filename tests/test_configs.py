@@ -94,8 +94,9 @@ def test_the_config_module_is_pure_data():
     assert run.stdout.strip() == "False", run.stderr
 
 
-def test_chat_formats_match_the_closed_loop():
-    assert set(config_lib.CHAT_FORMATS) == set(closed_loop.CHAT_FORMATS)
+def test_chat_formats_match_the_rollout():
+    from ptrain import chat
+    assert set(config_lib.CHAT_FORMATS) == set(chat.FORMATS)
 
 
 @pytest.mark.parametrize("mesh, change, message", [

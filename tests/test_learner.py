@@ -17,7 +17,9 @@ from configs import grpo_toy
 from configs import ppo_toy
 from ptrain import batch as batch_lib
 from ptrain import learner as L
+from ptrain import rollout
 from ptrain import step as step_lib
+from ptrain.sampler import Sampler
 from ptrain import sharding
 from ptrain.metrics import read_jsonl
 
@@ -424,7 +426,8 @@ def test_sft_loss_covers_completion_tokens_only(initial_params, tmp_path):
     params = L.sft(config, str(tmp_path), params=initial_params, mesh=one_device())
     losses = [r["sft/loss"] for r in _metrics(tmp_path)]
     assert len(losses) == 40 and losses[-1] < 0.1 * losses[0]
-    out = learner.sampler.sample(params, [[1, 5], [1, 30, 2, 8]], max_new_tokens=4, greedy=True)
+    sampler = Sampler(nnx.merge(learner.graphdef, learner.initial_params))
+    out = sampler.sample(params, [[1, 5], [1, 30, 2, 8]], max_new_tokens=4, greedy=True)
     assert out.completions() == [[7, 9, 7, 2]] * 2
 
 
@@ -496,9 +499,7 @@ def test_overlong_penalty_measures_a_multi_turn_episode_against_rollout_max_len(
     config.update_from_flattened_dict({
         "data.prompts_per_step": 2, "sampling.num_samples": 2, "sampling.max_new_tokens": 16,
         "rollout.max_len": 40, "dapo.overlong_buffer": 12, "dapo.overlong_penalty": 0.5})
-    closed_loop.check_config(config)
-    config.dapo.overlong_max_len = config.rollout.max_len  # what closed_loop.resolve sets
-    config = closed_loop.learner_part(config)  # what learner.train and batch.collect get
+    closed_loop.check_config(config)  # (learner.train and batch.collect get this config)
     rng = np.random.RandomState(0)
     turns = [[9, 16, 8], [4], [16, 6, 16, 2], [16, 12, 7]]  # per episode: turn, obs, turn...
     histories, masks = [], []
@@ -514,7 +515,7 @@ def test_overlong_penalty_measures_a_multi_turn_episode_against_rollout_max_len(
     rewards = [1.0, 0.0, 1.0, 0.0]
     episodes = L.Episodes.from_histories(
         histories, masks, [[0.0] * len(h) for h in histories], rewards, [0, 0, 1, 1],
-        prompt_lens=[3] * 4, prompt_len=4, length=config.dapo.overlong_max_len)
+        prompt_lens=[3] * 4, prompt_len=4, length=config.rollout.max_len)
     out, metrics = batch_lib.collect(lambda records, attempt: episodes, iter([[{}] * 2]), config)
     expected = [r + _dapo_overlong_reward(n, max_len=40, cache=12, factor=0.5)
                 for r, n in zip(rewards, lengths)]
@@ -618,7 +619,9 @@ def test_log_probs_are_of_logits_over_the_sampling_temperature(initial_params):
     learner = _learner(config, initial_params)
     records = grpo_toy.prompt_records(0)[:config.data.prompts_per_step]
     params = learner.initial_params
-    episodes = learner.rollout(params, records, jax.random.key(1))
+    producer = rollout.SingleTurn(config, rollout.make_sampler(
+        nnx.merge(learner.graphdef, params), config))
+    episodes = producer.score(producer.generate(params, records, jax.random.key(1)))
     batch, metrics = learner.prepare(params, episodes)
     assert float(metrics["rollout/logp_mismatch"]) < 1e-5
     mask = np.asarray(batch["loss_mask_bn"])
