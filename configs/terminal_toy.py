@@ -21,6 +21,7 @@ Expected: <workdir>/eval.jsonl: greedy held-out pass rate (n=32) 0.50 after SFT 
 import ml_collections
 
 from ptrain import alerts
+from ptrain import config as config_lib
 
 
 def get_config(arg: str = ""):
@@ -29,15 +30,16 @@ def get_config(arg: str = ""):
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.steps = 4 if short else 30
-    c.model = dict(vocab_size=0,  # 0: the tokenizer's
+    base = config_lib.defaults()
+    c.model = base.model  # the rest (float32, no remat, no experts) as defaults() has it
+    c.model.update(vocab_size=0,  # 0: the tokenizer's
                    d_model=128, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=256,
-                   tie_embeddings=True, rope_theta=10000.0, dtype="float32",
-                   param_dtype="float32", remat="none",
-                   attention_impl="reference",  # <= 96 tokens: dense is as fast
-                   attn_block_q=512, attn_block_k=512)
+                   tie_embeddings=True,
+                   attention_impl="reference")  # <= 96 tokens: dense is as fast
     c.hf_model = ""
     c.tokenizer = ""
-    c.mesh = dict(data=-1, fsdp=1, sequence=1, tensor=1)  # data parallel over all devices
+    c.mesh = base.mesh
+    c.mesh.update(data=-1, fsdp=1)  # data parallel over all devices
     c.data = dict(sources=(), records_fn=None, prompts_per_step=4, max_prompt_len=24,
                   on_error="raise")
     c.reward_fn = None
@@ -46,7 +48,7 @@ def get_config(arg: str = ""):
     c.rl = dict(estimator="grpo", loss="ppo", clip_low=0.2, clip_high=0.28, dual_clip=3.0,
                 agg="token-mean", ppo_epochs=1, num_minibatches=2, microbatch_size=0,
                 gamma=1.0, lam=1.0, entropy_coef=0.0, tis_cap=2.0, tis_level="token",
-                logprob_chunk=256, staleness=0)
+                logprob_chunk=256, staleness=0, router_replay=False)
     c.critic = dict(init="policy", clip_value=0.5,  # used by rl.estimator="gae" only
                     optim=dict(lr=1e-5, warmup_steps=0, schedule="constant", min_lr_ratio=0.0,
                                weight_decay=0.01, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0))

@@ -41,7 +41,9 @@ class Batch:
 
     The learner runs each group's prompt once and continues it G times through the KV cache,
     as the sampler does, so a long prompt costs one forward and one backward per group.
-    `meta` is host-only (texts, feedback, domain) and never goes to the device.
+    `meta` is host-only (texts, feedback, domain) and never goes to the device. A mixture-of-
+    experts producer may add the sampler's routing (`Samples.experts`, `prompt_experts`, one
+    prompt's per row), which the learner replays with rl.router_replay.
     """
 
     prompt_bp: np.ndarray  # int32 [b, p]: the group's prompt, left-padded
@@ -53,6 +55,8 @@ class Batch:
     rewards_b: np.ndarray  # float32 [b]
     group_ids_b: np.ndarray  # int32 [b]
     meta: list = dataclasses.field(default_factory=list)  # one dict per row
+    experts_bnlk: np.ndarray | None = None  # int [b, n, MoE layers, k]: each token's experts
+    prompt_experts_bplk: np.ndarray | None = None  # int [b, p, MoE layers, k]: the prompt's
 
     @classmethod
     def from_rows(cls, prompts, continuations, loss_masks, rollout_logps, rewards, group_ids,
@@ -105,7 +109,9 @@ class Batch:
         return len(self.tokens_bn)
 
     def columns(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The fields that are set (the routing ones are None unless recorded)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None}
 
     def arrays(self) -> dict[str, np.ndarray]:
         """What goes to the device."""

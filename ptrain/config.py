@@ -57,10 +57,17 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
     c.model = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
                    tie_embeddings=False, rope_theta=10000.0, dtype="float32",
                    param_dtype="float32", remat="none", attention_impl="blockwise",
-                   attn_block_q=512, attn_block_k=512)
+                   attn_block_q=512, attn_block_k=512,
+                   # Mixture of experts (ModelConfig's fields; n_experts=0: dense). The
+                   # router's aux and z loss coefficients weight those losses in SFT and RL.
+                   n_experts=0, n_experts_per_token=0, d_ff_expert=0, norm_topk_prob=False,
+                   moe_layer_step=1, dense_layers=(), n_shared_experts=0,
+                   moe_dispatch="dropless", moe_capacity_factor=1.25,
+                   router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
     c.hf_model = ""  # a local Hugging Face model directory to start from
     c.tokenizer = ""  # a local Hugging Face tokenizer directory; "" means records carry ids
-    c.mesh = dict(data=1, fsdp=-1, sequence=1, tensor=1)
+    # expert: the MoE experts' axis (tokens reach them by all-to-all; it also holds rows).
+    c.mesh = dict(data=1, fsdp=-1, expert=1, sequence=1, tensor=1)
     # Prompts: JSONL/ArrayRecord `sources` (paths or (path, weight)), or `records_fn(seed)`
     # returning a list of dicts (written once to <workdir>/prompts.jsonl). A record holds
     # "prompt_ids" (token ids) or "prompt" (text, with a tokenizer) and whatever the reward
@@ -91,6 +98,9 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         # from the same parameters, so batch t+1 trains one update late; needs a producer
         # with separate generate/score (see `learner.train`) and tis_cap > 0 to correct it.
         staleness=0,
+        # MoE: train with the experts the sampler routed each token to (R3), not the
+        # learner's own top-k; needs a producer that records routing (the single-turn one).
+        router_replay=False,
     )
     # The value function of rl.estimator="gae" (PPO), ignored otherwise. init "policy": the
     # policy's decoder (verl's default) with a new value head; "random": a fresh decoder
@@ -161,7 +171,7 @@ def plan_defaults() -> ml_collections.ConfigDict:
                    attention_impl="ring", remat="full")
     c.seq_len = 1024  # tokens per sequence (packed documents)
     c.batch = 1  # sequences per step
-    c.mesh = dict(data=1, fsdp=1, sequence=1, tensor=1)  # no -1: a plan names its devices
+    c.mesh = dict(data=1, fsdp=1, expert=1, sequence=1, tensor=1)  # no -1: a plan names its devices
     c.layout = "zigzag"  # the token order the data pipeline feeds (long_context.LAYOUTS)
     c.logprob_chunk = 1024  # time steps per chunk of the log-prob computation
     c.optim = _optim(lr=1e-5, schedule="constant", b2=0.95)
@@ -343,7 +353,7 @@ def check_mesh(config, mesh_shape) -> None:
 def _check_mesh_sizes(config, sizes):
     if sizes is None:
         return
-    rows_axes = sizes.get("data", 1) * sizes.get("fsdp", 1)
+    rows_axes = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1)
     seq = sizes.get("sequence", 1)
     rl, s, d = config.rl, config.sampling, config.data
     rows = d.prompts_per_step * s.num_samples
@@ -352,13 +362,14 @@ def _check_mesh_sizes(config, sizes):
         (micro % rows_axes == 0,
          f"the learner's microbatch of {micro} rows (rl.microbatch_size, or the minibatch of "
          f"data.prompts_per_step * sampling.num_samples / rl.num_minibatches) does not "
-         f"divide over mesh data x fsdp = {rows_axes}; change the batch or the mesh"),
+         f"divide over mesh data x fsdp x expert = {rows_axes}; change the batch or the mesh"),
     ]
     if config.sft.steps:
         sft_micro = config.sft.microbatch_size or config.sft.batch_size
         checks.append((sft_micro % rows_axes == 0,
                        f"sft's microbatch of {sft_micro} rows (sft.microbatch_size or "
-                       f"sft.batch_size) does not divide over mesh data x fsdp = {rows_axes}"))
+                       f"sft.batch_size) does not divide over mesh data x fsdp x expert "
+                       f"= {rows_axes}"))
     if seq > 1:
         length = config.rollout.max_len if "rollout" in config else s.max_new_tokens
         prompt = config.data.max_prompt_len
@@ -401,6 +412,7 @@ class StepSettings:
     # Log-probs are of logits / temperature (verl, TRL): the policy the sampler drew from.
     # sampling.temperature for RL; 1 for SFT's likelihood.
     temperature: float = 1.0
+    router_replay: bool = False  # MoE: route to the experts the sampler recorded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -427,7 +439,7 @@ def resolve(config) -> Resolved:
         kl_in_reward=kl_on and c.kl.in_reward,
         has_old_logp=updates > 1 or (kl_on and c.kl.in_reward), chunk=rl.logprob_chunk,
         epochs=rl.ppo_epochs, minibatches=rl.num_minibatches, microbatch=rl.microbatch_size,
-        temperature=float(c.sampling.temperature))
+        temperature=float(c.sampling.temperature), router_replay=bool(rl.router_replay))
     critic = (dataclasses.replace(rl_settings, kind="critic") if rl.estimator == "gae"
               else None)
     sft = StepSettings(kind="sft", chunk=rl.logprob_chunk, microbatch=c.sft.microbatch_size)

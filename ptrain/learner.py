@@ -438,6 +438,7 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
         metrics = sharding.to_host(metrics)
         step_metrics = {"sft/loss": metrics["sft/loss"], "sft/entropy": metrics["sft/entropy"],
                         "sft/grad_norm": metrics["optim/grad_norm"],
+                        **{k: v for k, v in metrics.items() if k.startswith("moe/")},
                         "optim/lr": float(learner.sft_schedule(step - 1)),
                         "time/step_s": time.perf_counter() - t0}
         fired = monitor.check(step, step_metrics)

@@ -91,10 +91,13 @@ def truncate_jsonl(path, max_step):
 
 
 def _scalar(key, value):
+    """A number, or a 1-D vector of numbers (e.g. `moe/load`: the load per expert) as a list."""
     array = np.asarray(value)
-    if array.size != 1 or not np.issubdtype(array.dtype, np.number):
-        raise ValueError(f"metric {key!r} must be a number; got {type(value).__name__} "
-                         f"of shape {array.shape}")
+    if array.ndim > 1 or array.size < 1 or not np.issubdtype(array.dtype, np.number):
+        raise ValueError(f"metric {key!r} must be a number or a 1-D vector of numbers; got "
+                         f"{type(value).__name__} of shape {array.shape}")
+    if array.ndim == 1:
+        return [float(x) for x in array]
     return float(array.reshape(()))
 
 
@@ -130,17 +133,23 @@ class MetricsWriter:
         self._step = start_step
 
     def write(self, step, metrics):
-        """Logs a dict of scalar metrics for `step` (numbers, numpy or JAX scalars)."""
+        """Logs a dict of metrics for `step` (numbers, numpy or JAX scalars); a 1-D vector
+        (one value per expert, per layer) is a list in metrics.jsonl and a TensorBoard
+        histogram of its values."""
         values = {k: _scalar(k, v) for k, v in metrics.items()}
         if not self.primary:
             return
         self._metrics.write(json.dumps({"step": int(step), **values}) + "\n")
         self._metrics.flush()
         for key, value in values.items():
-            self._tb.add_scalar(key, value, global_step=int(step))
+            if isinstance(value, list):
+                self._tb.add_histogram(key, np.asarray(value), global_step=int(step))
+            else:
+                self._tb.add_scalar(key, value, global_step=int(step))
         self._bar.update(int(step) - self._step)
         self._step = int(step)
-        shown = {k: f"{v:.3g}" for k, v in values.items() if DEFAULT_PLOT_PATTERN.search(k)}
+        shown = {k: f"{v:.3g}" for k, v in values.items()
+                 if DEFAULT_PLOT_PATTERN.search(k) and not isinstance(v, list)}
         self._bar.set_postfix(shown, refresh=False)
 
     def write_rollouts(self, step, samples):
@@ -163,7 +172,8 @@ class MetricsWriter:
         if not self.primary:
             return []
         records = read_jsonl(self.metrics_path)
-        logged = sorted({k for r in records for k in r} - {"step"})
+        logged = sorted({k for r in records for k, v in r.items() if not isinstance(v, list)}
+                        - {"step"})
         keys = [k for k in logged if DEFAULT_PLOT_PATTERN.search(k)] if keys is None else keys
         unknown = sorted(set(keys) - set(logged))
         if unknown:

@@ -132,7 +132,8 @@ class Routing:
     experts_lbtk: the k experts each token was sent to (int32), in top-k order.
     load_le: valid assignments per expert; prob_le: router probability summed per expert;
     z_l: sum over tokens of logsumexp(router logits)^2; dropped_l: assignments dropped
-    (0 when dropless); tokens_l: valid tokens.
+    (0 when dropless); tokens_l: valid tokens; agree_l: valid assignments whose expert is
+    among the router's own top-k (all of them unless the experts were replayed).
     """
 
     experts_lbtk: jax.Array
@@ -141,19 +142,43 @@ class Routing:
     z_l: jax.Array
     dropped_l: jax.Array
     tokens_l: jax.Array
+    agree_l: jax.Array
 
 
 def routing_from_stats(stats: dict) -> Routing:
     """A Routing from `block`'s statistics stacked over layers."""
     return Routing(experts_lbtk=stats["experts_btk"], load_le=stats["load_e"],
                    prob_le=stats["prob_e"], z_l=stats["z"], dropped_l=stats["dropped"],
-                   tokens_l=stats["tokens"])
+                   tokens_l=stats["tokens"], agree_l=stats["agree"])
 
 
 def concat(parts: list[Routing]) -> Routing | None:
     if not parts:
         return None
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts)
+
+
+def add(a: Routing | None, b: Routing | None) -> Routing | None:
+    """The statistics of two forwards of the same layers pooled (a prompt's and its
+    continuations'); the experts are `b`'s."""
+    if a is None or b is None:
+        return a if b is None else b
+    return jax.tree.map(jnp.add, a.replace(experts_lbtk=b.experts_lbtk), b)
+
+
+def agreement_l(r: Routing, recorded_lbtk, valid_bt, *, replayed: bool) -> jax.Array:
+    """Per MoE layer, the share of the recorded assignments (a sampler's `experts_lbtk`)
+    that this forward's router chose too, over valid tokens: with `replayed` the forward
+    used the recorded experts and `agree_l` counts those in its router's own top-k; else
+    its own experts are compared with the recorded ones as sets."""
+    valid_bt = valid_bt.astype(jnp.float32)
+    k = recorded_lbtk.shape[-1]
+    if replayed:
+        agree_l = r.agree_l
+    else:
+        hit_lbtk = jnp.any(recorded_lbtk[..., :, None] == r.experts_lbtk[..., None, :], -1)
+        agree_l = jnp.einsum("lbtk,bt->l", hit_lbtk.astype(jnp.float32), valid_bt)
+    return agree_l / jnp.maximum(k * jnp.sum(valid_bt), 1.0)
 
 
 def aux_loss(r: Routing) -> jax.Array:
@@ -195,19 +220,22 @@ def metrics(r: Routing) -> dict[str, jax.Array]:
 # ----------------------------------------------------------------------------- the block
 
 def route(h_nd, router_de, c, replay_nk=None):
-    """(logits [n, E] compute dtype, probs [n, E] f32, top weights [n, k] f32, top ids [n, k]).
-    With `replay_nk`, those experts are used instead of the top-k (their probabilities are
-    still the router's, so the router gets gradients as usual)."""
+    """(logits [n, E] compute dtype, probs [n, E] f32, top weights [n, k] f32, top ids
+    [n, k], which of the ids are among the router's own top-k [n, k] bool). With `replay_nk`,
+    those experts are used instead of the top-k (their probabilities are still the router's,
+    so the router gets gradients as usual)."""
     logits_ne = jnp.einsum("nd,de->ne", h_nd, router_de.astype(h_nd.dtype))
     probs_ne = jax.nn.softmax(logits_ne.astype(jnp.float32), axis=-1)
-    if replay_nk is None:
-        top_w, top_i = jax.lax.top_k(probs_ne, c.n_experts_per_token)
-    else:
+    top_w, top_i = jax.lax.top_k(probs_ne, c.n_experts_per_token)
+    own_nk = jnp.ones(top_i.shape, bool)
+    if replay_nk is not None:
+        own_i = top_i
         top_i = replay_nk.astype(jnp.int32)
         top_w = jnp.take_along_axis(probs_ne, top_i, axis=-1)
+        own_nk = jnp.any(top_i[:, :, None] == own_i[:, None, :], axis=-1)
     if c.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    return logits_ne, probs_ne, top_w, top_i
+    return logits_ne, probs_ne, top_w, top_i, own_nk
 
 
 def block(p: dict, h_btd, valid_bt, c, mesh, replay_btk=None):
@@ -246,7 +274,7 @@ def _sharded(p, h_btd, valid_bt, replay_btk, c, mesh):
         specs.append(tok)
         args.append(replay_btk)
     stat_specs = {"experts_btk": tok, "load_e": P(), "prob_e": P(), "z": P(), "dropped": P(),
-                  "tokens": P()}
+                  "tokens": P(), "agree": P()}
 
     def local(w, h, valid, replay=None):
         return _local(w, h, valid, replay, c, axes=axes)
@@ -278,7 +306,7 @@ def _local(p, h_btd, valid_bt, replay_btk, c, *, axes):
         h_nd, valid_n = take(h_nd), take(valid_n)
         replay_nk = None if replay_nk is None else take(replay_nk)
 
-    logits_ne, probs_ne, top_w, top_i = route(h_nd, p["router"], c, replay_nk)
+    logits_ne, probs_ne, top_w, top_i, own_nk = route(h_nd, p["router"], c, replay_nk)
     w = {name: p[name].astype(dt) for name in ("w_gate", "w_up", "w_down")}
     if c.moe_dispatch == "dense":
         rows_nkd, kept_nk = _dense(h_nd, top_i, w), jnp.ones(top_i.shape, bool)
@@ -298,6 +326,7 @@ def _local(p, h_btd, valid_bt, replay_btk, c, *, axes):
         "z": jnp.sum(jnp.square(lse_n) * valid),
         "dropped": jnp.sum((~kept_nk) * valid[:, None]).astype(jnp.float32),
         "tokens": jnp.sum(valid),
+        "agree": jnp.einsum("nk,n->", own_nk.astype(jnp.float32), valid),
     }
     experts_nk = top_i
     if axes is not None and axes["stats"]:

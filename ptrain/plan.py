@@ -40,6 +40,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 import long_context
 from ptrain import config as config_lib
 from ptrain import model as model_lib
+from ptrain import moe
 from ptrain import sharding
 from ptrain import step as step_lib
 
@@ -245,14 +246,20 @@ def estimate(mc, mesh_shape, *, seq_len, batch, chunk) -> dict:
     weights      one layer's weights gathered (forward and backward, compute dtype) and its
                  float32 gradient before the reduce-scatter; the embedding and unembedding
                  gathered whole with float32 gradients;
-    logits       float32 logits, probabilities and their gradient for one chunk.
-    T = tensor; local tokens = batch / (data x fsdp) x seq_len / sequence (a dimension that
-    does not divide is replicated, as `sharding.spec` does).
+    logits       float32 logits, probabilities and their gradient for one chunk;
+    dispatch     MoE layers: each local token's k expert rows in and out (compute dtype),
+                 their SwiGLU hidden (k x 3 f_e / T), float32 router logits and
+                 probabilities; dropless over expert > 1 sends a worst-case buffer (n x k rows
+                 per destination, so x expert); the stash keeps the MoE layer's rows too.
+    T = tensor; local tokens = batch / (data x fsdp x expert) x seq_len / sequence (a
+    dimension that does not divide is replicated, as `sharding.spec` does; a batch
+    replicated over expert is split by the MoE layer itself, `ptrain.moe`).
     """
     sizes = {a: int(mesh_shape.get(a, 1)) for a in sharding.MESH_AXES}
     mesh = AbstractMesh(tuple(sizes.values()), sharding.MESH_AXES)
     c = mc
-    b_l = _local(batch, sizes["data"] * sizes["fsdp"])
+    ep = sizes["expert"]
+    b_l = _local(batch, sizes["data"] * sizes["fsdp"] * ep)
     t_l = _local(seq_len, sizes["sequence"])
     tp = sizes["tensor"]
     cb, pb = jnp.dtype(c.dtype).itemsize, jnp.dtype(c.param_dtype).itemsize
@@ -263,18 +270,34 @@ def estimate(mc, mesh_shape, *, seq_len, batch, chunk) -> dict:
 
     params = sum(_shard_elems(shape, sharding.spec(axes, shape, mesh), sizes)
                  * jnp.dtype(dtype).itemsize for shape, axes, dtype in _param_axes(c))
+    n_moe = moe.n_moe_layers(c)
+    # A MoE layer's MLP width per token: k experts (and the shared ones) instead of d_ff.
+    f_moe = (c.n_experts_per_token * c.d_ff_expert + moe.d_ff_shared(c)) / tp
     stash_none = 5 * d + 3 * (h + 2 * k) * e + 3 * f
-    stash = {"full": d, "dots": 3 * d + (h + 2 * k) * e + 2 * f, "none": stash_none}[c.remat]
-    layer_params = (d * e * (2 * c.n_heads + 2 * c.n_kv_heads) + 3 * d * c.d_ff) / tp
+    stash_none_moe = 5 * d + 3 * (h + 2 * k) * e + 3 * f_moe + 2 * c.n_experts_per_token * d
+    stashes = [{"full": d, "dots": 3 * d + (h + 2 * k) * e + 2 * g, "none": none}[c.remat]
+               for g, none in ((f, stash_none), (f_moe, stash_none_moe))]
+    attn_params = d * e * (2 * c.n_heads + 2 * c.n_kv_heads)
+    layer_params = (attn_params + 3 * d * c.d_ff) / tp
+    if n_moe:  # one MoE layer's local experts, gathered over fsdp
+        experts_local = c.n_experts // ep if c.n_experts % ep == 0 else c.n_experts
+        layer_params = max(layer_params, (attn_params + 3 * d * (
+            experts_local * c.d_ff_expert + moe.d_ff_shared(c))) / tp + d * c.n_experts)
     tables = (1 if c.tie_embeddings else 2) * v * d
+    moe_tokens = tokens / ep if ep > 1 and b_l == batch and batch % ep else tokens
+    sends = ep if c.moe_dispatch == "dropless" and ep > 1 else 1
+    dispatch = 0 if not n_moe else moe_tokens * (
+        c.n_experts_per_token * (2 * sends * d + 3 * c.d_ff_expert / tp) * cb * 2
+        + c.n_experts * 4 * 3)
     out = {
         "state": 4 * params,
-        "stash": layers * tokens * stash * cb,
+        "stash": tokens * ((layers - n_moe) * stashes[0] + n_moe * stashes[1]) * cb,
         "layer": tokens * (2 * stash_none * cb + 4 * d * 4),
         "ring": tokens * 2 * k * e * (2 * cb + 2 * 4) + b_l * h * c.attn_block_q
         * c.attn_block_k * 4 * 3,
         "weights": layer_params * (2 * cb + 4) + tables * (pb + 4),
         "logits": b_l * min(chunk, t_l) * v * 4 * 3,
+        "dispatch": dispatch,
     }
     out = {name: int(x) for name, x in out.items()}
     out["total"] = sum(out.values())
@@ -298,22 +321,27 @@ def _shard_elems(shape, spec, sizes):
 
 
 def candidate_meshes(mc, devices, *, seq_len, batch, layout) -> list[dict]:
-    """Every (data, fsdp, sequence, tensor) split of `devices` (expert = 1: dense candidates
-    only) that the step can use well:
-    the batch divides over data x fsdp (else each device would compute the same rows), the
-    kv heads over tensor (else they are repeated), and the sequence over `sequence` in
-    `layout` (only ring attention shards the sequence)."""
+    """Every (data, fsdp, expert, sequence, tensor) split of `devices` that the step can use
+    well: the batch divides over data x fsdp x expert (else each device would compute the
+    same rows; over expert alone it may not, the MoE layer then splits the replicated tokens
+    itself), the experts over expert (a dense model: expert = 1), the kv heads over tensor
+    (else they are repeated), and the sequence over `sequence` in `layout` (only ring
+    attention shards the sequence)."""
     out = []
     divisors = [x for x in range(1, devices + 1) if devices % x == 0]
-    for data, fsdp, sequence in itertools.product(divisors, repeat=3):
-        if devices % (data * fsdp * sequence):
+    experts = [x for x in divisors if mc.n_experts and mc.n_experts % x == 0] or [1]
+    for data, fsdp, sequence, expert in itertools.product(divisors, divisors, divisors,
+                                                          experts):
+        if devices % (data * fsdp * sequence * expert):
             continue
-        tensor = devices // (data * fsdp * sequence)
+        tensor = devices // (data * fsdp * sequence * expert)
         chunks = sequence * (2 if layout == "zigzag" else 1)
-        if (batch % (data * fsdp) or mc.n_kv_heads % tensor or seq_len % chunks
+        rows = batch % (data * fsdp * expert) == 0 or (data * fsdp == 1 and expert > 1)
+        if (not rows or mc.n_kv_heads % tensor or seq_len % chunks
                 or (sequence > 1 and mc.attention_impl != "ring")):
             continue
-        out.append(dict(data=data, fsdp=fsdp, sequence=sequence, tensor=tensor, expert=1))
+        out.append(dict(data=data, fsdp=fsdp, sequence=sequence, tensor=tensor,
+                        expert=expert))
     return out
 
 

@@ -411,12 +411,16 @@ class SingleTurn:
             rewards.append(reward)
             meta.append({"prompt": decode(self.tokenizer, prompts[i]), "completion": text,
                          "feedback": feedback, "finish_reason": out.finish_reasons[r]})
-        return Batch.from_rows(
+        batch = Batch.from_rows(
             [prompts[i] for i in out.prompt_index], completions,
             [[1] * len(x) for x in completions], [out.logp_temp[r, :len(x)]
                                                    for r, x in enumerate(completions)],
             rewards, out.prompt_index, prompt_len=c.data.max_prompt_len,
             length=c.sampling.max_new_tokens, meta=meta, pad_id=pad_id(self.tokenizer))
+        if out.experts is not None:  # MoE: the sampler's routing, for replay and agreement
+            batch.experts_bnlk = out.experts
+            batch.prompt_experts_bplk = out.prompt_experts[out.prompt_index]
+        return batch
 
 
 def _reward_and_feedback(value):

@@ -17,6 +17,11 @@ log_softmax(logits / temperature) with no top-k / top-p: the policy at the sampl
 which verl and TRL train (the learner's ratio, KL and truncated IS refer to it); and `logp_t1`,
 the plain temperature-1 log-prob of the unmodified model. Greedy rows have no temperature:
 their `logp_temp` is `logp_t1`.
+
+A mixture-of-experts model's routing is recorded (`record_routing`, on by default for one):
+the experts each prompt and each sampled token was sent to in every MoE layer, which the
+learner replays in training (router replay, `rl.router_replay`) or compares its own routing
+with (`moe/router_agreement`).
 """
 
 from __future__ import annotations
@@ -52,6 +57,11 @@ class Samples:
     lengths: np.ndarray  # int32 [rows]
     finish_reasons: list  # "stop" | "length" per row
     prompt_index: np.ndarray  # int32 [rows]
+    # MoE routing (None unless recorded), int16: experts [rows, max_new_tokens, MoE layers,
+    # k] of each sampled token (0 after the row's length); prompt_experts [prompts,
+    # prompt_len, MoE layers, k] of each left-padded prompt (as `prompt_len` pads it).
+    experts: np.ndarray | None = None
+    prompt_experts: np.ndarray | None = None
 
     def completions(self) -> list[list[int]]:
         return [row[:length].tolist() for row, length in zip(self.tokens, self.lengths)]
@@ -112,13 +122,14 @@ class Sampler:
                num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, greedy: bool = False, stop_token_ids: Sequence[int] = (),
                stop_strings: Sequence[str] = (), key=None, prompt_len: int | None = None,
-               batch_size: int | None = None) -> Samples:
+               batch_size: int | None = None, record_routing: bool | None = None) -> Samples:
         """Samples `num_samples` completions of every prompt (see the class docstring).
 
         key: a typed PRNG key for this call only (the sampler's own key is then left as is);
           the learner passes one per step so that a resumed run draws the same samples.
         prompt_len / batch_size: pad prompts / rows to these sizes (default: the next power
           of two, at least 8 and 1) so that calls with similar shapes share one compilation.
+        record_routing: record each token's experts (default: whether the model has experts).
         """
         settings = self._settings(temperature, top_k, top_p, greedy, stop_token_ids,
                                   stop_strings, max_new_tokens, num_samples)
@@ -132,8 +143,13 @@ class Sampler:
         tokens_bt, lengths_b, real_b = sharding.from_process_local(
             (tokens_bt, lengths_b, real_b), self.mesh,
             global_rows=len(tokens_bt) * sharding.row_groups(self.mesh))
+        if record_routing is None:
+            record_routing = self.config.n_experts > 0
+        if record_routing and not self.config.n_experts:
+            raise ValueError("Sampler: record_routing needs a model with experts (n_experts > 0)")
         carry = _prefill(params, tokens_bt, lengths_b, real_b, graphdef=self.graphdef,
-                         num_samples=num_samples, max_new_tokens=max_new_tokens)
+                         num_samples=num_samples, max_new_tokens=max_new_tokens,
+                         record_routing=bool(record_routing))
         if not stop_strings:
             carry = _decode(params, carry, key, jnp.int32(max_new_tokens),
                             graphdef=self.graphdef, settings=settings)
@@ -224,15 +240,24 @@ class Sampler:
              carry["lengths_b"], carry["reason_b"]))
         tokens, logp, logp_temp, logp_t1, lengths, reasons = (
             np.array(x[:rows]) for x in (tokens, logp, logp_temp, logp_t1, lengths, reasons))
+        experts = prompt_experts = None
+        if "experts_bnlk" in carry:
+            experts, prompt_experts = sharding.to_host_local(
+                (carry["experts_bnlk"], carry["prompt_experts_bplk"]))
+            experts = np.array(experts[:rows])
+            prompt_experts = np.array(prompt_experts[:rows // num_samples])
         for row, end in cut.items():
             lengths[row], reasons[row] = end, _STOP
             tokens[row, end:] = self.pad_id
             logp[row, end:], logp_temp[row, end:], logp_t1[row, end:] = 0.0, 0.0, 0.0
+            if experts is not None:
+                experts[row, end:] = 0
         reasons = np.where(reasons == _RUNNING, _LENGTH, reasons)
         return Samples(tokens=tokens, logp=logp, logp_temp=logp_temp, logp_t1=logp_t1,
                        lengths=lengths,
                        finish_reasons=[FINISH_REASONS[r - 1] for r in reasons],
-                       prompt_index=(np.arange(rows) // num_samples).astype(np.int32))
+                       prompt_index=(np.arange(rows) // num_samples).astype(np.int32),
+                       experts=experts, prompt_experts=prompt_experts)
 
 
 def _next_pow2(x: int) -> int:
@@ -276,12 +301,14 @@ def _constrain_rows(tree, mesh):
     return {k: one(v) for k, v in tree.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_samples", "max_new_tokens"))
-def _prefill(params, tokens_bt, lengths_b, real_b, *, graphdef, num_samples, max_new_tokens):
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_samples", "max_new_tokens",
+                                             "record_routing"))
+def _prefill(params, tokens_bt, lengths_b, real_b, *, graphdef, num_samples, max_new_tokens,
+             record_routing=False):
     """Runs the prompts once and returns the decode loop's initial state, G rows per prompt."""
     model = nnx.merge(graphdef, params)
-    h_bd, cache = prefill_shared(model, tokens_bt, lengths_b, repeats=num_samples,
-                                 extra_slots=max_new_tokens)
+    h_bd, cache, routing = prefill_shared(model, tokens_bt, lengths_b, repeats=num_samples,
+                                          extra_slots=max_new_tokens)
     logits_bv = jnp.einsum("bd,vd->bv", h_bd, model.unembedding_vd(),
                            preferred_element_type=jnp.float32)
 
@@ -302,7 +329,15 @@ def _prefill(params, tokens_bt, lengths_b, real_b, *, graphdef, num_samples, max
         "done_b": ~repeat(real_b),  # padding rows are done from the start
         "reason_b": jnp.zeros(rows, jnp.int32),
     }
+    if record_routing:
+        l, k = routing.experts_lbtk.shape[0], routing.experts_lbtk.shape[-1]
+        carry["prompt_experts_bplk"] = jnp.moveaxis(routing.experts_lbtk, 0, 2).astype(
+            ROUTING_DTYPE)
+        carry["experts_bnlk"] = jnp.zeros((rows, max_new_tokens, l, k), ROUTING_DTYPE)
     return _constrain_rows(carry, model.mesh)
+
+
+ROUTING_DTYPE = jnp.int16  # expert ids as recorded (fewer than 32768 experts)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("carry",))
@@ -330,11 +365,14 @@ def _decode(params, carry, key, limit, *, graphdef, settings: _Settings):
         stopped_b = live_b & jnp.isin(tok_b, stop_ids)
         full_b = live_b & ~stopped_b & (i + 1 >= max_new)
         ones_b1 = jnp.ones((tok_b.shape[0], 1), jnp.int32)
-        logits_b1v, cache = model(tok_b[:, None], c["next_pos_b"][:, None], ones_b1,
-                                  cache=c["cache"])
+        h_b1d, cache, routing = model.forward(tok_b[:, None], c["next_pos_b"][:, None],
+                                              ones_b1, cache=c["cache"])
+        logits_bv = jnp.einsum("bd,vd->bv", h_b1d[:, 0], model.unembedding_vd(),
+                               preferred_element_type=jnp.float32)
+        logits_bv = sharding.constrain(logits_bv, ("batch", "vocab"), model.mesh)
         new = {
             "cache": cache,
-            "logits_bv": logits_b1v[:, 0],
+            "logits_bv": logits_bv,
             "next_pos_b": c["next_pos_b"] + 1,
             "i": i + 1,
             "tokens_bn": put(c["tokens_bn"], tok_b),
@@ -345,6 +383,12 @@ def _decode(params, carry, key, limit, *, graphdef, settings: _Settings):
             "done_b": done_b | stopped_b | full_b,
             "reason_b": jnp.where(stopped_b, _STOP, jnp.where(full_b, _LENGTH, c["reason_b"])),
         }
+        if "experts_bnlk" in c:  # token i's experts, from the forward that consumed it
+            e_blk = jnp.where(live_b[:, None, None], jnp.moveaxis(routing.experts_lbtk[:, :, 0],
+                                                                  0, 1), 0)
+            new["prompt_experts_bplk"] = c["prompt_experts_bplk"]
+            new["experts_bnlk"] = jax.lax.dynamic_update_slice(
+                c["experts_bnlk"], e_blk[:, None].astype(ROUTING_DTYPE), (0, i, 0, 0))
         return _constrain_rows(new, model.mesh)
 
     return jax.lax.while_loop(cond, body, carry)

@@ -14,6 +14,13 @@
 
 The static settings of each program are a `ptrain.config.StepSettings` (`config.resolve`).
 Shapes are fixed by the config, so every program compiles once.
+
+Mixture of experts: the losses add the router's load-balancing and z losses (the model
+config's coefficients, `moe.router_loss`) and report `moe/*` metrics (per-expert load,
+dropped assignments); with `router_replay` the forwards route each token to the experts the
+sampler recorded (the batch's `experts_bnlk`, `prompt_experts_bplk`), and where the batch
+has them `moe/router_agreement` is the share of the sampler's assignments the learner's
+router chose too (per layer: `moe/router_agreement_l`).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import optax
 from flax import nnx
 
 from ptrain import losses
+from ptrain import moe
 from ptrain import sharding
 from ptrain.config import StepSettings
 from ptrain.prefill import prefill_shared
@@ -69,7 +77,8 @@ def opt_state_shardings(tx, params, param_shardings, mesh):
 # ================================================================================ log-probs
 
 
-def token_logprobs(graphdef, params, batch, *, group_size=1, chunk=256, temperature=1.0):
+def token_logprobs(graphdef, params, batch, *, group_size=1, chunk=256, temperature=1.0,
+                   replay=False, return_routing=False):
     """log p(token | everything before it) of every continuation token, and the entropy of
     that distribution ([b, n] each), computed in chunks (never float32 [b, n, v]); p is the
     softmax of logits / temperature, the distribution the sampler drew from (before top-k /
@@ -77,10 +86,12 @@ def token_logprobs(graphdef, params, batch, *, group_size=1, chunk=256, temperat
 
     Each group's prompt runs once (rows 0, G, 2G, ... hold the prompts); its KV cache is
     repeated for the G continuations, so gradients from all G reach the one prompt forward.
+    replay: route to the batch's recorded experts. return_routing: also the MoE `Routing`s
+    (prompts', continuations') or (None, None), as a third element.
     """
     model = nnx.merge(graphdef, params)
     tokens_bn = batch["tokens_bn"]
-    h_gd, h_bnd = _continuation_hidden(model, batch, group_size)
+    h_gd, h_bnd, routing = _continuation_hidden(model, batch, group_size, replay=replay)
     # Token j is predicted by the hidden state before it: the prompt's last for j = 0, else
     # the row's state j - 1. The int32 targets shift, not the (time-sharded) hidden states,
     # so with sequence parallelism each shard scores its own tokens.
@@ -92,8 +103,9 @@ def token_logprobs(graphdef, params, batch, *, group_size=1, chunk=256, temperat
     first_b1 = losses.chunked_logprobs(jnp.repeat(h_gd, group_size, axis=0)[:, None], w_dv,
                                        tokens_bn[:, :1], temperature=temperature,
                                        return_entropy=True)
-    return tuple(jnp.concatenate([a_b1, a_bn[:, :-1]], axis=1)
-                 for a_b1, a_bn in zip(first_b1, (logp_bn, ent_bn)))
+    out = tuple(jnp.concatenate([a_b1, a_bn[:, :-1]], axis=1)
+                for a_b1, a_bn in zip(first_b1, (logp_bn, ent_bn)))
+    return out + (routing,) if return_routing else out
 
 
 def token_values(critic_graphdef, critic_params, batch, *, group_size=1):
@@ -101,23 +113,60 @@ def token_values(critic_graphdef, critic_params, batch, *, group_size=1):
     token j, the value at the prompt's last token (j = 0) or at the row's token j - 1, the
     alignment of `token_logprobs` (verl's values[:, -response_length - 1:-1])."""
     critic = nnx.merge(critic_graphdef, critic_params)
-    h_gd, h_bnd = _continuation_hidden(critic.decoder, batch, group_size)
+    h_gd, h_bnd, _ = _continuation_hidden(critic.decoder, batch, group_size)
     first_b = jnp.repeat(critic.values(h_gd), group_size)
     return jnp.concatenate([first_b[:, None], critic.values(h_bnd)[:, :-1]], axis=1)
 
 
-def _continuation_hidden(model, batch, group_size):
+def _continuation_hidden(model, batch, group_size, *, replay=False):
     """Final hidden states of each group's prompt (its last token, [b / G, d]) and of every
-    continuation token ([b, n, d]); the prompt runs once, its KV cache repeated G times."""
+    continuation token ([b, n, d]), and the MoE routing of each (prompts', continuations';
+    None without experts); the prompt runs once, its KV cache repeated G times. replay:
+    route every token to the experts the batch recorded."""
     tokens_bn, lengths_b = batch["tokens_bn"], batch["lengths_b"]
     n = tokens_bn.shape[1]
-    h_gd, cache = prefill_shared(
+    replay_prompt = replay_tokens = None
+    if replay:
+        replay_prompt, replay_tokens = _recorded_routing(model.config, batch, group_size)
+    h_gd, cache, prompt_routing = prefill_shared(
         model, batch["prompt_bp"][::group_size], batch["prompt_lens_b"][::group_size],
-        repeats=group_size, extra_slots=n)
+        repeats=group_size, extra_slots=n, replay_lbtk=replay_prompt)
     valid_bn = (jnp.arange(n)[None, :] < lengths_b[:, None]).astype(jnp.int32)
     positions_bn = batch["prompt_lens_b"][:, None] + jnp.arange(n)[None, :]
-    h_bnd, _ = model.hidden(tokens_bn, positions_bn, valid_bn, cache)
-    return h_gd, h_bnd
+    h_bnd, _, routing = model.forward(tokens_bn, positions_bn, valid_bn, cache,
+                                      replay_lbtk=replay_tokens)
+    return h_gd, h_bnd, (prompt_routing, routing)
+
+
+def _recorded_routing(model_config, batch, group_size):
+    """The batch's recorded experts as `model.forward` takes them: [MoE layers, b / G, p, k]
+    for the prompts and [MoE layers, b, n, k] for the continuations."""
+    if not model_config.n_experts:
+        raise ValueError("rl.router_replay needs a mixture-of-experts model (n_experts > 0)")
+    if "experts_bnlk" not in batch or "prompt_experts_bplk" not in batch:
+        raise ValueError("rl.router_replay: the batch carries no recorded routing "
+                         "(Batch.experts_bnlk, prompt_experts_bplk); the producer must record "
+                         "the sampler's (Samples.experts, as the single-turn rollout does), or "
+                         "set rl.router_replay=False")
+    prompt = batch["prompt_experts_bplk"][::group_size].astype(jnp.int32)
+    return jnp.moveaxis(prompt, 2, 0), jnp.moveaxis(batch["experts_bnlk"].astype(jnp.int32), 2, 0)
+
+
+def _moe_metrics(model_config, routing, batch, group_size, *, replayed, scale=1.0):
+    """`moe/*` metrics of one forward (prompts and continuations pooled) and, where the batch
+    recorded the sampler's routing, the router agreement over continuation tokens."""
+    prompt_routing, tokens_routing = routing
+    pooled = moe.add(prompt_routing, tokens_routing)
+    if pooled is None:
+        return {}
+    out = {k: scale * v for k, v in moe.metrics(pooled).items()}
+    if "experts_bnlk" in batch:
+        valid_bn = jnp.arange(batch["tokens_bn"].shape[1])[None, :] < batch["lengths_b"][:, None]
+        recorded = _recorded_routing(model_config, batch, group_size)[1]
+        agree_l = moe.agreement_l(tokens_routing, recorded, valid_bn, replayed=replayed)
+        out["moe/router_agreement_l"] = scale * agree_l
+        out["moe/router_agreement"] = scale * jnp.mean(agree_l)
+    return out
 
 
 def _last_token_onehot(mask_bn):
@@ -135,13 +184,18 @@ def prepare(params, ref_params, critic_params, batch, kl_coef, *, graphdef, crit
              s: StepSettings):
     mask_bn = batch["loss_mask_bn"]
     logp = functools.partial(token_logprobs, graphdef, batch=batch, group_size=s.group_size,
-                             chunk=s.chunk, temperature=s.temperature)
+                             chunk=s.chunk, temperature=s.temperature, replay=s.router_replay)
     out, metrics = dict(batch), {}
-    old_bn = logp(params)[0] if s.has_old_logp else None
-    if old_bn is not None:
+    old_bn = None
+    if s.has_old_logp:
+        old_bn, _, routing = logp(params, return_routing=True)
         out["old_logp_bn"] = old_bn
         metrics["rollout/logp_mismatch"] = losses.masked_mean(
             jnp.abs(old_bn - batch["rollout_logp_bn"]), mask_bn)
+        model_config = nnx.merge(graphdef, params).config
+        agreement = _moe_metrics(model_config, routing, batch, s.group_size,
+                                 replayed=s.router_replay)
+        metrics.update({k: v for k, v in agreement.items() if "agreement" in k})
     if s.kl_loss or s.kl_in_reward:
         out["ref_logp_bn"] = logp(ref_params)[0]
     scores_bn = jnp.where(_last_token_onehot(mask_bn), batch["rewards_b"][:, None], 0.0)
@@ -178,15 +232,25 @@ def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: StepSetti
     """The loss of one microbatch, normalised by the whole minibatch's token and sequence
     counts, so that microbatch losses (and gradients) add up to the minibatch's."""
     mask_bn = x["loss_mask_bn"]
-    logp_bn, ent_bn = token_logprobs(graphdef, params, x, group_size=s.group_size,
-                                     chunk=s.chunk, temperature=s.temperature)
+    logp_bn, ent_bn, routing = token_logprobs(
+        graphdef, params, x, group_size=s.group_size, chunk=s.chunk, temperature=s.temperature,
+        replay=s.router_replay, return_routing=True)
     share = mask_bn.sum() / jnp.maximum(num_tokens, 1)  # this microbatch's share of the tokens
     agg = functools.partial(losses.agg_loss, mask_bt=mask_bn, mode=s.agg, num_tokens=num_tokens,
                             num_seqs=num_seqs)
+    # MoE: the router's aux and z losses of this microbatch's forward, weighted by its share
+    # of the minibatch's tokens (so the microbatches' terms add up to a token-weighted mean).
+    model_config = nnx.merge(graphdef, params).config
+    moe_metrics = _moe_metrics(model_config, routing, x, s.group_size, replayed=s.router_replay,
+                               scale=share)
+    if s.has_old_logp or s.kind == "sft":  # agreement: where the mismatch is measured
+        moe_metrics = {k: v for k, v in moe_metrics.items() if "agreement" not in k}
+    router_loss = share * moe.router_loss(moe.add(*routing), model_config)
     if s.kind == "sft":
-        loss = -agg(logp_bn)
-        return loss, {"sft/loss": loss,
-                      "sft/entropy": share * losses.masked_mean(ent_bn, mask_bn)}
+        nll = -agg(logp_bn)
+        return nll + router_loss, {"sft/loss": nll,
+                                   "sft/entropy": share * losses.masked_mean(ent_bn, mask_bn),
+                                   **moe_metrics}
     old_bn = x["old_logp_bn"] if s.has_old_logp else jax.lax.stop_gradient(logp_bn)
     is_w = None
     metrics = {}
@@ -198,7 +262,8 @@ def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: StepSetti
         logp_bn, old_bn, x["adv_bn"], mask_bn, kind=s.loss, clip_low=s.clip_low,
         clip_high=s.clip_high, dual_clip=s.dual_clip, agg=s.agg, is_weights=is_w,
         num_tokens=num_tokens, num_seqs=num_seqs)
-    loss = pg_loss
+    loss = pg_loss + router_loss
+    metrics.update(moe_metrics)
     metrics.update({f"actor/{k}": share * v for k, v in pg_metrics.items()})
     metrics["actor/pg_loss"] = pg_loss
     if not s.has_old_logp:

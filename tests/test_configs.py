@@ -100,7 +100,8 @@ def test_chat_formats_match_the_rollout():
 
 
 @pytest.mark.parametrize("mesh, change, message", [
-    (dict(data=3, fsdp=1), {}, "microbatch of 16 rows .* data x fsdp = 3"),
+    (dict(data=3, fsdp=1), {}, "microbatch of 16 rows .* data x fsdp x expert = 3"),
+    (dict(data=1, fsdp=1, expert=3), {}, "microbatch of 16 rows .* data x fsdp x expert = 3"),
     (dict(data=1, fsdp=1, sequence=3), {},
      "continuation length 8 .* must divide over mesh sequence=3"),
     (dict(data=1, fsdp=1), {"sft.steps": 5, "sft.microbatch_size": 2}, None),

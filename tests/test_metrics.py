@@ -43,10 +43,11 @@ def test_writes_jsonl_tensorboard_rollouts_and_plots(tmp_path):
     with MetricsWriter(tmp_path, total_steps=3) as w:
         for step in (1, 2, 3):
             w.write(step, {"reward/mean": jnp.float32(step / 4), "kl": np.float64(0.01 * step),
-                           "response_length": step * 10, "lr": 1e-4})
+                           "response_length": step * 10, "lr": 1e-4,
+                           "moe/load": jnp.asarray([0.25, 0.75])})  # a vector: a histogram
             w.write_rollouts(step, [sample(step, np.float32(0.5))])
         with pytest.raises(ValueError, match="must be a number"):
-            w.write(4, {"reward": [1.0, 2.0]})
+            w.write(4, {"reward": [[1.0, 2.0]]})
         with pytest.raises(ValueError, match=r"lacks \['completion'\]"):
             w.write_rollouts(4, [{"prompt": "p", "reward": 1.0}])
         paths = w.plot()
@@ -55,9 +56,10 @@ def test_writes_jsonl_tensorboard_rollouts_and_plots(tmp_path):
             w.plot(["accuracy"])
     lines = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in lines] == [1, 2, 3] and lines[2]["reward/mean"] == 0.75
-    assert lines[1]["response_length"] == 20.0
+    assert lines[1]["response_length"] == 20.0 and lines[0]["moe/load"] == [0.25, 0.75]
     rollouts = read_jsonl(tmp_path / "rollouts.jsonl")
     assert rollouts[0] == {"step": 1, **sample(1, 0.5)}
+    assert len(tb_scalars(tmp_path)["moe/load"]) == 3  # histograms
     assert tb_scalars(tmp_path)["kl"] == [(1, pytest.approx(0.01)), (2, pytest.approx(0.02)),
                                           (3, pytest.approx(0.03))]
     assert sorted(os.path.basename(p) for p in paths) == \
@@ -114,7 +116,7 @@ def test_only_the_primary_process_writes(tmp_path):
         w.write_rollouts(1, [sample(1, 0.5)])
         assert w.plot() == []
         with pytest.raises(ValueError, match="must be a number"):
-            w.write(2, {"reward": [1.0, 2.0]})
+            w.write(2, {"reward": [[1.0, 2.0]]})
         with pytest.raises(ValueError, match=r"lacks \['completion'\]"):
             w.write_rollouts(2, [{"prompt": "p", "reward": 1.0}])
     assert not os.path.exists(tmp_path / "other")

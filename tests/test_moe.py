@@ -5,6 +5,8 @@ the reference the dropless and capacity dispatches must equal; transformers' own
 the reference for routing and logits (tests/test_hf.py) and for the load-balancing loss.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,16 @@ from ptrain import sharding
 CONFIG = M.ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48,
                        qk_norm=True, n_experts=8, n_experts_per_token=2, d_ff_expert=16,
                        norm_topk_prob=True, dense_layers=(0,), attention_impl="reference")
+
+
+# Everything runs jitted (one compile per shape and setting): eager shard_map, scans and
+# sorts are many times slower than their compiles.
+_block = jax.jit(moe.block, static_argnums=(3, 4))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _forward(params, tokens, replay=None, *, graphdef):
+    return nnx.merge(graphdef, params).forward(tokens, replay_lbtk=replay)
 
 
 def _tokens(b=8, t=8, seed=0):
@@ -94,7 +106,7 @@ def test_dispatch_equals_dense_reference(reference, dispatch):
     model, (want_logits, want_grads) = reference
     graphdef, state = nnx.split(model)
     config = CONFIG.replace(moe_dispatch=dispatch, moe_capacity_factor=8.0)
-    graphdef = nnx.split(M.Transformer(config, rngs=nnx.Rngs(0)))[0]
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: M.Transformer(config, rngs=nnx.Rngs(0))))
     logits, grads = _logits_and_grads(nnx.merge(graphdef, state), _tokens())
     np.testing.assert_allclose(logits, want_logits, atol=1e-5, rtol=0)
     _assert_trees_close(grads, want_grads, 1e-5)
@@ -135,12 +147,12 @@ def test_dropless_under_total_imbalance_equals_dense(expert, batch):
     p, h_btd = _forced_block()
     h_btd = h_btd.reshape(batch, -1, h_btd.shape[-1])
     valid = jnp.ones(h_btd.shape[:2], jnp.int32)
-    ref, ref_stats = moe.block(p, h_btd, valid, CONFIG.replace(moe_dispatch="dense"), None)
+    ref, ref_stats = _block(p, h_btd, valid, CONFIG.replace(moe_dispatch="dense"), None)
     assert (np.asarray(ref_stats["experts_btk"])[..., 0] == 3).all()
     mesh = sharding.make_mesh(expert=expert, fsdp=-1)
     for dispatch in ("dropless", "capacity"):
         c = CONFIG.replace(moe_dispatch=dispatch, moe_capacity_factor=1.0)
-        y, stats = jax.jit(lambda p, h: moe.block(p, h, valid, c, mesh))(p, h_btd)
+        y, stats = _block(p, h_btd, valid, c, mesh)
         if dispatch == "dropless":
             np.testing.assert_allclose(y, ref, atol=1e-5, rtol=0)
             assert float(stats["dropped"]) == 0
@@ -153,9 +165,9 @@ def test_dropless_under_total_imbalance_equals_dense(expert, batch):
         return
     # Gradients too, through the sharded dispatch.
     c = CONFIG.replace(moe_dispatch="dropless")
-    grad = jax.grad(lambda p: jnp.sum(moe.block(p, h_btd, valid, c, mesh)[0] ** 2))(p)
+    grad = jax.jit(jax.grad(lambda p: jnp.sum(moe.block(p, h_btd, valid, c, mesh)[0] ** 2)))(p)
     ref_c = CONFIG.replace(moe_dispatch="dense")
-    want = jax.grad(lambda p: jnp.sum(moe.block(p, h_btd, valid, ref_c, None)[0] ** 2))(p)
+    want = jax.jit(jax.grad(lambda p: jnp.sum(moe.block(p, h_btd, valid, ref_c, None)[0] ** 2)))(p)
     _assert_trees_close(grad, want, 1e-5)
 
 
@@ -164,37 +176,56 @@ def test_padding_tokens_are_not_dispatched_or_counted():
     valid = jnp.ones(h_btd.shape[:2], jnp.int32).at[:, -2:].set(0)
     for dispatch in moe.DISPATCHES:
         c = CONFIG.replace(moe_dispatch=dispatch, moe_capacity_factor=8.0)
-        y, stats = moe.block(p, h_btd, valid, c, None)
+        y, stats = _block(p, h_btd, valid, c, None)
         assert float(stats["tokens"]) == 48 and float(stats["load_e"].sum()) == 96
-    y_full, _ = moe.block(p, h_btd, jnp.ones_like(valid), CONFIG, None)
+    y_full, _ = _block(p, h_btd, jnp.ones_like(valid), CONFIG, None)
     np.testing.assert_allclose(np.asarray(y)[:, :-2], np.asarray(y_full)[:, :-2], atol=1e-5)
 
 
 def test_decode_through_cache_matches_full_forward(reference):
     model = reference[0]
-    tokens = _tokens(b=2, t=9)
-    full = model(tokens)
+    graphdef, params = nnx.split(model)
+    tokens = _tokens()[:2]
+    full = reference[1][0][:2]  # the reference's logits of the same tokens
+
+    @jax.jit
+    def run(params, tokens, cache):
+        return nnx.merge(graphdef, params)(tokens, cache=cache)
+
     cache = M.init_cache(CONFIG, batch=2, max_len=12)
-    logits, cache = model(tokens[:, :4], cache=cache)
+    logits, cache = run(params, tokens[:, :4], cache)
     steps = [logits]
-    for i in range(4, 9):
-        logits, cache = model(tokens[:, i:i + 1], cache=cache)
+    for i in range(4, 8):
+        logits, cache = run(params, tokens[:, i:i + 1], cache)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5, rtol=0)
 
 
 def test_replay_reproduces_or_overrides_the_routing(reference):
     model = reference[0]
+    graphdef, params = nnx.split(model)
+    forward = functools.partial(_forward, graphdef=graphdef)
     tokens = _tokens()
-    h, _, routing = model.forward(tokens)
-    assert routing.experts_lbtk.shape == (2, 8, 8, 2)  # two MoE layers (layer 1 is dense)
-    h_replayed, _, replayed = model.forward(tokens, replay_lbtk=routing.experts_lbtk)
+    h, _, routing = forward(params, tokens)
+    assert routing.experts_lbtk.shape == (2, 8, 8, 2)  # two MoE layers (layer 0 is dense)
+    assert (routing.agree_l == routing.tokens_l * 2).all()  # its own choice
+    h_replayed, _, replayed = forward(params, tokens, routing.experts_lbtk)
     np.testing.assert_array_equal(replayed.experts_lbtk, routing.experts_lbtk)
     np.testing.assert_allclose(h_replayed, h, atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(replayed.agree_l, routing.agree_l)
     other = (routing.experts_lbtk + 1) % CONFIG.n_experts
-    h_other, _, forced = model.forward(tokens, replay_lbtk=other)
+    h_other, _, forced = forward(params, tokens, other)
     np.testing.assert_array_equal(forced.experts_lbtk, other)
     assert np.abs(np.asarray(h_other) - np.asarray(h)).max() > 1e-3
+    # Agreement with the replayed choices, counted against the router's own top-k, is the set
+    # overlap computed outside (in the first MoE layer: the later ones see forced inputs).
+    hit = (np.asarray(other)[0, ..., :, None] == np.asarray(
+        routing.experts_lbtk)[0, ..., None, :]).any(-1).sum()
+    assert float(forced.agree_l[0]) == hit > 0
+    valid = jnp.ones(tokens.shape)
+    np.testing.assert_allclose(
+        moe.agreement_l(forced, routing.experts_lbtk, valid, replayed=True)[0],
+        moe.agreement_l(routing, other, valid, replayed=False)[0], rtol=1e-6)
     with pytest.raises(ValueError, match=r"replay_lbtk has shape .*\(2, 8, 8, 2\)"):
         model.forward(tokens, replay_lbtk=other[:1])
 
@@ -207,7 +238,7 @@ def test_aux_loss_matches_transformers_and_z_loss_its_formula():
     p = dict(p, router=0.3 * jax.random.normal(jax.random.key(0), p["router"].shape))
     layers = [jax.random.normal(jax.random.key(i + 1), (4, 16, 32)) for i in range(3)]
     valid = jnp.ones((4, 16), jnp.int32)
-    stats = [moe.block(p, h, valid, c, None)[1] for h in layers]
+    stats = [_block(p, h, valid, c, None)[1] for h in layers]
     routing = moe.routing_from_stats(jax.tree.map(lambda *x: jnp.stack(x), *stats))
     logits = [np.asarray(h.reshape(-1, 32) @ p["router"]) for h in layers]
     want = qwen3_moe.load_balancing_loss_func(
@@ -232,7 +263,7 @@ def test_router_losses_have_gradients_to_the_router(reference):
     def loss(params):
         return moe.router_loss(nnx.merge(graphdef, params).forward(_tokens())[2], c)
 
-    grads = jax.grad(loss)(params)
+    grads = jax.jit(jax.grad(loss))(params)
     assert float(jnp.abs(grads["experts"]["router"][...]).max()) > 0
 
 
@@ -256,8 +287,8 @@ def test_shared_experts_add_an_always_on_mlp():
               "shared_down": rng.randn(32, 32)}
     shared = {k: jnp.asarray(0.1 * v, jnp.float32) for k, v in shared.items()}
     valid = jnp.ones(h_btd.shape[:2], jnp.int32)
-    y, _ = moe.block({**p, **shared}, h_btd, valid, c, None)
-    y0, _ = moe.block(p, h_btd, valid, CONFIG, None)
+    y, _ = _block({**p, **shared}, h_btd, valid, c, None)
+    y0, _ = _block(p, h_btd, valid, CONFIG, None)
     mlp = jnp.einsum("btf,fd->btd", jax.nn.silu(h_btd @ shared["shared_gate"])
                      * (h_btd @ shared["shared_up"]), shared["shared_down"])
     np.testing.assert_allclose(y, y0 + mlp, atol=1e-5, rtol=0)

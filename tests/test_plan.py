@@ -78,6 +78,29 @@ def test_search_returns_the_smallest_mesh_that_fits(by_sequence):
             assert TINY.n_kv_heads % mesh["tensor"] == 0 and SEQ % (2 * mesh["sequence"]) == 0
 
 
+MOE = TINY.replace(n_experts=16, n_experts_per_token=2, d_ff_expert=256, moe_dispatch="capacity")
+
+
+def test_the_search_covers_the_expert_axis_of_a_moe():
+    """A MoE's candidates split over `expert` too (a dense model's never do); a compiled
+    expert x sequence plan shards every weight 8 ways (experts over expert, their model dim
+    over sequence), and the estimate counts the expert shards and the dispatch buffers."""
+    moe_meshes = plan.candidate_meshes(MOE, 8, seq_len=SEQ, batch=1, layout="zigzag")
+    assert {m["expert"] for m in moe_meshes} == {1, 2, 4, 8}
+    assert all(16 % m["expert"] == 0 and math.prod(m.values()) == 8 for m in moe_meshes)
+    dense = plan.candidate_meshes(TINY, 8, seq_len=SEQ, batch=1, layout="zigzag")
+    assert {m["expert"] for m in dense} == {1}
+    # A batch that does not divide over data x fsdp x expert is not split over data / fsdp.
+    for m in plan.candidate_meshes(MOE, 8, seq_len=SEQ, batch=2, layout="zigzag"):
+        assert 2 % (m["data"] * m["fsdp"] * m["expert"]) == 0 or m["data"] * m["fsdp"] == 1
+    report = plan.compile_plan(MOE, {"sequence": 4, "expert": 2}, **COMMON)
+    norms = 4 * (2 * MOE.n_layers + 1) * MOE.d_model
+    assert report["params_bytes"] == (4 * MOE.n_params - norms) // 8 + norms
+    assert report["estimate"]["state"] == 4 * report["params_bytes"]
+    assert report["estimate"]["dispatch"] > 0 and report["mesh"]["expert"] == 2
+    assert report["model_flops"] == plan.model_flops(MOE, seq_len=SEQ, batch=1)
+
+
 def test_bad_input_gives_clear_errors():
     with pytest.raises(ValueError, match="needs 16 devices but JAX has 8"):
         plan.compile_plan(TINY, {"sequence": 16}, **COMMON)

@@ -1,0 +1,295 @@
+"""Mixture of experts in RL and SFT: the sampler records each token's experts (against
+transformers' own router), the learner replays them (rl.router_replay) and measures its
+agreement with them, the router's aux and z losses enter the RL loss (against transformers'
+load-balancing loss), and GRPO and SFT run end to end on a tiny MoE and resume exactly."""
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import grpo_toy
+from ptrain import learner as L
+from ptrain import moe
+from ptrain import rollout as rollout_lib
+from ptrain import sharding
+from ptrain import step as step_lib
+from ptrain.metrics import read_jsonl
+
+pytestmark = pytest.mark.xdist_group("moe_rl")
+
+E, K = 8, 2
+
+
+def one_device():
+    return sharding.make_mesh(fsdp=1, devices=jax.devices()[:1])
+
+
+def moe_config(**changes):
+    """grpo_toy on a tiny MoE (layer 0 dense, layer 1 sparse): 4 prompts x 4 samples."""
+    c = grpo_toy.get_config()
+    c.model.update(n_layers=2, n_experts=E, n_experts_per_token=K, d_ff_expert=16,
+                   norm_topk_prob=True, dense_layers=(0,), attention_impl="reference")
+    c.data.prompts_per_step = 4
+    c.sampling.update(num_samples=4, max_new_tokens=8)
+    c.rl.update(num_minibatches=1, microbatch_size=0)
+    for dotted, value in changes.items():
+        *parents, name = dotted.split(".")
+        node = c
+        for p in parents:
+            node = node[p]
+        node[name] = value
+    return c
+
+
+def _metrics(workdir):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")}
+            for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
+
+
+# ------------------------------------------------------------- recording, against transformers
+
+def _hf_moe(path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
+        num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, mlp_only_layers=[1])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+def test_sampler_records_the_experts_transformers_routes_to(tmp_path):
+    """Prompt and sampled tokens: the recorded experts of every MoE layer are the ones
+    transformers' own Qwen3MoeTopKRouter picks in a forward over prompt + completion."""
+    import torch
+    from ptrain import hf
+    from ptrain import sampler as sampler_lib
+    ref = _hf_moe(str(tmp_path))
+    model, config = hf.load(str(tmp_path), overrides={"attention_impl": "reference"})
+    assert moe.n_moe_layers(config) == 2
+    prompts = [[1, 5, 9, 12, 3], [1, 40], [7, 7, 7, 20, 31, 2, 60]]
+    out = sampler_lib.Sampler(model, seed=0).sample(
+        model, prompts, max_new_tokens=6, num_samples=2, temperature=1.0, prompt_len=8)
+    assert out.experts.shape == (6, 6, 2, K) and out.prompt_experts.shape == (3, 8, 2, K)
+
+    chosen = []  # per forward: the experts of each MoE layer, as the router returns them
+    routers = [m for m in ref.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
+    assert len(routers) == 2
+    hooks = [r.register_forward_hook(lambda m, i, o: chosen.append(
+        (o[0].float().softmax(-1).numpy(), o[2].numpy()))) for r in routers]
+    compared = 0
+    try:
+        for row, completion in enumerate(out.completions()):
+            prompt = prompts[out.prompt_index[row]]
+            chosen.clear()
+            with torch.no_grad():
+                ref(torch.tensor([prompt + completion]))
+            p = len(prompt)
+            for layer, (probs, experts) in enumerate(chosen):
+                margin = np.sort(probs, -1)[:, -K] - np.sort(probs, -1)[:, -K - 1]
+                ours = np.concatenate([out.prompt_experts[out.prompt_index[row], 8 - p:, layer],
+                                       out.experts[row, :len(completion), layer]])
+                clear = margin > 1e-4  # a near-tie may flip under float differences
+                np.testing.assert_array_equal(np.sort(ours[clear], -1),
+                                              np.sort(experts[clear], -1))
+                compared += clear.sum()
+    finally:
+        for h in hooks:
+            h.remove()
+    assert compared > 0.9 * sum(len(prompts[i]) + n for i, n in
+                                zip(out.prompt_index, out.lengths)) * 2
+    assert all((out.experts[r, n:] == 0).all() for r, n in enumerate(out.lengths))
+
+
+# ---------------------------------------------------------------------------- router replay
+
+@pytest.fixture(scope="module")
+def rollout():
+    """A learner on the tiny MoE, one rollout batch sampled from its initial parameters."""
+    config = moe_config(**{"rl.num_minibatches": 2})  # old log-probs: measured in prepare
+    learner = L.Learner(config, mesh=one_device())
+    records = grpo_toy.prompt_records(0)[:4]
+    producer = rollout_lib.SingleTurn(config, rollout_lib.make_sampler(
+        nnx.merge(learner.graphdef, learner.initial_params), config))
+    batch = producer.score(producer.generate(learner.initial_params, records,
+                                             jax.random.key(3)))
+    return learner, batch
+
+
+def _perturbed_router(params, scale):
+    params = jax.tree.map(jnp.copy, params)
+    router = params["experts"]["router"]
+    noise = jax.random.normal(jax.random.key(9), router[...].shape)
+    router.value = router[...] + scale * jnp.std(router[...]) * noise
+    return params
+
+
+def test_replay_routes_training_to_the_rollouts_experts_and_cuts_the_mismatch(rollout):
+    learner, batch = rollout
+    s = learner.settings
+    g = s.group_size
+    assert batch.experts_bnlk.shape == (16, 8, 1, K)
+    assert batch.prompt_experts_bplk.shape == (16, 8, 1, K)
+    x = sharding.shard_batch(batch.arrays(), learner.mesh)
+    valid_bn = np.arange(8)[None, :] < batch.lengths_b[:, None]
+
+    def experts(params, replay):
+        _, _, (prompt_r, tokens_r) = step_lib.token_logprobs(
+            learner.graphdef, params, x, group_size=g, replay=replay, return_routing=True)
+        return np.asarray(prompt_r.experts_lbtk), np.asarray(tokens_r.experts_lbtk)
+
+    # Same parameters: the learner's own routing is the sampler's, token for token.
+    prompt_e, tokens_e = experts(learner.initial_params, False)
+    np.testing.assert_array_equal(tokens_e[0][valid_bn], batch.experts_bnlk[:, :, 0][valid_bn])
+    prompt_valid = np.arange(8)[None, :] >= 8 - batch.prompt_lens_b[::g, None]
+    np.testing.assert_array_equal(prompt_e[0][prompt_valid],
+                                  batch.prompt_experts_bplk[::g, :, 0][prompt_valid])
+
+    # A perturbed router routes some tokens elsewhere; replay routes them where they went.
+    moved = _perturbed_router(learner.initial_params, 0.5)
+    tokens_moved = experts(moved, False)[1]
+    assert (np.sort(tokens_moved[0], -1) != np.sort(batch.experts_bnlk[:, :, 0], -1)).any(
+        -1)[valid_bn].mean() > 0.05
+    np.testing.assert_array_equal(experts(moved, True)[1][0][valid_bn],
+                                  batch.experts_bnlk[:, :, 0][valid_bn])
+
+    def prepare(replay):
+        settings = s.__class__(**{**s.__dict__, "router_replay": replay})
+        return step_lib.prepare(moved, None, None, x, jnp.float32(0.0), graphdef=learner.graphdef,
+                                critic_graphdef=None, s=settings)[1]
+
+    off, on = prepare(False), prepare(True)
+    agreement = float(off["moe/router_agreement"])
+    assert 0.3 < agreement < 0.95
+    # The same measure either way: the learner's router against the sampler's choices.
+    np.testing.assert_allclose(float(on["moe/router_agreement"]), agreement, rtol=1e-6)
+    assert float(on["rollout/logp_mismatch"]) < 0.5 * float(off["rollout/logp_mismatch"])
+
+
+def test_replay_without_recorded_routing_is_a_clear_error(rollout):
+    learner, batch = rollout
+    bare = batch.__class__(**{**batch.columns(), "experts_bnlk": None,
+                              "prompt_experts_bplk": None})
+    settings = learner.settings.__class__(**{**learner.settings.__dict__,
+                                             "router_replay": True})
+    with pytest.raises(ValueError, match="no recorded routing"):
+        step_lib.prepare(learner.initial_params, None, None,
+                         sharding.shard_batch(bare.arrays(), learner.mesh), jnp.float32(0.0),
+                         graphdef=learner.graphdef, critic_graphdef=None, s=settings)
+
+
+# ------------------------------------------------------------------- aux loss in the RL loss
+
+def test_rl_loss_adds_transformers_load_balancing_loss(tmp_path):
+    """With zero advantages the policy loss is 0, so the RL loss is the router's: aux_coef x
+    transformers' load_balancing_loss_func over the router logits of every token the learner
+    runs (each group's prompt once, each continuation) + z_coef x mean logsumexp^2."""
+    import torch
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+    ref = _hf_moe(str(tmp_path))
+    config = moe_config(hf_model=str(tmp_path))
+    config.model.update(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
+                        d_ff=48, dense_layers=(1,), router_aux_loss_coef=0.01,
+                        router_z_loss_coef=0.001)
+    config.model.rope_theta = 10000.0
+    learner = L.Learner(config, mesh=one_device())
+    rng = np.random.RandomState(0)
+    prompts = [[1] + rng.randint(2, 64, rng.randint(1, 7)).tolist() for _ in range(4)]
+    rows = [rng.randint(2, 64, rng.randint(1, 9)).tolist() for _ in range(16)]
+    batch = L.Episodes.from_rows([prompts[i // 4] for i in range(16)], rows,
+                                 [[1] * len(r) for r in rows], [[0.0] * len(r) for r in rows],
+                                 np.zeros(16), np.arange(16) // 4, prompt_len=8, length=8)
+    x = dict(sharding.shard_batch(batch.arrays(), learner.mesh),
+             adv_bn=jnp.zeros((16, 8)))
+    mask = x["loss_mask_bn"]
+    loss, metrics = step_lib._rl_loss(
+        learner.initial_params, x, mask.sum(), (mask.sum(-1) > 0).sum(), 0.0,
+        graphdef=learner.graphdef, s=learner.settings)
+
+    logits = [[], []]  # per MoE layer: prompts' tokens once, then each row's continuation
+    routers = [m for m in ref.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
+    hooks = [r.register_forward_hook(lambda m, i, o, layer=layer: logits[layer].append(o[0]))
+             for layer, r in enumerate(routers)]
+    with torch.no_grad():
+        for prompt in prompts:
+            ref(torch.tensor([prompt]))
+        n_prompt_calls = len(logits[0])
+        for i, row in enumerate(rows):
+            ref(torch.tensor([prompts[i // 4] + row]))
+    for h in hooks:
+        h.remove()
+    per_layer = []
+    for layer in logits:
+        prompt_part = layer[:n_prompt_calls]
+        row_part = [l[len(prompts[i // 4]):] for i, l in enumerate(layer[n_prompt_calls:])]
+        per_layer.append(torch.cat(prompt_part + row_part).double())
+    aux = float(modeling_qwen3_moe.load_balancing_loss_func(tuple(per_layer), E, K))
+    z = float(torch.mean(torch.logsumexp(torch.cat(per_layer), -1) ** 2))
+    np.testing.assert_allclose(float(metrics["moe/aux_loss"]), aux, rtol=2e-4)
+    np.testing.assert_allclose(float(metrics["moe/z_loss"]), z, rtol=2e-4)
+    np.testing.assert_allclose(float(loss), 0.01 * aux + 0.001 * z, rtol=2e-4)
+    load = np.asarray(metrics["moe/load"])
+    assert load.shape == (E,) and abs(load.sum() - 1) < 1e-5
+    assert float(metrics["moe/dropped_fraction"]) == 0
+
+
+# ----------------------------------------------------------------- end to end, with resume
+
+RUN_STEPS, EVERY = 4, 2
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("moe_grpo"))
+    config = moe_config(steps=RUN_STEPS, **{"checkpoint.every": EVERY, "rl.router_replay": True,
+                                            "model.router_aux_loss_coef": 0.01,
+                                            "model.router_z_loss_coef": 0.001})
+    L.train(config, workdir, mesh=one_device())
+    return workdir, config
+
+
+def test_grpo_on_a_tiny_moe_logs_routing_and_resumes_exactly(grpo_run, tmp_path):
+    workdir, config = grpo_run
+    records = _metrics(workdir)
+    assert [r["step"] for r in records] == list(range(1, RUN_STEPS + 1))
+    for r in records:
+        assert len(r["moe/load"]) == E and abs(sum(r["moe/load"]) - 1) < 1e-5
+        assert r["moe/dropped_fraction"] == 0 and r["moe/aux_loss"] > 0
+        assert r["moe/router_agreement"] >= 0.99  # on-policy, one update: the same router
+        assert r["rollout/logp_mismatch"] < 1e-5
+    resumed = tmp_path / "resumed"
+    shutil.copytree(os.path.join(workdir, "checkpoints", str(EVERY)),
+                    resumed / "checkpoints" / str(EVERY))
+    L.train(config, str(resumed), mesh=one_device())
+    again = _metrics(resumed)
+    assert [r["step"] for r in again] == list(range(EVERY + 1, RUN_STEPS + 1))
+    assert again == records[EVERY:]
+
+
+def test_sft_on_a_tiny_moe_resumes_exactly(tmp_path):
+    rng = np.random.RandomState(1)
+    records = [{"prompt_ids": [1] + rng.randint(2, 32, size=rng.randint(1, 6)).tolist(),
+                "completion_ids": [7, 9, 7, 2]} for _ in range(32)]
+    config = moe_config(**{"sft.steps": 4, "sft.batch_size": 8, "sft.max_prompt_len": 8,
+                           "sft.max_completion_len": 6, "checkpoint.every": 2,
+                           "model.router_aux_loss_coef": 0.01})
+    config.sft.records_fn = lambda seed: records
+    L.sft(config, str(tmp_path / "full"), mesh=one_device())
+    full = _metrics(tmp_path / "full")
+    assert [r["step"] for r in full] == [1, 2, 3, 4]
+    assert all(len(r["moe/load"]) == E and r["moe/aux_loss"] > 0 for r in full)
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "2",
+                    tmp_path / "resumed" / "checkpoints" / "2")
+    L.sft(config, str(tmp_path / "resumed"), mesh=one_device())
+    assert _metrics(tmp_path / "resumed") == full[2:]
