@@ -174,35 +174,33 @@ def evaluate(items: Sequence, agent, out_dir: str, *, attempts: int = 1, pool=No
     done = {(r["task"], r["attempt"]) for r in rows}
     total = len(items) * attempts
     name = getattr(agent, "__name__", type(agent).__name__)
-    with open(path, "a") as out:
-        for attempt in range(attempts):
-            todo = [it for it in items if (it[0].id, attempt) not in done]
-            if not todo:
-                continue
-            t0 = time.monotonic()
-            results = agent(todo, attempt)
-            if len(results) != len(todo):
-                raise ValueError(f"agent {name} returned {len(results)} attempts for "
-                                 f"{len(todo)} tasks")
-            judge = [i for i, a in enumerate(results) if a.verdict is None and a.error is None]
-            verdicts = rewards_lib.score([todo[i][0] for i in judge],
-                                         [results[i].completion for i in judge], pool=pool,
-                                         config=config)
-            for i, v in zip(judge, verdicts):
-                results[i].verdict = v
-            per = (time.monotonic() - t0) / len(todo)
-            for (task, _), a in zip(todo, results):
-                row = _row(task, attempt, name, a, per)
-                write_transcript(out_dir, {
-                    "task": task.id, "attempt": attempt,
-                    "instruction": task.prompt or json.dumps(list(task.messages), indent=1),
-                    "steps": a.steps,
-                    "verdict": a.verdict.to_dict() if a.verdict is not None else None})
-                out.write(json.dumps(row) + "\n")
-                out.flush()
-                rows.append(row)
-                if progress is not None:
-                    progress(len(rows), total, row)
+    for attempt in range(attempts):
+        todo = [it for it in items if (it[0].id, attempt) not in done]
+        if not todo:
+            continue
+        t0 = time.monotonic()
+        results = agent(todo, attempt)
+        if len(results) != len(todo):
+            raise ValueError(f"agent {name} returned {len(results)} attempts for "
+                             f"{len(todo)} tasks")
+        judge = [i for i, a in enumerate(results) if a.verdict is None and a.error is None]
+        verdicts = rewards_lib.score([todo[i][0] for i in judge],
+                                     [results[i].completion for i in judge], pool=pool,
+                                     config=config)
+        for i, v in zip(judge, verdicts):
+            results[i].verdict = v
+        per = (time.monotonic() - t0) / len(todo)
+        for (task, _), a in zip(todo, results):
+            row = _row(task, attempt, name, a, per)
+            write_transcript(out_dir, {
+                "task": task.id, "attempt": attempt,
+                "instruction": task.prompt or json.dumps(list(task.messages), indent=1),
+                "steps": a.steps,
+                "verdict": a.verdict.to_dict() if a.verdict is not None else None})
+            jsonl.append([row], path)
+            rows.append(row)
+            if progress is not None:
+                progress(len(rows), total, row)
     ids = {t.id for t, _ in items}
     summary = summarize([r for r in rows if r["task"] in ids
                                        and r["attempt"] < attempts], attempts)

@@ -1,13 +1,17 @@
-"""The one JSONL reader and writer: one JSON object per line, gzip when the name ends .gz.
+"""The one JSONL reader and writer of ptrain: one JSON object per line, gzip when the name
+ends .gz (reading).
 
-Metrics, rollouts, evaluations, task files and SFT records all go through here; a line that
-is not a JSON object is an error that names its file and line.
+Metrics, rollouts, evaluations, task files, SFT records and code_eval's results all go
+through here; a line that is not a JSON object is an error that names its file and line,
+except a torn last line of a log that a crash cut short, which `truncate` removes.
+(sandbox/ imports nothing of ptrain: its terminal evaluation reads its own results.jsonl.)
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator
 
@@ -49,7 +53,35 @@ def write(rows: Iterable[dict], path: str) -> int:
     return n
 
 
-def append(rows: Iterable[dict], path: str) -> None:
-    """Appends the records to a log that grows, like eval.jsonl: the file is rewritten whole
-    and renamed into place (`write`), so a crash mid-write never tears a finished line."""
-    write(read(path) + list(rows), path)
+def append(rows: Iterable[dict], path: str, *, default=None) -> None:
+    """Appends the records to a log that grows (metrics, rollouts, eval.jsonl, results),
+    written and closed at once, so a reader (or a crash) sees whole lines. default: for
+    values json cannot encode (as json.dumps's)."""
+    text = "".join(json.dumps(row, default=default) + "\n" for row in rows)
+    with open(path, "a") as f:
+        f.write(text)
+
+
+def truncate(path: str, max_step: int) -> int:
+    """Drops the records of a log whose "step" is > max_step (a resumed run rewrites them)
+    and a torn last line; returns how many lines were dropped."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = f.read().splitlines()
+    kept = []
+    for lineno, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == len(lines):  # the crash cut the last write short
+                logging.warning("%s:%d: removing a torn last line", path, lineno)
+                continue
+            raise ValueError(f"{path}:{lineno}: not valid JSON; fix or remove the line") from None
+        if record["step"] <= max_step:
+            kept.append(line)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return len(lines) - len(kept)

@@ -14,7 +14,6 @@ resumed run appends without duplicates.
 
 import datetime
 import json
-import logging
 import os
 import re
 import shlex
@@ -26,6 +25,7 @@ import tqdm
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from ptrain import jsonl
 from ptrain.jsonl import read as read_jsonl
 
 ROLLOUT_KEYS = ("prompt", "completion", "reward")  # also: feedback, domain, anything else
@@ -66,30 +66,6 @@ def read_run_config(workdir):
     return ml_collections.ConfigDict(tuples(raw))
 
 
-def truncate_jsonl(path, max_step):
-    """Drops the lines of `path` whose "step" is > max_step; returns how many were dropped."""
-    if not os.path.exists(path):
-        return 0
-    with open(path) as f:
-        lines = f.read().splitlines()
-    kept = []
-    for lineno, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if lineno == len(lines):  # the crash cut the last write short
-                logging.warning("%s:%d: removing a torn last line", path, lineno)
-                continue
-            raise ValueError(f"{path}:{lineno}: not valid JSON; fix or remove the line") from None
-        if record["step"] <= max_step:
-            kept.append(line)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-    return len(lines) - len(kept)
-
-
 def _scalar(key, value):
     """A number, or a 1-D vector of numbers (e.g. `moe/load`: the load per expert) as a list."""
     array = np.asarray(value)
@@ -121,11 +97,9 @@ class MetricsWriter:
             return
         os.makedirs(self.workdir, exist_ok=True)
         for path in (self.metrics_path, self.rollouts_path):
-            truncate_jsonl(path, start_step)
+            jsonl.truncate(path, start_step)
         self._tb = tensorboardX.SummaryWriter(os.path.join(self.workdir, "tb"),
                                               purge_step=start_step + 1 if start_step else None)
-        self._metrics = open(self.metrics_path, "a")
-        self._rollouts = open(self.rollouts_path, "a")
         show = sys.stderr.isatty() if progress is None else bool(progress)
         self._bar = tqdm.tqdm(total=total_steps, initial=start_step, disable=not show,
                               file=progress if hasattr(progress, "write") else None,
@@ -139,8 +113,7 @@ class MetricsWriter:
         values = {k: _scalar(k, v) for k, v in metrics.items()}
         if not self.primary:
             return
-        self._metrics.write(json.dumps({"step": int(step), **values}) + "\n")
-        self._metrics.flush()
+        jsonl.append([{"step": int(step), **values}], self.metrics_path)
         for key, value in values.items():
             if isinstance(value, list):
                 self._tb.add_histogram(key, np.asarray(value), global_step=int(step))
@@ -154,17 +127,15 @@ class MetricsWriter:
 
     def write_rollouts(self, step, samples):
         """Appends samples: dicts with prompt, completion, reward (and feedback, domain, ...)."""
-        lines = []
+        records = []
         for i, sample in enumerate(samples):
             missing = [k for k in ROLLOUT_KEYS if k not in sample]
             if missing:
                 raise ValueError(f"rollout sample {i} of step {step} lacks {missing}")
-            record = {"step": int(step), "feedback": None, "domain": None, **sample}
-            lines.append(json.dumps(record, default=_to_json) + "\n")
+            records.append({"step": int(step), "feedback": None, "domain": None, **sample})
         if not self.primary:
             return
-        self._rollouts.write("".join(lines))
-        self._rollouts.flush()
+        jsonl.append(records, self.rollouts_path, default=_to_json)
 
     def plot(self, keys=None):
         """Draws `<workdir>/plots/<key>.png` per key (default: reward, KL, entropy and length
@@ -198,8 +169,6 @@ class MetricsWriter:
             return
         self._bar.close()
         self._tb.close()
-        self._metrics.close()
-        self._rollouts.close()
 
     def __enter__(self):
         return self

@@ -138,8 +138,9 @@ def check_files(v: Files, files: dict[str, bytes] | None, run_result=None) -> Ve
     return Verdict(score, not wrong, score, feedback, "" if not wrong else "wrong_files")
 
 
-def from_report(report: judge.Report) -> tuple[float, bool, str, str]:
-    """(score, passed, feedback, error_type) of a judge report."""
+def from_report(report: judge.Report) -> Verdict:
+    """A judge report's verdict: its score as the reward (`score` applies partial_credit),
+    its feedback, and the error type of the first failure."""
     error_type = ""
     first = report.first_failure
     if report.error:
@@ -150,7 +151,7 @@ def from_report(report: judge.Report) -> tuple[float, bool, str, str]:
         match = re.match(r"(\w+(?:Error|Exception|Interrupt|Exit))\b", last[0])
         if match:
             error_type = match.group(1)
-    return report.score, report.all_passed, report.feedback, error_type
+    return Verdict(report.score, report.all_passed, report.score, report.feedback, error_type)
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -220,8 +221,7 @@ def score(tasks_: Sequence[Task], completions: Sequence[str], *, pool=None, sess
             files = result.files if result is not None else item
             verdict = check_files(v, files, result)
         else:
-            score_, passed, feedback, error_type = from_report(item.result())
-            verdict = Verdict(score_, passed, score_, feedback, error_type)
+            verdict = from_report(item.result())
         if not c.partial_credit:
             verdict = dataclasses.replace(verdict, reward=float(verdict.passed))
         verdicts.append(verdict)

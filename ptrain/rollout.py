@@ -115,10 +115,6 @@ class Episode:
     def attempts(self) -> int:
         return len(self.answers)
 
-    @property
-    def completion_tokens(self) -> int:
-        return int(sum(self.mask))
-
     def reward(self, config: RolloutConfig) -> float:
         if not self.verdicts:
             return 0.0

@@ -43,7 +43,8 @@ def test_byo_config_runs_end_to_end_on_a_hugging_face_directory(hf_dir, tmp_path
         "tasks.train": ((files["humaneval"], "humaneval"), (files["gsm8k"], "gsm8k")),
         "tasks.heldout": ((held["humaneval"], "humaneval"), (gsm_held, "gsm8k")),
     }
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+    env = dict(os.environ, XLA_FLAGS=" ".join(  # one CPU device (conftest's other flags kept)
+        f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f))
     run = subprocess.run(
         [sys.executable, "-m", "launch.train", f"--config=configs/byo_qwen.py:{model_dir}",
          f"--workdir={workdir}", *(f"--config.{k}={v!r}" if isinstance(v, tuple)
