@@ -44,11 +44,12 @@ def get_config(arg: str = ""):
                   on_error="raise")
     c.reward_fn = None
     c.sampling = dict(num_samples=8, max_new_tokens=56, temperature=1.0, top_k=0, top_p=1.0,
-                      stop_token_ids=(), stop_strings=(), stop_check_every=16)
+                      stop_token_ids=(), stop_strings=(), stop_check_every=16, engine=False,
+                      engine_slots=32)
     c.rl = dict(estimator="grpo", loss="ppo", clip_low=0.2, clip_high=0.28, dual_clip=3.0,
                 agg="token-mean", ppo_epochs=1, num_minibatches=2, microbatch_size=0,
                 gamma=1.0, lam=1.0, entropy_coef=0.0, tis_cap=2.0, tis_level="token",
-                logprob_chunk=256, staleness=0, router_replay=False)
+                logprob_chunk=256, logprob_microbatch_size=0, staleness=0, router_replay=False)
     c.critic = dict(init="policy", clip_value=0.5,  # used by rl.estimator="gae" only
                     optim=dict(lr=1e-5, warmup_steps=0, schedule="constant", min_lr_ratio=0.0,
                                weight_decay=0.01, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0))

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ptrain import alerts, losses
+from ptrain import alerts, losses, sharding
 from ptrain import config as config_lib
 
 
@@ -132,12 +132,35 @@ class Batch:
 Episodes = Batch  # the former name, for a release
 
 
+def gather(batch: Batch, mesh=None) -> Batch:
+    """The global batch, the same on every process, from each process's own rows (the
+    rows of its block, `sharding.row_block`, scored where they were generated): blocks in
+    order, group ids made distinct across blocks (block k's shifted past block k-1's). With
+    one process, or rows replicated over processes, the batch itself."""
+    blocks = sharding.gather_blocks(batch, mesh)
+    if len(blocks) == 1:
+        return blocks[0]
+    shift = max(int(b.group_ids_b.max(initial=-1)) for b in blocks) + 1
+    columns = {}
+    for k, block in enumerate(blocks):
+        block = dataclasses.replace(block, group_ids_b=block.group_ids_b + k * shift)
+        for name, value in block.columns().items():
+            columns.setdefault(name, []).append(value)
+    return Batch(**{name: sum(parts, []) if name == "meta" else
+                    None if parts[0] is None else np.concatenate(parts)
+                    for name, parts in columns.items()})
+
+
 # =================================================================================== collect
 
 
-def collect(rollout, batches, config):
+def collect(rollout, batches, config, *, mesh=None):
     """Calls rollout(records, attempt) -> Batch on prompt batches until the step's batch is
     full. Returns (Batch, metrics).
+
+    With many processes each one's rollout returns its own rows (`batches` yields its block
+    of the prompts), and everything after is on the global batch (`gather`), the same on
+    every process: the same groups kept, the same number of calls, the same metrics.
 
     Without dynamic sampling: one call (`finish`). With it: rows of groups whose rewards are
     all equal are dropped and more prompts are drawn, up to dapo.max_gen_batches calls; a
@@ -150,12 +173,12 @@ def collect(rollout, batches, config):
     """
     c = config
     if not c.dapo.dynamic_sampling:
-        return finish(rollout(next(batches), 0), c)
+        return finish(rollout(next(batches), 0), c, mesh=mesh)
     n_groups = c.data.prompts_per_step
     acc, full, all_rewards, last = None, False, [], None
     calls = 0
     for attempt in range(c.dapo.max_gen_batches):
-        episodes = _shaped(rollout(next(batches), attempt), attempt, c)
+        episodes = _shaped(rollout(next(batches), attempt), attempt, c, mesh)
         calls += 1
         all_rewards.append(episodes.rewards_b)
         last = episodes
@@ -181,18 +204,22 @@ def collect(rollout, batches, config):
     return _filtered(episodes, c), {**metrics, **_batch_metrics(episodes, c)}
 
 
-def finish(episodes, config):
+def finish(episodes, config, *, mesh=None):
     """One producer call's Batch as the step's batch (no dynamic sampling): checked, the
-    overlong penalty added. Returns (Batch, metrics)."""
-    episodes = _shaped(episodes, 0, config)
+    overlong penalty added; with many processes gathered (`collect`). Returns (Batch,
+    metrics)."""
+    episodes = _shaped(episodes, 0, config, mesh)
     return _filtered(episodes, config), {**_reward_metrics(episodes.rewards_b),
                                          **_batch_metrics(episodes, config)}
 
 
-def _shaped(episodes, attempt, config):
-    """Checks a producer's Batch, adds the DAPO overlong penalty to its rewards and makes its
-    group ids unique across the calls of a step."""
+def _shaped(episodes, attempt, config, mesh=None):
+    """Checks a producer's Batch (this process's rows), gathers the global one (`gather`),
+    adds the DAPO overlong penalty to its rewards and makes its group ids unique across the
+    calls of a step."""
     c = config
+    _check_type(episodes)
+    episodes = gather(episodes, mesh)
     _check(episodes, c)
     if c.dapo.overlong_buffer:  # the tokens after the prompt against the episode's cap
         episodes.rewards_b = episodes.rewards_b + np.asarray(losses.overlong_penalty(
@@ -262,11 +289,14 @@ def domain_metrics(episodes: Batch) -> dict[str, float]:
     return out
 
 
-def _check(episodes, config):
-    rows = config.data.prompts_per_step * config.sampling.num_samples
+def _check_type(episodes):
     if not isinstance(episodes, Batch):
         raise TypeError(f"a producer's score (or rollout_fn) must return a ptrain.batch.Batch "
                         f"(ex Episodes), got {type(episodes).__name__}")
+
+
+def _check(episodes, config):
+    rows = config.data.prompts_per_step * config.sampling.num_samples
     if len(episodes) != rows:
         raise ValueError(f"a producer returned {len(episodes)} rows; the batch shape is fixed "
                          f"at data.prompts_per_step * sampling.num_samples = {rows}")

@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import os
 import random
+import types
 
 import jax
 import ml_collections
@@ -136,7 +137,8 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step):
     """Pass rates on the held-out split, per domain: greedy pass@1, and with eval.sample
     pass@1 and pass@k at the sampling temperature from sampling.num_samples samples per task
     (the unbiased estimator of Chen et al. 2021, `sandbox.terminal.evaluate.pass_at_k`).
-    Returns eval.jsonl lines."""
+    Returns eval.jsonl lines. With many processes each runs and scores its block of the
+    tasks (one sampler call over all of them per turn) and the summary is of all episodes."""
     lines = []
     decodings = [("greedy", dict(greedy=True, num_samples=1))]
     if config.eval.sample:
@@ -145,11 +147,18 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step):
         rc = rollout_lib.rollout_config(config, **change)
         for domain, tasks in heldout.items():
             tasks = tasks[:config.eval.n]
+            block, blocks = sharding.row_block(sampler.mesh)
+            mine = tasks[len(tasks) * block // blocks:len(tasks) * (block + 1) // blocks]
             episodes = rollout_lib.generate(
-                sampler, params, tasks, tokenizer=tokenizer, key=jax.random.key(config.seed),
+                sampler, params, mine, tokenizer=tokenizer, key=jax.random.key(config.seed),
                 config=rc, fmt=chat.FORMATS[config.rollout.chat_format], pool=pool,
                 reward_config=rollout_lib.reward_config(config), score_now=rc.max_attempts > 1)
             rollout_lib.score(episodes, pool=pool, config=rollout_lib.reward_config(config))
+            if blocks > 1:  # what eval_summary reads, of every process's episodes
+                episodes = [types.SimpleNamespace(verdicts=v, finish=f)
+                            for part in sharding.gather_blocks(
+                                [(e.verdicts[-1:], e.finish) for e in episodes], sampler.mesh)
+                            for v, f in part]
             lines.append({"stage": stage, "step": step, "split": "heldout", "domain": domain,
                           "decoding": decoding, **eval_summary(episodes, rc.num_samples)})
     return lines
@@ -176,10 +185,11 @@ def _evaluate_once(path, stage, step, **kwargs):
     nothing, a run extended to more steps evaluates its new last step."""
     done = [r for r in jsonl.read(path)
             if r.get("stage") == stage and r.get("step") == step]
-    if done:
+    if sharding.agree(bool(done), "all"):  # every process evaluates, or none
         return done
     lines = evaluate(stage=stage, step=step, **kwargs)
-    jsonl.append(lines, path)
+    if jax.process_index() == 0:  # one writer of the (global) lines
+        jsonl.append(lines, path)
     for line in lines:
         logging.info("eval %(stage)s step %(step)d %(domain)s %(decoding)s: pass@1 "
                      "%(pass_rate).3f (n=%(n)d, truncated %(truncated).2f)", line)

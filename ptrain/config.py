@@ -76,8 +76,11 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
                   on_error="raise")
     # reward_fn(record, completion_ids, completion_text) -> reward, or (reward, feedback text).
     c.reward_fn = None
+    # engine: the producers sample through the rollout engine (ptrain/engine.py, continuous
+    # batching over engine_slots decode slots) instead of the static sampler.
     c.sampling = dict(num_samples=8, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,
-                      stop_token_ids=(), stop_strings=(), stop_check_every=16)
+                      stop_token_ids=(), stop_strings=(), stop_check_every=16, engine=False,
+                      engine_slots=32)
     c.rl = dict(
         estimator="grpo",  # ESTIMATORS
         loss="ppo",  # POLICY_LOSSES
@@ -94,6 +97,10 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         tis_cap=0.0,  # truncated importance sampling against the sampler's log-probs; 0: off
         tis_level="token",  # token | sequence
         logprob_chunk=256,  # time steps per chunk of the log-prob computation
+        # Rows per pass of the prepare step (old, reference log-probs and the critic's
+        # values), a multiple of sampling.num_samples (verl's log_prob_micro_batch_size);
+        # 0: the whole batch in one pass.
+        logprob_microbatch_size=0,
         # 0: on-policy. 1: batch t is scored (in the sandbox) while batch t+1 is generated
         # from the same parameters, so batch t+1 trains one update late; needs a producer
         # with separate generate/score (see `learner.train`) and tis_cap > 0 to correct it.
@@ -255,6 +262,12 @@ def _check_values(config):
         (config.sft.microbatch_size == 0
          or config.sft.batch_size % config.sft.microbatch_size == 0,
          "sft.microbatch_size must divide sft.batch_size"),
+        (rl.logprob_microbatch_size == 0 or (
+            rl.logprob_microbatch_size % s.num_samples == 0
+            and d.prompts_per_step * s.num_samples % rl.logprob_microbatch_size == 0),
+         f"rl.logprob_microbatch_size={rl.logprob_microbatch_size} must be a multiple of "
+         f"sampling.num_samples={s.num_samples} that divides the batch of "
+         f"{d.prompts_per_step * s.num_samples} rows (0: one pass)"),
         (all(o.schedule in SCHEDULES
              for o in (config.optim, config.sft.optim, config.critic.optim)),
          "optim.schedule (and sft.optim's, critic.optim's) must be 'cosine' or 'constant'"),
@@ -363,6 +376,9 @@ def _check_mesh_sizes(config, sizes):
          f"the learner's microbatch of {micro} rows (rl.microbatch_size, or the minibatch of "
          f"data.prompts_per_step * sampling.num_samples / rl.num_minibatches) does not "
          f"divide over mesh data x fsdp x expert = {rows_axes}; change the batch or the mesh"),
+        (rl.logprob_microbatch_size % rows_axes == 0,
+         f"rl.logprob_microbatch_size={rl.logprob_microbatch_size} does not divide over mesh "
+         f"data x fsdp x expert = {rows_axes}; change it or the mesh"),
     ]
     if config.sft.steps:
         sft_micro = config.sft.microbatch_size or config.sft.batch_size
@@ -409,6 +425,7 @@ class StepSettings:
     epochs: int = 1
     minibatches: int = 1
     microbatch: int = 0
+    logprob_microbatch: int = 0  # rows per pass of `prepare` (0: all)
     # Log-probs are of logits / temperature (verl, TRL): the policy the sampler drew from.
     # sampling.temperature for RL; 1 for SFT's likelihood.
     temperature: float = 1.0
@@ -439,6 +456,7 @@ def resolve(config) -> Resolved:
         kl_in_reward=kl_on and c.kl.in_reward,
         has_old_logp=updates > 1 or (kl_on and c.kl.in_reward), chunk=rl.logprob_chunk,
         epochs=rl.ppo_epochs, minibatches=rl.num_minibatches, microbatch=rl.microbatch_size,
+        logprob_microbatch=rl.logprob_microbatch_size,
         temperature=float(c.sampling.temperature), router_replay=bool(rl.router_replay))
     critic = (dataclasses.replace(rl_settings, kind="critic") if rl.estimator == "gae"
               else None)

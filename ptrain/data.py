@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 
 import grain
 import numpy as np
@@ -25,6 +26,9 @@ import numpy as np
 ARRAY_RECORD_SUFFIXES = (".array_record", ".arrayrecord")
 # Prompts are small and consumed a batch per RL step: a short read-ahead is plenty.
 READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=2)
+
+
+_OPEN_LOCK = threading.Lock()
 
 
 class RecordSource:
@@ -86,8 +90,10 @@ class RecordSource:
     def __getitem__(self, index):
         start, length = (int(x) for x in self._spans[index])
         if self._reader is None:
-            self._reader = (grain.sources.ArrayRecordDataSource([self.path]) if self._array_record
-                            else open(self.path, "rb"))
+            with _OPEN_LOCK:  # grain reads in threads: one reader (a second would close the
+                if self._reader is None:  # first's fd under a thread still using it)
+                    self._reader = (grain.sources.ArrayRecordDataSource([self.path])
+                                    if self._array_record else open(self.path, "rb"))
         if self._array_record:
             return json.loads(self._reader[start])
         return json.loads(os.pread(self._reader.fileno(), length, start))  # thread-safe

@@ -44,6 +44,7 @@ from flax import nnx
 
 from ptrain import kv_slots
 from ptrain import model as model_lib
+from ptrain import sampler as sampler_lib
 from ptrain import sharding
 
 FINISH = {kv_slots.STOP: "stop", kv_slots.LENGTH: "length"}  # and "max_len": the cache is full
@@ -523,3 +524,67 @@ def _stop_string_end(decode, ids, checked, stop_strings, lookback: int = 8):
         if any(s in decode(ids[lo:n]) for s in stop_strings):
             return n
     return len(ids)
+
+
+class EngineSampler:
+    """`sampler.Sampler.sample`'s interface on the engine (`sampling.engine=True` in a
+    config): prompts in, `sampler.Samples` out, so the producers run either. One engine per
+    decoding settings and shape (each compiles once, on first use). Request i of a call
+    draws from fold_in(key, i): greedy outputs equal the static sampler's, sampled ones come
+    from other (per-request) randomness. top-k / top-p are not supported yet (the engine
+    records the log-prob at the sampling temperature only without them), nor is recording
+    an MoE model's routing (`Samples.experts` stays None)."""
+
+    def __init__(self, model: model_lib.Transformer, *, slots: int = 32, seed: int = 0,
+                 pad_id: int = 0, decode: Callable | None = None, stop_check_every: int = 16):
+        self.model, self.slots, self.pad_id = model, int(slots), int(pad_id)
+        self.decode, self.stop_check_every = decode, int(stop_check_every)
+        self.key = jax.random.key(seed)
+        self.engines = {}
+
+    def sample(self, params, prompts, *, max_new_tokens: int, num_samples: int = 1,
+               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+               greedy: bool = False, stop_token_ids=(), stop_strings=(), key=None,
+               prompt_len: int | None = None, batch_size: int | None = None,
+               record_routing: bool | None = None):
+        del batch_size  # the engine's rows are its slots
+        if record_routing:
+            raise ValueError("sampling.engine: the engine does not record MoE routing yet; "
+                             "set sampling.engine=False for router replay")
+        if top_k or top_p < 1.0:
+            raise ValueError("sampling.engine: top_k / top_p are not supported by the engine "
+                             "yet; set sampling.engine=False or top_k=0, top_p=1.0")
+        if key is None:
+            self.key, key = jax.random.split(self.key)
+        longest = max(len(p) for p in prompts)
+        prompt_len = prompt_len or max(8, 1 << (longest - 1).bit_length())
+        if longest > prompt_len:
+            raise ValueError(f"sampling.engine: a prompt has {longest} tokens, more than "
+                             f"prompt_len={prompt_len}")
+        settings = (prompt_len, int(max_new_tokens), max(self.slots, num_samples),
+                    float(temperature), bool(greedy), tuple(stop_token_ids), tuple(stop_strings))
+        if settings not in self.engines:
+            self.engines[settings] = Engine(
+                self.model, slots=settings[2], max_len=prompt_len + max_new_tokens,
+                max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
+                stop_token_ids=stop_token_ids, stop_strings=stop_strings, decode=self.decode,
+                stop_check_every=self.stop_check_every, pad_id=self.pad_id,
+                token_buckets=(prompt_len,))
+        trajs = self.engines[settings].generate(params, [
+            Request(p, key=jax.random.fold_in(key, i), num_samples=num_samples)
+            for i, p in enumerate(prompts)])
+        n = len(trajs)
+        tokens = np.full((n, max_new_tokens), self.pad_id, np.int32)
+        logp, logp_t1 = (np.zeros((n, max_new_tokens), np.float32) for _ in range(2))
+        for r, t in enumerate(trajs):
+            k = len(t.turns[0])
+            tokens[r, :k] = t.turns[0]
+            logp[r, :k], logp_t1[r, :k] = t.logp[t.prompt_len:], t.logp_t1[t.prompt_len:]
+        # Without top-k / top-p the sampled-from distribution is logits / temperature; greedy
+        # rows have no temperature (as the static sampler's).
+        return sampler_lib.Samples(
+            tokens=tokens, logp=logp, logp_temp=logp_t1.copy() if greedy else logp.copy(),
+            logp_t1=logp_t1, lengths=np.array([len(t.turns[0]) for t in trajs], np.int32),
+            finish_reasons=["length" if t.finish_reasons[0] == "max_len" else
+                            t.finish_reasons[0] for t in trajs],
+            prompt_index=np.array([t.request for t in trajs], np.int32))

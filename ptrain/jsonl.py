@@ -41,10 +41,11 @@ def read(path: str) -> list[dict]:
 
 
 def write(rows: Iterable[dict], path: str) -> int:
-    """Writes the records atomically (a temp file renamed into place); returns how many."""
+    """Writes the records atomically (a temp file of this process renamed into place:
+    processes writing the same file do not collide); returns how many."""
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    n, tmp = 0, path + ".tmp"
+    n, tmp = 0, f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")

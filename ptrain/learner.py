@@ -100,6 +100,9 @@ class Learner:
         resolved = config_lib.resolve(c)
         updates = resolved.updates_per_step
         self.settings, self.sft_settings = resolved.rl, resolved.sft
+        if self.settings.logprob_microbatch and self.model_config.n_experts:
+            raise ValueError("rl.logprob_microbatch_size is not yet supported with experts "
+                             "(MoE router metrics need the whole batch); set it to 0")
         self.tx, self.schedule = step_lib.make_optimizer(c.optim, total_steps=c.steps,
                                                          updates_per_step=updates)
         # PPO's value function (rl.estimator="gae"): own parameters (`init_critic`),
@@ -150,7 +153,9 @@ class Learner:
                 critic_params=None):
         """Device batch for `update`: advantages, log-probs of the current (when needed) and
         reference policies, KL in the reward; with rl.estimator="gae", the critic's values
-        (`critic_params`), GAE advantages and returns. Returns (batch, metrics)."""
+        (`critic_params`), GAE advantages and returns. Returns (batch, metrics). With many
+        processes `episodes` is the global batch (`batch.collect` gathers it), the same on
+        every process; each places only its own devices' rows."""
         if (critic_params is None) != (self.critic_graphdef is None):
             raise ValueError("prepare: pass critic_params exactly when rl.estimator='gae' "
                              f"(here {self.settings.estimator!r})")
@@ -176,9 +181,12 @@ class Learner:
 
     def sft_update(self, params, opt_state, episodes: Batch):
         """One supervised step (optimizer `sft_tx`) on the loss-masked tokens; the inputs are
-        donated. metrics["sft/loss"] is the loss before the update."""
+        donated. metrics["sft/loss"] is the loss before the update. With many processes
+        `episodes` are this process's rows (its block of the global batch, `_prompt_stream`)."""
         fn = step_lib.jit_update(self.graphdef, self.sft_settings, self.sft_tx, self.mesh)
-        batch = sharding.shard_batch(episodes.arrays(), self.mesh)
+        blocks = sharding.row_block(self.mesh)[1]
+        batch = sharding.from_process_local(episodes.arrays(), self.mesh,
+                                            global_rows=len(episodes) * blocks)
         return fn(params, opt_state, batch, jnp.float32(0.0))
 
 
@@ -246,7 +254,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
             tokenizer=learner.tokenizer)
     os.makedirs(workdir, exist_ok=True)
     prompts = _prompt_stream(c.data, c.data.prompts_per_step, c.seed, workdir, "prompts",
-                             on_error=c.data.on_error)
+                             on_error=c.data.on_error, mesh=learner.mesh)
     root_key = jax.random.key(c.seed)
     kl_ctl = losses.KLController(c.kl.coef, target=c.kl.target or None, horizon=c.kl.horizon)
 
@@ -304,7 +312,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                 if step < c.steps:
                     ahead = producer.generate(params, next(batches),
                                               jax.random.fold_in(root_key, step + 1))
-                episodes, gen_metrics = batch_lib.finish(scoring.result(), c)
+                episodes, gen_metrics = batch_lib.finish(scoring.result(), c, mesh=learner.mesh)
             else:
                 # With DAPO dynamic sampling, groups whose rewards are all equal carry no signal:
                 # sample more prompts until the batch is full of informative groups (or the cap).
@@ -313,7 +321,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                                                   jax.random.fold_in(key, attempt))
                     return producer.score(generated)
 
-                episodes, gen_metrics = batch_lib.collect(rollout, batches, c)
+                episodes, gen_metrics = batch_lib.collect(rollout, batches, c, mesh=learner.mesh)
                 data_state = batches.get_state()
             t1 = time.perf_counter()
 
@@ -368,20 +376,29 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     return params
 
 
-def _prompt_stream(data, batch_size, seed, workdir, name, *, on_error):
+def _prompt_stream(data, batch_size, seed, workdir, name, *, on_error, mesh=None):
     """A `ptrain.data` stream over the config's sources, or over records_fn(seed) written to
-    <workdir>/<name>.jsonl (so that the run's data is on disk next to its logs)."""
+    <workdir>/<name>.jsonl (so that the run's data is on disk next to its logs).
+
+    `batch_size` is the global batch; with many processes each reads its own block of it
+    (`sharding.row_block`), so that together they read what one process would."""
     sources = list(data.sources)
+    index, count = sharding.row_block(mesh)
+    if batch_size % count:
+        section = "sft.batch_size" if name == "sft" else "data.prompts_per_step"
+        raise ValueError(f"{section}={batch_size} does not divide over the {count} processes "
+                         "that hold different rows; make it a multiple of that")
     if data.records_fn is not None:
         path = os.path.join(workdir, f"{name}.jsonl")
-        jsonl.write(data.records_fn(seed), path)
+        jsonl.write(data.records_fn(seed), path)  # each process (atomically)
         sources = [path]
     if not sources:
         section = "sft" if name == "sft" else "data"
         raise ValueError(f"no {name}: set {section}.sources (JSONL / ArrayRecord files) or "
                          f"{section}.records_fn")
-    return data_lib.prompt_batches(sources, batch_size=batch_size, seed=seed,
-                                   on_error=on_error)
+    return data_lib.prompt_batches(sources, batch_size=batch_size // count, seed=seed,
+                                   on_error=on_error, process_index=index,
+                                   process_count=count)
 
 
 # ======================================================================================= SFT
@@ -409,7 +426,8 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
     c, sc = config, config.sft
     learner = Learner(c, mesh=mesh, params=params, tokenizer=tokenizer)
     os.makedirs(workdir, exist_ok=True)
-    records = _prompt_stream(sc, sc.batch_size, c.seed, workdir, "sft", on_error="raise")
+    records = _prompt_stream(sc, sc.batch_size, c.seed, workdir, "sft", on_error="raise",
+                             mesh=learner.mesh)
     # ---------------------------------------------------------------- restore or start
     params = learner.initial_params
     opt_state = learner.init_opt_state(params, learner.sft_tx)

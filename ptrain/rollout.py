@@ -48,7 +48,9 @@ from sandbox import tools as sandbox_tools
 
 from ptrain import chat
 from ptrain import data as data_lib
+from ptrain import engine as engine_lib
 from ptrain import rewards as rewards_lib
+from ptrain import sharding
 from ptrain import tasks as tasks_lib
 from ptrain.batch import Batch
 from ptrain.sampler import Sampler
@@ -167,6 +169,11 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
     Verdicts come from `score` (the sandbox pool); with one attempt they can be left to the
     caller (`score_now=False`) so that scoring overlaps the next generation. Sessions of
     episodes that are not scored yet stay open until `score` closes them.
+
+    Many processes: each passes its own tasks and runs (tools, verdicts) its own episodes;
+    every model turn is one sampler call over the episodes of all processes, in process
+    order (`_sample`), so turn counts, shapes and stops are the same everywhere and equal
+    what one process holding every task would sample.
     """
     c = config
     score_now = c.max_attempts > 1 if score_now is None else score_now
@@ -191,7 +198,7 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
                 active = [e for e in episodes if attempt == 0 or (
                     e.verdicts and not e.verdicts[-1].passed and
                     e.finish in ("answered", "truncated"))]
-                if not active:
+                if not sharding.agree(bool(active), "any"):  # none left on any process
                     break
                 if attempt > 0:
                     for e in active:
@@ -210,6 +217,29 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
     return episodes
 
 
+def _sample(sampler, params, histories, *, num_samples=1, **kwargs):
+    """sampler.sample of this process's histories, in one call over every process's (each
+    holding its devices' rows of it, `shared`): returns this process's rows (maybe none).
+    With one process, sampler.sample itself."""
+    if jax.process_count() == 1:
+        return sampler.sample(params, histories, num_samples=num_samples, **kwargs)
+    mesh = getattr(sampler, "mesh", None)
+    blocks = sharding.gather_blocks([list(h) for h in histories], mesh)
+    everyone = [h for block in blocks for h in block]
+    out = sampler.sample(params, everyone, num_samples=num_samples, shared=True, **kwargs)
+    mine = sharding.row_block(mesh)[0]
+    start = sum(len(b) for b in blocks[:mine]) * num_samples
+    rows = slice(start, start + len(histories) * num_samples)
+    prompts = slice(start // num_samples, start // num_samples + len(histories))
+    return dataclasses.replace(
+        out, tokens=out.tokens[rows], logp=out.logp[rows], logp_temp=out.logp_temp[rows],
+        logp_t1=out.logp_t1[rows], lengths=out.lengths[rows],
+        finish_reasons=out.finish_reasons[rows],
+        prompt_index=out.prompt_index[rows] - start // num_samples,
+        experts=None if out.experts is None else out.experts[rows],
+        prompt_experts=None if out.prompt_experts is None else out.prompt_experts[prompts])
+
+
 def _needs_session(task: Task) -> bool:
     return isinstance(task.verifier, Files) and not task.verifier.run
 
@@ -217,21 +247,22 @@ def _needs_session(task: Task) -> bool:
 def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *, first,
                  prompts):
     """Model turns until each episode answers (a turn without a tool call) or hits a cap."""
-    stop_ids, stop_strings = turn_stops(fmt, tokenizer, c.stop_token_ids,
-                                        tools=any(e.task.tools for e in episodes))
+    stop_ids, stop_strings = turn_stops(
+        fmt, tokenizer, c.stop_token_ids,
+        tools=sharding.agree(any(e.task.tools for e in episodes), "any"))
     end_of_turn = set(chat.end_of_turn_ids(fmt, tokenizer)) if fmt.end_of_turn else set()
     strip = turn_stops(fmt, tokenizer, c.stop_token_ids)[0]  # not a plain call's end tag
     active = list(episodes)
     for turn in range(c.max_turns):
-        if not active:
+        if not sharding.agree(bool(active), "any"):  # none left on any process
             return
         kwargs = dict(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k,
                       top_p=c.top_p, greedy=c.greedy, stop_token_ids=stop_ids,
                       stop_strings=stop_strings, key=next(keys))
         if first and turn == 0:  # one prefill per task, G samples each
-            samples = sampler.sample(params, prompts, num_samples=c.num_samples, **kwargs)
+            samples = _sample(sampler, params, prompts, num_samples=c.num_samples, **kwargs)
         else:
-            samples = sampler.sample(params, [e.tokens for e in active], **kwargs)
+            samples = _sample(sampler, params, [e.tokens for e in active], **kwargs)
         calls = []
         for row, e in enumerate(active):
             n = int(samples.lengths[row])
@@ -348,9 +379,15 @@ class Producer(Protocol):
     def score(self, generated) -> Batch: ...
 
 
-def make_sampler(model, config, tokenizer=None) -> Sampler:
+def make_sampler(model, config, tokenizer=None):
     """A sampler for `model` (concrete or abstract: parameters come with each call), with the
-    tokenizer's pad id and decode (stop strings) and config.sampling.stop_check_every."""
+    tokenizer's pad id and decode (stop strings) and config.sampling.stop_check_every; with
+    config.sampling.engine the rollout engine behind the same `sample` interface."""
+    if config.sampling.engine:
+        return engine_lib.EngineSampler(
+            model, slots=config.sampling.engine_slots, seed=config.seed,
+            pad_id=pad_id(tokenizer), decode=tokenizer.decode if tokenizer is not None else None,
+            stop_check_every=config.sampling.stop_check_every)
     return Sampler(model, seed=config.seed, pad_id=pad_id(tokenizer),
                    decode=tokenizer.decode if tokenizer is not None else None,
                    stop_check_every=config.sampling.stop_check_every)
@@ -372,7 +409,7 @@ class SingleTurn:
     """G samples per prompt record, each scored by reward_fn(record, completion_ids,
     completion_text) -> reward, or (reward, feedback text). Rows of prompt i form group i."""
 
-    def __init__(self, config, sampler: Sampler, *, tokenizer=None, reward_fn=None):
+    def __init__(self, config, sampler, *, tokenizer=None, reward_fn=None):
         self.config, self.sampler, self.tokenizer = config, sampler, tokenizer
         self.reward_fn = reward_fn or config.reward_fn
         if self.reward_fn is None:

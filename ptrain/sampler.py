@@ -95,7 +95,9 @@ class Sampler:
     Many processes: each passes its own prompts and gets back the samples of those (rows of
     process p follow those of p-1 in the global batch); shapes and stop decisions are agreed
     across processes. Where the mesh replicates rows over processes, every process passes the
-    same prompts and gets every sample.
+    same prompts and gets every sample. With `shared=True` every process passes the same
+    (global) prompts, samples its devices' rows of them and gets every sample: the very call
+    one process would make (a multi-turn rollout's later turns, an evaluation).
     """
 
     def __init__(self, model: model_lib.Transformer, *, seed: int = 0, pad_id: int = 0,
@@ -122,7 +124,8 @@ class Sampler:
                num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, greedy: bool = False, stop_token_ids: Sequence[int] = (),
                stop_strings: Sequence[str] = (), key=None, prompt_len: int | None = None,
-               batch_size: int | None = None, record_routing: bool | None = None) -> Samples:
+               batch_size: int | None = None, record_routing: bool | None = None,
+               shared: bool = False) -> Samples:
         """Samples `num_samples` completions of every prompt (see the class docstring).
 
         key: a typed PRNG key for this call only (the sampler's own key is then left as is);
@@ -130,19 +133,26 @@ class Sampler:
         prompt_len / batch_size: pad prompts / rows to these sizes (default: the next power
           of two, at least 8 and 1) so that calls with similar shapes share one compilation.
         record_routing: record each token's experts (default: whether the model has experts).
+        shared: the prompts are the same on every process (see the class docstring).
         """
+        shared = shared and jax.process_count() > 1
         settings = self._settings(temperature, top_k, top_p, greedy, stop_token_ids,
                                   stop_strings, max_new_tokens, num_samples)
         if key is None:
             self.key, key = jax.random.split(self.key)
         if isinstance(params, model_lib.Transformer):
             params = nnx.state(params)
-        tokens_bt, lengths_b = self._pad_prompts(prompts, prompt_len, batch_size)
-        rows = len(prompts) * num_samples  # this process's rows
+        tokens_bt, lengths_b = self._pad_prompts(prompts, prompt_len, batch_size, shared)
+        rows = len(prompts) * num_samples  # this process's rows (all of them when shared)
         real_b = np.arange(len(tokens_bt)) < len(prompts)
-        tokens_bt, lengths_b, real_b = sharding.from_process_local(
-            (tokens_bt, lengths_b, real_b), self.mesh,
-            global_rows=len(tokens_bt) * sharding.row_groups(self.mesh))
+        if shared:
+            tokens_bt, lengths_b, real_b = sharding.shard_batch((tokens_bt, lengths_b, real_b),
+                                                                self.mesh)
+        else:
+            tokens_bt, lengths_b, real_b = sharding.from_process_local(
+                (tokens_bt, lengths_b, real_b), self.mesh,
+                global_rows=len(tokens_bt) * sharding.row_groups(self.mesh))
+        to_host = sharding.to_host if shared else sharding.to_host_local
         if record_routing is None:
             record_routing = self.config.n_experts > 0
         if record_routing and not self.config.n_experts:
@@ -153,7 +163,7 @@ class Sampler:
         if not stop_strings:
             carry = _decode(params, carry, key, jnp.int32(max_new_tokens),
                             graphdef=self.graphdef, settings=settings)
-            return self._finish(carry, rows, num_samples, {})
+            return self._finish(carry, rows, num_samples, {}, to_host)
         # Stop strings need the text: decode `stop_check_every` tokens on the device, then
         # look for the strings on the host and mark the rows that hit one as done.
         cut = {}  # row -> length at which a stop string completes
@@ -163,7 +173,7 @@ class Sampler:
             limit = min(limit + self.stop_check_every, max_new_tokens)
             carry = _decode(params, carry, key, jnp.int32(limit), graphdef=self.graphdef,
                             settings=settings)
-            tokens, lengths, done = sharding.to_host_local(
+            tokens, lengths, done = to_host(
                 (carry["tokens_bn"], carry["lengths_b"], carry["done_b"]))
             done = np.array(done)
             for row in range(rows):
@@ -177,9 +187,13 @@ class Sampler:
                     done[row] = True
             if sharding.agree(bool(done.all()), "all"):  # every process stops together
                 break
-            carry["done_b"] = jax.make_array_from_process_local_data(
-                carry["done_b"].sharding, done, carry["done_b"].shape)
-        return self._finish(carry, rows, num_samples, cut)
+            if shared:
+                carry["done_b"] = jax.make_array_from_callback(
+                    done.shape, carry["done_b"].sharding, lambda index: done[index])
+            else:
+                carry["done_b"] = jax.make_array_from_process_local_data(
+                    carry["done_b"].sharding, done, carry["done_b"].shape)
+        return self._finish(carry, rows, num_samples, cut, to_host)
 
     def _settings(self, temperature, top_k, top_p, greedy, stop_token_ids, stop_strings,
                   max_new_tokens, num_samples) -> _Settings:
@@ -204,7 +218,7 @@ class Sampler:
         return _Settings(float(temperature), int(top_k), float(top_p), bool(greedy),
                          tuple(int(t) for t in stop_token_ids), self.pad_id)
 
-    def _pad_prompts(self, prompts, prompt_len, batch_size):
+    def _pad_prompts(self, prompts, prompt_len, batch_size, shared=False):
         """Left-padded prompts [rows, prompt_len] and their lengths; padding rows have length
         1 (one pad token) and are dropped from the results."""
         if not len(prompts):
@@ -220,7 +234,7 @@ class Sampler:
         if longest > prompt_len:
             raise ValueError(f"Sampler: a prompt has {longest} tokens, more than "
                              f"prompt_len={prompt_len}")
-        groups = sharding.row_groups(self.mesh)
+        groups = 1 if shared else sharding.row_groups(self.mesh)
         shards = max(1, _batch_shards(self.mesh) // groups)  # per process's block of rows
         rows = sharding.agree(max(batch_size or _next_pow2(len(prompts)), len(prompts)), "max")
         rows = -(-rows // shards) * shards
@@ -234,15 +248,15 @@ class Sampler:
                              f"{self.config.vocab_size}); got {tokens_bt.min()}..{tokens_bt.max()}")
         return tokens_bt, lengths_b
 
-    def _finish(self, carry, rows, num_samples, cut) -> Samples:
-        tokens, logp, logp_temp, logp_t1, lengths, reasons = sharding.to_host_local(
+    def _finish(self, carry, rows, num_samples, cut, to_host=sharding.to_host_local) -> Samples:
+        tokens, logp, logp_temp, logp_t1, lengths, reasons = to_host(
             (carry["tokens_bn"], carry["logp_bn"], carry["logp_temp_bn"], carry["logp_t1_bn"],
              carry["lengths_b"], carry["reason_b"]))
         tokens, logp, logp_temp, logp_t1, lengths, reasons = (
             np.array(x[:rows]) for x in (tokens, logp, logp_temp, logp_t1, lengths, reasons))
         experts = prompt_experts = None
         if "experts_bnlk" in carry:
-            experts, prompt_experts = sharding.to_host_local(
+            experts, prompt_experts = to_host(
                 (carry["experts_bnlk"], carry["prompt_experts_bplk"]))
             experts = np.array(experts[:rows])
             prompt_experts = np.array(prompt_experts[:rows // num_samples])

@@ -166,7 +166,9 @@ def abstract(make: Callable[[], nnx.Module], mesh: Mesh | None = None):
 def shard_batch(batch, mesh: Mesh | None, axes: Sequence[str | None] = ("batch", "seq")):
     """Place a host batch (a pytree of [b, t, ...] arrays) on the mesh, batch over data x fsdp.
 
-    Each array uses the first `ndim` entries of `axes` (extra dims are replicated).
+    Each array uses the first `ndim` entries of `axes` (extra dims are replicated). With many
+    processes the batch is the global one, the same on every process (each places only the
+    shards of its own devices); for each process's own rows use `from_process_local`.
     """
     if mesh is None:
         return jax.tree.map(jax.numpy.asarray, batch)
@@ -174,7 +176,10 @@ def shard_batch(batch, mesh: Mesh | None, axes: Sequence[str | None] = ("batch",
     def put(x):
         x = np.asarray(x)
         names = tuple(axes[:x.ndim]) + (None,) * max(0, x.ndim - len(axes))
-        return jax.device_put(x, named(mesh, names, x.shape))
+        where = named(mesh, names, x.shape)
+        if jax.process_count() == 1:
+            return jax.device_put(x, where)
+        return jax.make_array_from_callback(x.shape, where, lambda index: x[index])
 
     return jax.tree.map(put, batch)
 
@@ -268,6 +273,47 @@ def _row_groups(mesh: Mesh, axis: str | None, local_b: int) -> int:
     if n > 1 and (local_b * groups) % n:
         return 1
     return groups
+
+
+def row_block(mesh: Mesh | None, axis: str = "batch") -> tuple[int, int]:
+    """(which block, how many blocks): the block of every global batch's rows that this
+    process holds (`local_rows`), of the `row_groups` blocks the processes hold in all. A
+    data stream gives each process block `index` of `count` (`ptrain.data.prompt_batches`'
+    process_index / process_count); with one process, or rows replicated over processes,
+    (0, 1)."""
+    count = row_groups(mesh, axis)
+    if count == 1:
+        return 0, 1
+    mesh_axes = RULES.get(axis)
+    mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
+    n = math.prod(mesh.shape[a] for a in mesh_axes)  # a batch of n rows divides
+    return local_rows(mesh, n, (axis,)).start * count // n, count
+
+
+def gather_objects(value) -> list:
+    """`value` (any picklable host object) of every process, in process order (a collective;
+    every process calls it). With one process: [value]."""
+    if jax.process_count() == 1:
+        return [value]
+    import pickle
+
+    from jax.experimental import multihost_utils
+    data = np.frombuffer(pickle.dumps(value), np.uint8)
+    size = int(np.max(multihost_utils.process_allgather(np.int64(data.size))))
+    padded = np.zeros(size + 8, np.uint8)
+    padded[:8] = np.frombuffer(np.int64(data.size).tobytes(), np.uint8)
+    padded[8:8 + data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [pickle.loads(bytes(row[8:8 + int(row[:8].view(np.int64)[0])])) for row in rows]
+
+
+def gather_blocks(value, mesh: Mesh | None, axis: str = "batch") -> list:
+    """`value` of each block of rows (`row_block`), in block order: what the processes that
+    hold different rows each have (processes sharing a block send theirs once)."""
+    out = {}
+    for index, v in gather_objects((row_block(mesh, axis)[0], value)):
+        out.setdefault(index, v)
+    return [out[i] for i in sorted(out)]
 
 
 def to_host(tree):

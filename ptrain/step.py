@@ -183,12 +183,17 @@ def _last_token_onehot(mask_bn):
 def prepare(params, ref_params, critic_params, batch, kl_coef, *, graphdef, critic_graphdef,
              s: StepSettings):
     mask_bn = batch["loss_mask_bn"]
+    mesh = nnx.merge(graphdef, params).mesh
     logp = functools.partial(token_logprobs, graphdef, batch=batch, group_size=s.group_size,
                              chunk=s.chunk, temperature=s.temperature, replay=s.router_replay)
     out, metrics = dict(batch), {}
     old_bn = None
     if s.has_old_logp:
-        old_bn, _, routing = logp(params, return_routing=True)
+        if s.logprob_microbatch:  # (dense models only: the Learner checks)
+            old_bn = _microbatched(lambda x: logp(params, batch=x)[0], batch, s, mesh)
+            routing = (None, None)
+        else:
+            old_bn, _, routing = logp(params, return_routing=True)
         out["old_logp_bn"] = old_bn
         metrics["rollout/logp_mismatch"] = losses.masked_mean(
             jnp.abs(old_bn - batch["rollout_logp_bn"]), mask_bn)
@@ -197,7 +202,8 @@ def prepare(params, ref_params, critic_params, batch, kl_coef, *, graphdef, crit
                                  replayed=s.router_replay)
         metrics.update({k: v for k, v in agreement.items() if "agreement" in k})
     if s.kl_loss or s.kl_in_reward:
-        out["ref_logp_bn"] = logp(ref_params)[0]
+        out["ref_logp_bn"] = _microbatched(lambda x: logp(ref_params, batch=x)[0], batch, s,
+                                           mesh)
     scores_bn = jnp.where(_last_token_onehot(mask_bn), batch["rewards_b"][:, None], 0.0)
     if s.kl_in_reward:
         scores_bn, batch_kl = losses.kl_in_reward(scores_bn, old_bn, out["ref_logp_bn"], mask_bn,
@@ -212,7 +218,8 @@ def prepare(params, ref_params, critic_params, batch, kl_coef, *, graphdef, crit
         adv_bn = losses.reinforce_pp_baseline_advantages(scores_bn, mask_bn,
                                                          batch["group_ids_b"])
     else:  # gae: the critic's values before the update are the old values of its loss
-        values_bn = token_values(critic_graphdef, critic_params, batch, group_size=s.group_size)
+        values_bn = _microbatched(lambda x: token_values(
+            critic_graphdef, critic_params, x, group_size=s.group_size), batch, s, mesh)
         adv_bn, returns_bn = losses.gae(scores_bn, values_bn, mask_bn, gamma=s.gamma, lam=s.lam)
         out["old_values_bn"], out["returns_bn"] = values_bn, returns_bn
         metrics["critic/values_mean"] = losses.masked_mean(values_bn, mask_bn)
@@ -223,6 +230,29 @@ def prepare(params, ref_params, critic_params, batch, kl_coef, *, graphdef, crit
     metrics["adv/mean"] = losses.masked_mean(adv_bn, mask_bn)
     metrics["adv/abs_mean"] = losses.masked_mean(jnp.abs(adv_bn), mask_bn)
     return out, metrics
+
+
+def _microbatched(fn, batch, s: StepSettings, mesh):
+    """fn(batch) -> [b, ...], in passes of s.logprob_microbatch rows (a scan; one pass when
+    0), so that a pass holds one microbatch's activations and prompt KV cache, not the whole
+    batch's (verl's log_prob_micro_batch_size). Groups are dealt out in turn (group j to pass
+    j % k), so each device keeps its own rows, as in `update`."""
+    b, g = batch["tokens_bn"].shape[0], s.group_size
+    if not s.logprob_microbatch or s.logprob_microbatch >= b:
+        return fn(batch)
+    k = b // s.logprob_microbatch  # passes
+    micro = s.logprob_microbatch // g  # groups per pass
+
+    def split(x):  # [b, ...] -> [k, micro * g, ...]
+        rest = x.shape[1:]
+        x = jnp.swapaxes(x.reshape((micro, k, g) + rest), 0, 1).reshape((k, micro * g) + rest)
+        return sharding.constrain(x, (None, "batch") + (None,) * len(rest), mesh)
+
+    def merge(y):  # [k, micro * g, ...] -> [b, ...]
+        rest = y.shape[2:]
+        return jnp.swapaxes(y.reshape((k, micro, g) + rest), 0, 1).reshape((b,) + rest)
+
+    return merge(jax.lax.map(fn, {name: split(x) for name, x in batch.items()}))
 
 
 # =================================================================================== update

@@ -123,3 +123,120 @@ def checkpoint_program(directory: str, save: bool) -> dict:
     out["values"] = sharding.to_host((restored.params, restored.opt_state))
     out["rng"] = np.asarray(jax.random.key_data(restored.rng))
     return out
+
+
+# ---------------------------------------------------------------------- the learner's phases
+
+def _toy_config(**changes):
+    from configs import grpo_toy
+    c = grpo_toy.get_config()
+    c.checkpoint.async_save = False
+    for dotted, value in changes.items():
+        *parents, name = dotted.split(".")
+        node = c
+        for part in parents:
+            node = node[part]
+        node[name] = value
+    return c
+
+
+def sft_records(seed):
+    """(prompt, completion) pairs of the toy vocabulary: a completion of 1-8 TARGET tokens."""
+    import random
+    rng = random.Random(seed)
+    return [{"prompt_ids": [1] + [rng.randrange(2, 32) for _ in range(rng.randint(1, 6))],
+             "completion_ids": [7] * rng.randint(1, 8)} for _ in range(64)]
+
+
+def _run_metrics(workdir):
+    import os
+
+    from ptrain.metrics import read_jsonl
+    path = os.path.join(workdir, "metrics.jsonl")
+    if jax.process_index() or not os.path.exists(path):  # only process 0 writes logs
+        return None
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_jsonl(path)]
+
+
+def _copy(params):
+    return jax.tree.map(jnp.copy, params)
+
+
+def learner_program(workdir: str, phases=("sft", "rl")) -> dict:
+    """The learner's phases on the mesh fsdp = all devices, each process its own rows:
+    sft: two SFT steps, then a third resumed from the step-2 checkpoint; rl: two GRPO steps
+    from SFT's parameters with DAPO dynamic sampling (groups kept and filled globally), then
+    a third resumed from the step-2 checkpoint; multiturn: `multiturn_program`. Returns each
+    phase's metrics (process 0's logs) and final parameters (whole)."""
+    import os
+
+    from flax import nnx
+
+    from ptrain import learner as L
+    mesh = sharding.make_mesh(fsdp=-1)
+    out = {}
+    params = nnx.state(L.build_model(_toy_config(), mesh))
+    if "sft" in phases:
+        c = _toy_config(**{"sft.records_fn": sft_records, "sft.steps": 2, "sft.batch_size": 16,
+                           "checkpoint.every": 2})
+        d = os.path.join(workdir, "sft")
+        L.sft(c, d, mesh=mesh, params=_copy(params))  # (its params are donated)
+        c.sft.steps = 3
+        params = L.sft(c, d, mesh=mesh, params=_copy(params))  # resumed at step 2
+        out["sft"] = {"metrics": _run_metrics(d), "params": sharding.to_host(params)}
+    if "rl" in phases:
+        c = _toy_config(**{"steps": 2, "checkpoint.every": 1, "dapo.dynamic_sampling": True,
+                           "dapo.max_gen_batches": 3, "kl.coef": 0.01,
+                           "sampling.num_samples": 4})
+        d = os.path.join(workdir, "rl")
+        L.train(c, d, params=_copy(params), mesh=mesh)
+        c.steps = 3
+        params = L.train(c, d, params=_copy(params), mesh=mesh)  # resumed at step 2
+        out["rl"] = {"metrics": _run_metrics(d), "params": sharding.to_host(params)}
+    if "multiturn" in phases:
+        out["multiturn"] = multiturn_program(os.path.join(workdir, "multiturn"))
+    return out
+
+
+PATTERNS = ("[a-f]", "[0-9]", "[g-p]", "[q-z]", "[A-M]", "[:=]", "[N-Z]", "[(]")
+
+
+def format_tasks(seed, n=16):
+    """Task records judged by a Format pattern that random text often matches (so some
+    episodes pass at their first attempt and others try again)."""
+    from ptrain import tasks as T
+    return [T.to_record(T.Task(f"t{i}", "fmt", T.Format(PATTERNS[(i + seed) % 8]),
+                               prompt=f"arith: what is {i} plus {seed}")) for i in range(n)]
+
+
+def multiturn_program(workdir: str) -> dict:
+    """Multi-turn RL (self-correction: a failed first answer gets its feedback and a second
+    attempt, so processes hold different numbers of live episodes) through closed_loop's
+    Tasks producer for two GRPO steps, then the held-out greedy evaluation. Returns process
+    0's metrics, the eval lines and the final parameters."""
+    import os
+
+    from ptrain import closed_loop as CL
+    from ptrain import learner as L
+    from ptrain import rollout
+    from ptrain.synthetic_tasks import WordTokenizer
+    tok = WordTokenizer.for_tasks()
+    c = CL.defaults()
+    c.steps = 2
+    c.model.update(vocab_size=tok.vocab_size, d_model=32, d_ff=64)
+    c.data.update(records_fn=format_tasks, max_prompt_len=16, prompts_per_step=8)
+    c.sampling.update(num_samples=2, max_new_tokens=6, stop_token_ids=(tok.eos_token_id,))
+    c.rl.update(num_minibatches=2)
+    c.rollout.update(max_turns=1, max_attempts=2, attempt_reward="mean", max_len=40)
+    c.optim.update(lr=1e-2, schedule="constant")
+    c.checkpoint.async_save = False
+    c.eval.n = 6  # 3 a process
+    mesh = sharding.make_mesh(fsdp=-1)
+    sampler = CL.make_sampler(c, mesh, tok)
+    producer = rollout.Tasks(sampler, tok, c, pool=None)
+    params = L.train(c, workdir, producer=producer, mesh=mesh, tokenizer=tok)
+    heldout = {"fmt": [CL.tasks_lib.from_record(r) for r in format_tasks(5, n=6)]}
+    lines = CL.evaluate(sampler, params, heldout, tokenizer=tok, config=c, pool=None,
+                        stage="rl", step=2)
+    return {"metrics": _run_metrics(workdir), "eval": lines,
+            "params": sharding.to_host(params)}

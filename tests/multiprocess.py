@@ -32,10 +32,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def env_for(devices: int) -> dict:
+# XLA:CPU compiles without LLVM's optimisations: programs of tiny models compile several times
+# faster (and run a little slower); for runs compared with each other, both built so.
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+
+
+def env_for(devices: int, cache_dir: str | None = None, fast_compile: bool = False) -> dict:
+    """The workers' environment: `devices` CPU devices; with `cache_dir`, JAX's persistent
+    compilation cache there (a program compiled once is loaded by every later compile of it,
+    in this run or the next one that shares the folder); `fast_compile`: FAST_COMPILE."""
     env = dict(os.environ)
+    if cache_dir:
+        env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if "xla_force_host_platform_device_count" not in f]
+    flags += list(FAST_COMPILE) if fast_compile else []
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([_ROOT, _HERE, env.get("PYTHONPATH", "")]).rstrip(
@@ -44,7 +57,8 @@ def env_for(devices: int) -> dict:
 
 
 def start(spec: str, n: int, devices: int, args: dict, workdir: str,
-          port: int | None = None) -> list[subprocess.Popen]:
+          port: int | None = None, cache_dir: str | None = None,
+          fast_compile: bool = False) -> list[subprocess.Popen]:
     """Start the N workers (each in its own process group); `wait` collects them."""
     port = port or free_port()
     with open(os.path.join(workdir, "args.pkl"), "wb") as f:
@@ -54,7 +68,7 @@ def start(spec: str, n: int, devices: int, args: dict, workdir: str,
         log = open(os.path.join(workdir, f"log{i}.txt"), "wb")
         procs.append(subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), spec, str(i), str(n), str(port), workdir],
-            env=env_for(devices), stdout=log, stderr=subprocess.STDOUT, cwd=_ROOT,
+            env=env_for(devices, cache_dir, fast_compile), stdout=log, stderr=subprocess.STDOUT, cwd=_ROOT,
             start_new_session=True))
         log.close()
     return procs
@@ -105,11 +119,14 @@ def wait(procs: list[subprocess.Popen], workdir: str, timeout: float) -> list:
 
 
 def run(spec: str, n: int = 2, devices: int = 4, args: dict | None = None,
-        timeout: float = 120.0, workdir: str | None = None) -> list:
-    """What `module:function(**args)` returned in each of the N processes."""
+        timeout: float = 120.0, workdir: str | None = None,
+        cache_dir: str | None = None, fast_compile: bool = False) -> list:
+    """What `module:function(**args)` returned in each of the N processes (`cache_dir`,
+    `fast_compile`: see `env_for`)."""
     with tempfile.TemporaryDirectory(prefix="mp_") as tmp:
         workdir = workdir or tmp
-        return wait(start(spec, n, devices, args or {}, workdir), workdir, timeout)
+        return wait(start(spec, n, devices, args or {}, workdir, cache_dir=cache_dir,
+                          fast_compile=fast_compile), workdir, timeout)
 
 
 def _worker(spec: str, process_id: int, n: int, port: int, workdir: str) -> None:

@@ -287,3 +287,32 @@ def test_bad_input_is_refused(model):
         engine.generate(model, [E.Request([1], num_samples=3)])
     with pytest.raises(ValueError, match="max_len"):
         _engine(model, max_len=12, max_new_tokens=12)
+
+
+def test_engine_sampler_equals_the_static_sampler_greedily(model, stop):
+    """sampling.engine=True: rollout.make_sampler puts the engine behind Sampler.sample's
+    interface (what the producers call); greedily its Samples equal the static sampler's."""
+    from ptrain import config as config_lib
+    from ptrain import rollout
+
+    config = config_lib.defaults()
+    config.sampling.engine, config.sampling.engine_slots = True, 2
+    sampler = rollout.make_sampler(model, config)
+    assert isinstance(sampler, E.EngineSampler)
+    kw = dict(max_new_tokens=12, num_samples=2, greedy=True, stop_token_ids=(stop,),
+              prompt_len=16)
+    got = sampler.sample(model, PROMPTS[:4], **kw)
+    want = S.Sampler(model).sample(model, PROMPTS[:4], **kw)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+    np.testing.assert_array_equal(got.prompt_index, want.prompt_index)
+    assert got.finish_reasons == want.finish_reasons and set(got.finish_reasons) == {
+        "stop", "length"}
+    np.testing.assert_allclose(got.logp_t1, want.logp_t1, atol=1e-5)
+    np.testing.assert_allclose(got.logp_temp, want.logp_temp, atol=1e-5)
+    sampled = sampler.sample(model, PROMPTS[:2], max_new_tokens=6, num_samples=2,
+                             temperature=0.7, key=jax.random.key(0), prompt_len=16)
+    assert sampled.tokens.shape == (4, 6) and np.all(sampled.lengths == 6)
+    np.testing.assert_array_equal(sampled.logp_temp, sampled.logp)
+    with pytest.raises(ValueError, match="top_k"):
+        sampler.sample(model, PROMPTS[:1], max_new_tokens=4, top_k=5)

@@ -629,3 +629,27 @@ def test_log_probs_are_of_logits_over_the_sampling_temperature(initial_params):
                              group_size=config.sampling.num_samples)[0]
     gap = np.abs(np.asarray(t1) - np.asarray(batch["rollout_logp_bn"]))
     assert (gap * mask).sum() / mask.sum() > 1e-2
+
+
+def test_microbatched_prepare_equals_one_shot(initial_params):
+    """rl.logprob_microbatch_size: old and reference log-probs, the critic's values, GAE
+    advantages and returns in passes of 16 rows (4 passes, sharded over fsdp=4 x tensor=2)
+    equal the one-pass prepare."""
+    changes = {"kl.coef": 0.05, "rl.num_minibatches": 2, "rl.estimator": "gae"}
+    mesh = sharding.make_mesh(fsdp=4, tensor=2)
+    one = _learner(toy_config(**changes), initial_params, mesh)
+    micro = _learner(toy_config(**changes, **{"rl.logprob_microbatch_size": 16}),
+                     initial_params, mesh)
+    assert micro.settings.logprob_microbatch == 16 and micro.settings.has_old_logp
+    episodes = _random_episodes(groups=8, per_group=8)
+    critic = one.init_critic()
+    got, want = (jax.device_get(learner.prepare(learner.initial_params, episodes, 0.05,
+                                                critic_params=critic))
+                 for learner in (micro, one))
+    for name in ("old_logp_bn", "ref_logp_bn", "old_values_bn", "returns_bn", "adv_bn"):
+        np.testing.assert_allclose(got[0][name], want[0][name], atol=1e-6, rtol=0,
+                                   err_msg=name)
+    for key in want[1]:
+        np.testing.assert_allclose(got[1][key], want[1][key], atol=1e-6, err_msg=key)
+    with pytest.raises(ValueError, match="logprob_microbatch_size=12 must be a multiple"):
+        L.check_config(toy_config(**{"rl.logprob_microbatch_size": 12}))
