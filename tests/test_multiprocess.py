@@ -87,8 +87,8 @@ def test_checkpoint_across_process_counts(tmp_path):
 
 # ------------------------------------------------- the learner: 2 x 4 equals 1 x 8, phase by phase
 
-# Three phases in 2 x 4 and again in 1 x 8 compile every learner program twice: about 15 min
-# of wall time on 2 shared cores (load 20), several minutes idle, so they run on request.
+# Three phases in 2 x 4 and again in 1 x 8 compile every learner program twice: 6.4 min of
+# wall time (9 CPU-minutes) on 2 shared cores at load 6-8, so they run on request.
 learner_heavy = pytest.mark.skipif(
     not os.environ.get("PTRAIN_MULTIPROCESS_LEARNER"),
     reason="the 2x4-vs-1x8 learner phases take minutes; set PTRAIN_MULTIPROCESS_LEARNER=1")
