@@ -1,9 +1,11 @@
 """The main job on a laptop CPU: a tiny model learns, from sandbox verdicts, to fix its bugs.
 
-Three synthetic domains, every reward from really running what the model wrote:
+Three synthetic domains:
   code   write name(x) returning x <op> k; hidden unit tests (sandbox judge)
-  arith  compute a <op> b by calling the python tool, then answer (multi-turn)
-  files  a bash script that writes words to a file; judged by the files it leaves
+  arith  compute a <op> b by calling the python tool (run in the sandbox), then answer
+         (multi-turn; the answer is compared with the right number on the host)
+  files  a bash script that writes words to a file; run in the sandbox, judged by the files
+         it leaves
 A 0.4M-parameter decoder is first trained to convergence on demonstrations that are partly
 wrong in a systematic way (a visible feature of the task triggers the bug), then trained
 with GRPO on the sandbox's verdicts. Greedy pass rates on a held-out split (instances never

@@ -54,8 +54,8 @@ def get_config(arg: str = ""):
                     optim=dict(lr=1e-5, warmup_steps=0, schedule="constant", min_lr_ratio=0.0,
                                weight_decay=0.01, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0))
     c.kl = dict(coef=0.0, kind="k3", in_reward=False, target=0.0, horizon=10000.0)
-    c.dapo = dict(overlong_buffer=0, overlong_penalty=1.0, dynamic_sampling=False,
-                  max_gen_batches=4)
+    c.dapo = dict(overlong_buffer=0, overlong_penalty=1.0, overlong_max_len=0,
+                  filter_overlong=False, dynamic_sampling=False, max_gen_batches=4)
     c.optim = dict(lr=1e-4, warmup_steps=0, schedule="constant", min_lr_ratio=0.0,
                    weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0)
     c.sft = dict(sources=(), records_fn=None, steps=40 if short else 400, batch_size=32,

@@ -3,9 +3,12 @@
   python -m launch.plan --config=configs/long_context_1m.py --out=plan.json
   python -m launch.plan --config=configs/long_context_1m.py --search --out=search.json
   python -m launch.plan --config=configs/long_context_1m.py --config.budget_gib=95 --search
+  python -m launch.plan --config=configs/grpo_toy.py --config.mesh.fsdp=2   # the RL step
 
 Without --search: the config's mesh. With it: the smallest mesh of config.search.device_counts
-that fits config.budget_gib per device (`ptrain.plan.search`).
+that fits config.budget_gib per device (`ptrain.plan.search`). A learner config (configs/
+grpo_toy.py, quickstart.py, ...) compiles the learner's own RL step on its mesh, whose sizes
+it must name (`ptrain.plan.compile_rl_step`).
 """
 
 import os
@@ -26,7 +29,7 @@ def main(argv):
     else:
         devices = 1
         for size in config.mesh.values():
-            devices *= size
+            devices *= max(size, 1)  # -1 (all devices): plan.run asks for a size
     # Simulated CPU devices; this must happen before JAX is imported.
     os.environ["XLA_FLAGS"] = " ".join(
         [f for f in os.environ.get("XLA_FLAGS", "").split()

@@ -138,6 +138,22 @@ class Monitor:
         self._best_reward = -math.inf
         self.fired: list[Alert] = []  # every alert so far
 
+    def state(self) -> dict:
+        """The history the alerts read (JSON), for a checkpoint: a resumed run fires what the
+        uninterrupted one would."""
+        best = self._best_reward
+        return {"rewards": list(self._rewards), "best_reward": None if best == -math.inf
+                else best}
+
+    def restore(self, state: dict | None) -> None:
+        """Back to `state()` (None, from a checkpoint older than this: a fresh history)."""
+        if state is None:
+            return
+        self._rewards.clear()
+        self._rewards.extend(state["rewards"])
+        best = state["best_reward"]
+        self._best_reward = -math.inf if best is None else float(best)
+
     def check(self, step: int, metrics: Mapping) -> list[Alert]:
         """The alerts this step fires (each logged); `raise_on_stop` decides what stops."""
         c = self.config

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ptrain import alerts, losses, sharding
+from ptrain import config as config_lib
 
 
 # ===================================================================================== Batch
@@ -164,7 +165,11 @@ def collect(rollout, batches, config, *, mesh=None):
     Without dynamic sampling: one call (`finish`). With it: rows of groups whose rewards are
     all equal are dropped and more prompts are drawn, up to dapo.max_gen_batches calls; a
     batch still short is topped up with dropped groups (their advantage is 0) and the count
-    is logged. The DAPO overlong penalty is added to the rewards first.
+    is logged. The DAPO overlong penalty is added to the rewards first: each episode's tokens
+    after its prompt (`lengths_b`: model turns and observations) against its cap
+    (`config.overlong_max_len`: rollout.max_len in the closed loop, else
+    dapo.overlong_max_len or sampling.max_new_tokens). With dapo.filter_overlong, truncated
+    episodes (`truncated`) are masked out of the loss.
     """
     c = config
     if not c.dapo.dynamic_sampling:
@@ -196,7 +201,7 @@ def collect(rollout, batches, config, *, mesh=None):
     metrics = _reward_metrics(np.concatenate(all_rewards))
     metrics.update({"dapo/gen_batches": calls, "dapo/uninformative_groups": filler,
                     "reward/batch_mean": np.mean(acc["rewards_b"])})
-    return episodes, {**metrics, **_batch_metrics(episodes)}
+    return _filtered(episodes, c), {**metrics, **_batch_metrics(episodes, c)}
 
 
 def finish(episodes, config, *, mesh=None):
@@ -204,7 +209,8 @@ def finish(episodes, config, *, mesh=None):
     overlong penalty added; with many processes gathered (`collect`). Returns (Batch,
     metrics)."""
     episodes = _shaped(episodes, 0, config, mesh)
-    return episodes, {**_reward_metrics(episodes.rewards_b), **_batch_metrics(episodes)}
+    return _filtered(episodes, config), {**_reward_metrics(episodes.rewards_b),
+                                         **_batch_metrics(episodes, config)}
 
 
 def _shaped(episodes, attempt, config, mesh=None):
@@ -215,13 +221,22 @@ def _shaped(episodes, attempt, config, mesh=None):
     _check_type(episodes)
     episodes = gather(episodes, mesh)
     _check(episodes, c)
-    if c.dapo.overlong_buffer:
-        lengths_b = episodes.loss_mask_bn.sum(-1)
+    if c.dapo.overlong_buffer:  # the tokens after the prompt against the episode's cap
         episodes.rewards_b = episodes.rewards_b + np.asarray(losses.overlong_penalty(
-            lengths_b, max_len=c.sampling.max_new_tokens, buffer_len=c.dapo.overlong_buffer,
-            penalty_factor=c.dapo.overlong_penalty))
+            episodes.lengths_b, max_len=config_lib.overlong_max_len(c),
+            buffer_len=c.dapo.overlong_buffer, penalty_factor=c.dapo.overlong_penalty))
     _, local = np.unique(episodes.group_ids_b, return_inverse=True)
     episodes.group_ids_b = (attempt * len(episodes) + local).astype(np.int32)
+    return episodes
+
+
+def _filtered(episodes, config):
+    """With dapo.filter_overlong (DAPO's overlong filtering), truncated episodes keep their
+    tokens but get no loss (after the metrics, which describe what was generated)."""
+    if config.dapo.filter_overlong:
+        truncated_b = np.array([truncated(m) for m in episodes.meta], bool)
+        episodes.loss_mask_bn = np.asarray(losses.filter_overlong(episodes.loss_mask_bn,
+                                                                  truncated_b))
     return episodes
 
 
@@ -230,10 +245,12 @@ def _reward_metrics(rewards):
             "reward/max": rewards.max(), "reward/min": rewards.min()}
 
 
-def _batch_metrics(episodes):
+def _batch_metrics(episodes, config):
     mask = episodes.loss_mask_bn
     metrics = {"response/length_mean": mask.sum(-1).mean(),
                "response/length_max": mask.sum(-1).max()}
+    if config.dapo.filter_overlong:
+        metrics["dapo/filtered_overlong"] = np.mean([truncated(m) for m in episodes.meta])
     reasons = [m.get("finish_reason") for m in episodes.meta]
     if any(r is not None for r in reasons):
         metrics["response/clip_ratio"] = np.mean([r == "length" for r in reasons])
@@ -242,6 +259,16 @@ def _batch_metrics(episodes):
         metrics["sandbox/error_rate"] = alerts.sandbox_error_rate(errors)
     metrics.update(domain_metrics(episodes))
     return metrics
+
+
+TRUNCATED = ("truncated", "max_len")  # an episode's `finish` when a cap cut it
+
+
+def truncated(meta: dict) -> bool:
+    """Whether a row's episode was cut at a length cap before it ended: a single turn that
+    hit sampling.max_new_tokens (`finish_reason` "length"), an episode's answer cut at it or
+    an episode out of room (rollout.max_len, terminal.max_len; `finish`)."""
+    return meta.get("finish_reason") == "length" or meta.get("finish") in TRUNCATED
 
 
 def domain_metrics(episodes: Batch) -> dict[str, float]:

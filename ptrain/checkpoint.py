@@ -137,7 +137,8 @@ class Checkpointer:
             raise ValueError(
                 f"checkpoint step {step} in {self._manager.directory} holds aux state {saved} "
                 f"but the restore asks for {wanted}: resume with the config that wrote it "
-                "(a run with rl.estimator='gae' saves its critic), or start a new workdir")
+                "(a run with rl.estimator='gae' saves its critic, one with rl.staleness=1 the "
+                "parameters its next batch is generated from), or start a new workdir")
         rng_target = rng
         if _is_typed_key(rng):  # saved as its key data
             data = jax.eval_shape(jax.random.key_data, rng)

@@ -139,7 +139,7 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step):
     (the unbiased estimator of Chen et al. 2021, `sandbox.terminal.evaluate.pass_at_k`).
     Returns eval.jsonl lines. With many processes each runs and scores its block of the
     tasks (one sampler call over all of them per turn) and the summary is of all episodes."""
-    lines = []
+    lines, mesh = [], getattr(sampler, "mesh", None)
     decodings = [("greedy", dict(greedy=True, num_samples=1))]
     if config.eval.sample:
         decodings.append(("sample", dict(num_samples=config.sampling.num_samples)))
@@ -147,7 +147,7 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step):
         rc = rollout_lib.rollout_config(config, **change)
         for domain, tasks in heldout.items():
             tasks = tasks[:config.eval.n]
-            block, blocks = sharding.row_block(sampler.mesh)
+            block, blocks = sharding.row_block(mesh)
             mine = tasks[len(tasks) * block // blocks:len(tasks) * (block + 1) // blocks]
             episodes = rollout_lib.generate(
                 sampler, params, mine, tokenizer=tokenizer, key=jax.random.key(config.seed),
@@ -157,7 +157,7 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step):
             if blocks > 1:  # what eval_summary reads, of every process's episodes
                 episodes = [types.SimpleNamespace(verdicts=v, finish=f)
                             for part in sharding.gather_blocks(
-                                [(e.verdicts[-1:], e.finish) for e in episodes], sampler.mesh)
+                                [(e.verdicts[-1:], e.finish) for e in episodes], mesh)
                             for v, f in part]
             lines.append({"stage": stage, "step": step, "split": "heldout", "domain": domain,
                           "decoding": decoding, **eval_summary(episodes, rc.num_samples)})

@@ -121,6 +121,11 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
     c.dapo = dict(
         overlong_buffer=0,  # > 0: soft overlong penalty over the last N tokens before the max
         overlong_penalty=1.0,
+        # The cap an episode's tokens after its prompt are measured against: 0 means
+        # sampling.max_new_tokens (one turn); the closed loop uses rollout.max_len (turns and
+        # observations), the terminal loop terminal.max_len (`overlong_max_len`).
+        overlong_max_len=0,
+        filter_overlong=False,  # True: truncated episodes (cut at a cap) get no loss
         dynamic_sampling=False,  # keep sampling until every group's rewards differ
         max_gen_batches=4,  # cap; the batch is then topped up with uninformative groups
     )
@@ -275,6 +280,10 @@ def _check_values(config):
          f"critic.clip_value={config.critic.clip_value} must be > 0 (large: no clipping)"),
         (not (d.sources and d.records_fn), "set data.sources or data.records_fn, not both"),
         (config.dapo.max_gen_batches >= 1, "dapo.max_gen_batches must be >= 1"),
+        (0 <= config.dapo.overlong_buffer <= overlong_max_len(config),
+         f"dapo.overlong_buffer={config.dapo.overlong_buffer} must be within 0 and the "
+         f"episode's cap {overlong_max_len(config)} (" + ("rollout.max_len" if "rollout" in
+         config else "dapo.overlong_max_len or sampling.max_new_tokens") + ")"),
         (config.kl.target == 0 or config.kl.in_reward,
          "kl.target (adaptive KL) applies to the KL in the reward: set kl.in_reward=True"),
         (rl.staleness in (0, 1), "rl.staleness must be 0 (on-policy) or 1 (overlapped)"),
@@ -284,6 +293,15 @@ def _check_values(config):
     ]
     _raise_first(checks)
     _check_mesh_sizes(config, _fixed_mesh(config.mesh))
+
+
+def overlong_max_len(config) -> int:
+    """What the DAPO overlong penalty measures an episode against: rollout.max_len in the
+    closed loop (its turns and observations), else dapo.overlong_max_len or, when 0,
+    sampling.max_new_tokens (one turn)."""
+    if "rollout" in config:
+        return config.rollout.max_len
+    return config.dapo.overlong_max_len or config.sampling.max_new_tokens
 
 
 def _check_loop_values(config):
@@ -300,6 +318,9 @@ def _check_loop_values(config):
          f"rollout.chat_format must be one of {sorted(CHAT_FORMATS)}"),
         (config.rollout.max_attempts == 1 or not config.rl.staleness,
          "self-correction (rollout.max_attempts > 1) scores during the episode: rl.staleness=0"),
+        (config.dapo.overlong_max_len in (0, config.rollout.max_len),
+         f"dapo.overlong_max_len={config.dapo.overlong_max_len}: the closed loop measures an "
+         f"episode against rollout.max_len={config.rollout.max_len}; leave it 0"),
     ])
 
 

@@ -546,8 +546,11 @@ class EngineSampler:
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                greedy: bool = False, stop_token_ids=(), stop_strings=(), key=None,
                prompt_len: int | None = None, batch_size: int | None = None,
-               record_routing: bool | None = None):
+               record_routing: bool | None = None, shared: bool = False):
         del batch_size  # the engine's rows are its slots
+        if shared or jax.process_count() > 1:
+            raise ValueError("sampling.engine runs on one process only; set "
+                             "sampling.engine=False for a multi-process run")
         if record_routing:
             raise ValueError("sampling.engine: the engine does not record MoE routing yet; "
                              "set sampling.engine=False for router replay")

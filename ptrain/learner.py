@@ -242,9 +242,10 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     learner = Learner(c, mesh=mesh, params=params, tokenizer=tokenizer)
     if rollout_fn is not None and producer is not None:
         raise ValueError("give rollout_fn or producer, not both")
-    if c.rl.staleness and producer is None:
+    if c.rl.staleness and rollout_fn is not None:
         raise ValueError("rl.staleness=1 overlaps scoring with generation: pass a producer "
-                         "with separate generate() and score()")
+                         "with separate generate() and score() (the default, "
+                         "rollout.SingleTurn, has them), not one rollout_fn")
     if rollout_fn is not None:
         producer = rollout_lib.FromFunction(rollout_fn)
     elif producer is None:
@@ -268,21 +269,28 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        max_to_keep=c.checkpoint.keep,
                                        async_save=c.checkpoint.async_save)
-    start, data_state = 0, None
+    # With staleness 1 a checkpoint of step t also holds the parameters batch t+1 is generated
+    # from (those before update t), so that a resumed run generates the very batch the
+    # uninterrupted one did (the data state saved is the one before batch t+1 was drawn).
+    aux = {**({"critic": critic} if critic else {}),
+           **({"ahead_params": params} if c.rl.staleness else {})}
+    start, data_state, ahead_params = 0, None, params
+    monitor = alerts_lib.Monitor(alerts_lib.AlertConfig.from_config(c.alerts))
     if ckpt.latest_step() is not None:
         restored = ckpt.restore(params=params, opt_state=opt_state, rng=root_key,
-                                aux_state=critic and {"critic": critic})
+                                aux_state=aux or None)
         start, params, opt_state = restored.step, restored.params, restored.opt_state
         critic = restored.aux_state.get("critic")
+        ahead_params = restored.aux_state.get("ahead_params")
         data_state = restored.data_state
         kl_ctl = dataclasses.replace(kl_ctl, value=restored.extra["kl_coef"])
+        monitor.restore(restored.extra.get("alerts"))
         logging.info("resumed from step %d", start)
     batches = prompts.iterator(data_state)
     writer = metrics_lib.MetricsWriter(workdir, total_steps=c.steps, start_step=start)
     scorer = concurrent.futures.ThreadPoolExecutor(1) if c.rl.staleness else None
     ahead = None  # staleness 1: batch t+1, generated while batch t is scored
 
-    monitor = alerts_lib.Monitor(alerts_lib.AlertConfig.from_config(c.alerts))
     watchdog = alerts_lib.Watchdog(c.alerts.stall_minutes, c.alerts.stall).start()
     try:
         for step in range(start + 1, c.steps + 1):
@@ -294,7 +302,11 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                 # Batch t was generated last step (from the parameters before that update);
                 # score it while batch t+1 is generated from the current parameters.
                 if ahead is None:  # the first step of a run (or of a resumed run)
-                    ahead = producer.generate(params, next(batches), key)
+                    ahead = producer.generate(ahead_params, next(batches), key)
+                    ahead_params = None
+                saving = step % c.checkpoint.every == 0 or step == c.steps
+                # (A copy: `params` are donated to the update.)
+                behind = jax.tree.map(jnp.copy, params) if saving else None
                 scoring = scorer.submit(producer.score, ahead)
                 data_state = batches.get_state()  # batch t drawn, t+1 not yet
                 if step < c.steps:
@@ -343,13 +355,15 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
 
             # ------------------------------------------------------------ checkpoint
             # (With staleness 1 the saved data state is the one before batch t+1 was drawn: a
-            # resumed run draws it again and generates it from the restored parameters.)
+            # resumed run draws it again and generates it from `behind`, as this run did.)
             alerts_lib.raise_on_stop(fired)  # before this step's checkpoint: the last is good
             watchdog.beat(step)
             if step % c.checkpoint.every == 0 or step == c.steps:
+                aux = {**({"critic": critic} if critic else {}),
+                       **({"ahead_params": behind} if c.rl.staleness else {})}
                 ckpt.save(step, params=params, opt_state=opt_state, rng=root_key,
-                          data_state=data_state, extra={"kl_coef": kl_ctl.value},
-                          aux_state=critic and {"critic": critic})
+                          data_state=data_state, aux_state=aux or None,
+                          extra={"kl_coef": kl_ctl.value, "alerts": monitor.state()})
 
     finally:
         watchdog.close()

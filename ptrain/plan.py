@@ -1,19 +1,24 @@
-"""Memory plans: compile the long-context training step for a mesh that need not exist.
+"""Memory plans: compile the training step for a mesh that need not exist.
 
-`compile_plan` builds the model abstractly (parameters and optimizer state as
-ShapeDtypeStructs born sharded), lowers and compiles the real training step over a simulated
-mesh (XLA's host platform with N devices: `launch/plan.py` sets
-`--xla_force_host_platform_device_count`) and reports per-device memory from
-`compiled.memory_analysis()` and FLOPs from `compiled.cost_analysis()`. `search` answers
-"what mesh do I need for N tokens of model M": it ranks candidate meshes with `estimate` and
-confirms the best with compiles against a per-device budget.
+The model is built abstractly (parameters and optimizer state as ShapeDtypeStructs born
+sharded), the step is lowered and compiled over a simulated mesh (XLA's host platform with N
+devices: `launch/plan.py` sets `--xla_force_host_platform_device_count`), and per-device
+memory comes from `compiled.memory_analysis()`. This module has no step of its own: it
+compiles the functions of `ptrain.step` that the learner runs.
 
-The step is `ptrain.step.packed_update` (this module has no step of its own): packed
-documents of `seq_len` tokens, token-mean next-token loss (`losses.chunked_logprobs`, per
-sequence shard), AdamW from `step.make_optimizer`. The learner's RL and SFT updates
-(`step.update`) run each prompt through a KV cache that is not sharded over time, so at long
-context the packed update, which runs the whole sequence through ring attention, is the one
-to plan.
+  compile_plan     `step.packed_update` (a plan config, `ptrain.config.plan_defaults`):
+                   packed documents of `seq_len` tokens, ring attention over `sequence`,
+                   token-mean next-token loss, AdamW from `step.make_optimizer`; FLOPs from
+                   `compiled.cost_analysis()`. The learner's RL and SFT updates run each
+                   prompt through a KV cache that is not sharded over time, so at long
+                   context (configs/long_context_1m.py) this is the step to plan.
+  compile_rl_step  the learner's own RL step for a learner config (`ptrain.config.defaults`,
+                   e.g. configs/grpo_toy.py with its mesh sizes named): `step.prepare`, then
+                   `step.update` for the critic (rl.estimator="gae") and the policy, through
+                   `step.jit_update` as `learner.train` calls them, with the config's resolved
+                   settings and optimizers and its batch shape.
+  search           "what mesh do I need for N tokens of model M": ranks candidate meshes
+                   with `estimate` and confirms the best with compiles against a budget.
 
 The numbers are those of XLA's CPU compiler, which schedules and fuses differently from the
 GPU and TPU compilers and widens some bfloat16 buffers to float32 (the layer scan's saved
@@ -39,6 +44,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import long_context
 from ptrain import config as config_lib
+from ptrain import critic as critic_lib
 from ptrain import model as model_lib
 from ptrain import moe
 from ptrain import sharding
@@ -178,13 +184,7 @@ def compile_plan(mc, mesh_shape, *, seq_len, batch, optim, chunk, layout="contig
     step = jit_step(graphdef, tx, mesh, params, opt_state, chunk=chunk)
     compiled = step.lower(params, opt_state, batch_in).compile()
     seconds = time.perf_counter() - t0
-    m = compiled.memory_analysis()
-    memory = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
-              "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes,
-              "generated_code": m.generated_code_size_in_bytes,
-              "xla_peak": m.peak_memory_in_bytes}
-    memory["peak"] = (memory["arguments"] + memory["outputs"] - memory["aliased"]
-                      + memory["temporaries"] + memory["generated_code"])
+    memory = _memory(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     report = {
@@ -206,6 +206,19 @@ def compile_plan(mc, mesh_shape, *, seq_len, batch, optim, chunk, layout="contig
     return report
 
 
+def _memory(compiled) -> dict:
+    """Per-device bytes of a compiled program; peak = arguments + outputs - aliased (donated
+    buffers reused) + temporaries + code."""
+    m = compiled.memory_analysis()
+    memory = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+              "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes,
+              "generated_code": m.generated_code_size_in_bytes,
+              "xla_peak": m.peak_memory_in_bytes}
+    memory["peak"] = (memory["arguments"] + memory["outputs"] - memory["aliased"]
+                      + memory["temporaries"] + memory["generated_code"])
+    return memory
+
+
 def _device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
                for x in jax.tree.leaves(tree))
@@ -218,6 +231,111 @@ def model_flops(mc, *, seq_len, batch) -> float:
     matmul_params = mc.n_active_params - (0 if mc.tie_embeddings else mc.vocab_size * mc.d_model)
     attention = 6.0 * mc.n_layers * mc.n_heads * mc.head_dim * seq_len ** 2
     return batch * (6.0 * matmul_params * seq_len + attention)
+
+
+# ===================================================================== the learner's RL step
+
+
+def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
+    """Compiles the RL step of a learner config (checked as `learner.train` checks it) for
+    `mesh_shape` and returns the per-device report (bytes).
+
+    The programs are the learner's: `step.prepare` (old and reference log-probs, advantages,
+    the critic's values), then `step.jit_update` with the config's resolved settings
+    (`config.resolve`) for the critic (rl.estimator="gae") and for the policy, on abstract
+    inputs of the step's shapes: data.prompts_per_step x sampling.num_samples rows, prompts
+    of data.max_prompt_len tokens, continuations of rollout.max_len tokens in the closed
+    loop (sampling.max_new_tokens otherwise). Each program's batch input is the previous
+    one's output, with the shardings it was compiled to. "step_peak" is the largest of the
+    programs' peaks plus what stays live beside it (the reference policy, the other model's
+    state), since they run one after another.
+    """
+    from ptrain import learner as learner_lib  # the learner's model (hf_model or not)
+    config_lib.check(config)
+    mesh = make_mesh(mesh_shape)
+    config_lib.check_mesh(config, mesh.shape)
+    mc, resolved = learner_lib.model_config(config), config_lib.resolve(config)
+    t0 = time.perf_counter()
+    optim = dict(total_steps=config.steps, updates_per_step=resolved.updates_per_step)
+    policy = _abstract_state(lambda: model_lib.Transformer(mc, rngs=nnx.Rngs(0), mesh=mesh),
+                             mesh, step_lib.make_optimizer(config.optim, **optim)[0])
+    critic = None
+    if resolved.critic is not None:
+        critic = _abstract_state(lambda: critic_lib.Critic(mc, rngs=nnx.Rngs(0), mesh=mesh),
+                                 mesh, step_lib.make_optimizer(config.critic.optim, **optim)[0])
+    ref = policy["params"] if config.kl.coef > 0 else None
+    rows = config.data.prompts_per_step * config.sampling.num_samples
+    length = config.rollout.max_len if "rollout" in config else config.sampling.max_new_tokens
+    batch = rl_batch(mesh, rows=rows, prompt_len=config.data.max_prompt_len, length=length,
+                     routing=(moe.n_moe_layers(mc), mc.n_experts_per_token)
+                     if mc.n_experts else None)
+    kl = jax.ShapeDtypeStruct((), jnp.float32)
+
+    programs, live = {}, {}
+    prepare = step_lib.prepare.lower(
+        policy["params"], ref, critic and critic["params"], batch, kl,
+        graphdef=policy["graphdef"], critic_graphdef=critic and critic["graphdef"],
+        s=resolved.rl).compile()
+    prepared = _outputs(prepare)[0]  # (batch, metrics)
+    programs["prepare"] = _memory(prepare)
+    live["prepare"] = [policy["opt_state"], critic and critic["opt_state"]]
+    for name, state, settings, other in (
+            ("critic_update", critic, resolved.critic, policy),
+            ("update", policy, resolved.rl, critic)):
+        if state is None:
+            continue
+        fn = step_lib.jit_update(state["graphdef"], settings, state["tx"], mesh)
+        compiled = fn.lower(state["params"], state["opt_state"], prepared, kl).compile()
+        programs[name] = _memory(compiled)
+        live[name] = [ref, other and (other["params"], other["opt_state"])]
+    step_peak = max(programs[n]["peak"] + _device_bytes(live[n]) for n in programs)
+    report = {
+        "mesh": {a: int(mesh.shape[a]) for a in sharding.MESH_AXES}, "devices": mesh.size,
+        "rows": rows, "prompt_len": config.data.max_prompt_len, "length": length,
+        "programs": programs, "step_peak": step_peak,
+        "params_bytes": _device_bytes(policy["params"]),
+        "opt_state_bytes": _device_bytes(policy["opt_state"]),
+        "critic_bytes": _device_bytes(critic and (critic["params"], critic["opt_state"])),
+        "batch_bytes": _device_bytes(batch), "compile_s": round(time.perf_counter() - t0, 1),
+    }
+    if budget_gib is not None:
+        report["budget_bytes"] = int(budget_gib * GIB)
+        report["fits"] = step_peak <= report["budget_bytes"]
+    return report
+
+
+def rl_batch(mesh, *, rows, prompt_len, length, routing=None) -> dict:
+    """The device batch of `step.prepare` (`batch.Batch.arrays()`) as ShapeDtypeStructs placed
+    as `sharding.shard_batch` places it (rows over the batch axes, time over `seq`). routing:
+    (MoE layers, experts per token) of a mixture-of-experts model, whose sampler records each
+    token's experts (`experts_bnlk`, `prompt_experts_bplk`)."""
+    shapes = {"prompt_bp": ((rows, prompt_len), jnp.int32), "prompt_lens_b": ((rows,), jnp.int32),
+              "tokens_bn": ((rows, length), jnp.int32), "lengths_b": ((rows,), jnp.int32),
+              "loss_mask_bn": ((rows, length), jnp.float32),
+              "rollout_logp_bn": ((rows, length), jnp.float32),
+              "rewards_b": ((rows,), jnp.float32), "group_ids_b": ((rows,), jnp.int32)}
+    if routing is not None:
+        shapes["experts_bnlk"] = ((rows, length, *routing), jnp.int32)
+        shapes["prompt_experts_bplk"] = ((rows, prompt_len, *routing), jnp.int32)
+    names = ("batch", "seq", None, None)
+    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.named(
+        mesh, names[:len(shape)], shape)) for k, (shape, dtype) in shapes.items()}
+
+
+def _abstract_state(make, mesh, tx) -> dict:
+    """graphdef, params and opt_state (ShapeDtypeStructs with the learner's shardings), tx."""
+    graphdef, params = sharding.abstract(make, mesh)
+    shardings = step_lib.opt_state_shardings(tx, params, jax.tree.map(lambda x: x.sharding,
+                                                                      params), mesh)
+    opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             jax.eval_shape(tx.init, params), shardings)
+    return {"graphdef": graphdef, "params": params, "opt_state": opt_state, "tx": tx}
+
+
+def _outputs(compiled):
+    """A compiled program's outputs as ShapeDtypeStructs with the shardings it produces."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        compiled.out_info, compiled.output_shardings)
 
 
 # ================================================================= the analytic estimate
@@ -409,7 +527,19 @@ def search(mc, *, seq_len, batch, optim, chunk, layout, budget_gib, device_count
 
 
 def run(config, *, do_search=False) -> dict:
-    """The config's plan (its mesh compiled), or with do_search its mesh search."""
+    """The config's plan (its mesh compiled), or with do_search its mesh search. A learner
+    config (one with an `rl` section) plans its RL step on its mesh (`compile_rl_step`)."""
+    if "rl" in config:
+        if do_search:
+            raise ValueError("the mesh search plans the packed step of a plan config "
+                             "(ptrain.config.plan_defaults); a learner config plans its mesh")
+        sizes = dict(config.mesh)
+        if min(sizes.values()) < 1:
+            raise ValueError(f"a plan names its devices: config.mesh is {sizes}; give every "
+                             "axis a size (no -1), e.g. --config.mesh.fsdp=8")
+        from ptrain import learner as learner_lib
+        return {"model": model_lib.describe(learner_lib.model_config(config)),
+                **compile_rl_step(config, sizes)}
     check_config(config)
     mc = model_config(config)
     common = dict(seq_len=config.seq_len, batch=config.batch, optim=config.optim,
@@ -425,9 +555,17 @@ def run(config, *, do_search=False) -> dict:
 def summary(result) -> str:
     """A few readable lines (GiB) for a `run` result."""
     def one(r):
-        m, gib = r["memory"], lambda x: f"{x / GIB:.2f}"
+        gib = lambda x: f"{x / GIB:.2f}"  # noqa: E731
         mesh = " x ".join(f"{a}={n}" for a, n in r["mesh"].items() if n > 1) or "1 device"
         fit = "" if "fits" not in r else (" fits" if r["fits"] else " does NOT fit")
+        if "programs" in r:  # the RL step
+            parts = ", ".join(f"{name} {gib(m['peak'])}" for name, m in r["programs"].items())
+            return (f"{r['devices']:>5} devices ({mesh}): RL step peak {gib(r['step_peak'])} "
+                    f"GiB{fit} ({r['rows']} rows x {r['prompt_len']} + {r['length']} tokens; "
+                    f"program peaks: {parts}); params {gib(r['params_bytes'])}, optimizer "
+                    f"{gib(r['opt_state_bytes'])}, critic {gib(r['critic_bytes'])}; compiled "
+                    f"in {r['compile_s']} s")
+        m = r["memory"]
         return (f"{r['devices']:>5} devices ({mesh}): peak {gib(m['peak'])} GiB{fit} = "
                 f"arguments {gib(m['arguments'])} + outputs {gib(m['outputs'])} - aliased "
                 f"{gib(m['aliased'])} + temporaries {gib(m['temporaries'])}; params "

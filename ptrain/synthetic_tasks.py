@@ -1,10 +1,11 @@
 """Synthetic tasks in three domains, their demonstrations, and a word-level tokenizer.
 
 The quickstart's embedded default: everything is generated locally from a seed, so the main
-job runs with no download. Each domain is verified by really running what the model wrote:
+job runs with no download. Code and scripts the model writes really run, in the sandbox:
 
   code    write `name(x)` returning `x <op> k`, judged by hidden unit tests (sandbox judge)
-  arith   compute `a <op> b` by calling the python tool, then answer (multi-turn, Answer)
+  arith   compute `a <op> b` by calling the python tool (in the sandbox), then answer
+          (multi-turn; `Answer`: the final number is compared on the host, not in the sandbox)
   files   write a bash script that saves words to a file, judged by the files it leaves
 
 The demonstrations used for the supervised warm start are partly wrong, and wrong in a

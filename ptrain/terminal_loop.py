@@ -80,7 +80,10 @@ def check_config(config) -> None:
 
 
 def learner_part(config) -> ml_collections.ConfigDict:
+    """The learner's sections; the DAPO overlong penalty's cap is an episode's
+    (terminal.max_len: turns and shell outputs)."""
     out = ml_collections.ConfigDict({k: v for k, v in config.items() if k != SECTION})
+    out.dapo = {**out.dapo.to_dict(), "overlong_max_len": config[SECTION].max_len}
     out.lock()
     return out
 

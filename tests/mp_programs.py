@@ -227,7 +227,7 @@ def multiturn_program(workdir: str) -> dict:
     c.data.update(records_fn=format_tasks, max_prompt_len=16, prompts_per_step=8)
     c.sampling.update(num_samples=2, max_new_tokens=6, stop_token_ids=(tok.eos_token_id,))
     c.rl.update(num_minibatches=2)
-    c.rollout.update(max_turns=1, max_attempts=2, attempt_reward="mean", max_len=40)
+    c.rollout.update(max_turns=1, max_attempts=2, attempt_reward="mean", max_len=128)
     c.optim.update(lr=1e-2, schedule="constant")
     c.checkpoint.async_save = False
     c.eval.n = 6  # 3 a process

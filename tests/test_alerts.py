@@ -72,6 +72,25 @@ def test_reward_collapse_when_rewards_forced_to_zero():
     assert {a.name for a in fired if a.step == 22} == {"reward_collapse", "entropy_collapse"}
 
 
+def test_a_monitor_restored_from_its_state_fires_what_the_uninterrupted_one_does():
+    """A resumed run gets the history from its checkpoint (JSON), so the collapse fires at
+    the same step as without the restart."""
+    records = stream("metrics_grpo_toy.jsonl")
+    forced = [dict(r, **{"reward/mean": 0.0}) if r["step"] > 20 else r for r in records]
+    config = alerts.AlertConfig(entropy_collapse="off")
+    before = alerts.Monitor(config)
+    for r in forced[:22]:
+        before.check(r["step"], r)
+    state = json.loads(json.dumps(before.state()))
+    resumed, fresh = alerts.Monitor(config), alerts.Monitor(config)
+    resumed.restore(state)
+    fired = [a for r in forced[22:] for a in resumed.check(r["step"], r)]
+    assert [a.step for a in fired] == [a.step for a in run(forced, config)] == [24, 25, 26,
+                                                                               27, 28, 29, 30]
+    assert [a for r in forced[22:] for a in fresh.check(r["step"], r)] == []  # no history
+    assert alerts.Monitor(config).state() == {"rewards": [], "best_reward": None}
+
+
 def test_no_reward_collapse_before_any_reward():
     records = [{"step": i, "reward/mean": 0.0 if i % 3 else 0.05} for i in range(1, 30)]
     assert run(records) == []  # best stays under reward_min_best

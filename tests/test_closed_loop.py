@@ -38,6 +38,7 @@ def _tiny_config(staleness, steps=4):
     c.sampling.max_new_tokens = 16
     c.rollout.max_len = 40
     c.rl.staleness = staleness
+    c.dapo.overlong_buffer = 8  # measured against rollout.max_len (multi-turn episodes)
     c.optim.lr = 3e-2  # big steps: parameters one update apart give clearly different log-probs
     c.rl.entropy_coef = 0.05  # a random model never passes: this keeps every update non-zero
     c.sandbox.backend = "process"  # the overlap does not depend on the isolation

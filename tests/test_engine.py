@@ -316,3 +316,23 @@ def test_engine_sampler_equals_the_static_sampler_greedily(model, stop):
     np.testing.assert_array_equal(sampled.logp_temp, sampled.logp)
     with pytest.raises(ValueError, match="top_k"):
         sampler.sample(model, PROMPTS[:1], max_new_tokens=4, top_k=5)
+
+
+def test_single_turn_producer_runs_on_the_engine(model):
+    """The learner's producer with sampling.engine=True: a scored batch of G rows per prompt,
+    its log-probs the engine's (logp_temp of each completion token)."""
+    from ptrain import config as config_lib
+    from ptrain import rollout
+
+    config = config_lib.defaults()
+    config.sampling.update(engine=True, engine_slots=4, num_samples=2, max_new_tokens=5)
+    config.data.max_prompt_len = 16
+    producer = rollout.SingleTurn(config, rollout.make_sampler(model, config),
+                                  reward_fn=lambda record, ids, text: float(len(ids)))
+    records = [{"prompt_ids": p} for p in PROMPTS[:3]]
+    generated = producer.generate(model, records, jax.random.key(0))
+    samples = generated[2]
+    assert isinstance(producer.sampler, E.EngineSampler) and samples.tokens.shape == (6, 5)
+    batch = producer.score(generated)
+    np.testing.assert_array_equal(batch.rewards_b, [5.0] * 6)
+    np.testing.assert_allclose(batch.rollout_logp_bn, samples.logp_temp, atol=1e-6)

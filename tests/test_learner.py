@@ -1,13 +1,9 @@
-"""ptrain.learner: the toy GRPO run learns, SIGKILL + resume is exact, sharding changes nothing,
+"""ptrain.learner: the toy GRPO run learns, sharding changes nothing,
 advantages match their formulas, PPO's critic (values, GAE, training, resume), SFT trains on
-completion tokens only, DAPO sampling, config."""
+completion tokens only, DAPO sampling, config. (SIGKILL + resume: test_resume.py.)"""
 
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +23,6 @@ from ptrain.sampler import Sampler
 from ptrain import sharding
 from ptrain.metrics import read_jsonl
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.xdist_group("learner")  # the module fixtures run once, on one worker
 
 
@@ -89,57 +84,6 @@ def test_grpo_toy_run_reaches_high_reward(toy_run):
     rollouts = read_jsonl(os.path.join(toy_run, "rollouts.jsonl"))
     assert {r["step"] for r in rollouts} == {10} and len(rollouts) == 4
     assert os.path.exists(os.path.join(toy_run, "plots", "reward_mean.png"))
-
-
-# The child runs the toy config; with a kill step, it reports once that step's metrics are
-# written and waits to be killed there.
-CHILD = textwrap.dedent("""
-    import sys
-    import jax
-    from configs import grpo_toy
-    from ptrain import learner, metrics, sharding
-
-    workdir, (kill_at, steps, every) = sys.argv[1], map(int, sys.argv[2:5])
-    write = metrics.MetricsWriter.write
-
-    def write_then_wait(self, step, values):
-        write(self, step, values)
-        if step == kill_at:
-            print("wrote", step, flush=True)
-            sys.stdin.read()  # never returns: the parent kills us here
-
-    metrics.MetricsWriter.write = write_then_wait
-    config = grpo_toy.get_config()
-    config.steps, config.checkpoint.every = steps, every
-    learner.train(config, workdir, mesh=sharding.make_mesh(fsdp=1, devices=jax.devices()[:1]))
-""")
-
-
-def test_sigkill_then_resume_reproduces_the_uninterrupted_run(toy_run, tmp_path):
-    workdir = str(tmp_path / "run")
-    # The children compile toy_run's programs: they read them from the test run's compilation
-    # cache (JAX_COMPILATION_CACHE_DIR, set by conftest.py).
-    env = {**os.environ, "PYTHONPATH": REPO}
-    kill_at = EVERY * 2 + 1  # the save of step 8 was started one step before (asynchronously)
-    args = [sys.executable, "-c", CHILD, workdir]
-    child = subprocess.Popen(args + [str(kill_at), str(STEPS), str(EVERY)], env=env, cwd=REPO,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        for line in child.stdout:
-            if line.strip() == f"wrote {kill_at}":
-                break
-        else:
-            pytest.fail(f"child exited ({child.wait()}) before step {kill_at}")
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait()
-    assert [r["step"] for r in _metrics(workdir)] == list(range(1, kill_at + 1))
-    subprocess.run(args + ["0", str(STEPS), str(EVERY)], env=env, cwd=REPO, check=True,
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-    assert _metrics(workdir) == _metrics(toy_run)
-    assert (read_jsonl(os.path.join(workdir, "rollouts.jsonl"))
-            == read_jsonl(os.path.join(toy_run, "rollouts.jsonl")))
 
 
 # ------------------------------------------------------------------------ one update, sharded
@@ -536,6 +480,69 @@ def test_dynamic_sampling_keeps_informative_groups_and_caps(tmp_path):
     episodes, metrics = batch_lib.collect(rollout, iter([[{}] * 2] * 2), config)
     assert metrics["dapo/gen_batches"] == 2 and metrics["dapo/uninformative_groups"] == 1
     np.testing.assert_allclose(episodes.rewards_b, [0.0, 1.0, -1.0, -1.0])
+
+
+def _dapo_overlong_reward(length, *, max_len, cache, factor):
+    """R_length of the DAPO paper (arXiv 2503.14476, eq. 13), times the penalty factor."""
+    if length <= max_len - cache:
+        return 0.0
+    if length <= max_len:
+        return factor * ((max_len - cache) - length) / cache
+    return -factor
+
+
+def test_overlong_penalty_measures_a_multi_turn_episode_against_rollout_max_len():
+    """Turns (mask 1) and tool observations (mask 0): the episode's tokens after the prompt
+    against rollout.max_len (40), not against the per-turn sampling.max_new_tokens (16)."""
+    from ptrain import closed_loop
+    config = closed_loop.defaults()
+    config.update_from_flattened_dict({
+        "data.prompts_per_step": 2, "sampling.num_samples": 2, "sampling.max_new_tokens": 16,
+        "rollout.max_len": 40, "dapo.overlong_buffer": 12, "dapo.overlong_penalty": 0.5})
+    closed_loop.check_config(config)  # (learner.train and batch.collect get this config)
+    rng = np.random.RandomState(0)
+    turns = [[9, 16, 8], [4], [16, 6, 16, 2], [16, 12, 7]]  # per episode: turn, obs, turn...
+    histories, masks = [], []
+    for parts in turns:
+        ids, mask = [1, 2, 3], [0, 0, 0]
+        for k, n in enumerate(parts):
+            ids += rng.randint(4, 30, n).tolist()
+            mask += [1 - k % 2] * n
+        histories.append(ids)
+        masks.append(mask)
+    lengths = [sum(p) for p in turns]
+    assert lengths == [33, 4, 40, 35] and max(lengths) > config.sampling.max_new_tokens
+    rewards = [1.0, 0.0, 1.0, 0.0]
+    episodes = L.Episodes.from_histories(
+        histories, masks, [[0.0] * len(h) for h in histories], rewards, [0, 0, 1, 1],
+        prompt_lens=[3] * 4, prompt_len=4, length=config.rollout.max_len)
+    out, metrics = batch_lib.collect(lambda records, attempt: episodes, iter([[{}] * 2]), config)
+    expected = [r + _dapo_overlong_reward(n, max_len=40, cache=12, factor=0.5)
+                for r, n in zip(rewards, lengths)]
+    np.testing.assert_allclose(out.rewards_b, expected, rtol=1e-6)
+    assert expected == [1.0 - 0.5 * 5 / 12, 0.0, 0.5, -0.5 * 7 / 12]
+    assert metrics["reward/mean"] == pytest.approx(np.mean(expected))
+    # The buffer must fit in the episode's cap, checked with the config.
+    config = closed_loop.defaults()
+    config.rollout.max_len, config.dapo.overlong_buffer = 40, 41
+    with pytest.raises(ValueError, match=r"overlong_buffer=41 .* cap 40 \(rollout.max_len\)"):
+        closed_loop.check_config(config)
+
+
+def test_filter_overlong_masks_truncated_episodes_out_of_the_loss():
+    """dapo.filter_overlong: rows cut at a cap (a single turn at max_new_tokens, an episode's
+    answer cut or out of room) keep their tokens but lose their loss mask."""
+    config = toy_config(**{"data.prompts_per_step": 2, "sampling.num_samples": 2,
+                           "dapo.filter_overlong": True})
+    finishes = [{"finish_reason": "length"}, {"finish_reason": "stop"},
+                {"finish": "max_len"}, {"finish": "answered"}]
+    episodes = _episodes([1.0, 0.0, 1.0, 0.0], [0, 0, 1, 1], [8, 3, 12, 5])
+    episodes.meta = finishes
+    before = episodes.loss_mask_bn.copy()
+    out, metrics = batch_lib.collect(lambda records, attempt: episodes, iter([[{}] * 2]), config)
+    np.testing.assert_array_equal(out.loss_mask_bn, before * np.array([[0], [1], [0], [1]]))
+    assert metrics["dapo/filtered_overlong"] == 0.5
+    np.testing.assert_array_equal(out.lengths_b, [8, 3, 12, 5])  # the tokens stay
 
 
 def test_episodes_rows_are_checked():

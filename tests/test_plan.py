@@ -169,3 +169,45 @@ def test_step_on_a_sequence_mesh_equals_a_dense_step():
     np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(expected)):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
+
+def test_the_rl_step_plan_compiles_the_learners_own_programs(monkeypatch):
+    """A learner config plans its RL step: step.prepare and step.update (through
+    step.jit_update, as the learner calls it) with the config's settings; gae adds the
+    critic's update; the state's bytes halve when fsdp doubles."""
+    from configs import grpo_toy, ppo_toy
+    from ptrain import config as config_lib
+
+    seen = []
+    update = step_lib.update
+
+    def watched(*args, s, **kwargs):
+        seen.append(s)
+        return update(*args, s=s, **kwargs)
+
+    monkeypatch.setattr(step_lib, "update", watched)
+    step_lib.jit_update.cache_clear()
+    config = grpo_toy.get_config()
+    with pytest.raises(ValueError, match=r"a plan names its devices.*fsdp=8"):
+        plan.run(config)  # grpo_toy's mesh is fsdp=-1 (all devices)
+    config.mesh.fsdp = 1
+    one = plan.run(config)
+    two = plan.compile_rl_step(config, {"fsdp": 2})
+    assert "RL step peak" in plan.summary(one)
+    assert set(one["programs"]) == {"prepare", "update"}
+    assert seen == [config_lib.resolve(config).rl] * 2  # one compile per mesh
+    assert one["rows"] == config.data.prompts_per_step * config.sampling.num_samples
+    assert one["length"] == config.sampling.max_new_tokens
+    m = one["programs"]["update"]
+    # The update takes the state and the prepared batch, and gives the donated state back.
+    assert m["arguments"] >= one["params_bytes"] + one["opt_state_bytes"] + one["batch_bytes"]
+    assert m["aliased"] >= one["params_bytes"] + one["opt_state_bytes"]
+    assert one["step_peak"] >= max(p["peak"] for p in one["programs"].values())
+    assert two["devices"] == 2 and two["params_bytes"] < 0.6 * one["params_bytes"]
+
+    ppo = plan.compile_rl_step(ppo_toy.get_config(), {"fsdp": 1})
+    assert list(ppo["programs"]) == ["prepare", "critic_update", "update"]
+    assert ppo["critic_bytes"] > 0
+    assert [s.kind for s in seen[2:]] == ["critic", "rl"]
+    step_lib.jit_update.cache_clear()

@@ -1,0 +1,48 @@
+"""Exact resume: a tiny GRPO run SIGKILLed at points drawn from a seed (during generation,
+scoring, the update, after the metrics, during an asynchronous checkpoint save) and restarted
+after each kill writes the same metrics.jsonl and rollouts.jsonl (timings aside) as the run
+never interrupted, with rl.staleness=0 and with rl.staleness=1 (batch t+1 generated while
+batch t is scored, from the parameters before update t). The runs are in
+tests/resume_program.py."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from ptrain.metrics import read_jsonl
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS, KILLS = 6, 3
+pytestmark = pytest.mark.xdist_group("resume")
+
+
+def _logs(workdir):
+    untimed = [{k: v for k, v in r.items() if not k.startswith("time/")}
+               for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
+    return untimed, read_jsonl(os.path.join(workdir, "rollouts.jsonl"))
+
+
+@pytest.mark.parametrize("staleness,seed", [(0, 0), (1, 3)])
+def test_sigkill_at_seeded_points_then_resume_equals_the_uninterrupted_run(
+        tmp_path, staleness, seed):
+    # (The runs read their programs from the test run's compilation cache, conftest.py.)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "resume_program.py"),
+                          str(tmp_path), str(staleness), str(STEPS), str(seed), str(KILLS)],
+                         env=env, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.splitlines()[-1])
+    points = report["points"]
+    # Every child died at its point, none of an error; the last one finished the run.
+    assert report["reference"] == 0 and report["finished"] == 0, out.stderr[-3000:]
+    assert report["killed"] == [-signal.SIGKILL] * KILLS, (points, out.stderr[-3000:])
+    metrics, rollouts = _logs(tmp_path / "killed")
+    assert [r["step"] for r in metrics] == list(range(1, STEPS + 1)), points
+    reference = _logs(tmp_path / "reference")
+    assert metrics == reference[0], points
+    assert rollouts == reference[1], points
