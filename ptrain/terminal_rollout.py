@@ -28,7 +28,6 @@ import dataclasses
 import threading
 
 import jax
-import numpy as np
 
 from ptrain import chat
 from ptrain import terminal_agent

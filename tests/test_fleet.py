@@ -2,7 +2,6 @@
 requests and concurrent multi-turn sessions while a node is killed, backpressure, clean-up."""
 
 import concurrent.futures
-import os
 import threading
 import time
 

@@ -2,7 +2,6 @@
 
 import glob
 import io
-import json
 import logging
 import os
 import struct
