@@ -131,12 +131,7 @@ def _toy_config(**changes):
     from configs import grpo_toy
     c = grpo_toy.get_config()
     c.checkpoint.async_save = False
-    for dotted, value in changes.items():
-        *parents, name = dotted.split(".")
-        node = c
-        for part in parents:
-            node = node[part]
-        node[name] = value
+    c.update_from_flattened_dict(changes)  # dotted keys, e.g. 'rl.staleness'
     return c
 
 

@@ -32,12 +32,7 @@ def one_device():
 
 def toy_config(_module=grpo_toy, **changes):
     c = _module.get_config()
-    for dotted, value in changes.items():
-        *parents, name = dotted.split(".")
-        node = c
-        for p in parents:
-            node = node[p]
-        node[name] = value
+    c.update_from_flattened_dict(changes)  # dotted keys, e.g. 'rl.staleness'
     return c
 
 

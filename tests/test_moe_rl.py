@@ -37,12 +37,7 @@ def moe_config(**changes):
     c.data.prompts_per_step = 4
     c.sampling.update(num_samples=4, max_new_tokens=8)
     c.rl.update(num_minibatches=1, microbatch_size=0)
-    for dotted, value in changes.items():
-        *parents, name = dotted.split(".")
-        node = c
-        for p in parents:
-            node = node[p]
-        node[name] = value
+    c.update_from_flattened_dict(changes)  # dotted keys, e.g. 'rl.staleness'
     return c
 
 
