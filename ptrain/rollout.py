@@ -383,14 +383,12 @@ def make_sampler(model, config, tokenizer=None):
     """A sampler for `model` (concrete or abstract: parameters come with each call), with the
     tokenizer's pad id and decode (stop strings) and config.sampling.stop_check_every; with
     config.sampling.engine the rollout engine behind the same `sample` interface."""
+    common = dict(seed=config.seed, pad_id=pad_id(tokenizer),
+                  decode=tokenizer.decode if tokenizer is not None else None,
+                  stop_check_every=config.sampling.stop_check_every)
     if config.sampling.engine:
-        return engine_lib.EngineSampler(
-            model, slots=config.sampling.engine_slots, seed=config.seed,
-            pad_id=pad_id(tokenizer), decode=tokenizer.decode if tokenizer is not None else None,
-            stop_check_every=config.sampling.stop_check_every)
-    return Sampler(model, seed=config.seed, pad_id=pad_id(tokenizer),
-                   decode=tokenizer.decode if tokenizer is not None else None,
-                   stop_check_every=config.sampling.stop_check_every)
+        return engine_lib.EngineSampler(model, slots=config.sampling.engine_slots, **common)
+    return Sampler(model, **common)
 
 
 def pad_id(tokenizer) -> int:
@@ -490,7 +488,7 @@ class Tasks:
         self.fmt = chat.FORMATS[config.rollout.chat_format]
         self.prompt_len = config.data.max_prompt_len
         self.length = config.rollout.max_len
-        self.pad_id = tokenizer.pad_token_id or 0
+        self.pad_id = pad_id(tokenizer)
 
     def generate(self, params, records, key):
         tasks = [tasks_lib.from_record(r) for r in records]

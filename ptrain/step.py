@@ -183,7 +183,8 @@ def _last_token_onehot(mask_bn):
 def prepare(params, ref_params, critic_params, batch, kl_coef, *, graphdef, critic_graphdef,
              s: StepSettings):
     mask_bn = batch["loss_mask_bn"]
-    mesh = nnx.merge(graphdef, params).mesh
+    model = nnx.merge(graphdef, params)  # (for its mesh and config only)
+    mesh = model.mesh
     logp = functools.partial(token_logprobs, graphdef, batch=batch, group_size=s.group_size,
                              chunk=s.chunk, temperature=s.temperature, replay=s.router_replay)
     out, metrics = dict(batch), {}
@@ -197,8 +198,7 @@ def prepare(params, ref_params, critic_params, batch, kl_coef, *, graphdef, crit
         out["old_logp_bn"] = old_bn
         metrics["rollout/logp_mismatch"] = losses.masked_mean(
             jnp.abs(old_bn - batch["rollout_logp_bn"]), mask_bn)
-        model_config = nnx.merge(graphdef, params).config
-        agreement = _moe_metrics(model_config, routing, batch, s.group_size,
+        agreement = _moe_metrics(model.config, routing, batch, s.group_size,
                                  replayed=s.router_replay)
         metrics.update({k: v for k, v in agreement.items() if "agreement" in k})
     if s.kl_loss or s.kl_in_reward:
