@@ -160,6 +160,10 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
     every model turn is one sampler call over the episodes of all processes, in process
     order (`_sample`), so turn counts, shapes and stops are the same everywhere and equal
     what one process holding every task would sample.
+
+    With an EngineSampler (sampling.engine=True, one process) the episodes run on the rollout
+    engine instead, each in its own slot across turns and attempts, its observations
+    prefilled alone (`engine_sampler.run_episodes`).
     """
     c = config
     score_now = c.max_attempts > 1 if score_now is None else score_now
