@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from ptrain import batch as batch_lib
+from ptrain import routing
 
 
 def by_task_dir(record) -> str:
@@ -73,4 +74,5 @@ def concat(parts, *, pad_id: int = 0) -> batch_lib.Batch:
         rollout_logp_bn=np.concatenate([widen(e.rollout_logp_bn, 0.0) for e in parts]),
         rewards_b=np.concatenate([e.rewards_b for e in parts]),
         group_ids_b=np.concatenate(group_ids).astype(np.int32),
-        meta=[m for e in parts for m in (e.meta or [{} for _ in range(len(e))])])
+        meta=[m for e in parts for m in (e.meta or [{} for _ in range(len(e))])],
+        **routing.concat(parts, n))

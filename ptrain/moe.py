@@ -133,7 +133,8 @@ class Routing:
     load_le: valid assignments per expert; prob_le: router probability summed per expert;
     z_l: sum over tokens of logsumexp(router logits)^2; dropped_l: assignments dropped
     (0 when dropless); tokens_l: valid tokens; agree_l: valid assignments whose expert is
-    among the router's own top-k (all of them unless the experts were replayed).
+    among the router's own top-k (all of them unless the experts were replayed; none of a
+    token replayed as unrecorded, -1).
     """
 
     experts_lbtk: jax.Array
@@ -168,10 +169,11 @@ def add(a: Routing | None, b: Routing | None) -> Routing | None:
 
 def agreement_l(r: Routing, recorded_lbtk, valid_bt, *, replayed: bool) -> jax.Array:
     """Per MoE layer, the share of the recorded assignments (a sampler's `experts_lbtk`)
-    that this forward's router chose too, over valid tokens: with `replayed` the forward
-    used the recorded experts and `agree_l` counts those in its router's own top-k; else
-    its own experts are compared with the recorded ones as sets."""
-    valid_bt = valid_bt.astype(jnp.float32)
+    that this forward's router chose too, over valid tokens with recorded experts (not -1):
+    with `replayed` the forward used the recorded experts and `agree_l` counts those in its
+    router's own top-k; else its own experts are compared with the recorded ones as sets.
+    `r` must be the forward over exactly these tokens."""
+    valid_bt = (valid_bt.astype(bool) & (recorded_lbtk[0, ..., 0] >= 0)).astype(jnp.float32)
     k = recorded_lbtk.shape[-1]
     if replayed:
         agree_l = r.agree_l
@@ -223,16 +225,18 @@ def route(h_nd, router_de, c, replay_nk=None):
     """(logits [n, E] compute dtype, probs [n, E] f32, top weights [n, k] f32, top ids
     [n, k], which of the ids are among the router's own top-k [n, k] bool). With `replay_nk`,
     those experts are used instead of the top-k (their probabilities are still the router's,
-    so the router gets gradients as usual)."""
+    so the router gets gradients as usual); a token whose replayed experts are -1
+    (`ptrain.routing.UNRECORDED`) takes the top-k and counts as not agreeing."""
     logits_ne = jnp.einsum("nd,de->ne", h_nd, router_de.astype(h_nd.dtype))
     probs_ne = jax.nn.softmax(logits_ne.astype(jnp.float32), axis=-1)
     top_w, top_i = jax.lax.top_k(probs_ne, c.n_experts_per_token)
     own_nk = jnp.ones(top_i.shape, bool)
     if replay_nk is not None:
         own_i = top_i
-        top_i = replay_nk.astype(jnp.int32)
+        recorded_n1 = replay_nk[:, :1] >= 0  # unrecorded (-1): the router's own top-k
+        top_i = jnp.where(recorded_n1, replay_nk.astype(jnp.int32), own_i)
         top_w = jnp.take_along_axis(probs_ne, top_i, axis=-1)
-        own_nk = jnp.any(top_i[:, :, None] == own_i[:, None, :], axis=-1)
+        own_nk = jnp.any(top_i[:, :, None] == own_i[:, None, :], axis=-1) & recorded_n1
     if c.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     return logits_ne, probs_ne, top_w, top_i, own_nk

@@ -20,7 +20,8 @@ config's coefficients, `moe.router_loss`) and report `moe/*` metrics (per-expert
 dropped assignments); with `router_replay` the forwards route each token to the experts the
 sampler recorded (the batch's `experts_bnlk`, `prompt_experts_bplk`), and where the batch
 has them `moe/router_agreement` is the share of the sampler's assignments the learner's
-router chose too (per layer: `moe/router_agreement_l`).
+router chose too over continuation tokens, `moe/router_agreement_prompt` over the prompts
+(per layer: `..._l`).
 """
 
 from __future__ import annotations
@@ -146,15 +147,18 @@ def _recorded_routing(model_config, batch, group_size):
     if "experts_bnlk" not in batch or "prompt_experts_bplk" not in batch:
         raise ValueError("rl.router_replay: the batch carries no recorded routing "
                          "(Batch.experts_bnlk, prompt_experts_bplk); the producer must record "
-                         "the sampler's (Samples.experts, as the single-turn rollout does), or "
-                         "set rl.router_replay=False")
+                         "the sampler's (Samples.experts, as the single-turn, multi-turn and "
+                         "mixed producers do), or set rl.router_replay=False")
     prompt = batch["prompt_experts_bplk"][::group_size].astype(jnp.int32)
     return jnp.moveaxis(prompt, 2, 0), jnp.moveaxis(batch["experts_bnlk"].astype(jnp.int32), 2, 0)
 
 
 def _moe_metrics(model_config, routing, batch, group_size, *, replayed, scale=1.0):
     """`moe/*` metrics of one forward (prompts and continuations pooled) and, where the batch
-    recorded the sampler's routing, the router agreement over continuation tokens."""
+    recorded the sampler's routing, the router agreement: over continuation tokens
+    (`moe/router_agreement`, the tokens whose log-probs are trained) and over each group's
+    prompt (`moe/router_agreement_prompt`, whose keys and values every continuation attends
+    to); per layer as `..._l`."""
     prompt_routing, tokens_routing = routing
     pooled = moe.add(prompt_routing, tokens_routing)
     if pooled is None:
@@ -162,10 +166,14 @@ def _moe_metrics(model_config, routing, batch, group_size, *, replayed, scale=1.
     out = {k: scale * v for k, v in moe.metrics(pooled).items()}
     if "experts_bnlk" in batch:
         valid_bn = jnp.arange(batch["tokens_bn"].shape[1])[None, :] < batch["lengths_b"][:, None]
-        recorded = _recorded_routing(model_config, batch, group_size)[1]
-        agree_l = moe.agreement_l(tokens_routing, recorded, valid_bn, replayed=replayed)
-        out["moe/router_agreement_l"] = scale * agree_l
-        out["moe/router_agreement"] = scale * jnp.mean(agree_l)
+        p = batch["prompt_bp"].shape[1]
+        valid_gp = jnp.arange(p)[None, :] >= p - batch["prompt_lens_b"][::group_size, None]
+        recorded_prompt, recorded = _recorded_routing(model_config, batch, group_size)
+        for name, r, rec, valid in (("", tokens_routing, recorded, valid_bn),
+                                    ("_prompt", prompt_routing, recorded_prompt, valid_gp)):
+            agree_l = moe.agreement_l(r, rec, valid, replayed=replayed)
+            out[f"moe/router_agreement{name}_l"] = scale * agree_l
+            out[f"moe/router_agreement{name}"] = scale * jnp.mean(agree_l)
     return out
 
 
