@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from ptrain import sharding
 
 DISPATCHES = ("dropless", "capacity", "dense")
+ROUTER_LOSS_SCOPES = ("microbatch", "global")  # ModelConfig.router_loss_scope
 
 
 # ----------------------------------------------------------------------------- layout
@@ -88,6 +89,8 @@ def check_config(c) -> list[tuple[bool, str]]:
         (c.moe_dispatch in DISPATCHES,
          f"moe_dispatch {c.moe_dispatch!r} is not one of {DISPATCHES}"),
         (c.moe_capacity_factor > 0, "moe_capacity_factor must be > 0"),
+        (c.router_loss_scope in ROUTER_LOSS_SCOPES,
+         f"router_loss_scope {c.router_loss_scope!r} is not one of {ROUTER_LOSS_SCOPES}"),
     ]
 
 
@@ -203,6 +206,19 @@ def router_loss(r: Routing | None, c) -> jax.Array:
     if r is None:
         return jnp.zeros((), jnp.float32)
     return c.router_aux_loss_coef * aux_loss(r) + c.router_z_loss_coef * z_loss(r)
+
+
+def global_terms(r: Routing, load_le, tokens_l) -> tuple[jax.Array, jax.Array]:
+    """This forward's terms of the aux and z losses of a larger batch it is part of (an
+    optimizer step's microbatches), given that batch's assignments per expert `load_le` and
+    valid tokens `tokens_l` (constants): the terms of the batch's forwards add up to
+    `aux_loss` and `z_loss` of the whole batch (Megatron's global_aux_loss, exact here). The
+    aux loss is linear in the router probabilities once the loads are fixed, so its gradient
+    splits over the forwards the same way."""
+    rows = jnp.maximum(jnp.sum(tokens_l), 1.0)
+    fraction_e = jnp.sum(load_le, axis=0) / rows
+    aux = load_le.shape[-1] * jnp.sum(fraction_e * jnp.sum(r.prob_le, axis=0) / rows)
+    return aux, jnp.sum(r.z_l) / rows
 
 
 def metrics(r: Routing) -> dict[str, jax.Array]:

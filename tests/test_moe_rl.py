@@ -186,31 +186,26 @@ def test_replay_without_recorded_routing_is_a_clear_error(rollout):
 
 # ------------------------------------------------------------------- aux loss in the RL loss
 
-def test_rl_loss_adds_transformers_load_balancing_loss(tmp_path):
-    """With zero advantages the policy loss is 0, so the RL loss is the router's: aux_coef x
-    transformers' load_balancing_loss_func over the router logits of every token the learner
-    runs (each group's prompt once, each continuation) + z_coef x mean logsumexp^2."""
+def _hf_router_batch(tmp_path, **model_changes):
+    """transformers' tiny Qwen3-MoE, a learner on the same weights and a batch of 4 groups of
+    4 random rows with zero advantages (so the policy loss is 0 and the RL loss is the
+    router's), and transformers' (aux, z) over the router logits of every token the learner
+    runs (each group's prompt once, each continuation): load_balancing_loss_func with
+    coefficient 1, and the mean logsumexp^2."""
     import torch
     from transformers.models.qwen3_moe import modeling_qwen3_moe
     ref = _hf_moe(str(tmp_path))
     config = moe_config(hf_model=str(tmp_path))
     config.model.update(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
                         d_ff=48, dense_layers=(1,), router_aux_loss_coef=0.01,
-                        router_z_loss_coef=0.001)
+                        router_z_loss_coef=0.001, **model_changes)
     config.model.rope_theta = 10000.0
-    learner = L.Learner(config, mesh=one_device())
     rng = np.random.RandomState(0)
     prompts = [[1] + rng.randint(2, 64, rng.randint(1, 7)).tolist() for _ in range(4)]
     rows = [rng.randint(2, 64, rng.randint(1, 9)).tolist() for _ in range(16)]
     batch = L.Episodes.from_rows([prompts[i // 4] for i in range(16)], rows,
                                  [[1] * len(r) for r in rows], [[0.0] * len(r) for r in rows],
                                  np.zeros(16), np.arange(16) // 4, prompt_len=8, length=8)
-    x = dict(sharding.shard_batch(batch.arrays(), learner.mesh),
-             adv_bn=jnp.zeros((16, 8)))
-    mask = x["loss_mask_bn"]
-    loss, metrics = step_lib._rl_loss(
-        learner.initial_params, x, mask.sum(), (mask.sum(-1) > 0).sum(), 0.0,
-        graphdef=learner.graphdef, s=learner.settings)
 
     logits = [[], []]  # per MoE layer: prompts' tokens once, then each row's continuation
     routers = [m for m in ref.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
@@ -231,12 +226,60 @@ def test_rl_loss_adds_transformers_load_balancing_loss(tmp_path):
         per_layer.append(torch.cat(prompt_part + row_part).double())
     aux = float(modeling_qwen3_moe.load_balancing_loss_func(tuple(per_layer), E, K))
     z = float(torch.mean(torch.logsumexp(torch.cat(per_layer), -1) ** 2))
+    return config, batch, aux, z
+
+
+def test_rl_loss_adds_transformers_load_balancing_loss(tmp_path):
+    """With zero advantages the policy loss is 0, so the RL loss is the router's: aux_coef x
+    transformers' load_balancing_loss_func over the router logits of every token the learner
+    runs (each group's prompt once, each continuation) + z_coef x mean logsumexp^2."""
+    config, batch, aux, z = _hf_router_batch(tmp_path)
+    learner = L.Learner(config, mesh=one_device())
+    x = dict(sharding.shard_batch(batch.arrays(), learner.mesh),
+             adv_bn=jnp.zeros((16, 8)))
+    mask = x["loss_mask_bn"]
+    loss, metrics = step_lib._rl_loss(
+        learner.initial_params, x, mask.sum(), (mask.sum(-1) > 0).sum(), 0.0,
+        graphdef=learner.graphdef, s=learner.settings)
     np.testing.assert_allclose(float(metrics["moe/aux_loss"]), aux, rtol=2e-4)
     np.testing.assert_allclose(float(metrics["moe/z_loss"]), z, rtol=2e-4)
     np.testing.assert_allclose(float(loss), 0.01 * aux + 0.001 * z, rtol=2e-4)
     load = np.asarray(metrics["moe/load"])
     assert load.shape == (E,) and abs(load.sum() - 1) < 1e-5
     assert float(metrics["moe/dropped_fraction"]) == 0
+
+
+def test_global_router_loss_is_transformers_over_the_whole_batch(tmp_path):
+    """router_loss_scope="global": with the batch in 2 microbatches on a data x fsdp mesh,
+    the update's loss is aux_coef x transformers' load_balancing_loss_func over the whole
+    batch (+ z_coef x its z-loss), and its gradient is the one-microbatch update's; the
+    per-microbatch scope gives another value and another gradient."""
+    config, batch, aux, z = _hf_router_batch(tmp_path, router_loss_scope="global")
+
+    def update(scope, microbatch, mesh):
+        c = config.copy_and_resolve_references()
+        c.model.router_loss_scope = scope
+        c.rl.microbatch_size = microbatch
+        learner = L.Learner(c, mesh=mesh)
+        params = learner.initial_params
+        x = dict(sharding.shard_batch(batch.arrays(), learner.mesh),
+                 adv_bn=sharding.shard_batch({"a": np.zeros((16, 8), np.float32)},
+                                             learner.mesh)["a"])
+        metrics = learner.update(params, learner.init_opt_state(params), x)[2]
+        return {k: float(np.asarray(v)) for k, v in metrics.items() if np.ndim(v) == 0}
+
+    shards = sharding.make_mesh(data=2, fsdp=2, devices=jax.devices()[:4])
+    split = update("global", 8, shards)
+    whole = update("microbatch", 0, one_device())
+    per_micro = update("microbatch", 8, shards)
+    np.testing.assert_allclose(split["optim/loss"], 0.01 * aux + 0.001 * z, rtol=2e-4)
+    np.testing.assert_allclose(split["moe/aux_loss"], aux, rtol=2e-4)
+    np.testing.assert_allclose(split["moe/z_loss"], z, rtol=2e-4)
+    np.testing.assert_allclose(whole["optim/loss"], split["optim/loss"], rtol=2e-5)
+    np.testing.assert_allclose(whole["optim/grad_norm"], split["optim/grad_norm"], rtol=1e-4)
+    assert abs(per_micro["moe/aux_loss"] - aux) > 1e-3 * aux
+    assert abs(per_micro["optim/grad_norm"] - split["optim/grad_norm"]) > 1e-3 * split[
+        "optim/grad_norm"]
 
 
 # ----------------------------------------------------------------- end to end, with resume
