@@ -107,7 +107,8 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         # with separate generate/score (see `learner.train`) and tis_cap > 0 to correct it.
         staleness=0,
         # MoE: train with the experts the sampler routed each token to (R3), not the
-        # learner's own top-k; needs a producer that records routing (the single-turn one).
+        # learner's own top-k; needs a producer that records routing (single-turn,
+        # multi-turn Tasks, mixed; not the terminal producer or sampling.engine yet).
         router_replay=False,
     )
     # The value function of rl.estimator="gae" (PPO), ignored otherwise. init "policy": the

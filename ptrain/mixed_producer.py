@@ -9,8 +9,8 @@ records {"task_dir": ...} next to ptrain task records, each source with its doma
 `generate` hands each producer its records (in the order given) and `score` packs what they
 return into one `batch.Batch`: rows padded to the widest continuation, group ids made
 unique (each producer numbers its groups from 0), the meta (with each row's domain, for the
-per-domain metrics) kept. GRPO groups stay whole: a producer returns its records' groups as
-consecutive rows.
+per-domain metrics) and the recorded MoE routing (`routing.concat`) kept. GRPO groups stay
+whole: a producer returns its records' groups as consecutive rows.
 """
 
 from __future__ import annotations
