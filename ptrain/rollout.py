@@ -49,6 +49,7 @@ from ptrain import chat
 from ptrain import data as data_lib
 from ptrain import engine_sampler
 from ptrain import rewards as rewards_lib
+from ptrain import routing as routing_lib
 from ptrain import sharding
 from ptrain import tasks as tasks_lib
 from ptrain import turns
@@ -111,6 +112,8 @@ class Episode:
     finish: str = ""  # FINISHES
     session: sandbox.Session | None = None
     closed: bool = True  # the last model turn ended with its sampled end-of-turn token
+    # MoE: the experts the sampler routed the first tokens to (`ptrain.routing.record`)
+    routing: list = dataclasses.field(default_factory=list)
 
     @property
     def attempts(self) -> int:
@@ -267,9 +270,11 @@ def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *,
         for row, e in enumerate(active):
             n = int(samples.lengths[row])
             room = c.max_len - (len(e.tokens) - e.prompt_len)
-            found = turns.take_turn(e, samples.tokens[row, :min(n, room)].tolist(),
-                               samples.logp_temp[row, :min(n, room)].tolist(), text,
-                               cut=n > room, hit_length=samples.finish_reasons[row] == "length")
+            new = samples.tokens[row, :min(n, room)].tolist()
+            routing_lib.record(e.routing, samples, row, len(e.tokens), len(new))
+            found = turns.take_turn(e, new, samples.logp_temp[row, :len(new)].tolist(), text,
+                                    cut=n > room,
+                                    hit_length=samples.finish_reasons[row] == "length")
             if found:
                 calls.append((e, found))
         # Run this turn's tool calls (episodes concurrently, an episode's calls in order),
@@ -454,9 +459,11 @@ class Tasks:
         for meta, e in zip(rows["meta"], episodes):
             meta["prompt"] = self.tokenizer.decode(e.tokens[:e.prompt_len])
             meta["completion"] = self.tokenizer.decode(e.tokens[e.prompt_len:])
-        return Batch.from_histories(
+        batch = Batch.from_histories(
             **rows, prompt_lens=[e.prompt_len for e in episodes], prompt_len=self.prompt_len,
             length=self.length, pad_id=self.pad_id)
+        routing_lib.pack(batch, [(e.routing, len(e.tokens), e.prompt_len) for e in episodes])
+        return batch
 
 
 def rollout_config(config, **changes) -> RolloutConfig:
