@@ -504,7 +504,7 @@ class Tasks:
             meta["completion"] = self.tokenizer.decode(e.tokens[e.prompt_len:])
         return Batch.from_histories(
             **rows, prompt_lens=[e.prompt_len for e in episodes], prompt_len=self.prompt_len,
-            length=self.length, pad_id=self.pad_id)
+            length=self.length, pad_id=self.pad_id, max_len=self.length)
 
 
 def rollout_config(config, **changes) -> RolloutConfig:
