@@ -9,9 +9,10 @@ records {"task_dir": ...} next to ptrain task records, each source with its doma
 `generate` hands each producer its records (in the order given) and `score` packs what they
 return into one `batch.Batch`: rows padded to the widest continuation, group ids made
 unique (each producer numbers its groups from 0), the meta (with each row's domain, for the
-per-domain metrics) and each row's cap (`Batch.max_len_b`: the DAPO overlong penalty measures
-a terminal episode against terminal.max_len and a task's against rollout.max_len) kept. GRPO
-groups stay whole: a producer returns its records' groups as consecutive rows.
+per-domain metrics), the recorded MoE routing (`routing.concat`) and each row's cap
+(`Batch.max_len_b`: the DAPO overlong penalty measures a terminal episode against
+terminal.max_len and a task's against rollout.max_len) kept. GRPO groups stay whole: a
+producer returns its records' groups as consecutive rows.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax
 import numpy as np
 
 from ptrain import batch as batch_lib
+from ptrain import routing
 
 
 def by_task_dir(record) -> str:
@@ -77,4 +79,5 @@ def concat(parts, *, pad_id: int = 0) -> batch_lib.Batch:
         group_ids_b=np.concatenate(group_ids).astype(np.int32),
         meta=[m for e in parts for m in (e.meta or [{} for _ in range(len(e))])],
         max_len_b=np.concatenate([np.zeros(len(e), np.int32) if e.max_len_b is None
-                                  else e.max_len_b for e in parts]) if capped else None)
+                                  else e.max_len_b for e in parts]) if capped else None,
+        **routing.concat(parts, n))
