@@ -14,10 +14,10 @@ live rows only (powers of two up to `slots`), so a long tail decodes one row, no
 
 Multi-turn: `on_turn(traj)` is called after each model turn (also one that filled the
 sequence), in a thread (a tool call can take as long as it likes); it returns the
-observation's token ids, or None to end the sequence. The observation is appended to the sequence's own cache (a prefill of just those
-tokens, never of the history) and the sequence decodes its next turn. While one sequence
-waits on its tool, the others decode; the time the device had nothing to do but wait on
-tools is reported.
+observation's token ids, or None to end the sequence. The observation is appended to the
+sequence's own cache (a prefill of just those tokens, never of the history) and the
+sequence decodes its next turn. While one sequence waits on its tool, the others decode;
+the time the device had nothing to do but wait on tools is reported.
 
 Stop strings are checked on the host every `stop_check_every` tokens, on the text of the
 tokens since the last check (and a few before), never the whole completion; a sequence that

@@ -184,7 +184,7 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
         if episode.task.tools or _needs_session(episode.task):
             episode.session = make_session(backend=c.session_backend,
                                            files=dict(episode.task.files) or None)
-    if isinstance(sampler, engine_sampler.EngineSampler):  # sampling.engine: episodes keep their slots
+    if isinstance(sampler, engine_sampler.EngineSampler):  # episodes keep their slots
         try:
             engine_sampler.run_episodes(sampler, params, episodes, prompts, key, tokenizer,
                                         fmt, c, pool=pool, reward_config=reward_config,

@@ -333,7 +333,8 @@ def test_single_turn_producer_runs_on_the_engine(model):
     records = [{"prompt_ids": p} for p in PROMPTS[:3]]
     generated = producer.generate(model, records, jax.random.key(0))
     samples = generated[2]
-    assert isinstance(producer.sampler, engine_sampler.EngineSampler) and samples.tokens.shape == (6, 5)
+    assert isinstance(producer.sampler, engine_sampler.EngineSampler)
+    assert samples.tokens.shape == (6, 5)
     batch = producer.score(generated)
     np.testing.assert_array_equal(batch.rewards_b, [5.0] * 6)
     np.testing.assert_allclose(batch.rollout_logp_bn, samples.logp_temp, atol=1e-6)
