@@ -50,6 +50,7 @@ from ptrain import chat
 from ptrain import data as data_lib
 from ptrain import engine as engine_lib
 from ptrain import rewards as rewards_lib
+from ptrain import routing as routing_lib
 from ptrain import sharding
 from ptrain import tasks as tasks_lib
 from ptrain.batch import Batch
@@ -112,6 +113,8 @@ class Episode:
     finish: str = ""  # FINISHES
     session: sandbox.Session | None = None
     closed: bool = True  # the last model turn ended with its sampled end-of-turn token
+    # MoE: the experts the sampler routed the first tokens to (`ptrain.routing.record`)
+    routing: list = dataclasses.field(default_factory=list)
 
     @property
     def attempts(self) -> int:
@@ -270,6 +273,7 @@ def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *,
             room = c.max_len - (len(e.tokens) - e.prompt_len)
             truncated = n > room
             new = new[:room]
+            routing_lib.record(e.routing, samples, row, len(e.tokens), len(new))
             e.tokens += new
             e.mask += [1] * len(new)
             e.logp += samples.logp_temp[row, :len(new)].tolist()
@@ -502,9 +506,11 @@ class Tasks:
         for meta, e in zip(rows["meta"], episodes):
             meta["prompt"] = self.tokenizer.decode(e.tokens[:e.prompt_len])
             meta["completion"] = self.tokenizer.decode(e.tokens[e.prompt_len:])
-        return Batch.from_histories(
+        batch = Batch.from_histories(
             **rows, prompt_lens=[e.prompt_len for e in episodes], prompt_len=self.prompt_len,
             length=self.length, pad_id=self.pad_id)
+        routing_lib.pack(batch, [(e.routing, len(e.tokens), e.prompt_len) for e in episodes])
+        return batch
 
 
 def rollout_config(config, **changes) -> RolloutConfig:
