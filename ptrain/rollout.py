@@ -508,7 +508,7 @@ class Tasks:
             meta["completion"] = self.tokenizer.decode(e.tokens[e.prompt_len:])
         batch = Batch.from_histories(
             **rows, prompt_lens=[e.prompt_len for e in episodes], prompt_len=self.prompt_len,
-            length=self.length, pad_id=self.pad_id)
+            length=self.length, pad_id=self.pad_id, max_len=self.length)
         routing_lib.pack(batch, [(e.routing, len(e.tokens), e.prompt_len) for e in episodes])
         return batch
 

@@ -216,7 +216,8 @@ class TerminalProducer:
         score(rollouts, self.pool)
         rows = to_rows(rollouts, self.tokenizer)
         return batch_lib.Batch.from_histories(
-            **rows, prompt_len=self.prompt_len, length=self.config.max_len, pad_id=self.pad_id)
+            **rows, prompt_len=self.prompt_len, length=self.config.max_len, pad_id=self.pad_id,
+            max_len=self.config.max_len)
 
     def evaluate(self, params, task_dirs, key, *,
                  config: TerminalRolloutConfig | None = None) -> list[Rollout]:

@@ -104,6 +104,7 @@ def test_producer_rewards_episodes_by_the_tasks_tests(terminal, generated):
     assert isinstance(episodes, learner.Episodes) and len(episodes) == 12
     episodes.check_groups(4)
     assert episodes.group_ids_b.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    assert episodes.max_len_b.tolist() == [96] * 12  # terminal.max_len: the overlong cap
     # Even rows ran the right command; odd rows forgot the folder, which fails only there.
     want = [1.0, 0.0, 1.0, 0.0] * 2 + [1.0] * 4
     assert episodes.rewards_b.tolist() == want
