@@ -4,11 +4,10 @@
                group, each its group's prompt and the row's continuation, with loss mask,
                sampler log-probs, reward and group id; `from_rows` / `from_histories` pack
                per-row lists
-  collect      calls a producer on prompt batches until the step's batch is full: the DAPO
+  Collector    the step's batch from the producer calls the learner makes: the DAPO
                overlong penalty, dynamic sampling (groups whose rewards are all equal are
-               dropped and more prompts drawn, up to a cap) and group filling; its metrics
-               (rewards, lengths, per-domain means). `finish` does the same for one batch
-               (the overlapped loop's, scored while the next was generated)
+               dropped and the learner asked for more calls, up to a cap) and group filling;
+               its metrics (rewards, lengths, per-domain means)
 
 Everything here is numpy on the host; the device programs are `ptrain.step`'s.
 """
@@ -44,6 +43,12 @@ class Batch:
     `meta` is host-only (texts, feedback, domain) and never goes to the device. A mixture-of-
     experts producer may add the sampler's routing (`Samples.experts`, `prompt_experts`, one
     prompt's per row), which the learner replays with rl.router_replay.
+
+    `max_len_b` (host-only too) is the cap each row's episode had on its tokens after the
+    prompt, set by a producer whose episodes have their own (rollout.max_len for `Tasks`,
+    terminal.max_len for terminal episodes): the DAPO overlong penalty measures each row
+    against its own cap, so a batch mixed from several producers keeps each one's (None, or
+    0 in a row: the config's cap, `config.overlong_max_len`).
     """
 
     prompt_bp: np.ndarray  # int32 [b, p]: the group's prompt, left-padded
@@ -57,12 +62,14 @@ class Batch:
     meta: list = dataclasses.field(default_factory=list)  # one dict per row
     experts_bnlk: np.ndarray | None = None  # int [b, n, MoE layers, k]: each token's experts
     prompt_experts_bplk: np.ndarray | None = None  # int [b, p, MoE layers, k]: the prompt's
+    max_len_b: np.ndarray | None = None  # int32 [b]: the row's episode's cap (0: the config's)
 
     @classmethod
     def from_rows(cls, prompts, continuations, loss_masks, rollout_logps, rewards, group_ids,
-                  *, prompt_len, length, meta=None, pad_id=0) -> Batch:
+                  *, prompt_len, length, meta=None, pad_id=0, max_len=None) -> Batch:
         """Packs per-row lists (prompt ids; continuation ids with one 0/1 loss-mask value and
-        one log-prob each) into arrays of `prompt_len` and `length` columns."""
+        one log-prob each) into arrays of `prompt_len` and `length` columns. `max_len`: the
+        cap the episodes had (`max_len_b`; default: the config's applies)."""
         b = len(prompts)
         out = cls(prompt_bp=np.full((b, prompt_len), pad_id, np.int32),
                   prompt_lens_b=np.zeros(b, np.int32),
@@ -72,7 +79,8 @@ class Batch:
                   rollout_logp_bn=np.zeros((b, length), np.float32),
                   rewards_b=np.asarray(rewards, np.float32).reshape(b),
                   group_ids_b=np.asarray(group_ids, np.int32).reshape(b),
-                  meta=list(meta) if meta is not None else [{} for _ in range(b)])
+                  meta=list(meta) if meta is not None else [{} for _ in range(b)],
+                  max_len_b=None if max_len is None else np.full(b, max_len, np.int32))
         rows = zip(prompts, continuations, loss_masks, rollout_logps)
         for i, (prompt, tok, mask, logp) in enumerate(rows):
             p, n = len(prompt), len(tok)
@@ -82,6 +90,9 @@ class Batch:
             if n > length:
                 raise ValueError(f"episode {i} continues its prompt with {n} tokens, more than "
                                  f"the length {length}; raise the cap or cut the episode")
+            if max_len is not None and n > max_len:
+                raise ValueError(f"episode {i} continues its prompt with {n} tokens, more than "
+                                 f"its cap max_len={max_len}")
             if len(mask) != n or len(logp) != n:
                 raise ValueError(f"episode {i}: {n} tokens but {len(mask)} mask values and "
                                  f"{len(logp)} log-probs; give one per token")
@@ -92,7 +103,8 @@ class Batch:
 
     @classmethod
     def from_histories(cls, tokens, loss_masks, rollout_logps, rewards, group_ids, *,
-                       prompt_lens, prompt_len, length, meta=None, pad_id=0) -> Batch:
+                       prompt_lens, prompt_len, length, meta=None, pad_id=0,
+                       max_len=None) -> Batch:
         """Like `from_rows`, from whole histories (prompt included): row i's first
         prompt_lens[i] tokens are its prompt, the rest its continuation."""
         split = [(list(t[:p]), list(t[p:]), list(m[p:]), list(lp[p:]))
@@ -103,7 +115,8 @@ class Batch:
                                  f"first {p} tokens); prompt tokens are never trained on")
         prompts, continuations, masks, logps = zip(*split) if split else ((),) * 4
         return cls.from_rows(prompts, continuations, masks, logps, rewards, group_ids,
-                             prompt_len=prompt_len, length=length, meta=meta, pad_id=pad_id)
+                             prompt_len=prompt_len, length=length, meta=meta, pad_id=pad_id,
+                             max_len=max_len)
 
     def __len__(self):
         return len(self.tokens_bn)
@@ -115,7 +128,7 @@ class Batch:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """What goes to the device."""
-        return {k: v for k, v in self.columns().items() if k != "meta"}
+        return {k: v for k, v in self.columns().items() if k not in HOST_ONLY}
 
     def check_groups(self, group_size: int) -> None:
         """Groups must be G consecutive rows with one id and one prompt."""
@@ -130,6 +143,7 @@ class Batch:
 
 
 Episodes = Batch  # the former name, for a release
+HOST_ONLY = ("meta", "max_len_b")  # Batch fields that never go to the device
 
 
 def gather(batch: Batch, mesh=None) -> Batch:
@@ -154,63 +168,84 @@ def gather(batch: Batch, mesh=None) -> Batch:
 # =================================================================================== collect
 
 
-def collect(rollout, batches, config, *, mesh=None):
-    """Calls rollout(records, attempt) -> Batch on prompt batches until the step's batch is
-    full. Returns (Batch, metrics).
+class Collector:
+    """A step's batch, collected from producer calls that the learner makes (the one place of
+    DAPO dynamic sampling). The learner's loop:
 
-    With many processes each one's rollout returns its own rows (`batches` yields its block
-    of the prompts), and everything after is on the global batch (`gather`), the same on
-    every process: the same groups kept, the same number of calls, the same metrics.
+        collector = Collector(config, mesh=mesh)
+        while collector.wants_more():
+            collector.add(producer.score(producer.generate(params, next(batches),
+                                                           fold_in(key, collector.calls))))
+        batch, metrics = collector.result()
 
-    Without dynamic sampling: one call (`finish`). With it: rows of groups whose rewards are
-    all equal are dropped and more prompts are drawn, up to dapo.max_gen_batches calls; a
-    batch still short is topped up with dropped groups (their advantage is 0) and the count
-    is logged. The DAPO overlong penalty is added to the rewards first: each episode's tokens
-    after its prompt (`lengths_b`: model turns and observations) against its cap
-    (`config.overlong_max_len`: rollout.max_len in the closed loop, else
-    dapo.overlong_max_len or sampling.max_new_tokens). With dapo.filter_overlong, truncated
-    episodes (`truncated`) are masked out of the loss.
+    Without dynamic sampling it wants one call. With it, rows of groups whose rewards are all
+    equal are dropped and it wants more calls until data.prompts_per_step informative groups
+    are held, up to dapo.max_gen_batches calls; a batch still short is topped up with the last
+    call's dropped groups (their advantage is 0) and the count is logged.
+
+    Each call's Batch is checked, and with many processes gathered (`gather`): each process's
+    producer returns its own rows (its block of the prompts), and everything after is on the
+    global batch, the same on every process: the same groups kept, the same number of calls,
+    the same metrics. The DAPO overlong penalty is added to the rewards first
+    (`overlong_penalty`): each episode's tokens after its prompt (`lengths_b`: model turns and
+    observations) against its cap. With dapo.filter_overlong, truncated episodes
+    (`truncated`: cut at their own cap) are masked out of the loss.
     """
-    c = config
-    if not c.dapo.dynamic_sampling:
-        return finish(rollout(next(batches), 0), c, mesh=mesh)
-    n_groups = c.data.prompts_per_step
-    acc, full, all_rewards, last = None, False, [], None
-    calls = 0
-    for attempt in range(c.dapo.max_gen_batches):
-        episodes = _shaped(rollout(next(batches), attempt), attempt, c, mesh)
-        calls += 1
-        all_rewards.append(episodes.rewards_b)
-        last = episodes
-        keep = informative_groups(episodes.rewards_b, episodes.group_ids_b)
-        acc, full = accumulate_groups(acc, episodes.columns(), keep, num_groups=n_groups,
-                                      group_key="group_ids_b")
-        if full:
-            break
-    filler = 0
-    if not full:
-        before = len(set(np.asarray(acc["group_ids_b"]).tolist()))
-        keep = informative_groups(last.rewards_b, last.group_ids_b)
-        acc, full = accumulate_groups(acc, last.columns(), ~keep, num_groups=n_groups,
-                                      group_key="group_ids_b")
-        filler = len(set(np.asarray(acc["group_ids_b"]).tolist())) - before
-    if not full:
-        raise ValueError("dynamic sampling could not fill the batch: a rollout returned "
-                         f"fewer than data.prompts_per_step={n_groups} groups")
-    episodes = Batch(**acc)
-    metrics = _reward_metrics(np.concatenate(all_rewards))
-    metrics.update({"dapo/gen_batches": calls, "dapo/uninformative_groups": filler,
-                    "reward/batch_mean": np.mean(acc["rewards_b"])})
-    return _filtered(episodes, c), {**metrics, **_batch_metrics(episodes, c)}
 
+    def __init__(self, config, *, mesh=None):
+        self.config, self.mesh = config, mesh
+        self.calls = 0  # producer calls added so far (the attempt index of the next one)
+        self._acc, self._full, self._rewards, self._last = None, False, [], None
 
-def finish(episodes, config, *, mesh=None):
-    """One producer call's Batch as the step's batch (no dynamic sampling): checked, the
-    overlong penalty added; with many processes gathered (`collect`). Returns (Batch,
-    metrics)."""
-    episodes = _shaped(episodes, 0, config, mesh)
-    return _filtered(episodes, config), {**_reward_metrics(episodes.rewards_b),
-                                         **_batch_metrics(episodes, config)}
+    def wants_more(self) -> bool:
+        """Whether the learner should draw and add another producer call."""
+        c = self.config
+        if not c.dapo.dynamic_sampling:
+            return self.calls == 0
+        return not self._full and self.calls < c.dapo.max_gen_batches
+
+    def add(self, episodes: Batch) -> None:
+        """One producer call's Batch (this process's rows)."""
+        if not self.wants_more():
+            raise ValueError(f"the step's batch is collected ({self.calls} producer calls); "
+                             "call result()")
+        episodes = _shaped(episodes, self.calls, self.config, self.mesh)
+        self.calls += 1
+        self._rewards.append(episodes.rewards_b)
+        self._last = episodes
+        if self.config.dapo.dynamic_sampling:
+            keep = informative_groups(episodes.rewards_b, episodes.group_ids_b)
+            self._acc, self._full = accumulate_groups(
+                self._acc, episodes.columns(), keep, num_groups=self.config.data.prompts_per_step,
+                group_key="group_ids_b")
+
+    def result(self) -> tuple[Batch, dict]:
+        """The step's Batch and its metrics (rewards of every call, lengths, per-domain
+        means; with dynamic sampling the calls made and the groups topped up)."""
+        c = self.config
+        if self._last is None:
+            raise ValueError("no producer call was added; add() one first")
+        if not c.dapo.dynamic_sampling:
+            episodes = self._last
+            return _filtered(episodes, c), {**_reward_metrics(episodes.rewards_b),
+                                            **_batch_metrics(episodes, c)}
+        n_groups, acc, full, last = c.data.prompts_per_step, self._acc, self._full, self._last
+        filler = 0
+        if not full:
+            before = len(set(np.asarray(acc["group_ids_b"]).tolist()))
+            keep = informative_groups(last.rewards_b, last.group_ids_b)
+            acc, full = accumulate_groups(acc, last.columns(), ~keep, num_groups=n_groups,
+                                          group_key="group_ids_b")
+            filler = len(set(np.asarray(acc["group_ids_b"]).tolist())) - before
+        if not full:
+            raise ValueError("dynamic sampling could not fill the batch: a rollout returned "
+                             f"fewer than data.prompts_per_step={n_groups} groups")
+        episodes = Batch(**acc)
+        metrics = _reward_metrics(np.concatenate(self._rewards))
+        metrics.update({"dapo/gen_batches": self.calls, "dapo/uninformative_groups": filler,
+                        "reward/batch_mean": np.mean(acc["rewards_b"])})
+        # (Filtered first: the length metrics are of the loss mask the update sees.)
+        return _filtered(episodes, c), {**metrics, **_batch_metrics(episodes, c)}
 
 
 def _shaped(episodes, attempt, config, mesh=None):
@@ -222,12 +257,27 @@ def _shaped(episodes, attempt, config, mesh=None):
     episodes = gather(episodes, mesh)
     _check(episodes, c)
     if c.dapo.overlong_buffer:  # the tokens after the prompt against the episode's cap
-        episodes.rewards_b = episodes.rewards_b + np.asarray(losses.overlong_penalty(
-            episodes.lengths_b, max_len=config_lib.overlong_max_len(c),
-            buffer_len=c.dapo.overlong_buffer, penalty_factor=c.dapo.overlong_penalty))
+        episodes.rewards_b = episodes.rewards_b + overlong_penalty(episodes, c)
     _, local = np.unique(episodes.group_ids_b, return_inverse=True)
     episodes.group_ids_b = (attempt * len(episodes) + local).astype(np.int32)
     return episodes
+
+
+def overlong_penalty(episodes: Batch, config) -> np.ndarray:
+    """DAPO's soft overlong penalty of each row (`losses.overlong_penalty`): its tokens after
+    the prompt against its own episode's cap, `max_len_b` where the producer set one, else
+    the config's (`config.overlong_max_len`: rollout.max_len in the closed loop, else
+    dapo.overlong_max_len or sampling.max_new_tokens)."""
+    caps_b = np.full(len(episodes), config_lib.overlong_max_len(config), np.int32)
+    if episodes.max_len_b is not None:
+        caps_b = np.where(episodes.max_len_b > 0, episodes.max_len_b, caps_b)
+    out = np.zeros(len(episodes), np.float32)
+    for cap in np.unique(caps_b):
+        rows = caps_b == cap
+        out[rows] = losses.overlong_penalty(
+            episodes.lengths_b[rows], max_len=int(cap), buffer_len=config.dapo.overlong_buffer,
+            penalty_factor=config.dapo.overlong_penalty)
+    return out
 
 
 def _filtered(episodes, config):
@@ -344,7 +394,8 @@ def accumulate_groups(acc, batch, keep_b, *, num_groups, group_key="group_id"):
     batch: dict of per-sample columns (numpy arrays or lists, leading dimension b), one of
     them `group_key`. acc: None or the previous return value. Returns (acc, full); once
     full, acc is cut to the first `num_groups` groups. Group ids must be unique across
-    generation batches. The loop that samples again until full, with a cap, is `collect`.
+    generation batches. The decision to sample again until full, with a cap, is
+    `Collector`'s.
     """
     idx = np.flatnonzero(keep_b)
     new = {k: _take(v, idx) for k, v in batch.items()}
