@@ -105,6 +105,8 @@ def make_tasks(config, tokenizer, workdir):
         tasks_lib.write_jsonl(train[domain], _task_file(workdir, domain, "train"))
         tasks_lib.write_jsonl(heldout[domain], _task_file(workdir, domain, "heldout"))
     fmt = chat.FORMATS[config.rollout.chat_format]
+    check_format(fmt, tokenizer, {name for domain, found in train.items() if domain != TERMINAL
+                                  for x in found for name in x.tools})
     for domain, found in train.items():  # before anything is generated
         tasks_lib.check_lengths(
             terminal_domain.prompt_lengths(config, tokenizer, found) if domain == TERMINAL
@@ -119,6 +121,16 @@ def make_tasks(config, tokenizer, workdir):
         random.Random(config.seed).shuffle(rows)
         jsonl.write(rows, os.path.join(workdir, "tasks", "sft.jsonl"))
     return train, heldout
+
+
+def check_format(fmt, tokenizer, tools) -> None:
+    """Episodes are appended to, never re-rendered: the chat format must write, token for
+    token, what the tokenizer's own template writes for the same conversation with these
+    tools (`chat.check`), or the model is trained on conversations it never sees."""
+    try:
+        chat.check(fmt, tokenizer, tools=tuple(sorted(tools)))
+    except ValueError as e:
+        raise ValueError(f"rollout.chat_format={fmt.name!r}: {e}") from None
 
 
 def _task_file(workdir, domain, split):
