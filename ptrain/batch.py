@@ -4,11 +4,10 @@
                group, each its group's prompt and the row's continuation, with loss mask,
                sampler log-probs, reward and group id; `from_rows` / `from_histories` pack
                per-row lists
-  collect      calls a producer on prompt batches until the step's batch is full: the DAPO
+  Collector    the step's batch from the producer calls the learner makes: the DAPO
                overlong penalty, dynamic sampling (groups whose rewards are all equal are
-               dropped and more prompts drawn, up to a cap) and group filling; its metrics
-               (rewards, lengths, per-domain means). `finish` does the same for one batch
-               (the overlapped loop's, scored while the next was generated)
+               dropped and the learner asked for more calls, up to a cap) and group filling;
+               its metrics (rewards, lengths, per-domain means)
 
 Everything here is numpy on the host; the device programs are `ptrain.step`'s.
 """
@@ -169,62 +168,84 @@ def gather(batch: Batch, mesh=None) -> Batch:
 # =================================================================================== collect
 
 
-def collect(rollout, batches, config, *, mesh=None):
-    """Calls rollout(records, attempt) -> Batch on prompt batches until the step's batch is
-    full. Returns (Batch, metrics).
+class Collector:
+    """A step's batch, collected from producer calls that the learner makes (the one place of
+    DAPO dynamic sampling). The learner's loop:
 
-    With many processes each one's rollout returns its own rows (`batches` yields its block
-    of the prompts), and everything after is on the global batch (`gather`), the same on
-    every process: the same groups kept, the same number of calls, the same metrics.
+        collector = Collector(config, mesh=mesh)
+        while collector.wants_more():
+            collector.add(producer.score(producer.generate(params, next(batches),
+                                                           fold_in(key, collector.calls))))
+        batch, metrics = collector.result()
 
-    Without dynamic sampling: one call (`finish`). With it: rows of groups whose rewards are
-    all equal are dropped and more prompts are drawn, up to dapo.max_gen_batches calls; a
-    batch still short is topped up with dropped groups (their advantage is 0) and the count
-    is logged. The DAPO overlong penalty is added to the rewards first (`overlong_penalty`):
-    each episode's tokens after its prompt (`lengths_b`: model turns and observations)
-    against its cap. With dapo.filter_overlong, truncated episodes (`truncated`: cut at their
-    own cap) are masked out of the loss.
+    Without dynamic sampling it wants one call. With it, rows of groups whose rewards are all
+    equal are dropped and it wants more calls until data.prompts_per_step informative groups
+    are held, up to dapo.max_gen_batches calls; a batch still short is topped up with the last
+    call's dropped groups (their advantage is 0) and the count is logged.
+
+    Each call's Batch is checked, and with many processes gathered (`gather`): each process's
+    producer returns its own rows (its block of the prompts), and everything after is on the
+    global batch, the same on every process: the same groups kept, the same number of calls,
+    the same metrics. The DAPO overlong penalty is added to the rewards first
+    (`overlong_penalty`): each episode's tokens after its prompt (`lengths_b`: model turns and
+    observations) against its cap. With dapo.filter_overlong, truncated episodes
+    (`truncated`: cut at their own cap) are masked out of the loss.
     """
-    c = config
-    if not c.dapo.dynamic_sampling:
-        return finish(rollout(next(batches), 0), c, mesh=mesh)
-    n_groups = c.data.prompts_per_step
-    acc, full, all_rewards, last = None, False, [], None
-    calls = 0
-    for attempt in range(c.dapo.max_gen_batches):
-        episodes = _shaped(rollout(next(batches), attempt), attempt, c, mesh)
-        calls += 1
-        all_rewards.append(episodes.rewards_b)
-        last = episodes
-        keep = informative_groups(episodes.rewards_b, episodes.group_ids_b)
-        acc, full = accumulate_groups(acc, episodes.columns(), keep, num_groups=n_groups,
-                                      group_key="group_ids_b")
-        if full:
-            break
-    filler = 0
-    if not full:
-        before = len(set(np.asarray(acc["group_ids_b"]).tolist()))
-        keep = informative_groups(last.rewards_b, last.group_ids_b)
-        acc, full = accumulate_groups(acc, last.columns(), ~keep, num_groups=n_groups,
-                                      group_key="group_ids_b")
-        filler = len(set(np.asarray(acc["group_ids_b"]).tolist())) - before
-    if not full:
-        raise ValueError("dynamic sampling could not fill the batch: a rollout returned "
-                         f"fewer than data.prompts_per_step={n_groups} groups")
-    episodes = Batch(**acc)
-    metrics = _reward_metrics(np.concatenate(all_rewards))
-    metrics.update({"dapo/gen_batches": calls, "dapo/uninformative_groups": filler,
-                    "reward/batch_mean": np.mean(acc["rewards_b"])})
-    return _filtered(episodes, c), {**metrics, **_batch_metrics(episodes, c)}
 
+    def __init__(self, config, *, mesh=None):
+        self.config, self.mesh = config, mesh
+        self.calls = 0  # producer calls added so far (the attempt index of the next one)
+        self._acc, self._full, self._rewards, self._last = None, False, [], None
 
-def finish(episodes, config, *, mesh=None):
-    """One producer call's Batch as the step's batch (no dynamic sampling): checked, the
-    overlong penalty added; with many processes gathered (`collect`). Returns (Batch,
-    metrics)."""
-    episodes = _shaped(episodes, 0, config, mesh)
-    return _filtered(episodes, config), {**_reward_metrics(episodes.rewards_b),
-                                         **_batch_metrics(episodes, config)}
+    def wants_more(self) -> bool:
+        """Whether the learner should draw and add another producer call."""
+        c = self.config
+        if not c.dapo.dynamic_sampling:
+            return self.calls == 0
+        return not self._full and self.calls < c.dapo.max_gen_batches
+
+    def add(self, episodes: Batch) -> None:
+        """One producer call's Batch (this process's rows)."""
+        if not self.wants_more():
+            raise ValueError(f"the step's batch is collected ({self.calls} producer calls); "
+                             "call result()")
+        episodes = _shaped(episodes, self.calls, self.config, self.mesh)
+        self.calls += 1
+        self._rewards.append(episodes.rewards_b)
+        self._last = episodes
+        if self.config.dapo.dynamic_sampling:
+            keep = informative_groups(episodes.rewards_b, episodes.group_ids_b)
+            self._acc, self._full = accumulate_groups(
+                self._acc, episodes.columns(), keep, num_groups=self.config.data.prompts_per_step,
+                group_key="group_ids_b")
+
+    def result(self) -> tuple[Batch, dict]:
+        """The step's Batch and its metrics (rewards of every call, lengths, per-domain
+        means; with dynamic sampling the calls made and the groups topped up)."""
+        c = self.config
+        if self._last is None:
+            raise ValueError("no producer call was added; add() one first")
+        if not c.dapo.dynamic_sampling:
+            episodes = self._last
+            return _filtered(episodes, c), {**_reward_metrics(episodes.rewards_b),
+                                            **_batch_metrics(episodes, c)}
+        n_groups, acc, full, last = c.data.prompts_per_step, self._acc, self._full, self._last
+        filler = 0
+        if not full:
+            before = len(set(np.asarray(acc["group_ids_b"]).tolist()))
+            keep = informative_groups(last.rewards_b, last.group_ids_b)
+            acc, full = accumulate_groups(acc, last.columns(), ~keep, num_groups=n_groups,
+                                          group_key="group_ids_b")
+            filler = len(set(np.asarray(acc["group_ids_b"]).tolist())) - before
+        if not full:
+            raise ValueError("dynamic sampling could not fill the batch: a rollout returned "
+                             f"fewer than data.prompts_per_step={n_groups} groups")
+        episodes = Batch(**acc)
+        metrics = _reward_metrics(np.concatenate(self._rewards))
+        metrics.update({"dapo/gen_batches": self.calls, "dapo/uninformative_groups": filler,
+                        "reward/batch_mean": np.mean(acc["rewards_b"])})
+        # (Filtered first: the length metrics are of the loss mask the update sees.)
+        return _filtered(episodes, c), {**metrics, **_batch_metrics(episodes, c)}
 
 
 def _shaped(episodes, attempt, config, mesh=None):
@@ -374,7 +395,8 @@ def accumulate_groups(acc, batch, keep_b, *, num_groups, group_key="group_id"):
     batch: dict of per-sample columns (numpy arrays or lists, leading dimension b), one of
     them `group_key`. acc: None or the previous return value. Returns (acc, full); once
     full, acc is cut to the first `num_groups` groups. Group ids must be unique across
-    generation batches. The loop that samples again until full, with a cap, is `collect`.
+    generation batches. The decision to sample again until full, with a cap, is
+    `Collector`'s.
     """
     idx = np.flatnonzero(keep_b)
     new = {k: _take(v, idx) for k, v in batch.items()}

@@ -6,7 +6,8 @@ One RL step enters each room once:
   rollout   a `rollout.Producer` turns them into a `batch.Batch`: `generate` (sampler, tool
             calls) then `score` (reward_fn or sandbox verdicts); the default producer is
             `rollout.SingleTurn` with config.reward_fn
-  collect   `batch.collect`: DAPO overlong shaping, dynamic sampling, group filling, metrics
+  collect   `batch.Collector`: DAPO overlong shaping, dynamic sampling (it says when the
+            learner should call the producer again), group filling, metrics
   prepare   `step.prepare` on the device: log-probs of the current and reference policies,
             KL in the reward, advantages (with rl.estimator="gae", the critic's values)
   update    `step.update`: the critic's updates, then the actor's (PPO epochs over
@@ -155,7 +156,7 @@ class Learner:
         """Device batch for `update`: advantages, log-probs of the current (when needed) and
         reference policies, KL in the reward; with rl.estimator="gae", the critic's values
         (`critic_params`), GAE advantages and returns. Returns (batch, metrics). With many
-        processes `episodes` is the global batch (`batch.collect` gathers it), the same on
+        processes `episodes` is the global batch (`batch.Collector` gathers it), the same on
         every process; each places only its own devices' rows."""
         if (critic_params is None) != (self.critic_graphdef is None):
             raise ValueError("prepare: pass critic_params exactly when rl.estimator='gae' "
@@ -301,6 +302,10 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
             key = jax.random.fold_in(root_key, step)
 
             # ------------------------------------------------------------ rollouts
+            # The producer's calls, made here; `batch.Collector` shapes them into the step's
+            # batch and says when it is full (with DAPO dynamic sampling, groups whose rewards
+            # are all equal carry no signal: more prompts until it holds informative ones).
+            collector = batch_lib.Collector(c, mesh=learner.mesh)
             if c.rl.staleness:
                 # Batch t was generated last step (from the parameters before that update);
                 # score it while batch t+1 is generated from the current parameters.
@@ -315,17 +320,14 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                 if step < c.steps:
                     ahead = producer.generate(params, next(batches),
                                               jax.random.fold_in(root_key, step + 1))
-                episodes, gen_metrics = batch_lib.finish(scoring.result(), c, mesh=learner.mesh)
+                collector.add(scoring.result())
             else:
-                # With DAPO dynamic sampling, groups whose rewards are all equal carry no signal:
-                # sample more prompts until the batch is full of informative groups (or the cap).
-                def rollout(records, attempt):
-                    generated = producer.generate(params, records,
-                                                  jax.random.fold_in(key, attempt))
-                    return producer.score(generated)
-
-                episodes, gen_metrics = batch_lib.collect(rollout, batches, c, mesh=learner.mesh)
+                while collector.wants_more():
+                    generated = producer.generate(params, next(batches),
+                                                  jax.random.fold_in(key, collector.calls))
+                    collector.add(producer.score(generated))
                 data_state = batches.get_state()
+            episodes, gen_metrics = collector.result()
             t1 = time.perf_counter()
 
             # ------------------------------------------------------------ advantages, update

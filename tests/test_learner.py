@@ -429,6 +429,15 @@ def test_sft_loss_covers_completion_tokens_only(initial_params, tmp_path):
 # ---------------------------------------------------------------------- DAPO, episodes, config
 
 
+def _collect(rollout, batches, config):
+    """The learner's loop over a `batch.Collector`, with rollout(records, attempt) -> Batch
+    as the producer."""
+    collector = batch_lib.Collector(config)
+    while collector.wants_more():
+        collector.add(rollout(next(batches), collector.calls))
+    return collector.result()
+
+
 def _episodes(rewards, groups, lengths):
     return L.Episodes.from_rows([[1, 3]] * len(lengths), [[5] * n for n in lengths],
                                 [[1] * n for n in lengths], [[0.0] * n for n in lengths],
@@ -454,7 +463,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_caps(tmp_path):
         return _episodes(rewards, [0, 0, 1, 1], lengths)
 
     batches = iter([[{"id": i}] * 2 for i in range(10)])
-    episodes, metrics = batch_lib.collect(rollout, batches, config)
+    episodes, metrics = _collect(rollout, batches, config)
     assert [a for _, a in log] == [0, 1, 2] and log[2][0] == [{"id": 2}] * 2
     assert [m["row"] for m in episodes.meta] == [2, 3, 0, 1]
     np.testing.assert_array_equal(episodes.rewards_b, [0.0, 1.0, 1.0, 0.0])
@@ -465,14 +474,14 @@ def test_dynamic_sampling_keeps_informative_groups_and_caps(tmp_path):
     # before the groups are judged: group 0 of the second call now differs and is kept.
     calls[1] = ([0.0, 0.0, 1.0, 1.0], [8, 6, 2, 2])
     log.clear()
-    episodes, metrics = batch_lib.collect(rollout, iter([[{}] * 2] * 3), config)
+    episodes, metrics = _collect(rollout, iter([[{}] * 2] * 3), config)
     assert metrics["dapo/gen_batches"] == 2
     np.testing.assert_allclose(episodes.rewards_b, [0.0, 1.0, -1.0, -0.5])
 
     # Capped at 2 calls with one informative group: topped up with a dropped one.
     config.dapo.max_gen_batches = 2
     calls[1] = ([0.0, 0.0, 1.0, 1.0], [8, 8, 2, 2])
-    episodes, metrics = batch_lib.collect(rollout, iter([[{}] * 2] * 2), config)
+    episodes, metrics = _collect(rollout, iter([[{}] * 2] * 2), config)
     assert metrics["dapo/gen_batches"] == 2 and metrics["dapo/uninformative_groups"] == 1
     np.testing.assert_allclose(episodes.rewards_b, [0.0, 1.0, -1.0, -1.0])
 
@@ -494,7 +503,7 @@ def test_overlong_penalty_measures_a_multi_turn_episode_against_rollout_max_len(
     config.update_from_flattened_dict({
         "data.prompts_per_step": 2, "sampling.num_samples": 2, "sampling.max_new_tokens": 16,
         "rollout.max_len": 40, "dapo.overlong_buffer": 12, "dapo.overlong_penalty": 0.5})
-    closed_loop.check_config(config)  # (learner.train and batch.collect get this config)
+    closed_loop.check_config(config)  # (learner.train and batch.Collector get this config)
     rng = np.random.RandomState(0)
     turns = [[9, 16, 8], [4], [16, 6, 16, 2], [16, 12, 7]]  # per episode: turn, obs, turn...
     histories, masks = [], []
@@ -511,7 +520,7 @@ def test_overlong_penalty_measures_a_multi_turn_episode_against_rollout_max_len(
     episodes = L.Episodes.from_histories(
         histories, masks, [[0.0] * len(h) for h in histories], rewards, [0, 0, 1, 1],
         prompt_lens=[3] * 4, prompt_len=4, length=config.rollout.max_len)
-    out, metrics = batch_lib.collect(lambda records, attempt: episodes, iter([[{}] * 2]), config)
+    out, metrics = _collect(lambda records, attempt: episodes, iter([[{}] * 2]), config)
     expected = [r + _dapo_overlong_reward(n, max_len=40, cache=12, factor=0.5)
                 for r, n in zip(rewards, lengths)]
     np.testing.assert_allclose(out.rewards_b, expected, rtol=1e-6)
@@ -534,7 +543,7 @@ def test_filter_overlong_masks_truncated_episodes_out_of_the_loss():
     episodes = _episodes([1.0, 0.0, 1.0, 0.0], [0, 0, 1, 1], [8, 3, 12, 5])
     episodes.meta = finishes
     before = episodes.loss_mask_bn.copy()
-    out, metrics = batch_lib.collect(lambda records, attempt: episodes, iter([[{}] * 2]), config)
+    out, metrics = _collect(lambda records, attempt: episodes, iter([[{}] * 2]), config)
     np.testing.assert_array_equal(out.loss_mask_bn, before * np.array([[0], [1], [0], [1]]))
     assert metrics["dapo/filtered_overlong"] == 0.5
     np.testing.assert_array_equal(out.lengths_b, [8, 3, 12, 5])  # the tokens stay

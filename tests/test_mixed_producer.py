@@ -108,7 +108,9 @@ def test_each_producers_cap_counts_for_its_own_episodes():
     mixed = mixed_producer.concat([terminal_rows, task_rows])
     assert mixed.max_len_b.tolist() == [96, 96, 72, 72] and mixed.tokens_bn.shape == (4, 96)
     before = mixed.loss_mask_bn.copy()
-    out, metrics = batch_lib.collect(lambda records, attempt: mixed, iter([[{}] * 2]), config)
+    collector = batch_lib.Collector(config)  # the learner's collection of one producer call
+    collector.add(mixed)
+    out, metrics = collector.result()
     expected = [r + _dapo_overlong(n, max_len=cap, buffer=16) for r, n, cap in
                 zip([0.0, 0.0, 1.0, 1.0], [96, 88, 72, 64], [96, 96, 72, 72])]
     assert expected == [-1.0, -0.5, 0.0, 0.5]
