@@ -309,9 +309,6 @@ def _check_values(config):
         (rl.staleness == 0 or not config.dapo.dynamic_sampling,
          "dynamic sampling needs the rewards before the next batch is drawn: set "
          "rl.staleness=0 or dapo.dynamic_sampling=False"),
-        (not (rl.router_replay and s.engine),
-         "rl.router_replay needs the sampler's recorded routing, which the rollout engine does "
-         "not record yet: set sampling.engine=False"),
     ]
     _raise_first(checks)
     _check_mesh_sizes(config, _fixed_mesh(config.mesh))
