@@ -352,20 +352,29 @@ def close(episodes: Sequence[Episode]) -> None:
             e.session = None
 
 
-def to_rows(episodes: Sequence[Episode], config: RolloutConfig) -> dict:
-    """Per-row lists for `batch.Batch.from_histories`, plus host-side metadata."""
-    return dict(
-        tokens=[e.tokens for e in episodes], loss_masks=[e.mask for e in episodes],
-        rollout_logps=[e.logp for e in episodes],
-        rewards=[e.reward(config) for e in episodes],
-        group_ids=[e.group_id for e in episodes],
-        meta=[{"task_id": e.task.id, "domain": e.task.domain, "turns": e.turns,
+def to_batch(episodes: Sequence[Episode], config: RolloutConfig, *, prompt_len: int,
+             length: int, tokenizer=None, pad_id: int = 0) -> Batch:
+    """The episodes as a `batch.Batch`: each history split at its prompt, its reward (from
+    its verdicts, `Episode.reward`) in `rewards_b`, the last verdict's passed, feedback and
+    error type in its row's meta (with a tokenizer, also the prompt and completion texts)."""
+    meta = []
+    for e in episodes:
+        last = e.verdicts[-1] if e.verdicts else None
+        row = {"task_id": e.task.id, "domain": e.task.domain, "turns": e.turns,
                "attempts": e.attempts, "tool_calls": e.tool_calls,
                "tool_errors": e.tool_errors, "finish": e.finish,
-               "passed": bool(e.verdicts and e.verdicts[-1].passed),
-               "feedback": e.verdicts[-1].feedback if e.verdicts else "",
-               "error_type": e.verdicts[-1].error_type if e.verdicts else ""}
-              for e in episodes])
+               "passed": bool(last and last.passed),
+               "feedback": last.feedback if last else "",
+               "error_type": last.error_type if last else ""}
+        if tokenizer is not None:
+            row["prompt"] = tokenizer.decode(e.tokens[:e.prompt_len])
+            row["completion"] = tokenizer.decode(e.tokens[e.prompt_len:])
+        meta.append(row)
+    return Batch.from_histories(
+        [e.tokens for e in episodes], [e.mask for e in episodes], [e.logp for e in episodes],
+        [e.reward(config) for e in episodes], [e.group_id for e in episodes],
+        prompt_lens=[e.prompt_len for e in episodes], prompt_len=prompt_len, length=length,
+        meta=meta, pad_id=pad_id)
 
 
 # ============================================================================ producers
@@ -498,13 +507,8 @@ class Tasks:
 
     def score(self, episodes) -> Batch:
         score(episodes, pool=self.pool, config=self.reward_config)
-        rows = to_rows(episodes, self.rollout_config)
-        for meta, e in zip(rows["meta"], episodes):
-            meta["prompt"] = self.tokenizer.decode(e.tokens[:e.prompt_len])
-            meta["completion"] = self.tokenizer.decode(e.tokens[e.prompt_len:])
-        return Batch.from_histories(
-            **rows, prompt_lens=[e.prompt_len for e in episodes], prompt_len=self.prompt_len,
-            length=self.length, pad_id=self.pad_id)
+        return to_batch(episodes, self.rollout_config, prompt_len=self.prompt_len,
+                        length=self.length, tokenizer=self.tokenizer, pad_id=self.pad_id)
 
 
 def rollout_config(config, **changes) -> RolloutConfig:

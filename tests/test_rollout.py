@@ -8,7 +8,7 @@ sandbox's.
 import numpy as np
 import pytest
 
-from ptrain import chat, hf, learner, rewards, rollout, tasks
+from ptrain import chat, hf, rewards, rollout, tasks
 from ptrain.sampler import Samples
 from ptrain.synthetic_tasks import EOS, WordTokenizer
 
@@ -95,9 +95,7 @@ def test_token_in_token_out_and_loss_mask():
     assert TOK.ids["</tool_call>"] in sampler.calls[0]["stop_ids"]
     assert sampler.calls[0]["stop_strings"] == ()
     # The learner gets the same tokens, masks and log-probs, split at the prompt.
-    batch = learner.Episodes.from_histories(**rollout.to_rows([e], cfg),
-                                            prompt_lens=[len(prompt)], prompt_len=32,
-                                            length=128)
+    batch = rollout.to_batch([e], cfg, prompt_len=32, length=128)
     n = batch.lengths_b[0]
     assert batch.tokens_bn[0, :n].tolist() == e.tokens[len(prompt):]
     assert batch.loss_mask_bn[0, :n].tolist() == e.mask[len(prompt):]
@@ -175,9 +173,7 @@ def test_groups_share_their_prompt():
                                        num_samples=3)
     assert sampler.calls[0]["rows"] == 6  # one prefill per task, 3 samples each
     assert [e.group_id for e in episodes] == [0, 0, 0, 1, 1, 1]
-    rows = rollout.to_rows(episodes, cfg)
-    batch = learner.Episodes.from_histories(**rows, prompt_lens=[e.prompt_len for e in episodes],
-                                            prompt_len=32, length=128)
+    batch = rollout.to_batch(episodes, cfg, prompt_len=32, length=128)
     batch.check_groups(3)
 
 
