@@ -106,6 +106,12 @@ def make_tasks(config, tokenizer, workdir):
     return train, heldout
 
 
+def prompt_sources(config, train) -> list:
+    """The RL prompt stream's sources: each domain's training Tasks with its weight (served
+    as they are; tasks/<domain>.train.jsonl holds the same)."""
+    return [(train[d], float(w)) for d, w in zip(config.tasks.domains, config.tasks.weights)]
+
+
 def _task_file(workdir, domain, split):
     return os.path.join(workdir, "tasks", f"{domain}.{split}.jsonl")
 
@@ -235,9 +241,12 @@ def run(config, workdir, *, mesh=None):
                                      tokenizer=tokenizer)
             _evaluate_once(eval_path, "sft", params=params, step=config.sft.steps, **ev)
         # -------------------------------------------------------- RL, then its evaluation
+        # The prompt stream serves the training split's Tasks themselves, mixed by weight
+        # (tasks/<domain>.train.jsonl on disk holds the same, for reading).
         producer = rollout_lib.Tasks(sampler, tokenizer, config, pool)
         params = learner_lib.train(config, workdir, params=params, producer=producer,
-                                   mesh=mesh, tokenizer=tokenizer)
+                                   mesh=mesh, tokenizer=tokenizer,
+                                   prompt_sources=prompt_sources(config, train))
         _evaluate_once(eval_path, "rl", params=params, step=config.steps, **ev)
     metrics_lib.plot_rewards(workdir, config.tasks.domains)
     return jsonl.read(eval_path)
@@ -246,8 +255,7 @@ def run(config, workdir, *, mesh=None):
 def resolve(config, workdir, tokenizer) -> ml_collections.ConfigDict:
     """A copy with what the run derives filled in: the vocabulary (model.vocab_size 0 means
     the tokenizer's, len(tokenizer) with its added tokens), checked against the tokenizer;
-    the RL prompt stream (one task file per domain, with its weight), the synthetic SFT
-    demonstrations, and the stop ids of a turn (`chat.stop_ids`: the chat format's end of
+    the synthetic SFT demonstrations' file, and the stop ids of a turn (`chat.stop_ids`: the chat format's end of
     turn, the eos ids of hf_model's config.json / generation_config.json, the tokenizer's
     eos), each checked to exist in the vocabulary."""
     out = ml_collections.ConfigDict(config.to_dict())
@@ -256,9 +264,6 @@ def resolve(config, workdir, tokenizer) -> ml_collections.ConfigDict:
     vocab = learner_lib.model_config(out).vocab_size
     chat.check_vocab(tokenizer, vocab, what=f"{out.hf_model}/config.json" if out.hf_model
                      else "config.model.vocab_size")
-    out.data.sources = tuple((_task_file(workdir, d, "train"), float(w))
-                             for d, w in zip(out.tasks.domains, out.tasks.weights))
-    out.data.records_fn = None
     if out.tasks.source == "synthetic":
         out.sft.sources = (os.path.join(workdir, "tasks", "sft.jsonl"),)
         out.sft.records_fn = None

@@ -8,8 +8,8 @@ t in a thread while batch t+1 is generated. Three producers:
 
   SingleTurn    G samples per prompt record, scored by `reward_fn(record, completion_ids,
                 completion_text)` (the learner's default, `config.reward_fn`)
-  Tasks         `ptrain.tasks.Task` records: multi-turn episodes with tool calls, verdicts
-                from the sandbox pool (the closed loop's)
+  Tasks         `ptrain.tasks.Task`s (or task records): multi-turn episodes with tool
+                calls, verdicts from the sandbox pool (the closed loop's)
   FromFunction  a `rollout_fn(params, records, key) -> Batch` (generate and score in one)
 
 Token in, token out. An episode's history is a list of token ids that only ever grows: the
@@ -486,7 +486,7 @@ class FromFunction:
 
 
 class Tasks:
-    """Task records (`ptrain.tasks`): `generate` runs the model and its tool calls, `score`
+    """`ptrain.tasks.Task`s: `generate` runs the model and its tool calls, `score`
     judges the answers in the sandbox pool and packs the rows (the learner may run the two in
     different threads, overlapping batch t's scoring with batch t+1's generation)."""
 
@@ -500,7 +500,9 @@ class Tasks:
         self.pad_id = pad_id(tokenizer)
 
     def generate(self, params, records, key):
-        tasks = [tasks_lib.from_record(r) for r in records]
+        """records: `ptrain.tasks.Task`s (the closed loop's prompt stream serves them), or
+        task records as a ptrain task file holds them (`tasks.from_record`)."""
+        tasks = [r if isinstance(r, Task) else tasks_lib.from_record(r) for r in records]
         return generate(self.sampler, params, tasks, tokenizer=self.tokenizer, key=key,
                         config=self.rollout_config, fmt=self.fmt, pool=self.pool,
                         reward_config=self.reward_config)
