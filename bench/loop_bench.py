@@ -97,7 +97,7 @@ def main():
         if args.workers:
             config.sandbox.workers = args.workers
         tokenizer = closed_loop.make_tokenizer(config)
-        config = closed_loop.resolve(config, root, tokenizer)
+        config = closed_loop.derive_config(config, root, tokenizer)
         train, _ = closed_loop.make_tasks(config, tokenizer, root)
         sources = closed_loop.prompt_sources(config, train)
         mesh = sharding.mesh_from_config(config.mesh)

@@ -158,8 +158,9 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step):
             episodes = rollout_lib.generate(
                 sampler, params, mine, tokenizer=tokenizer, key=jax.random.key(config.seed),
                 config=rc, fmt=chat.FORMATS[config.rollout.chat_format], pool=pool,
-                reward_config=rollout_lib.reward_config(config), score_now=rc.max_attempts > 1)
-            rollout_lib.score(episodes, pool=pool, config=rollout_lib.reward_config(config))
+                reward_config=rollout_lib.reward_config(config), verify_now=rc.max_attempts > 1)
+            rollout_lib.verify_episodes(episodes, pool=pool,
+                                        config=rollout_lib.reward_config(config))
             if blocks > 1:  # what eval_summary reads, of every process's episodes
                 episodes = [types.SimpleNamespace(verdicts=v, finish=f)
                             for part in sharding.gather_blocks(
@@ -219,7 +220,7 @@ def run(config, workdir, *, mesh=None):
     # ------------------------------------------------------------ set-up
     check_config(config)
     tokenizer = make_tokenizer(config)
-    config = resolve(config, workdir, tokenizer)
+    config = derive_config(config, workdir, tokenizer)
     train, heldout = make_tasks(config, tokenizer, workdir)
     mesh = sharding.mesh_from_config(config.mesh) if mesh is None else mesh
     sampler = make_sampler(config, mesh, tokenizer)
@@ -252,7 +253,7 @@ def run(config, workdir, *, mesh=None):
     return jsonl.read(eval_path)
 
 
-def resolve(config, workdir, tokenizer) -> ml_collections.ConfigDict:
+def derive_config(config, workdir, tokenizer) -> ml_collections.ConfigDict:
     """A copy with what the run derives filled in: the vocabulary (model.vocab_size 0 means
     the tokenizer's, len(tokenizer) with its added tokens), checked against the tokenizer;
     the synthetic SFT demonstrations' file, and the stop ids of a turn (`chat.stop_ids`: the chat format's end of

@@ -162,13 +162,14 @@ def turn_stops(fmt: chat.ChatFormat, tokenizer, stop_token_ids=(), *, tools=Fals
 def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
              config: RolloutConfig = RolloutConfig(), fmt: chat.ChatFormat = chat.PLAIN,
              pool=None, reward_config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
-             first_group_id: int = 0, score_now: bool | None = None) -> list[Episode]:
+             first_group_id: int = 0, verify_now: bool | None = None) -> list[Episode]:
     """Runs `num_samples` episodes of every task; rows are task-major (task i owns rows
     i*G .. i*G+G-1, group id `first_group_id + i`).
 
-    Verdicts come from `score` (the sandbox pool); with one attempt they can be left to the
-    caller (`score_now=False`) so that scoring overlaps the next generation. Sessions of
-    episodes that are not scored yet stay open until `score` closes them.
+    Verdicts come from `verify_episodes` (the sandbox pool); with one attempt they can be
+    left to the caller (`verify_now=False`) so that judging overlaps the next generation.
+    Sessions of episodes that are not judged yet stay open until `verify_episodes` closes
+    them.
 
     Many processes: each passes its own tasks and runs (tools, verdicts) its own episodes;
     every model turn is one sampler call over the episodes of all processes, in process
@@ -176,8 +177,8 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
     what one process holding every task would sample.
     """
     c = config
-    score_now = c.max_attempts > 1 if score_now is None else score_now
-    if c.max_attempts > 1 and not score_now:
+    verify_now = c.max_attempts > 1 if verify_now is None else verify_now
+    if c.max_attempts > 1 and not verify_now:
         raise ValueError("self-correction (max_attempts > 1) needs verdicts during the episode")
     prompts = [render_prompt(task, tokenizer, fmt) for task in tasks]
     episodes = [Episode(task=task, group_id=first_group_id + i, tokens=list(prompt),
@@ -207,12 +208,13 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
                     active = [e for e in active if e.finish != "max_len"]
                 _run_attempt(sampler, params, active, keys, tokenizer, fmt, c, threads,
                              first=attempt == 0, prompts=prompts)
-                if score_now:
-                    score(active, pool=pool, config=reward_config, close_sessions=False)
+                if verify_now:
+                    verify_episodes(active, pool=pool, config=reward_config,
+                                    close_sessions=False)
         except BaseException:
             close(episodes)
             raise
-    if score_now:
+    if verify_now:
         close(episodes)
     return episodes
 
@@ -331,13 +333,13 @@ def _append(e: Episode, tokenizer, text: str, c: RolloutConfig) -> None:
     e.logp += [0.0] * len(ids)
 
 
-def score(episodes: Sequence[Episode], *, pool=None,
-          config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
-          close_sessions: bool = True) -> None:
+def verify_episodes(episodes: Sequence[Episode], *, pool=None,
+                    config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
+                    close_sessions: bool = True) -> None:
     """Judges each episode's latest answer (adds a verdict), then removes the work dirs."""
     todo = [e for e in episodes if len(e.verdicts) < len(e.answers)]
-    verdicts = rewards_lib.score([e.task for e in todo], [e.answers[-1] for e in todo],
-                                 pool=pool, sessions=[e.session for e in todo], config=config)
+    verdicts = rewards_lib.verify_all([e.task for e in todo], [e.answers[-1] for e in todo],
+                                      pool=pool, sessions=[e.session for e in todo], config=config)
     for e, v in zip(todo, verdicts):
         e.verdicts.append(v)
     if close_sessions:
@@ -508,7 +510,7 @@ class Tasks:
                         reward_config=self.reward_config)
 
     def score(self, episodes) -> Batch:
-        score(episodes, pool=self.pool, config=self.reward_config)
+        verify_episodes(episodes, pool=self.pool, config=self.reward_config)
         return to_batch(episodes, self.rollout_config, prompt_len=self.prompt_len,
                         length=self.length, tokenizer=self.tokenizer, pad_id=self.pad_id)
 

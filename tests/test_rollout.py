@@ -59,7 +59,7 @@ def _generate(script, task_list, *, score=True, **config):
     episodes = rollout.generate(sampler, None, task_list, tokenizer=TOK, key=_key(),
                                 config=cfg)
     if score:
-        rollout.score(episodes)
+        rollout.verify_episodes(episodes)
     return episodes, sampler, cfg
 
 
@@ -203,7 +203,7 @@ def _qwen_episode(tokenizer, turns, *, tools=("python",), **config):
     sampler = ScriptedSampler(script, tokenizer)
     [e] = rollout.generate(sampler, None, [task], tokenizer=tokenizer, key=_key(), config=cfg,
                            fmt=chat.QWEN)
-    rollout.score([e])
+    rollout.verify_episodes([e])
     return e, sampler, task
 
 
@@ -275,7 +275,7 @@ def test_public_format_tasks_scripted_correct_answers_get_reward_1(hf_dir, tmp_p
                                 stop_token_ids=(eot,))
     episodes = rollout.generate(ScriptedSampler(script, tok), None, code + math, tokenizer=tok,
                                 key=_key(), config=cfg, fmt=chat.QWEN)
-    rollout.score(episodes)
+    rollout.verify_episodes(episodes)
     assert [e.reward(cfg) for e in episodes] == [1.0] * 8
     assert [e.tool_calls for e in episodes] == [0] * 4 + [1] * 4
     for e in episodes:
