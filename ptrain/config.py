@@ -63,7 +63,8 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
                    n_experts=0, n_experts_per_token=0, d_ff_expert=0, norm_topk_prob=False,
                    moe_layer_step=1, dense_layers=(), n_shared_experts=0,
                    moe_dispatch="dropless", moe_capacity_factor=1.25,
-                   router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
+                   router_aux_loss_coef=0.0, router_z_loss_coef=0.0,
+                   router_loss_scope="microbatch")
     c.hf_model = ""  # a local Hugging Face model directory to start from
     c.tokenizer = ""  # a local Hugging Face tokenizer directory; "" means records carry ids
     # expert: the MoE experts' axis (tokens reach them by all-to-all; it also holds rows).
@@ -106,7 +107,8 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         # with separate generate/score (see `learner.train`) and tis_cap > 0 to correct it.
         staleness=0,
         # MoE: train with the experts the sampler routed each token to (R3), not the
-        # learner's own top-k; needs a producer that records routing (the single-turn one).
+        # learner's own top-k; needs a producer that records routing (single-turn,
+        # multi-turn Tasks, mixed; not the terminal producer or sampling.engine yet).
         router_replay=False,
     )
     # The value function of rl.estimator="gae" (PPO), ignored otherwise. init "policy": the

@@ -52,6 +52,7 @@ from ptrain import losses
 from ptrain import metrics as metrics_lib
 from ptrain import model as model_lib
 from ptrain import rollout as rollout_lib
+from ptrain import routing
 from ptrain import sharding
 from ptrain import step as step_lib
 from ptrain.batch import Batch, Episodes  # noqa: F401 (Episodes: learner.Episodes, ex name)
@@ -161,6 +162,8 @@ class Learner:
             raise ValueError("prepare: pass critic_params exactly when rl.estimator='gae' "
                              f"(here {self.settings.estimator!r})")
         episodes.check_groups(self.settings.group_size)
+        if self.settings.router_replay:
+            routing.check_replay(episodes)
         batch = sharding.shard_batch(episodes.arrays(), self.mesh)
         return step_lib.prepare(params, self.ref_params, critic_params, batch,
                                 jnp.float32(kl_coef), graphdef=self.graphdef,

@@ -9,8 +9,8 @@ records {"task_dir": ...} next to ptrain task records, each source with its doma
 `generate` hands each producer its records (in the order given) and `score` packs what they
 return into one `batch.Batch`: rows padded to the widest continuation, group ids made
 unique (each producer numbers its groups from 0), the meta (with each row's domain, for the
-per-domain metrics) kept. GRPO groups stay whole: a producer returns its records' groups as
-consecutive rows.
+per-domain metrics) and the recorded MoE routing (`routing.concat`) kept. GRPO groups stay
+whole: a producer returns its records' groups as consecutive rows.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from ptrain import batch as batch_lib
+from ptrain import routing
 
 
 def by_task_dir(record) -> str:
@@ -73,4 +74,5 @@ def concat(parts, *, pad_id: int = 0) -> batch_lib.Batch:
         rollout_logp_bn=np.concatenate([widen(e.rollout_logp_bn, 0.0) for e in parts]),
         rewards_b=np.concatenate([e.rewards_b for e in parts]),
         group_ids_b=np.concatenate(group_ids).astype(np.int32),
-        meta=[m for e in parts for m in (e.meta or [{} for _ in range(len(e))])])
+        meta=[m for e in parts for m in (e.meta or [{} for _ in range(len(e))])],
+        **routing.concat(parts, n))

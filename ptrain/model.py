@@ -35,7 +35,8 @@ DTYPES = ("float32", "bfloat16")
 # ModelConfig fields that choose how the model runs, not what its parameters are: they may
 # differ from a checkpoint's (hf.load overrides, the learner's config.model with hf_model).
 RUNTIME_FIELDS = ("attention_impl", "attn_block_q", "attn_block_k", "remat", "moe_dispatch",
-                  "moe_capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+                  "moe_capacity_factor", "router_aux_loss_coef", "router_z_loss_coef",
+                  "router_loss_scope")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +97,9 @@ class ModelConfig:
     moe_capacity_factor: float = 1.25  # capacity dispatch only
     router_aux_loss_coef: float = 0.0  # load-balancing loss weight in the training loss
     router_z_loss_coef: float = 0.0  # router z-loss weight
+    # What the aux and z losses pool over (`moe.ROUTER_LOSS_SCOPES`): each microbatch's
+    # forward, or the optimizer step's whole batch ("global": all its microbatches).
+    router_loss_scope: str = "microbatch"
 
     def __post_init__(self):
         if self.head_dim == 0:

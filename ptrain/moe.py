@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from ptrain import sharding
 
 DISPATCHES = ("dropless", "capacity", "dense")
+ROUTER_LOSS_SCOPES = ("microbatch", "global")  # ModelConfig.router_loss_scope
 
 
 # ----------------------------------------------------------------------------- layout
@@ -88,6 +89,8 @@ def check_config(c) -> list[tuple[bool, str]]:
         (c.moe_dispatch in DISPATCHES,
          f"moe_dispatch {c.moe_dispatch!r} is not one of {DISPATCHES}"),
         (c.moe_capacity_factor > 0, "moe_capacity_factor must be > 0"),
+        (c.router_loss_scope in ROUTER_LOSS_SCOPES,
+         f"router_loss_scope {c.router_loss_scope!r} is not one of {ROUTER_LOSS_SCOPES}"),
     ]
 
 
@@ -133,7 +136,8 @@ class Routing:
     load_le: valid assignments per expert; prob_le: router probability summed per expert;
     z_l: sum over tokens of logsumexp(router logits)^2; dropped_l: assignments dropped
     (0 when dropless); tokens_l: valid tokens; agree_l: valid assignments whose expert is
-    among the router's own top-k (all of them unless the experts were replayed).
+    among the router's own top-k (all of them unless the experts were replayed; none of a
+    token replayed as unrecorded, -1).
     """
 
     experts_lbtk: jax.Array
@@ -168,10 +172,11 @@ def add(a: Routing | None, b: Routing | None) -> Routing | None:
 
 def agreement_l(r: Routing, recorded_lbtk, valid_bt, *, replayed: bool) -> jax.Array:
     """Per MoE layer, the share of the recorded assignments (a sampler's `experts_lbtk`)
-    that this forward's router chose too, over valid tokens: with `replayed` the forward
-    used the recorded experts and `agree_l` counts those in its router's own top-k; else
-    its own experts are compared with the recorded ones as sets."""
-    valid_bt = valid_bt.astype(jnp.float32)
+    that this forward's router chose too, over valid tokens with recorded experts (not -1):
+    with `replayed` the forward used the recorded experts and `agree_l` counts those in its
+    router's own top-k; else its own experts are compared with the recorded ones as sets.
+    `r` must be the forward over exactly these tokens."""
+    valid_bt = (valid_bt.astype(bool) & (recorded_lbtk[0, ..., 0] >= 0)).astype(jnp.float32)
     k = recorded_lbtk.shape[-1]
     if replayed:
         agree_l = r.agree_l
@@ -203,6 +208,19 @@ def router_loss(r: Routing | None, c) -> jax.Array:
     return c.router_aux_loss_coef * aux_loss(r) + c.router_z_loss_coef * z_loss(r)
 
 
+def global_terms(r: Routing, load_le, tokens_l) -> tuple[jax.Array, jax.Array]:
+    """This forward's terms of the aux and z losses of a larger batch it is part of (an
+    optimizer step's microbatches), given that batch's assignments per expert `load_le` and
+    valid tokens `tokens_l` (constants): the terms of the batch's forwards add up to
+    `aux_loss` and `z_loss` of the whole batch (Megatron's global_aux_loss, exact here). The
+    aux loss is linear in the router probabilities once the loads are fixed, so its gradient
+    splits over the forwards the same way."""
+    rows = jnp.maximum(jnp.sum(tokens_l), 1.0)
+    fraction_e = jnp.sum(load_le, axis=0) / rows
+    aux = load_le.shape[-1] * jnp.sum(fraction_e * jnp.sum(r.prob_le, axis=0) / rows)
+    return aux, jnp.sum(r.z_l) / rows
+
+
 def metrics(r: Routing) -> dict[str, jax.Array]:
     """Scalars (and the per-expert load vector `moe/load`, a histogram) for the run log."""
     load_e = jnp.sum(r.load_le, axis=0)
@@ -223,16 +241,18 @@ def route(h_nd, router_de, c, replay_nk=None):
     """(logits [n, E] compute dtype, probs [n, E] f32, top weights [n, k] f32, top ids
     [n, k], which of the ids are among the router's own top-k [n, k] bool). With `replay_nk`,
     those experts are used instead of the top-k (their probabilities are still the router's,
-    so the router gets gradients as usual)."""
+    so the router gets gradients as usual); a token whose replayed experts are -1
+    (`ptrain.routing.UNRECORDED`) takes the top-k and counts as not agreeing."""
     logits_ne = jnp.einsum("nd,de->ne", h_nd, router_de.astype(h_nd.dtype))
     probs_ne = jax.nn.softmax(logits_ne.astype(jnp.float32), axis=-1)
     top_w, top_i = jax.lax.top_k(probs_ne, c.n_experts_per_token)
     own_nk = jnp.ones(top_i.shape, bool)
     if replay_nk is not None:
         own_i = top_i
-        top_i = replay_nk.astype(jnp.int32)
+        recorded_n1 = replay_nk[:, :1] >= 0  # unrecorded (-1): the router's own top-k
+        top_i = jnp.where(recorded_n1, replay_nk.astype(jnp.int32), own_i)
         top_w = jnp.take_along_axis(probs_ne, top_i, axis=-1)
-        own_nk = jnp.any(top_i[:, :, None] == own_i[:, None, :], axis=-1)
+        own_nk = jnp.any(top_i[:, :, None] == own_i[:, None, :], axis=-1) & recorded_n1
     if c.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     return logits_ne, probs_ne, top_w, top_i, own_nk

@@ -50,6 +50,7 @@ from ptrain import chat
 from ptrain import data as data_lib
 from ptrain import engine as engine_lib
 from ptrain import rewards as rewards_lib
+from ptrain import routing as routing_lib
 from ptrain import sharding
 from ptrain import tasks as tasks_lib
 from ptrain.batch import Batch
@@ -112,6 +113,8 @@ class Episode:
     finish: str = ""  # FINISHES
     session: sandbox.Session | None = None
     closed: bool = True  # the last model turn ended with its sampled end-of-turn token
+    # MoE: the experts the sampler routed the first tokens to (`ptrain.routing.record`)
+    routing: list = dataclasses.field(default_factory=list)
 
     @property
     def attempts(self) -> int:
@@ -272,6 +275,7 @@ def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *,
             room = c.max_len - (len(e.tokens) - e.prompt_len)
             truncated = n > room
             new = new[:room]
+            routing_lib.record(e.routing, samples, row, len(e.tokens), len(new))
             e.tokens += new
             e.mask += [1] * len(new)
             e.logp += samples.logp_temp[row, :len(new)].tolist()
@@ -358,7 +362,8 @@ def to_batch(episodes: Sequence[Episode], config: RolloutConfig, *, prompt_len: 
              length: int, tokenizer=None, pad_id: int = 0) -> Batch:
     """The episodes as a `batch.Batch`: each history split at its prompt, its reward (from
     its verdicts, `Episode.reward`) in `rewards_b`, the last verdict's passed, feedback and
-    error type in its row's meta (with a tokenizer, also the prompt and completion texts)."""
+    error type in its row's meta (with a tokenizer, also the prompt and completion texts);
+    a MoE's recorded routing (`ptrain.routing.pack`)."""
     meta = []
     for e in episodes:
         last = e.verdicts[-1] if e.verdicts else None
@@ -372,11 +377,13 @@ def to_batch(episodes: Sequence[Episode], config: RolloutConfig, *, prompt_len: 
             row["prompt"] = tokenizer.decode(e.tokens[:e.prompt_len])
             row["completion"] = tokenizer.decode(e.tokens[e.prompt_len:])
         meta.append(row)
-    return Batch.from_histories(
+    batch = Batch.from_histories(
         [e.tokens for e in episodes], [e.mask for e in episodes], [e.logp for e in episodes],
         [e.reward(config) for e in episodes], [e.group_id for e in episodes],
         prompt_lens=[e.prompt_len for e in episodes], prompt_len=prompt_len, length=length,
         meta=meta, pad_id=pad_id)
+    routing_lib.pack(batch, [(e.routing, len(e.tokens), e.prompt_len) for e in episodes])
+    return batch
 
 
 # ============================================================================ producers

@@ -20,7 +20,8 @@ config's coefficients, `moe.router_loss`) and report `moe/*` metrics (per-expert
 dropped assignments); with `router_replay` the forwards route each token to the experts the
 sampler recorded (the batch's `experts_bnlk`, `prompt_experts_bplk`), and where the batch
 has them `moe/router_agreement` is the share of the sampler's assignments the learner's
-router chose too (per layer: `moe/router_agreement_l`).
+router chose too over continuation tokens, `moe/router_agreement_prompt` over the prompts
+(per layer: `..._l`).
 """
 
 from __future__ import annotations
@@ -146,15 +147,18 @@ def _recorded_routing(model_config, batch, group_size):
     if "experts_bnlk" not in batch or "prompt_experts_bplk" not in batch:
         raise ValueError("rl.router_replay: the batch carries no recorded routing "
                          "(Batch.experts_bnlk, prompt_experts_bplk); the producer must record "
-                         "the sampler's (Samples.experts, as the single-turn rollout does), or "
-                         "set rl.router_replay=False")
+                         "the sampler's (Samples.experts, as the single-turn, multi-turn and "
+                         "mixed producers do), or set rl.router_replay=False")
     prompt = batch["prompt_experts_bplk"][::group_size].astype(jnp.int32)
     return jnp.moveaxis(prompt, 2, 0), jnp.moveaxis(batch["experts_bnlk"].astype(jnp.int32), 2, 0)
 
 
 def _moe_metrics(model_config, routing, batch, group_size, *, replayed, scale=1.0):
     """`moe/*` metrics of one forward (prompts and continuations pooled) and, where the batch
-    recorded the sampler's routing, the router agreement over continuation tokens."""
+    recorded the sampler's routing, the router agreement: over continuation tokens
+    (`moe/router_agreement`, the tokens whose log-probs are trained) and over each group's
+    prompt (`moe/router_agreement_prompt`, whose keys and values every continuation attends
+    to); per layer as `..._l`."""
     prompt_routing, tokens_routing = routing
     pooled = moe.add(prompt_routing, tokens_routing)
     if pooled is None:
@@ -162,10 +166,14 @@ def _moe_metrics(model_config, routing, batch, group_size, *, replayed, scale=1.
     out = {k: scale * v for k, v in moe.metrics(pooled).items()}
     if "experts_bnlk" in batch:
         valid_bn = jnp.arange(batch["tokens_bn"].shape[1])[None, :] < batch["lengths_b"][:, None]
-        recorded = _recorded_routing(model_config, batch, group_size)[1]
-        agree_l = moe.agreement_l(tokens_routing, recorded, valid_bn, replayed=replayed)
-        out["moe/router_agreement_l"] = scale * agree_l
-        out["moe/router_agreement"] = scale * jnp.mean(agree_l)
+        p = batch["prompt_bp"].shape[1]
+        valid_gp = jnp.arange(p)[None, :] >= p - batch["prompt_lens_b"][::group_size, None]
+        recorded_prompt, recorded = _recorded_routing(model_config, batch, group_size)
+        for name, r, rec, valid in (("", tokens_routing, recorded, valid_bn),
+                                    ("_prompt", prompt_routing, recorded_prompt, valid_gp)):
+            agree_l = moe.agreement_l(r, rec, valid, replayed=replayed)
+            out[f"moe/router_agreement{name}_l"] = scale * agree_l
+            out[f"moe/router_agreement{name}"] = scale * jnp.mean(agree_l)
     return out
 
 
@@ -258,9 +266,11 @@ def _microbatched(fn, batch, s: StepSettings, mesh):
 # =================================================================================== update
 
 
-def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: StepSettings):
+def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, router_totals=None, *, graphdef,
+             s: StepSettings):
     """The loss of one microbatch, normalised by the whole minibatch's token and sequence
-    counts, so that microbatch losses (and gradients) add up to the minibatch's."""
+    counts, so that microbatch losses (and gradients) add up to the minibatch's.
+    router_totals: the minibatch's (load_le, tokens_l) for the global router losses."""
     mask_bn = x["loss_mask_bn"]
     logp_bn, ent_bn, routing = token_logprobs(
         graphdef, params, x, group_size=s.group_size, chunk=s.chunk, temperature=s.temperature,
@@ -269,13 +279,19 @@ def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: StepSetti
     agg = functools.partial(losses.agg_loss, mask_bt=mask_bn, mode=s.agg, num_tokens=num_tokens,
                             num_seqs=num_seqs)
     # MoE: the router's aux and z losses of this microbatch's forward, weighted by its share
-    # of the minibatch's tokens (so the microbatches' terms add up to a token-weighted mean).
+    # of the minibatch's tokens (so the microbatches' terms add up to a token-weighted mean);
+    # with router_loss_scope="global", its terms of the minibatch's losses (`moe.global_terms`).
     model_config = nnx.merge(graphdef, params).config
     moe_metrics = _moe_metrics(model_config, routing, x, s.group_size, replayed=s.router_replay,
                                scale=share)
     if s.has_old_logp or s.kind == "sft":  # agreement: where the mismatch is measured
         moe_metrics = {k: v for k, v in moe_metrics.items() if "agreement" not in k}
     router_loss = share * moe.router_loss(moe.add(*routing), model_config)
+    if router_totals is not None:
+        aux, z = moe.global_terms(moe.add(*routing), *router_totals)
+        router_loss = (model_config.router_aux_loss_coef * aux
+                       + model_config.router_z_loss_coef * z)
+        moe_metrics.update({"moe/aux_loss": aux, "moe/z_loss": z})
     if s.kind == "sft":
         nll = -agg(logp_bn)
         return nll + router_loss, {"sft/loss": nll,
@@ -313,9 +329,10 @@ def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: StepSetti
     return loss, metrics
 
 
-def _critic_loss(params, x, num_tokens, num_seqs, kl_coef, *, graphdef, s: StepSettings):
+def _critic_loss(params, x, num_tokens, num_seqs, kl_coef, router_totals=None, *, graphdef,
+                 s: StepSettings):
     """The clipped value loss of one microbatch, normalised like `_rl_loss`."""
-    del kl_coef
+    del kl_coef, router_totals
     mask_bn = x["loss_mask_bn"]
     vpreds_bn = token_values(graphdef, params, x, group_size=s.group_size)
     share = mask_bn.sum() / jnp.maximum(num_tokens, 1)
@@ -334,6 +351,11 @@ def update(params, opt_state, batch, kl_coef, *, graphdef, s: StepSettings, tx, 
     Groups (G consecutive rows) are dealt out in turn: group j goes to minibatch j % m and to
     microbatch (j // m) % k of it. Each device keeps its own rows (the split moves no data
     between devices) and the minibatches do not depend on the microbatch size.
+
+    MoE with router_loss_scope="global" and k > 1 microbatches: a forward pass over the
+    minibatch first counts its assignments per expert, so that the aux and z losses (and
+    their gradients) are the whole minibatch's (`moe.global_terms`), not a sum of the
+    microbatches' own; sums over data shards are global in either scope.
     """
     mask_bn = batch["loss_mask_bn"]
     b, g = mask_bn.shape[0], s.group_size
@@ -354,15 +376,21 @@ def update(params, opt_state, batch, kl_coef, *, graphdef, s: StepSettings, tx, 
     grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef, s=s),
                                  has_aux=True)
 
+    model_config = nnx.merge(graphdef, params).config
+    totals = (s.kind != "critic" and k > 1 and model_config.n_experts > 0
+              and model_config.router_loss_scope == "global")
+
     def minibatch(carry, i):
         params, opt_state = carry
         mb = jax.tree.map(lambda x: x[i], split)
         mb_mask = mb["loss_mask_bn"]
         num_tokens = mb_mask.sum()
         num_seqs = (mb_mask.sum(-1) > 0).sum()
+        router_totals = _router_totals(params, mb, graphdef, s) if totals else None
 
         def accumulate(grads, x):
-            (loss, metrics), g = grad_fn(params, x, num_tokens, num_seqs, kl_coef)
+            (loss, metrics), g = grad_fn(params, x, num_tokens, num_seqs, kl_coef,
+                                         router_totals)
             return jax.tree.map(jnp.add, grads, g), {loss_key: loss, **metrics}
 
         zeros = jax.tree.map(jnp.zeros_like, params)
@@ -375,6 +403,19 @@ def update(params, opt_state, batch, kl_coef, *, graphdef, s: StepSettings, tx, 
     order = jnp.tile(jnp.arange(m), s.epochs)
     (params, opt_state), metrics = jax.lax.scan(minibatch, (params, opt_state), order)
     return params, opt_state, jax.tree.map(lambda v: v.mean(0), metrics)
+
+
+def _router_totals(params, mb, graphdef, s: StepSettings):
+    """(assignments per MoE layer and expert, valid tokens per MoE layer) of a minibatch's
+    forwards ([k, rows, ...]: one per microbatch, as the loss runs them), no gradient."""
+    model = nnx.merge(graphdef, jax.lax.stop_gradient(params))
+
+    def one(x):
+        r = moe.add(*_continuation_hidden(model, x, s.group_size, replay=s.router_replay)[2])
+        return r.load_le, r.tokens_l
+
+    load_kle, tokens_kl = jax.lax.map(one, mb)
+    return load_kle.sum(0), tokens_kl.sum(0)
 
 
 @functools.cache

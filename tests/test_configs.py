@@ -21,7 +21,7 @@ from ptrain import terminal_loop
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if p.stem != "__init__")
-PLAN_CONFIGS = {"long_context_1m"}  # read by launch/plan.py; the rest by the learner
+PLAN_CONFIGS = {"long_context_1m", "moe_plan"}  # read by launch/plan.py; the rest by the learner
 
 
 def test_configs_are_found():

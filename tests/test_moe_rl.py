@@ -186,31 +186,26 @@ def test_replay_without_recorded_routing_is_a_clear_error(rollout):
 
 # ------------------------------------------------------------------- aux loss in the RL loss
 
-def test_rl_loss_adds_transformers_load_balancing_loss(tmp_path):
-    """With zero advantages the policy loss is 0, so the RL loss is the router's: aux_coef x
-    transformers' load_balancing_loss_func over the router logits of every token the learner
-    runs (each group's prompt once, each continuation) + z_coef x mean logsumexp^2."""
+def _hf_router_batch(tmp_path, **model_changes):
+    """transformers' tiny Qwen3-MoE, a learner on the same weights and a batch of 4 groups of
+    4 random rows with zero advantages (so the policy loss is 0 and the RL loss is the
+    router's), and transformers' (aux, z) over the router logits of every token the learner
+    runs (each group's prompt once, each continuation): load_balancing_loss_func with
+    coefficient 1, and the mean logsumexp^2."""
     import torch
     from transformers.models.qwen3_moe import modeling_qwen3_moe
     ref = _hf_moe(str(tmp_path))
     config = moe_config(hf_model=str(tmp_path))
     config.model.update(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
                         d_ff=48, dense_layers=(1,), router_aux_loss_coef=0.01,
-                        router_z_loss_coef=0.001)
+                        router_z_loss_coef=0.001, **model_changes)
     config.model.rope_theta = 10000.0
-    learner = L.Learner(config, mesh=one_device())
     rng = np.random.RandomState(0)
     prompts = [[1] + rng.randint(2, 64, rng.randint(1, 7)).tolist() for _ in range(4)]
     rows = [rng.randint(2, 64, rng.randint(1, 9)).tolist() for _ in range(16)]
     batch = L.Episodes.from_rows([prompts[i // 4] for i in range(16)], rows,
                                  [[1] * len(r) for r in rows], [[0.0] * len(r) for r in rows],
                                  np.zeros(16), np.arange(16) // 4, prompt_len=8, length=8)
-    x = dict(sharding.shard_batch(batch.arrays(), learner.mesh),
-             adv_bn=jnp.zeros((16, 8)))
-    mask = x["loss_mask_bn"]
-    loss, metrics = step_lib._rl_loss(
-        learner.initial_params, x, mask.sum(), (mask.sum(-1) > 0).sum(), 0.0,
-        graphdef=learner.graphdef, s=learner.settings)
 
     logits = [[], []]  # per MoE layer: prompts' tokens once, then each row's continuation
     routers = [m for m in ref.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
@@ -231,12 +226,60 @@ def test_rl_loss_adds_transformers_load_balancing_loss(tmp_path):
         per_layer.append(torch.cat(prompt_part + row_part).double())
     aux = float(modeling_qwen3_moe.load_balancing_loss_func(tuple(per_layer), E, K))
     z = float(torch.mean(torch.logsumexp(torch.cat(per_layer), -1) ** 2))
+    return config, batch, aux, z
+
+
+def test_rl_loss_adds_transformers_load_balancing_loss(tmp_path):
+    """With zero advantages the policy loss is 0, so the RL loss is the router's: aux_coef x
+    transformers' load_balancing_loss_func over the router logits of every token the learner
+    runs (each group's prompt once, each continuation) + z_coef x mean logsumexp^2."""
+    config, batch, aux, z = _hf_router_batch(tmp_path)
+    learner = L.Learner(config, mesh=one_device())
+    x = dict(sharding.shard_batch(batch.arrays(), learner.mesh),
+             adv_bn=jnp.zeros((16, 8)))
+    mask = x["loss_mask_bn"]
+    loss, metrics = step_lib._rl_loss(
+        learner.initial_params, x, mask.sum(), (mask.sum(-1) > 0).sum(), 0.0,
+        graphdef=learner.graphdef, s=learner.settings)
     np.testing.assert_allclose(float(metrics["moe/aux_loss"]), aux, rtol=2e-4)
     np.testing.assert_allclose(float(metrics["moe/z_loss"]), z, rtol=2e-4)
     np.testing.assert_allclose(float(loss), 0.01 * aux + 0.001 * z, rtol=2e-4)
     load = np.asarray(metrics["moe/load"])
     assert load.shape == (E,) and abs(load.sum() - 1) < 1e-5
     assert float(metrics["moe/dropped_fraction"]) == 0
+
+
+def test_global_router_loss_is_transformers_over_the_whole_batch(tmp_path):
+    """router_loss_scope="global": with the batch in 2 microbatches on a data x fsdp mesh,
+    the update's loss is aux_coef x transformers' load_balancing_loss_func over the whole
+    batch (+ z_coef x its z-loss), and its gradient is the one-microbatch update's; the
+    per-microbatch scope gives another value and another gradient."""
+    config, batch, aux, z = _hf_router_batch(tmp_path, router_loss_scope="global")
+
+    def update(scope, microbatch, mesh):
+        c = config.copy_and_resolve_references()
+        c.model.router_loss_scope = scope
+        c.rl.microbatch_size = microbatch
+        learner = L.Learner(c, mesh=mesh)
+        params = learner.initial_params
+        x = dict(sharding.shard_batch(batch.arrays(), learner.mesh),
+                 adv_bn=sharding.shard_batch({"a": np.zeros((16, 8), np.float32)},
+                                             learner.mesh)["a"])
+        metrics = learner.update(params, learner.init_opt_state(params), x)[2]
+        return {k: float(np.asarray(v)) for k, v in metrics.items() if np.ndim(v) == 0}
+
+    shards = sharding.make_mesh(data=2, fsdp=2, devices=jax.devices()[:4])
+    split = update("global", 8, shards)
+    whole = update("microbatch", 0, one_device())
+    per_micro = update("microbatch", 8, shards)
+    np.testing.assert_allclose(split["optim/loss"], 0.01 * aux + 0.001 * z, rtol=2e-4)
+    np.testing.assert_allclose(split["moe/aux_loss"], aux, rtol=2e-4)
+    np.testing.assert_allclose(split["moe/z_loss"], z, rtol=2e-4)
+    np.testing.assert_allclose(whole["optim/loss"], split["optim/loss"], rtol=2e-5)
+    np.testing.assert_allclose(whole["optim/grad_norm"], split["optim/grad_norm"], rtol=1e-4)
+    assert abs(per_micro["moe/aux_loss"] - aux) > 1e-3 * aux
+    assert abs(per_micro["optim/grad_norm"] - split["optim/grad_norm"]) > 1e-3 * split[
+        "optim/grad_norm"]
 
 
 # ----------------------------------------------------------------- end to end, with resume
@@ -288,3 +331,122 @@ def test_sft_on_a_tiny_moe_resumes_exactly(tmp_path):
                     tmp_path / "resumed" / "checkpoints" / "2")
     L.sft(config, str(tmp_path / "resumed"), mesh=one_device())
     assert _metrics(tmp_path / "resumed") == full[2:]
+
+
+# ------------------------------------------------- multi-turn and mixed producers record routing
+
+@pytest.fixture(scope="module")
+def mixed_rollout():
+    """One batch of a mixed producer on the tiny MoE: two multi-turn task records (a failed
+    first answer gets its feedback and a second attempt: the feedback is routed by the second
+    turn's prefill) next to two single-turn prompt records, sampled from the initial
+    parameters; the learner's config is closed_loop's."""
+    from ptrain import closed_loop as CL
+    from ptrain import mixed_producer, tasks
+    from ptrain.synthetic_tasks import WordTokenizer
+    tok = WordTokenizer.for_tasks()
+    c = CL.defaults()
+    c.model.update(vocab_size=tok.vocab_size, d_model=32, d_ff=64, n_layers=2, n_experts=E,
+                   n_experts_per_token=K, d_ff_expert=16, norm_topk_prob=True,
+                   dense_layers=(0,), attention_impl="reference")
+    c.data.update(max_prompt_len=16, prompts_per_step=4)
+    c.sampling.update(num_samples=2, max_new_tokens=6, stop_token_ids=(tok.eos_token_id,))
+    c.rl.update(num_minibatches=2)  # old log-probs (and agreement) measured in prepare
+    c.rollout.update(max_turns=1, max_attempts=2, max_len=64)
+    c.reward_fn = lambda record, ids, text: float(len(ids) % 2)
+    learner = L.Learner(c, mesh=one_device(), tokenizer=tok)
+    sampler = CL.make_sampler(c, learner.mesh, tok)
+    producer = mixed_producer.MixedProducer(
+        {"tasks": rollout_lib.Tasks(sampler, tok, c, pool=None),
+         "single": rollout_lib.SingleTurn(c, sampler, tokenizer=tok)},
+        route=lambda r: "single" if "prompt_ids" in r else "tasks", pad_id=learner.pad_id)
+    records = [tasks.to_record(tasks.Task(f"t{i}", "arith", tasks.Answer("42", numeric=True),
+                                          prompt=f"arith: what is {i} plus 40"))
+               for i in range(2)]
+    records += [{"prompt_ids": tok.encode("arith: what is 3 plus 4")}, {"prompt_ids": [5, 9]}]
+    batch = producer.score(producer.generate(learner.initial_params, records,
+                                             jax.random.key(4)))
+    return learner, batch
+
+
+def _valid(batch, g):
+    """Valid continuation tokens [b, n] and each group's valid prompt tokens [b / G, p]."""
+    n, p = batch.tokens_bn.shape[1], batch.prompt_bp.shape[1]
+    return (np.arange(n)[None, :] < batch.lengths_b[:, None],
+            np.arange(p)[None, :] >= p - batch.prompt_lens_b[::g, None])
+
+
+def test_multi_turn_and_mixed_producers_record_routing_and_replay_restores_it(mixed_rollout):
+    from ptrain import routing
+    learner, batch = mixed_rollout
+    s = learner.settings
+    g = s.group_size
+    multi = [i for i, m in enumerate(batch.meta) if m.get("attempts") == 2]
+    assert len(multi) == 4 and len(batch) == 8  # both task groups tried twice
+    assert batch.experts_bnlk.shape == (8, 64, 1, K)
+    valid_bn, valid_gp = _valid(batch, g)
+    # Every token the learner runs is recorded: prompts, both turns, the feedback between.
+    assert (batch.experts_bnlk[valid_bn] >= 0).all()
+    assert (batch.prompt_experts_bplk[::g][valid_gp] >= 0).all()
+    routing.check_replay(batch)
+    x = sharding.shard_batch(batch.arrays(), learner.mesh)
+
+    def experts(params, replay):
+        _, _, (prompt_r, tokens_r) = step_lib.token_logprobs(
+            learner.graphdef, params, x, group_size=g, replay=replay, return_routing=True)
+        return np.asarray(prompt_r.experts_lbtk)[0], np.asarray(tokens_r.experts_lbtk)[0]
+
+    recorded_bnk = batch.experts_bnlk[:, :, 0]
+    recorded_gpk = batch.prompt_experts_bplk[::g, :, 0]
+    # Same parameters: the learner's own routing of each history (one forward of the whole
+    # continuation) is what the sampler's turns recorded, token for token.
+    prompt_e, tokens_e = experts(learner.initial_params, False)
+    np.testing.assert_array_equal(tokens_e[valid_bn], recorded_bnk[valid_bn])
+    np.testing.assert_array_equal(prompt_e[valid_gp], recorded_gpk[valid_gp])
+
+    moved = _perturbed_router(learner.initial_params, 0.5)
+    tokens_moved = experts(moved, False)[1]
+    assert (np.sort(tokens_moved, -1) != np.sort(recorded_bnk, -1)).any(-1)[valid_bn].mean() > 0.05
+    prompt_on, tokens_on = experts(moved, True)
+    np.testing.assert_array_equal(tokens_on[valid_bn], recorded_bnk[valid_bn])
+    np.testing.assert_array_equal(prompt_on[valid_gp], recorded_gpk[valid_gp])
+
+    def prepare(params, replay):
+        settings = s.__class__(**{**s.__dict__, "router_replay": replay})
+        return step_lib.prepare(params, None, None, x, jnp.float32(0.0),
+                                graphdef=learner.graphdef, critic_graphdef=None, s=settings)[1]
+
+    same = prepare(learner.initial_params, False)
+    assert float(same["moe/router_agreement"]) == 1.0
+    assert float(same["moe/router_agreement_prompt"]) == 1.0
+    off, on = prepare(moved, False), prepare(moved, True)
+    for name in ("moe/router_agreement", "moe/router_agreement_prompt"):
+        assert 0.3 < float(off[name]) < 0.95, name
+        np.testing.assert_allclose(float(on[name]), float(off[name]), rtol=1e-6)
+    assert np.asarray(off["moe/router_agreement_prompt_l"]).shape == (1,)
+    assert float(on["rollout/logp_mismatch"]) < 0.5 * float(off["rollout/logp_mismatch"])
+
+
+def test_replay_refuses_rows_whose_producer_records_no_routing(mixed_rollout):
+    """A mixed batch with one producer that records nothing (the terminal one, today): the
+    concat marks its rows unrecorded, the learner refuses to replay them and names them."""
+    from ptrain import mixed_producer, routing
+    learner, batch = mixed_rollout
+    rows = np.arange(len(batch))
+    tasks_rows = rows[:4] if batch.meta[0].get("attempts") else rows[4:]
+    part = lambda idx, keep: batch.__class__(**{  # noqa: E731
+        **{k: v[idx] for k, v in batch.columns().items() if k != "meta"},
+        "meta": [batch.meta[i] for i in idx],
+        **({} if keep else {"experts_bnlk": None, "prompt_experts_bplk": None})})
+    others = np.setdiff1d(rows, tasks_rows)
+    mixed = mixed_producer.concat([part(tasks_rows, True), part(others, False)])
+    assert (mixed.experts_bnlk[4:] == routing.UNRECORDED).all()
+    np.testing.assert_array_equal(mixed.experts_bnlk[:4], batch.experts_bnlk[tasks_rows])
+    settings = learner.settings.__class__(**{**learner.settings.__dict__,
+                                             "router_replay": True})
+    learner.settings = settings
+    try:
+        with pytest.raises(ValueError, match="4 rows .* without recorded routing"):
+            learner.prepare(learner.initial_params, mixed)
+    finally:
+        learner.settings = settings.__class__(**{**settings.__dict__, "router_replay": False})
