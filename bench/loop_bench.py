@@ -99,7 +99,7 @@ def main():
         tokenizer = closed_loop.make_tokenizer(config)
         config = closed_loop.derive_config(config, root, tokenizer)
         train, _ = closed_loop.make_tasks(config, tokenizer, root)
-        sources = closed_loop.prompt_sources(config, train)
+        sources = closed_loop.prompt_sources(config, train, root)
         mesh = sharding.mesh_from_config(config.mesh)
         sampler = closed_loop.make_sampler(config, mesh, tokenizer)
         backend = sandbox.backends.resolve(config.sandbox.backend)

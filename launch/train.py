@@ -1,5 +1,5 @@
-"""Train from a config file: the closed loop (SFT, RL on sandbox verdicts, held-out evals),
-or RL on terminal tasks in docker for a config with a `terminal` section (ptrain/terminal_loop.py).
+"""Train from a config file: the closed loop (SFT, RL on sandbox verdicts and terminal tasks in
+docker, held-out evals; ptrain/closed_loop.py), or the learner alone for a config without tasks.
 
     python -m launch.train --config=configs/quickstart.py --workdir=runs/quickstart
     python -m launch.train --config=configs/quickstart.py:short --config.steps=50 ...
@@ -51,12 +51,8 @@ def main(argv):
     from ptrain import metrics
     if jax.process_index() == 0:  # the config and command line, for launch/export.py
         metrics.write_run_record(_WORKDIR.value, _CONFIG.value, sys.argv)
-    if "terminal" in _CONFIG.value:  # RL on terminal tasks in docker (configs/terminal_toy.py)
-        from ptrain import terminal_loop
-        lines = terminal_loop.run(_CONFIG.value, _WORKDIR.value)
-    else:
-        from ptrain import closed_loop
-        lines = closed_loop.run(_CONFIG.value, _WORKDIR.value)
+    from ptrain import closed_loop
+    lines = closed_loop.run(_CONFIG.value, _WORKDIR.value)
     for line in lines:
         logging.info("eval %s", line)
 

@@ -43,6 +43,12 @@ class Batch:
     `meta` is host-only (texts, feedback, domain) and never goes to the device. A mixture-of-
     experts producer may add the sampler's routing (`Samples.experts`, `prompt_experts`, one
     prompt's per row), which the learner replays with rl.router_replay.
+
+    `max_len_b` (host-only too) is the cap each row's episode had on its tokens after the
+    prompt, set by a producer whose episodes have their own (rollout.max_len for `Tasks`,
+    terminal.max_len for terminal episodes): the DAPO overlong penalty measures each row
+    against its own cap, so a batch mixed from several producers keeps each one's (None, or
+    0 in a row: the config's cap, `config.overlong_max_len`).
     """
 
     prompt_bp: np.ndarray  # int32 [b, p]: the group's prompt, left-padded
@@ -56,12 +62,14 @@ class Batch:
     meta: list = dataclasses.field(default_factory=list)  # one dict per row
     experts_bnlk: np.ndarray | None = None  # int [b, n, MoE layers, k]: each token's experts
     prompt_experts_bplk: np.ndarray | None = None  # int [b, p, MoE layers, k]: the prompt's
+    max_len_b: np.ndarray | None = None  # int32 [b]: the row's episode's cap (0: the config's)
 
     @classmethod
     def from_rows(cls, prompts, continuations, loss_masks, rollout_logps, rewards, group_ids,
-                  *, prompt_len, length, meta=None, pad_id=0) -> Batch:
+                  *, prompt_len, length, meta=None, pad_id=0, max_len=None) -> Batch:
         """Packs per-row lists (prompt ids; continuation ids with one 0/1 loss-mask value and
-        one log-prob each) into arrays of `prompt_len` and `length` columns."""
+        one log-prob each) into arrays of `prompt_len` and `length` columns. `max_len`: the
+        cap the episodes had (`max_len_b`; default: the config's applies)."""
         b = len(prompts)
         out = cls(prompt_bp=np.full((b, prompt_len), pad_id, np.int32),
                   prompt_lens_b=np.zeros(b, np.int32),
@@ -71,7 +79,8 @@ class Batch:
                   rollout_logp_bn=np.zeros((b, length), np.float32),
                   rewards_b=np.asarray(rewards, np.float32).reshape(b),
                   group_ids_b=np.asarray(group_ids, np.int32).reshape(b),
-                  meta=list(meta) if meta is not None else [{} for _ in range(b)])
+                  meta=list(meta) if meta is not None else [{} for _ in range(b)],
+                  max_len_b=None if max_len is None else np.full(b, max_len, np.int32))
         rows = zip(prompts, continuations, loss_masks, rollout_logps)
         for i, (prompt, tok, mask, logp) in enumerate(rows):
             p, n = len(prompt), len(tok)
@@ -81,6 +90,9 @@ class Batch:
             if n > length:
                 raise ValueError(f"episode {i} continues its prompt with {n} tokens, more than "
                                  f"the length {length}; raise the cap or cut the episode")
+            if max_len is not None and n > max_len:
+                raise ValueError(f"episode {i} continues its prompt with {n} tokens, more than "
+                                 f"its cap max_len={max_len}")
             if len(mask) != n or len(logp) != n:
                 raise ValueError(f"episode {i}: {n} tokens but {len(mask)} mask values and "
                                  f"{len(logp)} log-probs; give one per token")
@@ -91,7 +103,8 @@ class Batch:
 
     @classmethod
     def from_histories(cls, tokens, loss_masks, rollout_logps, rewards, group_ids, *,
-                       prompt_lens, prompt_len, length, meta=None, pad_id=0) -> Batch:
+                       prompt_lens, prompt_len, length, meta=None, pad_id=0,
+                       max_len=None) -> Batch:
         """Like `from_rows`, from whole histories (prompt included): row i's first
         prompt_lens[i] tokens are its prompt, the rest its continuation."""
         split = [(list(t[:p]), list(t[p:]), list(m[p:]), list(lp[p:]))
@@ -102,7 +115,8 @@ class Batch:
                                  f"first {p} tokens); prompt tokens are never trained on")
         prompts, continuations, masks, logps = zip(*split) if split else ((),) * 4
         return cls.from_rows(prompts, continuations, masks, logps, rewards, group_ids,
-                             prompt_len=prompt_len, length=length, meta=meta, pad_id=pad_id)
+                             prompt_len=prompt_len, length=length, meta=meta, pad_id=pad_id,
+                             max_len=max_len)
 
     def __len__(self):
         return len(self.tokens_bn)
@@ -114,7 +128,7 @@ class Batch:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """What goes to the device."""
-        return {k: v for k, v in self.columns().items() if k != "meta"}
+        return {k: v for k, v in self.columns().items() if k not in HOST_ONLY}
 
     def check_groups(self, group_size: int) -> None:
         """Groups must be G consecutive rows with one id and one prompt."""
@@ -129,6 +143,7 @@ class Batch:
 
 
 Episodes = Batch  # the former name, for a release
+HOST_ONLY = ("meta", "max_len_b")  # Batch fields that never go to the device
 
 
 def gather(batch: Batch, mesh=None) -> Batch:
@@ -171,11 +186,10 @@ class Collector:
     Each call's Batch is checked, and with many processes gathered (`gather`): each process's
     producer returns its own rows (its block of the prompts), and everything after is on the
     global batch, the same on every process: the same groups kept, the same number of calls,
-    the same metrics. The DAPO overlong penalty is added to the rewards first: each episode's
-    tokens after its prompt (`lengths_b`: model turns and observations) against its cap
-    (`config.overlong_max_len`: rollout.max_len in the closed loop, else
-    dapo.overlong_max_len or sampling.max_new_tokens). With dapo.filter_overlong, truncated
-    episodes (`truncated`) are masked out of the loss.
+    the same metrics. The DAPO overlong penalty is added to the rewards first
+    (`overlong_penalty`): each episode's tokens after its prompt (`lengths_b`: model turns and
+    observations) against its cap. With dapo.filter_overlong, truncated episodes
+    (`truncated`: cut at their own cap) are masked out of the loss.
     """
 
     def __init__(self, config, *, mesh=None):
@@ -243,12 +257,28 @@ def _shaped(episodes, attempt, config, mesh=None):
     episodes = gather(episodes, mesh)
     _check(episodes, c)
     if c.dapo.overlong_buffer:  # the tokens after the prompt against the episode's cap
-        episodes.rewards_b = episodes.rewards_b + np.asarray(losses.overlong_penalty(
-            episodes.lengths_b, max_len=config_lib.overlong_max_len(c),
-            buffer_len=c.dapo.overlong_buffer, penalty_factor=c.dapo.overlong_penalty))
+        episodes.rewards_b = episodes.rewards_b + overlong_penalty(episodes, c)
     _, local = np.unique(episodes.group_ids_b, return_inverse=True)
     episodes.group_ids_b = (attempt * len(episodes) + local).astype(np.int32)
     return episodes
+
+
+def overlong_penalty(episodes: Batch, config) -> np.ndarray:
+    """DAPO's soft overlong penalty of each row (`losses.overlong_penalty`): its tokens after
+    the prompt against its own episode's cap, `max_len_b` where the producer set one, else
+    the config's (`config.overlong_max_len`: rollout.max_len in the closed loop,
+    terminal.max_len in the terminal loop, else dapo.overlong_max_len or
+    sampling.max_new_tokens)."""
+    caps_b = np.full(len(episodes), config_lib.overlong_max_len(config), np.int32)
+    if episodes.max_len_b is not None:
+        caps_b = np.where(episodes.max_len_b > 0, episodes.max_len_b, caps_b)
+    out = np.zeros(len(episodes), np.float32)
+    for cap in np.unique(caps_b):
+        rows = caps_b == cap
+        out[rows] = losses.overlong_penalty(
+            episodes.lengths_b[rows], max_len=int(cap), buffer_len=config.dapo.overlong_buffer,
+            penalty_factor=config.dapo.overlong_penalty)
+    return out
 
 
 def _filtered(episodes, config):

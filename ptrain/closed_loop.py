@@ -12,7 +12,9 @@
             with eval.sample) -> <workdir>/eval.jsonl, rows keyed by (stage, step)
   RL        `learner.train` with the `rollout.Tasks` producer: multi-turn episodes whose tool
             calls run in the sandbox, verdicts from the sandbox pool (`ptrain.rewards`),
-            scoring of batch t overlapped with generating batch t+1 when rl.staleness=1
+            scoring of batch t overlapped with generating batch t+1 when rl.staleness=1;
+            the terminal domain's episodes in docker task containers, rewarded by each
+            task's own tests (`ptrain.terminal_domain`), packed into the same batch
   eval      again, after RL; a reward-curve PNG
 
 Everything lands in the work dir and the job resumes where it stopped: SFT and RL from their
@@ -21,6 +23,7 @@ checkpoints, evaluations that are already in eval.jsonl are not repeated.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -37,11 +40,16 @@ from ptrain import config as config_lib
 from ptrain import jsonl
 from ptrain import learner as learner_lib
 from ptrain import metrics as metrics_lib
+from ptrain import mixed_producer
 from ptrain import model as model_lib
 from ptrain import rollout as rollout_lib
 from ptrain import sharding
 from ptrain import synthetic_tasks
 from ptrain import tasks as tasks_lib
+from ptrain import terminal_domain
+from ptrain import terminal_tasks
+
+TERMINAL = terminal_domain.DOMAIN  # generated terminal tasks in docker (tasks.domains)
 
 
 # ==================================================================================== config
@@ -61,12 +69,18 @@ def check_config(config) -> None:
 
 
 def make_tasks(config, tokenizer, workdir):
-    """(train, heldout): {domain: [Task]} each; written under <workdir>/tasks/, plus the SFT
-    demonstrations of the synthetic source (token ids with their loss masks)."""
+    """(train, heldout): {domain: [Task]} each (the terminal domain's: [terminal_tasks.
+    Generated]); written under <workdir>/tasks/, plus the SFT demonstrations of the synthetic
+    source (token ids with their loss masks)."""
     t = config.tasks
     os.makedirs(os.path.join(workdir, "tasks"), exist_ok=True)
-    train, heldout, demos = {}, {}, []
+    train, heldout, demos, terminal_rows = {}, {}, [], []
     for i, domain in enumerate(t.domains):
+        if domain == TERMINAL:
+            train[domain], heldout[domain], terminal_rows = terminal_domain.make_tasks(
+                config, tokenizer, workdir, train_file=_task_file(workdir, domain, "train"),
+                heldout_file=_task_file(workdir, domain, "heldout"))
+            continue
         if t.source == "synthetic":
             held = synthetic_tasks.generate(domain, t.n_heldout, seed=config.seed,
                                             split="heldout")
@@ -91,12 +105,15 @@ def make_tasks(config, tokenizer, workdir):
         tasks_lib.write_jsonl(train[domain], _task_file(workdir, domain, "train"))
         tasks_lib.write_jsonl(heldout[domain], _task_file(workdir, domain, "heldout"))
     fmt = chat.FORMATS[config.rollout.chat_format]
+    check_format(fmt, tokenizer, {name for domain, found in train.items() if domain != TERMINAL
+                                  for x in found for name in x.tools})
     for domain, found in train.items():  # before anything is generated
         tasks_lib.check_lengths(
-            {x.id: len(rollout_lib.render_prompt(x, tokenizer, fmt)) for x in found},
+            terminal_domain.prompt_lengths(config, tokenizer, found) if domain == TERMINAL
+            else {x.id: len(rollout_lib.render_prompt(x, tokenizer, fmt)) for x in found},
             config.data.max_prompt_len, key="data.max_prompt_len", what=f"{domain} prompt")
-    if demos:
-        rows = [demo_record(task, demo, tokenizer, fmt) for task, demo in demos]
+    rows = [demo_record(task, demo, tokenizer, fmt) for task, demo in demos] + terminal_rows
+    if rows:
         for part, key in (("prompt", "max_prompt_len"), ("completion", "max_completion_len")):
             tasks_lib.check_lengths({f"demonstration {i} ({r['domain']})": len(r[f"{part}_ids"])
                                      for i, r in enumerate(rows)}, config.sft[key],
@@ -106,10 +123,22 @@ def make_tasks(config, tokenizer, workdir):
     return train, heldout
 
 
-def prompt_sources(config, train) -> list:
-    """The RL prompt stream's sources: each domain's training Tasks with its weight (served
-    as they are; tasks/<domain>.train.jsonl holds the same)."""
-    return [(train[d], float(w)) for d, w in zip(config.tasks.domains, config.tasks.weights)]
+def prompt_sources(config, train, workdir) -> list:
+    """The RL prompt stream's sources, each domain with its weight: the training Tasks
+    themselves, served as they are (tasks/<domain>.train.jsonl holds the same); the terminal
+    domain's records ({"task_dir": ...}) from its task file."""
+    return [(_task_file(workdir, d, "train") if d == TERMINAL else train[d], float(w))
+            for d, w in zip(config.tasks.domains, config.tasks.weights)]
+
+
+def check_format(fmt, tokenizer, tools) -> None:
+    """Episodes are appended to, never re-rendered: the chat format must write, token for
+    token, what the tokenizer's own template writes for the same conversation with these
+    tools (`chat.check`), or the model is trained on conversations it never sees."""
+    try:
+        chat.check(fmt, tokenizer, tools=tuple(sorted(tools)))
+    except ValueError as e:
+        raise ValueError(f"rollout.chat_format={fmt.name!r}: {e}") from None
 
 
 def _task_file(workdir, domain, split):
@@ -139,12 +168,14 @@ def demo_record(task, demo, tokenizer, fmt) -> dict:
 # ================================================================================ evaluation
 
 
-def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step):
+def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step,
+             terminal=None):
     """Pass rates on the held-out split, per domain: greedy pass@1, and with eval.sample
     pass@1 and pass@k at the sampling temperature from sampling.num_samples samples per task
     (the unbiased estimator of Chen et al. 2021, `sandbox.terminal.evaluate.pass_at_k`).
     Returns eval.jsonl lines. With many processes each runs and scores its block of the
-    tasks (one sampler call over all of them per turn) and the summary is of all episodes."""
+    tasks (one sampler call over all of them per turn) and the summary is of all episodes.
+    The terminal domain's episodes run in `terminal` (its producer, `terminal_domain`)."""
     lines, mesh = [], getattr(sampler, "mesh", None)
     decodings = [("greedy", dict(greedy=True, num_samples=1))]
     if config.eval.sample:
@@ -153,6 +184,13 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step):
         rc = rollout_lib.rollout_config(config, **change)
         for domain, tasks in heldout.items():
             tasks = tasks[:config.eval.n]
+            line = {"stage": stage, "step": step, "split": "heldout", "domain": domain,
+                    "decoding": decoding}
+            if domain == TERMINAL:
+                lines.append({**line, **terminal_domain.evaluate(
+                    terminal, params, tasks, seed=config.seed, num_samples=rc.num_samples,
+                    greedy=rc.greedy, summarize=eval_summary)})
+                continue
             block, blocks = sharding.row_block(mesh)
             mine = tasks[len(tasks) * block // blocks:len(tasks) * (block + 1) // blocks]
             episodes = rollout_lib.generate(
@@ -166,15 +204,15 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step):
                             for part in sharding.gather_blocks(
                                 [(e.verdicts[-1:], e.finish) for e in episodes], mesh)
                             for v, f in part]
-            lines.append({"stage": stage, "step": step, "split": "heldout", "domain": domain,
-                          "decoding": decoding, **eval_summary(episodes, rc.num_samples)})
+            lines.append({**line, **eval_summary(episodes, rc.num_samples)})
     return lines
 
 
 def eval_summary(episodes, samples: int) -> dict:
     """pass@1 (also `pass_rate`) and pass@k for k = 2, 4, ... up to `samples`, over episodes
     that are task-major (`samples` consecutive episodes per task); how the episodes finished,
-    a turn cut at max_new_tokens counted as truncated."""
+    a turn cut at max_new_tokens counted as truncated (rollout.FINISHES first, then any other
+    way an episode ended, e.g. a terminal episode's time_up)."""
     from sandbox.terminal.evaluate import summarize
     rows = [{"task": f"{i // samples}", "attempt": i % samples, "reward": e.verdicts[-1].reward if e.verdicts else 0.0,
              "passed": bool(e.verdicts and e.verdicts[-1].passed)}
@@ -184,7 +222,8 @@ def eval_summary(episodes, samples: int) -> dict:
     finishes = [e.finish for e in episodes]
     return {"pass_rate": ks["pass@1"], **ks, "n": len(episodes) // samples, "samples": samples,
             "truncated": finishes.count("truncated") / len(finishes),
-            "finish": {f: finishes.count(f) for f in rollout_lib.FINISHES if f in finishes}}
+            "finish": {f: finishes.count(f) for f in dict.fromkeys(
+                (*rollout_lib.FINISHES, *sorted(set(finishes)))) if f in finishes}}
 
 
 def _evaluate_once(path, stage, step, **kwargs):
@@ -226,11 +265,25 @@ def run(config, workdir, *, mesh=None):
     sampler = make_sampler(config, mesh, tokenizer)
     eval_path = os.path.join(workdir, "eval.jsonl")
 
-    box = config.sandbox
-    with fleet.open_pool(box.cluster, workers=box.workers, backend=box.backend,
-                         address=box.address) as pool:
+    box, domains = config.sandbox, config.tasks.domains
+    with contextlib.ExitStack() as stack:
+        # The producers of the domains: ptrain tasks (the sandbox pool's verdicts) and
+        # terminal tasks (docker); records of both mix in one batch by their weights.
+        producers, pool, terminal = {}, None, None
+        if set(domains) - {TERMINAL}:
+            pool = stack.enter_context(fleet.open_pool(
+                box.cluster, workers=box.workers, backend=box.backend, address=box.address))
+            producers["tasks"] = rollout_lib.Tasks(sampler, tokenizer, config, pool)
+        if TERMINAL in domains:
+            if jax.process_count() > 1:
+                raise ValueError("the terminal domain runs on one process; drop it from "
+                                 "tasks.domains for a multi-process run")
+            terminal = producers[TERMINAL] = stack.enter_context(
+                terminal_domain.producer(config, sampler, tokenizer, heldout[TERMINAL]))
+        producer = (next(iter(producers.values())) if len(producers) == 1 else
+                    mixed_producer.MixedProducer(producers, pad_id=rollout_lib.pad_id(tokenizer)))
         ev = dict(sampler=sampler, heldout=heldout, tokenizer=tokenizer, config=config,
-                  pool=pool)
+                  pool=pool, terminal=terminal)
         # -------------------------------------------------------- a brought model's baseline
         if config.hf_model:
             _evaluate_once(eval_path, "base", params=learner_lib.build_model(config, mesh), step=0,
@@ -242,12 +295,9 @@ def run(config, workdir, *, mesh=None):
                                      tokenizer=tokenizer)
             _evaluate_once(eval_path, "sft", params=params, step=config.sft.steps, **ev)
         # -------------------------------------------------------- RL, then its evaluation
-        # The prompt stream serves the training split's Tasks themselves, mixed by weight
-        # (tasks/<domain>.train.jsonl on disk holds the same, for reading).
-        producer = rollout_lib.Tasks(sampler, tokenizer, config, pool)
         params = learner_lib.train(config, workdir, params=params, producer=producer,
                                    mesh=mesh, tokenizer=tokenizer,
-                                   prompt_sources=prompt_sources(config, train))
+                                   prompt_sources=prompt_sources(config, train, workdir))
         _evaluate_once(eval_path, "rl", params=params, step=config.steps, **ev)
     metrics_lib.plot_rewards(workdir, config.tasks.domains)
     return jsonl.read(eval_path)
@@ -285,8 +335,14 @@ def make_sampler(config, mesh, tokenizer):
 
 
 def make_tokenizer(config):
+    """The synthetic source's word tokenizer (the quickstart's; the terminal tasks' for the
+    terminal domain alone; the union of their pieces for both), else config.tokenizer."""
     if config.tasks.source == "synthetic":
-        return synthetic_tasks.WordTokenizer.for_tasks()
+        domains = config.tasks.domains
+        parts = ([synthetic_tasks.WordTokenizer.for_tasks()] if set(domains) - {TERMINAL}
+                 else []) + ([terminal_tasks.tokenizer()] if TERMINAL in domains else [])
+        return parts[0] if len(parts) == 1 else synthetic_tasks.WordTokenizer(
+            [p for tok in parts for p in tok.pieces])
     if not config.tokenizer:
         raise ValueError("tasks.source='jsonl' needs config.tokenizer (a local HF directory)")
     from ptrain import hf

@@ -5,7 +5,7 @@ only what the experiment changes).
   defaults()                  the learner's keys: model, data, sampling, rl, critic, kl, dapo,
                               optim, sft, log, checkpoint
   defaults(closed_loop=True)  plus the closed loop's sections: tasks, rollout, reward,
-                              sandbox, eval
+                              sandbox, eval, terminal
   plan_defaults()             a memory plan's keys (launch/plan.py)
   resolve(config)             the static settings of the device programs (`StepSettings`
                               for the RL, critic and SFT updates), resolved once
@@ -31,7 +31,9 @@ POLICY_LOSSES = ("ppo", "gspo", "cispo")
 SCHEDULES = ("cosine", "constant")
 CHAT_FORMATS = ("plain", "qwen", "llama3")  # rollout.chat_format: ptrain.chat.FORMATS
 TASK_SOURCES = ("synthetic", "jsonl")
-LOOP_SECTIONS = ("tasks", "rollout", "reward", "sandbox", "eval")  # beyond the learner's
+# The closed loop's sections, beyond the learner's.
+LOOP_SECTIONS = ("tasks", "rollout", "reward", "sandbox", "eval", "terminal")
+TERMINAL = "terminal"  # the domain of generated terminal tasks run in docker (tasks.domains)
 
 
 # ================================================================================ defaults
@@ -125,7 +127,7 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         overlong_penalty=1.0,
         # The cap an episode's tokens after its prompt are measured against: 0 means
         # sampling.max_new_tokens (one turn); the closed loop uses rollout.max_len (turns and
-        # observations), the terminal loop terminal.max_len (`overlong_max_len`).
+        # observations; `overlong_max_len`).
         overlong_max_len=0,
         filter_overlong=False,  # True: truncated episodes (cut at a cap) get no loss
         dynamic_sampling=False,  # keep sampling until every group's rewards differ
@@ -150,7 +152,9 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
 def _closed_loop_sections(c):
     c.tasks = dict(
         source="synthetic",  # TASK_SOURCES
-        domains=("code", "arith", "files"),  # synthetic: a subset of synthetic_tasks.DOMAINS
+        # synthetic: a subset of synthetic_tasks.DOMAINS and "terminal" (Harbor tasks in
+        # docker, the `terminal` section)
+        domains=("code", "arith", "files"),
         weights=(1.0, 1.0, 1.0),  # sampling weight of each domain in RL
         n_train=3000, n_heldout=100,  # synthetic: instances per domain
         bug_rate=0.7,  # synthetic: how often a triggered demonstration carries its bug
@@ -169,6 +173,12 @@ def _closed_loop_sections(c):
                      address="local")  # with cluster="ray": "local" or a Ray address
     c.eval = dict(n=100,  # held-out tasks per domain (at most the held-out split)
                   sample=False)  # also pass@1, pass@k at the sampling temperature (num_samples)
+    # The "terminal" domain (ptrain/terminal_domain.py): its episodes take rollout.max_turns,
+    # max_len, max_tool_output_chars and tool_timeout_s; these are the docker harness's.
+    c.terminal = dict(threads=16,  # episodes opened, stepped and verified at once
+                      max_idle=64,  # warm task containers kept
+                      image_map=(),  # ("FROM=LOCAL", ...) for task images not on this machine
+                      system="")  # the agent's system prompt; "": the instruction alone
 
 
 def plan_defaults() -> ml_collections.ConfigDict:
@@ -292,6 +302,9 @@ def _check_values(config):
         (rl.staleness == 0 or not config.dapo.dynamic_sampling,
          "dynamic sampling needs the rewards before the next batch is drawn: set "
          "rl.staleness=0 or dapo.dynamic_sampling=False"),
+        (not (rl.router_replay and s.engine),
+         "rl.router_replay needs the sampler's recorded routing, which the rollout engine does "
+         "not record yet: set sampling.engine=False"),
     ]
     _raise_first(checks)
     _check_mesh_sizes(config, _fixed_mesh(config.mesh))
@@ -312,8 +325,18 @@ def _check_loop_values(config):
     _raise_first([
         (t.source in TASK_SOURCES, "tasks.source must be 'synthetic' or 'jsonl'"),
         (len(t.weights) == len(t.domains), "tasks.weights needs one weight per domain"),
-        (t.source != "synthetic" or set(t.domains) <= set(synthetic_tasks.DOMAINS),
-         f"synthetic domains are {synthetic_tasks.DOMAINS}"),
+        (t.source != "synthetic" or set(t.domains) <= {*synthetic_tasks.DOMAINS, TERMINAL},
+         f"synthetic domains are {(*synthetic_tasks.DOMAINS, TERMINAL)}"),
+        (len(set(t.domains)) == len(t.domains), f"tasks.domains {t.domains} repeats a domain"),
+        (TERMINAL not in t.domains or t.source == "synthetic",
+         "the terminal domain generates its tasks: set tasks.source='synthetic'"),
+        (TERMINAL not in t.domains or config.rl.staleness == 0,
+         "the terminal domain needs rl.staleness=0: two batches of open task containers at "
+         "once would double the containers"),
+        (TERMINAL not in t.domains or config.rollout.max_attempts == 1,
+         "the terminal domain has no self-correction: set rollout.max_attempts=1"),
+        (config.terminal.threads >= 1 and config.terminal.max_idle >= 0,
+         "terminal.threads must be >= 1 and terminal.max_idle >= 0"),
         (t.source != "jsonl" or len(t.train) == len(t.heldout) == len(t.domains),
          "tasks.train and tasks.heldout need one task file per domain"),
         (config.rollout.chat_format in CHAT_FORMATS,

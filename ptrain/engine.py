@@ -12,12 +12,12 @@ device, and when one finishes the host takes its tokens and gives the slot to th
 waiting request at once, without waiting for the others. Decoding runs on a bucket of the
 live rows only (powers of two up to `slots`), so a long tail decodes one row, not N.
 
-Multi-turn: `on_turn(traj)` is called after each model turn, in a thread (a tool call can
-take as long as it likes); it returns the observation's token ids, or None to end the
-sequence. The observation is appended to the sequence's own cache (a prefill of just those
-tokens, never of the history) and the sequence decodes its next turn. While one sequence
-waits on its tool, the others decode; the time the device had nothing to do but wait on
-tools is reported.
+Multi-turn: `on_turn(traj)` is called after each model turn (also one that filled the
+sequence), in a thread (a tool call can take as long as it likes); it returns the
+observation's token ids, or None to end the sequence. The observation is appended to the
+sequence's own cache (a prefill of just those tokens, never of the history) and the
+sequence decodes its next turn. While one sequence waits on its tool, the others decode;
+the time the device had nothing to do but wait on tools is reported.
 
 Stop strings are checked on the host every `stop_check_every` tokens, on the text of the
 tokens since the last check (and a few before), never the whole completion; a sequence that
@@ -44,7 +44,6 @@ from flax import nnx
 
 from ptrain import kv_slots
 from ptrain import model as model_lib
-from ptrain import sampler as sampler_lib
 from ptrain import sharding
 
 FINISH = {kv_slots.STOP: "stop", kv_slots.LENGTH: "length"}  # and "max_len": the cache is full
@@ -60,6 +59,7 @@ class Request:
     num_samples: int = 1
     max_new_tokens: int | None = None  # per turn; None: the engine's
     on_turn: Callable | None = None  # (Trajectory) -> observation ids | None (end)
+    max_len: int | None = None  # the most tokens the sequence may hold; None: the engine's
 
 
 @dataclasses.dataclass
@@ -307,9 +307,13 @@ class _Run:
                 raise ValueError(f"Engine: request {i} has an empty prompt")
             if min(prompt) < 0 or max(prompt) >= engine.config.vocab_size:
                 raise ValueError(f"Engine: request {i} has token ids outside [0, vocab_size)")
-            if len(prompt) >= engine.max_len or len(prompt) > engine.token_buckets[-1]:
+            cap = req.max_len or engine.max_len
+            if cap > engine.max_len:
+                raise ValueError(f"Engine: request {i}'s max_len={cap} exceeds the engine's "
+                                 f"max_len={engine.max_len}")
+            if len(prompt) >= cap or len(prompt) > engine.token_buckets[-1]:
                 raise ValueError(f"Engine: request {i}'s prompt ({len(prompt)} tokens) leaves no "
-                                 f"room in max_len={engine.max_len}")
+                                 f"room in max_len={cap}")
             if not 1 <= req.num_samples <= engine.slots:
                 raise ValueError(f"Engine: num_samples must be in [1, slots={engine.slots}]")
             key = _key_data(req.key)
@@ -384,7 +388,10 @@ class _Run:
 
     def _limit(self, req, length):
         turn = req.max_new_tokens or self.e.max_new_tokens
-        return max(0, min(turn, self.e.max_new_tokens, self.e.max_len - length))
+        return max(0, min(turn, self.e.max_new_tokens, self._max_len(req) - length))
+
+    def _max_len(self, req):
+        return req.max_len or self.e.max_len
 
     # -- decoding: the live rows, in the smallest bucket that holds them
     def _decode_round(self):
@@ -443,10 +450,10 @@ class _Run:
             traj.logp += logp[row, :n].tolist()
             traj.logp_t1 += logp_t1[row, :n].tolist()
             traj.turns.append(tokens[row, :n].tolist())
-            if why == "length" and len(traj.tokens) >= e.max_len:
+            if why == "length" and len(traj.tokens) >= self._max_len(req):
                 why = "max_len"
             traj.finish_reasons.append(why)
-            if req.on_turn is None or len(traj.tokens) >= e.max_len:
+            if req.on_turn is None:
                 self._release(traj)
             else:
                 future = e.threads.submit(req.on_turn, traj)
@@ -476,15 +483,17 @@ class _Run:
             ids = [int(t) for t in ids]
             if not ids:
                 raise ValueError("Engine: on_turn returned no tokens; return None to end")
-            room = self.e.max_len - len(traj.tokens)
+            room = self._max_len(req) - len(traj.tokens)
             if len(ids) + 1 > room or len(ids) > self.e.token_buckets[-1]:
-                # no room for the model to answer after it: recorded, not run
+                # no room for the model to answer after it: recorded (as far as it fits),
+                # not run
                 ids = ids[:max(0, room)]
                 traj.tokens += ids
                 traj.mask += [0] * len(ids)
                 traj.logp += [0.0] * len(ids)
                 traj.logp_t1 += [0.0] * len(ids)
-                traj.finish_reasons.append("max_len")
+                if traj.finish_reasons[-1] != "max_len":
+                    traj.finish_reasons.append("max_len")
                 self._release(traj)
                 continue
             self.ready.append((row, traj, req, ids))
@@ -524,70 +533,3 @@ def _stop_string_end(decode, ids, checked, stop_strings, lookback: int = 8):
         if any(s in decode(ids[lo:n]) for s in stop_strings):
             return n
     return len(ids)
-
-
-class EngineSampler:
-    """`sampler.Sampler.sample`'s interface on the engine (`sampling.engine=True` in a
-    config): prompts in, `sampler.Samples` out, so the producers run either. One engine per
-    decoding settings and shape (each compiles once, on first use). Request i of a call
-    draws from fold_in(key, i): greedy outputs equal the static sampler's, sampled ones come
-    from other (per-request) randomness. top-k / top-p are not supported yet (the engine
-    records the log-prob at the sampling temperature only without them), nor is recording
-    an MoE model's routing (`Samples.experts` stays None)."""
-
-    def __init__(self, model: model_lib.Transformer, *, slots: int = 32, seed: int = 0,
-                 pad_id: int = 0, decode: Callable | None = None, stop_check_every: int = 16):
-        self.model, self.slots, self.pad_id = model, int(slots), int(pad_id)
-        self.decode, self.stop_check_every = decode, int(stop_check_every)
-        self.key = jax.random.key(seed)
-        self.engines = {}
-
-    def sample(self, params, prompts, *, max_new_tokens: int, num_samples: int = 1,
-               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-               greedy: bool = False, stop_token_ids=(), stop_strings=(), key=None,
-               prompt_len: int | None = None, batch_size: int | None = None,
-               record_routing: bool | None = None, shared: bool = False):
-        del batch_size  # the engine's rows are its slots
-        if shared or jax.process_count() > 1:
-            raise ValueError("sampling.engine runs on one process only; set "
-                             "sampling.engine=False for a multi-process run")
-        if record_routing:
-            raise ValueError("sampling.engine: the engine does not record MoE routing yet; "
-                             "set sampling.engine=False for router replay")
-        if top_k or top_p < 1.0:
-            raise ValueError("sampling.engine: top_k / top_p are not supported by the engine "
-                             "yet; set sampling.engine=False or top_k=0, top_p=1.0")
-        if key is None:
-            self.key, key = jax.random.split(self.key)
-        longest = max(len(p) for p in prompts)
-        prompt_len = prompt_len or max(8, 1 << (longest - 1).bit_length())
-        if longest > prompt_len:
-            raise ValueError(f"sampling.engine: a prompt has {longest} tokens, more than "
-                             f"prompt_len={prompt_len}")
-        settings = (prompt_len, int(max_new_tokens), max(self.slots, num_samples),
-                    float(temperature), bool(greedy), tuple(stop_token_ids), tuple(stop_strings))
-        if settings not in self.engines:
-            self.engines[settings] = Engine(
-                self.model, slots=settings[2], max_len=prompt_len + max_new_tokens,
-                max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
-                stop_token_ids=stop_token_ids, stop_strings=stop_strings, decode=self.decode,
-                stop_check_every=self.stop_check_every, pad_id=self.pad_id,
-                token_buckets=(prompt_len,))
-        trajs = self.engines[settings].generate(params, [
-            Request(p, key=jax.random.fold_in(key, i), num_samples=num_samples)
-            for i, p in enumerate(prompts)])
-        n = len(trajs)
-        tokens = np.full((n, max_new_tokens), self.pad_id, np.int32)
-        logp, logp_t1 = (np.zeros((n, max_new_tokens), np.float32) for _ in range(2))
-        for r, t in enumerate(trajs):
-            k = len(t.turns[0])
-            tokens[r, :k] = t.turns[0]
-            logp[r, :k], logp_t1[r, :k] = t.logp[t.prompt_len:], t.logp_t1[t.prompt_len:]
-        # Without top-k / top-p the sampled-from distribution is logits / temperature; greedy
-        # rows have no temperature (as the static sampler's).
-        return sampler_lib.Samples(
-            tokens=tokens, logp=logp, logp_temp=logp_t1.copy() if greedy else logp.copy(),
-            logp_t1=logp_t1, lengths=np.array([len(t.turns[0]) for t in trajs], np.int32),
-            finish_reasons=["length" if t.finish_reasons[0] == "max_len" else
-                            t.finish_reasons[0] for t in trajs],
-            prompt_index=np.array([t.request for t in trajs], np.int32))

@@ -9,8 +9,10 @@ records {"task_dir": ...} next to ptrain task records, each source with its doma
 `generate` hands each producer its records (in the order given) and `score` packs what they
 return into one `batch.Batch`: rows padded to the widest continuation, group ids made
 unique (each producer numbers its groups from 0), the meta (with each row's domain, for the
-per-domain metrics) and the recorded MoE routing (`routing.concat`) kept. GRPO groups stay
-whole: a producer returns its records' groups as consecutive rows.
+per-domain metrics), the recorded MoE routing (`routing.concat`) and each row's cap
+(`Batch.max_len_b`: the DAPO overlong penalty measures a terminal episode against
+terminal.max_len and a task's against rollout.max_len) kept. GRPO groups stay whole: a
+producer returns its records' groups as consecutive rows.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from ptrain import routing
 
 
 def by_task_dir(record) -> str:
-    """"terminal" for a terminal task record ({"task_dir": ...}), else "tasks"."""
-    return "terminal" if "task_dir" in record else "tasks"
+    """"terminal" for a terminal task record ({"task_dir": ...}), else "tasks" (a
+    `ptrain.tasks.Task`, or its record)."""
+    return "terminal" if isinstance(record, dict) and "task_dir" in record else "tasks"
 
 
 class MixedProducer:
@@ -65,6 +68,7 @@ def concat(parts, *, pad_id: int = 0) -> batch_lib.Batch:
         _, dense = np.unique(ids, return_inverse=True)  # 0..k-1 in order of id
         group_ids.append(dense + offset)
         offset += int(dense.max()) + 1 if len(dense) else 0
+    capped = any(e.max_len_b is not None for e in parts)  # 0 in a row: the config's cap
     return batch_lib.Batch(
         prompt_bp=np.concatenate([e.prompt_bp for e in parts]),
         prompt_lens_b=np.concatenate([e.prompt_lens_b for e in parts]),
@@ -75,4 +79,6 @@ def concat(parts, *, pad_id: int = 0) -> batch_lib.Batch:
         rewards_b=np.concatenate([e.rewards_b for e in parts]),
         group_ids_b=np.concatenate(group_ids).astype(np.int32),
         meta=[m for e in parts for m in (e.meta or [{} for _ in range(len(e))])],
+        max_len_b=np.concatenate([np.zeros(len(e), np.int32) if e.max_len_b is None
+                                  else e.max_len_b for e in parts]) if capped else None,
         **routing.concat(parts, n))

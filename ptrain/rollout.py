@@ -44,22 +44,21 @@ import numpy as np
 
 import sandbox
 from sandbox import fleet
-from sandbox import tools as sandbox_tools
 
 from ptrain import chat
 from ptrain import data as data_lib
-from ptrain import engine as engine_lib
+from ptrain import engine_sampler
 from ptrain import rewards as rewards_lib
 from ptrain import routing as routing_lib
 from ptrain import sharding
 from ptrain import tasks as tasks_lib
+from ptrain import turns
 from ptrain.batch import Batch
 from ptrain.sampler import Sampler
 from ptrain.tasks import Files, Task
 
 ATTEMPT_REWARDS = ("final", "first", "mean", "discounted")
 FINISHES = ("answered", "truncated", "max_turns", "max_len")  # Episode.finish
-PLAIN_CALL_END = "</tool_call>"  # where a plain-format turn that calls a tool ends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,19 +146,6 @@ def render_prompt(task: Task, tokenizer, fmt: chat.ChatFormat = chat.PLAIN) -> l
                               tools=task.tools)
 
 
-def turn_stops(fmt: chat.ChatFormat, tokenizer, stop_token_ids=(), *, tools=False):
-    """(stop ids, stop strings) of a model turn: the configured ids and the format's end-of-turn
-    tokens; in the plain format, with tools, also the end of a tool call (an id when it is one
-    token, else a stop string)."""
-    ids = tuple(dict.fromkeys((*map(int, stop_token_ids), *(
-        chat.end_of_turn_ids(fmt, tokenizer) if fmt.end_of_turn else ()))))
-    if not tools or fmt.end_of_turn:
-        return ids, ()
-    end = chat.encode(tokenizer, PLAIN_CALL_END)
-    return (tuple(dict.fromkeys(ids + tuple(end))), ()) if len(end) == 1 else (ids,
-                                                                              (PLAIN_CALL_END,))
-
-
 # ----------------------------------------------------------------------------- episodes
 
 def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
@@ -178,6 +164,10 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
     every model turn is one sampler call over the episodes of all processes, in process
     order (`_sample`), so turn counts, shapes and stops are the same everywhere and equal
     what one process holding every task would sample.
+
+    With an EngineSampler (sampling.engine=True, one process) the episodes run on the rollout
+    engine instead, each in its own slot across turns and attempts, its observations
+    prefilled alone (`engine_sampler.run_episodes`).
     """
     c = config
     verify_now = c.max_attempts > 1 if verify_now is None else verify_now
@@ -195,6 +185,17 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
         if episode.task.tools or _needs_session(episode.task):
             episode.session = make_session(backend=c.session_backend,
                                            files=dict(episode.task.files) or None)
+    if isinstance(sampler, engine_sampler.EngineSampler):  # episodes keep their slots
+        try:
+            engine_sampler.run_episodes(sampler, params, episodes, prompts, key, tokenizer,
+                                        fmt, c, pool=pool, reward_config=reward_config,
+                                        verify_now=verify_now)
+        except BaseException:
+            close(episodes)
+            raise
+        if verify_now:
+            close(episodes)
+        return episodes
     keys = iter(jax.random.split(key, c.max_attempts * c.max_turns))
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as threads:
         try:
@@ -206,7 +207,7 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
                     break
                 if attempt > 0:
                     for e in active:
-                        _append(e, tokenizer, chat.feedback(fmt, e.verdicts[-1].feedback,
+                        turns.append(e, tokenizer, chat.feedback(fmt, e.verdicts[-1].feedback,
                                                             closed=e.closed), c)
                     active = [e for e in active if e.finish != "max_len"]
                 _run_attempt(sampler, params, active, keys, tokenizer, fmt, c, threads,
@@ -252,11 +253,10 @@ def _needs_session(task: Task) -> bool:
 def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *, first,
                  prompts):
     """Model turns until each episode answers (a turn without a tool call) or hits a cap."""
-    stop_ids, stop_strings = turn_stops(
+    stop_ids, stop_strings = turns.turn_stops(
         fmt, tokenizer, c.stop_token_ids,
         tools=sharding.agree(any(e.task.tools for e in episodes), "any"))
-    end_of_turn = set(chat.end_of_turn_ids(fmt, tokenizer)) if fmt.end_of_turn else set()
-    strip = turn_stops(fmt, tokenizer, c.stop_token_ids)[0]  # not a plain call's end tag
+    text = turns.TurnText.of(tokenizer, fmt, c)
     active = list(episodes)
     for turn in range(c.max_turns):
         if not sharding.agree(bool(active), "any"):  # none left on any process
@@ -271,70 +271,23 @@ def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *,
         calls = []
         for row, e in enumerate(active):
             n = int(samples.lengths[row])
-            new = samples.tokens[row, :n].tolist()
             room = c.max_len - (len(e.tokens) - e.prompt_len)
-            truncated = n > room
-            new = new[:room]
+            new = samples.tokens[row, :min(n, room)].tolist()
             routing_lib.record(e.routing, samples, row, len(e.tokens), len(new))
-            e.tokens += new
-            e.mask += [1] * len(new)
-            e.logp += samples.logp_temp[row, :len(new)].tolist()
-            e.turns += 1
-            e.closed = bool(new) and new[-1] in end_of_turn
-            if truncated:
-                e.finish = "max_len"
-                e.answers.append(chat.verifier_text(tokenizer, new, strip))
-                continue
-            found = (chat.parse_tool_calls(fmt, chat.turn_text(tokenizer, new, strip))
-                     if e.task.tools else [])
+            found = turns.take_turn(e, new, samples.logp_temp[row, :len(new)].tolist(), text,
+                                    cut=n > room,
+                                    hit_length=samples.finish_reasons[row] == "length")
             if found:
                 calls.append((e, found))
-            else:
-                e.finish = "truncated" if samples.finish_reasons[row] == "length" else "answered"
-                e.answers.append(chat.verifier_text(tokenizer, new, strip))
         # Run this turn's tool calls (episodes concurrently, an episode's calls in order),
-        # then append their outputs as one observation each.
-        outputs = threads.map(lambda ec: [_call(ec[0], call, c) for call in ec[1]], calls)
-        still = []
-        for (e, _), output in zip(calls, outputs):
-            _append(e, tokenizer, chat.observation(fmt, output, closed=e.closed), c)
-            if e.finish == "max_len":
-                e.answers.append("")  # out of room before answering
-            else:
-                still.append(e)
-        active = still
+        # each episode's outputs appended as one observation.
+        outputs = threads.map(lambda ec: [turns.call_tool(ec[0], call, c) for call in ec[1]],
+                              calls)
+        active = [e for (e, _), out in zip(calls, outputs)
+                  if turns.observe(e, out, tokenizer, fmt, c)]
     for e in active:  # out of turns without a final answer
         e.finish = "max_turns"
         e.answers.append("")
-
-
-def _call(e: Episode, call, c: RolloutConfig) -> str:
-    e.tool_calls += 1
-    if isinstance(call, str):
-        e.tool_errors += 1
-        return call
-    if call.name not in e.task.tools:
-        e.tool_errors += 1
-        allowed = ", ".join(e.task.tools)
-        return f"Error: tool {call.name!r} is not available here; use one of: {allowed}."
-    output = sandbox_tools.call_tool(e.session, call.name, call.arguments,
-                                     timeout_s=c.tool_timeout_s,
-                                     max_output_chars=c.max_tool_output_chars)
-    if output.startswith("Error:"):
-        e.tool_errors += 1
-    return output
-
-
-def _append(e: Episode, tokenizer, text: str, c: RolloutConfig) -> None:
-    """Appends rendered observation / feedback tokens (not trained on)."""
-    ids = chat.encode(tokenizer, text)
-    room = c.max_len - (len(e.tokens) - e.prompt_len)
-    if len(ids) + 1 > room:  # no room left for the model to respond
-        e.finish = "max_len"
-        ids = ids[:room]
-    e.tokens += ids
-    e.mask += [0] * len(ids)
-    e.logp += [0.0] * len(ids)
 
 
 def verify_episodes(episodes: Sequence[Episode], *, pool=None,
@@ -359,11 +312,12 @@ def close(episodes: Sequence[Episode]) -> None:
 
 
 def to_batch(episodes: Sequence[Episode], config: RolloutConfig, *, prompt_len: int,
-             length: int, tokenizer=None, pad_id: int = 0) -> Batch:
+             length: int, tokenizer=None, pad_id: int = 0, max_len=None) -> Batch:
     """The episodes as a `batch.Batch`: each history split at its prompt, its reward (from
     its verdicts, `Episode.reward`) in `rewards_b`, the last verdict's passed, feedback and
     error type in its row's meta (with a tokenizer, also the prompt and completion texts);
-    a MoE's recorded routing (`ptrain.routing.pack`)."""
+    a MoE's recorded routing (`ptrain.routing.pack`); `max_len`: the episodes' cap
+    (`Batch.max_len_b`)."""
     meta = []
     for e in episodes:
         last = e.verdicts[-1] if e.verdicts else None
@@ -381,7 +335,7 @@ def to_batch(episodes: Sequence[Episode], config: RolloutConfig, *, prompt_len: 
         [e.tokens for e in episodes], [e.mask for e in episodes], [e.logp for e in episodes],
         [e.reward(config) for e in episodes], [e.group_id for e in episodes],
         prompt_lens=[e.prompt_len for e in episodes], prompt_len=prompt_len, length=length,
-        meta=meta, pad_id=pad_id)
+        meta=meta, pad_id=pad_id, max_len=max_len)
     routing_lib.pack(batch, [(e.routing, len(e.tokens), e.prompt_len) for e in episodes])
     return batch
 
@@ -405,7 +359,7 @@ def make_sampler(model, config, tokenizer=None):
                   decode=tokenizer.decode if tokenizer is not None else None,
                   stop_check_every=config.sampling.stop_check_every)
     if config.sampling.engine:
-        return engine_lib.EngineSampler(model, slots=config.sampling.engine_slots, **common)
+        return engine_sampler.EngineSampler(model, slots=config.sampling.engine_slots, **common)
     return Sampler(model, **common)
 
 
@@ -519,7 +473,8 @@ class Tasks:
     def score(self, episodes) -> Batch:
         verify_episodes(episodes, pool=self.pool, config=self.reward_config)
         return to_batch(episodes, self.rollout_config, prompt_len=self.prompt_len,
-                        length=self.length, tokenizer=self.tokenizer, pad_id=self.pad_id)
+                        length=self.length, tokenizer=self.tokenizer, pad_id=self.pad_id,
+                        max_len=self.length)
 
 
 def rollout_config(config, **changes) -> RolloutConfig:

@@ -216,13 +216,16 @@ class TerminalProducer:
         score(rollouts, self.pool)
         rows = to_rows(rollouts, self.tokenizer)
         return batch_lib.Batch.from_histories(
-            **rows, prompt_len=self.prompt_len, length=self.config.max_len, pad_id=self.pad_id)
+            **rows, prompt_len=self.prompt_len, length=self.config.max_len, pad_id=self.pad_id,
+            max_len=self.config.max_len)
 
-    def evaluate(self, params, task_dirs, key) -> list[Rollout]:
-        """Greedy, one episode per task: the held-out pass rate is mean(passed(r))."""
-        greedy = dataclasses.replace(self.config, num_samples=1, greedy=True)
+    def evaluate(self, params, task_dirs, key, *,
+                 config: TerminalRolloutConfig | None = None) -> list[Rollout]:
+        """`config.num_samples` scored episodes per task (task-major); by default greedy,
+        one per task: the held-out pass rate is mean(passed(r))."""
+        config = config or dataclasses.replace(self.config, num_samples=1, greedy=True)
         rollouts = self.generate(params, [{"task_dir": d} for d in task_dirs], key,
-                                 config=greedy)
+                                 config=config)
         score(rollouts, self.pool)
         return rollouts
 

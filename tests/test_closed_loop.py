@@ -274,6 +274,24 @@ def test_derive_config_counts_added_tokens_and_stops_where_a_chat_turn_ends(hf_d
         closed_loop.derive_config(c, str(tmp_path), tok)
 
 
+def test_a_chat_format_its_template_does_not_write_is_refused_when_tasks_load(hf_dir, tmp_path):
+    """The format appends turns the way the tokenizer's template writes them (`chat.check`,
+    with the tasks' tools): the real Qwen2.5 template passes; one that ends a turn without
+    its newline is refused before anything runs, naming rollout.chat_format."""
+    from ptrain import hf
+    tok = hf.load_tokenizer(hf_dir("qwen2.5-base"))
+    c = _jsonl_config(tmp_path, _task_file(tmp_path / "t.jsonl", ["code: 1 plus 1"]),
+                      _task_file(tmp_path / "h.jsonl", ["code: 2 plus 2"]),
+                      **{"rollout.chat_format": "qwen", "data.max_prompt_len": 512})
+    c.tasks.tools = ("python",)
+    closed_loop.make_tasks(c, tok, str(tmp_path / "w"))
+    assert "'<|im_end|>' + '\\n'" in tok.chat_template
+    tok.chat_template = tok.chat_template.replace("'<|im_end|>' + '\\n'", "'<|im_end|>'")
+    with pytest.raises(ValueError, match=r"rollout.chat_format='qwen': .* does not match this "
+                                         r"tokenizer's chat template"):
+        closed_loop.make_tasks(c, tok, str(tmp_path / "w"))
+
+
 def test_eval_summary_pass_at_k_and_truncated_turns():
     from types import SimpleNamespace
 

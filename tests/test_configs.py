@@ -1,8 +1,7 @@
 """Every file in configs/ builds: get_config() returns a locked ConfigDict that its consumer
 accepts (`ptrain.plan.check_config` for PLAN_CONFIGS, `ptrain.closed_loop.check_config` for
-configs with tasks, `ptrain.terminal_loop.check_config` for those with a terminal section,
-`ptrain.learner.check_config` for the rest), and a bad override fails with a message that
-names it."""
+configs with tasks, `ptrain.learner.check_config` for the rest), and a bad override fails with
+a message that names it."""
 
 import importlib
 import pathlib
@@ -17,7 +16,6 @@ from ptrain import closed_loop
 from ptrain import config as config_lib
 from ptrain import learner
 from ptrain import plan
-from ptrain import terminal_loop
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if p.stem != "__init__")
@@ -38,8 +36,6 @@ def test_config_builds(name):
         plan.check_config(config)
     elif "tasks" in config:
         closed_loop.check_config(config)
-    elif "terminal" in config:
-        terminal_loop.check_config(config)
     else:
         learner.check_config(config)
 
@@ -75,8 +71,6 @@ def test_config_sets_only_keys_that_exist(name):
     config = module.get_config()
     if name in PLAN_CONFIGS:
         ref = config_lib.plan_defaults()
-    elif "terminal" in config:
-        ref = terminal_loop.defaults()
     else:
         ref = config_lib.defaults(closed_loop="tasks" in config)
     missing, unknown = config_lib.key_diff(ref, config)

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from ptrain import engine as E
+from ptrain import engine_sampler
 from ptrain import kv_slots
 from ptrain import model as M
 from ptrain import sampler as S
@@ -298,7 +299,7 @@ def test_engine_sampler_equals_the_static_sampler_greedily(model, stop):
     config = config_lib.defaults()
     config.sampling.engine, config.sampling.engine_slots = True, 2
     sampler = rollout.make_sampler(model, config)
-    assert isinstance(sampler, E.EngineSampler)
+    assert isinstance(sampler, engine_sampler.EngineSampler)
     kw = dict(max_new_tokens=12, num_samples=2, greedy=True, stop_token_ids=(stop,),
               prompt_len=16)
     got = sampler.sample(model, PROMPTS[:4], **kw)
@@ -332,7 +333,8 @@ def test_single_turn_producer_runs_on_the_engine(model):
     records = [{"prompt_ids": p} for p in PROMPTS[:3]]
     generated = producer.generate(model, records, jax.random.key(0))
     samples = generated[2]
-    assert isinstance(producer.sampler, E.EngineSampler) and samples.tokens.shape == (6, 5)
+    assert isinstance(producer.sampler, engine_sampler.EngineSampler)
+    assert samples.tokens.shape == (6, 5)
     batch = producer.score(generated)
     np.testing.assert_array_equal(batch.rewards_b, [5.0] * 6)
     np.testing.assert_allclose(batch.rollout_logp_bn, samples.logp_temp, atol=1e-6)

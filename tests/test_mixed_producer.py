@@ -67,3 +67,65 @@ def test_a_batch_of_one_kind_and_an_unknown_route():
         [[1]], [[2]], [[1]], [[0.0]], [0.0], [0], prompt_len=8, length=4)
     with pytest.raises(ValueError, match="prompt_len"):
         mixed_producer.concat([term.score([{"i": 0}]), wide.score(None)])
+
+
+def _dapo_overlong(length, *, max_len, buffer, factor=1.0):
+    """R_length of the DAPO paper (arXiv 2503.14476, eq. 13), times the penalty factor."""
+    if length <= max_len - buffer:
+        return 0.0
+    return factor * ((max_len - buffer) - length) / buffer if length <= max_len else -factor
+
+
+def test_each_producers_cap_counts_for_its_own_episodes():
+    """A batch mixed from `rollout.Tasks` (episodes capped at rollout.max_len = 72) and a
+    terminal-style producer (terminal.max_len = 96): the DAPO overlong penalty measures each
+    row against its own producer's cap (one cap for all would punish the 64-token task
+    episode against 96 not at all, and refuse the 88-token terminal one against 72), and
+    dapo.filter_overlong masks the rows cut at their own cap."""
+    from ptrain import closed_loop, rewards, rollout, tasks
+    from ptrain.synthetic_tasks import WordTokenizer
+    config = closed_loop.defaults()
+    config.update_from_flattened_dict({
+        "data.prompts_per_step": 2, "sampling.num_samples": 2, "sampling.max_new_tokens": 16,
+        "rollout.max_len": 72, "dapo.overlong_buffer": 16, "dapo.filter_overlong": True,
+        "data.max_prompt_len": 4})
+    closed_loop.check_config(config)
+    task = tasks.Task("t", "arith", tasks.Answer("42", numeric=True), prompt="arith: 6 * 7")
+    episodes = []
+    for n, finish in ((72, "max_len"), (64, "answered")):
+        e = rollout.Episode(task=task, group_id=0, tokens=[1, 2, 3] + [5] * n,
+                            mask=[0] * 3 + [1] * n, logp=[0.0] * (3 + n), prompt_len=3,
+                            answers=["answer: 42"], finish=finish)
+        e.verdicts.append(rewards.verify(task, e.answers[0]))
+        episodes.append(e)
+    task_rows = rollout.Tasks(None, WordTokenizer.for_tasks(), config, None).score(episodes)
+    assert task_rows.max_len_b.tolist() == [72, 72]
+    terminal_rows = learner.Episodes.from_rows(
+        [[1, 2]] * 2, [[7] * 96, [7] * 88], [[1] * 96, [1] * 88], [[0.0] * 96, [0.0] * 88],
+        [0.0, 0.0], [0, 0], prompt_len=4, length=96, max_len=96,
+        meta=[{"domain": "terminal", "finish": "max_len"}, {"domain": "terminal",
+                                                             "finish": "answered"}])
+    mixed = mixed_producer.concat([terminal_rows, task_rows])
+    assert mixed.max_len_b.tolist() == [96, 96, 72, 72] and mixed.tokens_bn.shape == (4, 96)
+    before = mixed.loss_mask_bn.copy()
+    collector = batch_lib.Collector(config)  # the learner's collection of one producer call
+    collector.add(mixed)
+    out, metrics = collector.result()
+    expected = [r + _dapo_overlong(n, max_len=cap, buffer=16) for r, n, cap in
+                zip([0.0, 0.0, 1.0, 1.0], [96, 88, 72, 64], [96, 96, 72, 72])]
+    assert expected == [-1.0, -0.5, 0.0, 0.5]
+    np.testing.assert_allclose(out.rewards_b, expected, rtol=1e-6)
+    np.testing.assert_array_equal(out.loss_mask_bn, before * np.array([[0], [1], [0], [1]]))
+    assert metrics["dapo/filtered_overlong"] == 0.5
+    assert "max_len_b" not in out.arrays()  # host-only, as meta
+
+    # A producer that sets no cap: its rows are measured against the config's (72).
+    plain = learner.Episodes.from_rows([[1, 2]] * 2, [[7] * 64] * 2, [[1] * 64] * 2,
+                                       [[0.0] * 64] * 2, [0.0, 0.0], [0, 0], prompt_len=4,
+                                       length=64)
+    mixed = mixed_producer.concat([plain, terminal_rows])
+    assert mixed.max_len_b.tolist() == [0, 0, 96, 96]
+    np.testing.assert_allclose(batch_lib.overlong_penalty(mixed, config), [-0.5, -0.5, -1, -0.5])
+    with pytest.raises(ValueError, match="more than its cap max_len=8"):
+        learner.Episodes.from_rows([[1]], [[2] * 9], [[1] * 9], [[0.0] * 9], [0.0], [0],
+                                   prompt_len=4, length=16, max_len=8)

@@ -344,6 +344,30 @@ def test_limits_come_from_task_toml_and_the_network_is_off(harness, hello):
             assert devices == ["lo"]
 
 
+def test_storage_mb_bounds_what_the_agent_writes(harness, tmp_path):
+    """task.toml's storage_mb: docker's size quota where the storage driver has one, else a
+    tmpfs work dir of that size holding the image's files; writing past it fails, and the
+    next episode finds the image's files again."""
+    from tests.test_terminal_load import HARBOR_TOML
+    task = terminal.load_task(harbor_task(
+        tmp_path / "disk", **{"task.toml": HARBOR_TOML + "storage_mb = 8\n",
+                              "environment/Dockerfile": "FROM ptrain-term-base:latest\n"
+                              "WORKDIR /app\nRUN echo kept > /app/seed.txt\n"}))
+    assert task.storage_mb == 8
+    with harness.episode(task) as ep:
+        if ep.container.storage is None:
+            pytest.skip("docker's storage driver has no quota here and the image no WORKDIR")
+        assert ep.run("cat seed.txt").output == "kept\n"
+        assert ep.run("head -c 4M /dev/zero > small && echo ok").output == "ok\n"
+        r = ep.run("head -c 16M /dev/zero > big")
+        assert r.exit_code != 0 and "No space left on device" in r.output, r.output
+        assert ep.run("rm big && printf '#!/bin/sh\\necho ran\\n' > x.sh && chmod +x x.sh && "
+                      "./x.sh").output == "ran\n"  # the bounded work dir is not noexec
+    with harness.episode(task) as ep:  # a reused container: the image's files, nothing else
+        assert ep.run("ls -A").output == "seed.txt\n"
+        assert ep.run("cat seed.txt").output == "kept\n"
+
+
 # --- time limits ---------------------------------------------------------------------------------
 
 def quick_task(root, agent_s=3, verifier_s=30, test_sh="echo 0 > /logs/verifier/reward.txt\n"):

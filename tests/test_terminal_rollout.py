@@ -1,7 +1,8 @@
 """ptrain/terminal_rollout.py and ptrain/terminal_tasks.py on docker: generated Harbor tasks
 pass their oracle and fail nop; the producer's episodes (turns batched through a sampler,
 tool calls in each task's shell) are rewarded by the tasks' own tests and packed for the
-learner with the loss mask on the model's tokens only."""
+learner with the loss mask on the model's tokens only; the closed loop's terminal domain
+(ptrain/terminal_domain.py) from config, alone and mixed with another domain."""
 
 import random
 import re
@@ -103,6 +104,7 @@ def test_producer_rewards_episodes_by_the_tasks_tests(terminal, generated):
     assert isinstance(episodes, learner.Episodes) and len(episodes) == 12
     episodes.check_groups(4)
     assert episodes.group_ids_b.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    assert episodes.max_len_b.tolist() == [96] * 12  # terminal.max_len: the overlong cap
     # Even rows ran the right command; odd rows forgot the folder, which fails only there.
     want = [1.0, 0.0, 1.0, 0.0] * 2 + [1.0] * 4
     assert episodes.rewards_b.tolist() == want
@@ -142,31 +144,69 @@ def test_demonstrations_carry_the_mistake_at_the_bug_rate(generated):
     assert tok.decode(record["prompt_ids"]) == g.instruction
 
 
-def test_terminal_loop_config_tasks_and_demonstrations(tmp_path):
+def test_terminal_domain_config_tasks_and_demonstrations(tmp_path):
+    """configs/terminal_toy.py is a closed-loop config whose one domain is "terminal": the
+    checker knows its section, and the tasks, RL records and demonstrations are made."""
     from configs import terminal_toy
-    from ptrain import metrics, terminal_loop
+    from ptrain import closed_loop, jsonl, terminal_domain
     config = terminal_toy.get_config("short")
-    terminal_loop.check_config(config)
-    bad = terminal_toy.get_config("short").unlock()
-    bad.rl.staleness = 1
-    with pytest.raises(ValueError, match="staleness"):
-        terminal_loop.check_config(bad)
-    bad = terminal_toy.get_config("short").unlock()
-    bad.terminal.n_tasks = 3
-    with pytest.raises(ValueError, match="unknown keys \\['n_tasks'\\]"):
-        terminal_loop.check_config(bad)
-    tok = terminal_tasks.tokenizer()
-    resolved = terminal_loop.resolve(config, str(tmp_path), tok)
+    closed_loop.check_config(config)
+    for key, value, message in [("rl.staleness", 1, "staleness"),
+                                ("rollout.max_attempts", 2, "self-correction"),
+                                ("tasks.source", "jsonl", "generates its tasks"),
+                                ("terminal.n_tasks", 3, "unknown keys \\['terminal.n_tasks'\\]")]:
+        bad = terminal_toy.get_config("short").unlock()
+        section, name = key.split(".")
+        bad[section][name] = value
+        with pytest.raises(ValueError, match=message):
+            closed_loop.check_config(bad)
+    tok = closed_loop.make_tokenizer(config)
+    assert tok.pieces == terminal_tasks.tokenizer().pieces
+    resolved = closed_loop.resolve(config, str(tmp_path), tok)
     assert resolved.model.vocab_size == tok.vocab_size
     assert resolved.sampling.stop_token_ids == (tok.eos_token_id,)
-    train, held = terminal_loop.make_tasks(resolved, tok, str(tmp_path))
-    assert len(train) == config.terminal.n_train and len(held) == config.terminal.n_heldout
-    records = metrics.read_jsonl(resolved.data.sources[0][0])
-    assert [r["task_dir"] for r in records] == [g.task_dir for g in train]
-    demos = metrics.read_jsonl(resolved.sft.sources[0])
-    assert len(demos) == len(train)
+    assert resolved.data.sources == ((str(tmp_path / "tasks" / "terminal.train.jsonl"), 1.0),)
+    train, held = closed_loop.make_tasks(resolved, tok, str(tmp_path))
+    train, held = train["terminal"], held["terminal"]
+    assert len(train) == config.tasks.n_train and len(held) == config.tasks.n_heldout
+    records = jsonl.read(resolved.data.sources[0][0])
+    assert records == [{"task_dir": g.task_dir, "domain": "terminal"} for g in train]
+    demos = jsonl.read(resolved.sft.sources[0])
+    assert len(demos) == len(train) and {d["domain"] for d in demos} == {"terminal"}
     longest = max(len(d["completion_ids"]) for d in demos)
-    assert longest <= config.sft.max_completion_len and longest <= config.terminal.max_len
+    assert longest <= config.sft.max_completion_len and longest <= config.rollout.max_len
     assert max(len(d["prompt_ids"]) for d in demos) <= config.data.max_prompt_len
-    rc = terminal_loop.rollout_config(resolved)
-    assert rc.system == "" and rc.num_samples == config.sampling.num_samples
+    rc = terminal_domain.rollout_config(resolved)
+    assert (rc.system, rc.num_samples, rc.max_turns, rc.max_len, rc.max_output_chars,
+            rc.call_timeout_s) == ("", config.sampling.num_samples, 2, 96, 200, 10.0)
+    mixed = terminal_toy.get_config("short").unlock()
+    mixed.tasks.update(domains=("files", "terminal"), weights=(1.0, 1.0))
+    closed_loop.check_config(mixed)
+    pieces = set(closed_loop.make_tokenizer(mixed).pieces)
+    assert pieces == set(terminal_tasks.tokenizer().pieces) | set(
+        closed_loop.synthetic_tasks.WordTokenizer.for_tasks().pieces)
+
+
+def test_the_closed_loop_mixes_terminal_tasks_with_another_domain(terminal, tmp_path):
+    """One closed-loop run with the files domain and the terminal domain by weight: SFT on
+    both domains' demonstrations, RL batches holding episodes of both (sandbox verdicts and
+    the terminal tasks' own tests in docker), per-domain metrics and held-out evals."""
+    from configs import terminal_toy
+    from ptrain import closed_loop, jsonl
+    c = terminal_toy.get_config("short").unlock()
+    c.tasks.update(domains=("files", "terminal"), weights=(1.0, 1.0), n_train=8, n_heldout=2)
+    c.update_from_flattened_dict({"steps": 2, "sft.steps": 2, "sampling.num_samples": 4,
+                                  "sampling.max_new_tokens": 24, "eval.n": 2,
+                                  "checkpoint.async_save": False, "terminal.threads": 4,
+                                  "terminal.max_idle": 8})
+    c.lock()
+    lines = closed_loop.run(c, str(tmp_path))
+    assert {(x["stage"], x["domain"]) for x in lines} == {
+        (s, d) for s in ("sft", "rl") for d in ("files", "terminal")}
+    for x in lines:
+        assert x["n"] == 2 and 0.0 <= x["pass_rate"] <= 1.0
+    steps = [m for m in jsonl.read(str(tmp_path / "metrics.jsonl")) if "reward/mean" in m]
+    assert len(steps) == 2
+    assert any("reward/terminal/mean" in m and "reward/files/mean" in m for m in steps)
+    demos = jsonl.read(str(tmp_path / "tasks" / "sft.jsonl"))
+    assert {d["domain"] for d in demos} == {"files", "terminal"}

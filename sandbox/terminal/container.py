@@ -1,5 +1,11 @@
 """A task container: started once from its image, reset to the image's state between episodes.
 
+Disk (`storage_mb`): docker's size quota (`storage_opt`) where the storage driver has one
+(overlay2 on xfs with project quotas), else a tmpfs of that size at the image's work dir,
+filled with the image's files there at the start and at every reset: writing past it there
+fails with "No space left on device" (elsewhere in the container disk use is then unbounded,
+and a tmpfs's pages count towards the container's memory limit).
+
 The container runs `sleep infinity` under docker's init (which reaps orphans), with the task's
 limits. `reset()` brings it back to what a fresh `docker run` of the image gives: in place
 where this host allows it (root on the docker host, overlay2 storage: reset.py, a few ms, no
@@ -47,6 +53,7 @@ class Limits:
     memory_mb: int = 2048
     pids: int = 4096
     network: bool = False
+    storage_mb: int | None = None  # None: unbounded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +156,7 @@ class Container:
         self._lock = threading.Lock()
         self.container = None
         self.resets = {"inplace": 0, "recreate": 0}
+        self.storage = None  # how storage_mb is enforced: "quota", "workdir" or None
         self._start()
         _live.add(self)
 
@@ -159,16 +167,27 @@ class Container:
         volumes = {}
         if self._pytest_dir:
             volumes[self._pytest_dir] = {"bind": PYTEST_MOUNT, "mode": "ro"}
-        self.container = self._client.containers.run(
-            self.image, _KEEP_ALIVE, detach=True, init=True,
-            name=f"ptrain-term-{slug}-{uuid.uuid4().hex[:8]}",
-            network_mode="host" if self.limits.network else "none",
+        import docker
+        run = dict(
+            detach=True, init=True, network_mode="host" if self.limits.network else "none",
             hostname=None if self.limits.network else "task",
             mem_limit=f"{self.limits.memory_mb}m", memswap_limit=f"{self.limits.memory_mb}m",
             nano_cpus=int(min(self.limits.cpus, os.cpu_count() or 1) * 1e9),
             pids_limit=self.limits.pids, cap_drop=_CAP_DROP, environment=self.env,
-            volumes=volumes, labels={"ptrain-term": str(os.getpid()),
-                                     "ptrain-term-host": socket.gethostname()})
+            volumes=volumes, labels=_labels())
+        storage, self.storage = self._storage()
+        try:
+            self.container = self._client.containers.run(
+                self.image, _KEEP_ALIVE, name=f"ptrain-term-{slug}-{uuid.uuid4().hex[:8]}",
+                **run, **storage)
+        except docker.errors.APIError as e:
+            if self.storage != "quota" or "storage-opt" not in str(e):
+                raise
+            _no_quota.add(self._client.info().get("ID", ""))  # xfs without pquota, say
+            storage, self.storage = self._storage()
+            self.container = self._client.containers.run(
+                self.image, _KEEP_ALIVE, name=f"ptrain-term-{slug}-{uuid.uuid4().hex[:8]}",
+                **run, **storage)
         try:
             self.container.reload()
             attrs = self.container.attrs
@@ -183,9 +202,51 @@ class Container:
                     raise RuntimeError(f"in-place reset is not possible here: {reason}")
                 else:
                     log.info("terminal containers are recreated between episodes: %s", reason)
+            self._fill_workdir(clear=False)
         except BaseException:
             self._remove()
             raise
+
+    def _storage(self) -> tuple[dict, str | None]:
+        """(docker run arguments, how) for limits.storage_mb (see the module docstring)."""
+        mb = self.limits.storage_mb
+        if not mb:
+            return {}, None
+        info = self._client.info()
+        backing = dict(info.get("DriverStatus") or []).get("Backing Filesystem", "")
+        if info.get("Driver") == "overlay2" and backing == "xfs" and \
+                info.get("ID", "") not in _no_quota:
+            return {"storage_opt": {"size": f"{mb}M"}}, "quota"
+        workdir = self._client.images.get(self.image).attrs["Config"].get("WorkingDir") or "/"
+        if workdir == "/":
+            log.warning("terminal: storage_mb=%d is not enforced for %s: docker's storage "
+                        "driver has no quota here and the image has no WORKDIR to bound",
+                        mb, self.image)
+            return {}, None
+        return {"tmpfs": {workdir: f"size={mb}m,exec,mode=755"}}, "workdir"
+
+    def _fill_workdir(self, *, clear: bool) -> None:
+        """With a tmpfs work dir: (emptied, then) the image's files there. Docker's archive
+        API writes beneath a tmpfs mount, not into it: the image's tar goes to the root of
+        the container's own layer and is unpacked from inside."""
+        if self.storage != "workdir":
+            return
+        staged = "/.ptrain-workdir.tar"
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            data = _image_dir_tar(self._client, self.image, self.workdir)
+            info = tarfile.TarInfo(staged.lstrip("/"))
+            info.size, info.mode = len(data), 0o600
+            tar.addfile(info, io.BytesIO(data))
+        if not self.container.put_archive("/", buf.getvalue()):
+            raise ContainerGone(f"cannot copy {self.workdir}'s files into {self._name}")
+        parent = os.path.dirname(self.workdir.rstrip("/")) or "/"
+        empty = f"find '{self.workdir}' -mindepth 1 -delete && " if clear else ""
+        r = self.exec(["sh", "-c", f"{empty}tar -xpf {staged} -C '{parent}'; s=$?; "
+                                   f"rm -f {staged}; exit $s"], timeout_s=60, user="root")
+        if r.exit_code != 0:
+            raise ContainerGone(f"cannot fill {self.workdir} of {self._name}'s container: "
+                                f"{r.text[-300:]}")
 
     @staticmethod
     def _host_access(attrs) -> str | None:
@@ -216,10 +277,11 @@ class Container:
                 try:
                     if self._inplace.pid_alive():
                         self._inplace.reset()
+                        self._fill_workdir(clear=True)
                         self.resets["inplace"] += 1
                         return "inplace"
                     why = "the container stopped"
-                except (ResetRefused, OSError) as e:
+                except (ResetRefused, OSError, ContainerGone) as e:
                     why = str(e)
                 log.warning("terminal container %s: recreated (%s)", self._name, why)
             self._remove()
@@ -349,6 +411,30 @@ class Container:
                     out[member.name] = tar.extractfile(member).read()
                     total += member.size
         return out
+
+
+def _labels() -> dict:
+    return {"ptrain-term": str(os.getpid()), "ptrain-term-host": socket.gethostname()}
+
+
+_no_quota: set[str] = set()  # docker daemons (their ID) that refused storage_opt size
+_dir_tars: dict[tuple[str, str], bytes] = {}
+_dir_tars_lock = threading.Lock()
+
+
+def _image_dir_tar(client, image: str, path: str) -> bytes:
+    """A tar of `path` as `image` has it (from a created, never started container), once per
+    image and path."""
+    key = (client.images.get(image).id, path)
+    with _dir_tars_lock:
+        if key not in _dir_tars:
+            c = client.containers.create(image, _KEEP_ALIVE, labels=_labels())
+            try:
+                chunks, _ = c.get_archive(path)
+                _dir_tars[key] = b"".join(chunks)
+            finally:
+                c.remove(force=True)
+        return _dir_tars[key]
 
 
 def tar_add(tar: tarfile.TarFile, host: str, arcname: str) -> None:

@@ -82,7 +82,8 @@ class Harness:
 
     def limits(self, task: Task) -> Limits:
         return Limits(cpus=task.cpus, memory_mb=task.memory_mb,
-                      network=self.network and task.allow_internet)
+                      network=self.network and task.allow_internet,
+                      storage_mb=task.storage_mb)
 
     def _key(self, task: Task) -> tuple:
         return self.image(task), self.limits(task), task.env

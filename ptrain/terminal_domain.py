@@ -1,0 +1,119 @@
+"""The closed loop's "terminal" domain: generated Harbor tasks run in docker.
+
+    python -m launch.train --config=configs/terminal_toy.py --workdir=runs/terminal_toy
+
+With "terminal" in `tasks.domains` (`ptrain.config`), `closed_loop.run` takes its parts here:
+
+  make_tasks  a training and a held-out split of Harbor task directories under
+              <workdir>/tasks/terminal/ (`ptrain.terminal_tasks`; no instruction in both),
+              the RL records ({"task_dir": ..., "domain": "terminal"}) in
+              <workdir>/tasks/terminal.{train,heldout}.jsonl, weighted among the other
+              domains' by tasks.weights, and the partly wrong SFT demonstrations
+  producer    `terminal_rollout.TerminalProducer` in a `sandbox.terminal.Harness` (warm
+              task containers, the agent's bash calls in each episode's persistent shell,
+              reward from the task's own tests); beside other domains the closed loop packs
+              its episodes with theirs in one batch (`mixed_producer.MixedProducer`)
+  evaluate    the held-out pass rates (greedy, and sampled with eval.sample), plus the
+              greedy rate on the tasks whose path has a folder (where the demonstrations
+              are wrong)
+
+Episodes take the closed loop's rollout.max_turns, max_len, max_tool_output_chars and
+tool_timeout_s, the sampling section's samples and temperature, data.max_prompt_len; the
+`terminal` section holds the harness's own keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import types
+
+import jax
+import numpy as np
+
+from ptrain import chat
+from ptrain import jsonl
+from ptrain import terminal_agent
+from ptrain import terminal_rollout
+from ptrain import terminal_tasks
+
+DOMAIN = "terminal"
+
+
+def make_tasks(config, tokenizer, workdir, *, train_file: str, heldout_file: str):
+    """(train, heldout) `terminal_tasks.Generated` lists and the SFT demonstration records
+    (in the training tasks' order; the caller shuffles them with the other domains')."""
+    t, root = config.tasks, os.path.join(workdir, "tasks", DOMAIN)
+    heldout = terminal_tasks.generate(root, t.n_heldout, seed=config.seed, split="heldout")
+    train = terminal_tasks.generate(root, t.n_train, seed=config.seed, split="train",
+                                    exclude={g.instruction for g in heldout})
+    for found, path in ((train, train_file), (heldout, heldout_file)):
+        jsonl.write([{"task_dir": g.task_dir, "domain": DOMAIN} for g in found], path)
+    rng = random.Random(f"{config.seed}/terminal/demos")
+    demos = [terminal_tasks.demo_record(g, tokenizer, *terminal_tasks.demonstration(
+        g, rng, t.bug_rate), system=config.terminal.system) for g in train]
+    return train, heldout, demos
+
+
+def prompt_lengths(config, tokenizer, generated) -> dict[str, int]:
+    """Each task's prompt length in tokens, by task directory."""
+    fmt = chat.FORMATS[config.rollout.chat_format]
+    return {g.task_dir: len(terminal_agent.render_prompt(fmt, tokenizer, g.instruction,
+                                                         config.terminal.system))
+            for g in generated}
+
+
+def rollout_config(config, **changes) -> terminal_rollout.TerminalRolloutConfig:
+    """The closed-loop config's terminal episode settings."""
+    r, s = config.rollout, config.sampling
+    fields = dict(num_samples=s.num_samples, max_new_tokens=s.max_new_tokens,
+                  max_turns=r.max_turns, max_len=r.max_len,
+                  max_output_chars=r.max_tool_output_chars, call_timeout_s=r.tool_timeout_s,
+                  temperature=s.temperature, threads=config.terminal.threads,
+                  system=config.terminal.system)
+    fields.update(changes)
+    return terminal_rollout.TerminalRolloutConfig(**fields)
+
+
+@contextlib.contextmanager
+def producer(config, sampler, tokenizer, heldout):
+    """A `TerminalProducer` in its harness (closed on leaving), warm containers started for
+    one batch when it steps episodes in threads."""
+    from sandbox import terminal
+    t = config.terminal
+    with terminal.Harness(image_map=terminal.parse_image_map(list(t.image_map)),
+                          max_idle=t.max_idle,
+                          call_timeout_s=config.rollout.tool_timeout_s) as harness:
+        out = terminal_rollout.TerminalProducer(
+            sampler, tokenizer, harness=harness, fmt=chat.FORMATS[config.rollout.chat_format],
+            stop_ids=tuple(config.sampling.stop_token_ids), config=rollout_config(config),
+            prompt_len=config.data.max_prompt_len, pad_id=tokenizer.pad_token_id)
+        try:
+            if t.threads > 1 and heldout:
+                harness.warm(terminal.load_task(heldout[0].task_dir),
+                             min(t.max_idle,
+                                 config.data.prompts_per_step * config.sampling.num_samples))
+            yield out
+        finally:
+            out.close()
+
+
+def evaluate(producer_, params, heldout, *, seed: int, num_samples: int, greedy: bool,
+             summarize):
+    """An eval line's fields for the held-out tasks: `summarize(episodes, num_samples)` (the
+    closed loop's pass@1 / pass@k summary) of `num_samples` episodes per task, plus
+    `pass_rate_with_folder` (the tasks whose path has a folder) and `errors` (episodes the
+    harness could not run)."""
+    c = dataclasses.replace(producer_.config, num_samples=num_samples, greedy=greedy)
+    rollouts = producer_.evaluate(params, [g.task_dir for g in heldout], jax.random.key(seed),
+                                  config=c)
+    episodes = [types.SimpleNamespace(
+        verdicts=[r.verdict] if r.verdict is not None else [],
+        finish=r.tokens.finish if r.tokens is not None else "error") for r in rollouts]
+    triggered = [terminal_rollout.passed(r) for i, r in enumerate(rollouts)
+                 if heldout[i // num_samples].triggered]
+    return {**summarize(episodes, num_samples),
+            "pass_rate_with_folder": float(np.mean(triggered)) if triggered else None,
+            "errors": sum(bool(r.error) for r in rollouts)}
