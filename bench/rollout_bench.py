@@ -14,6 +14,12 @@ Two workloads (bench/rl_bench.py's model and checkpoint, float32):
               the first turn is one sampler call with G samples per prompt, every later turn
               re-prefills each episode's history, and a turn's tools run (concurrently)
               before the next turn starts. The engine runs each episode on its own.
+  producer    the same through the multi-turn producer itself (rollout.generate, greedy, a
+              model over the word tokenizer): `--prompts` arithmetic tasks x `--samples`,
+              `--turns` attempts of `--turn-tokens` each, a verdict's feedback between (the
+              random model always fails). The static sampler re-prefills each history every
+              attempt; `sampling.engine`'s EngineSampler keeps each episode in its slot. Both
+              produce the same episodes (asserted), so the ratio is of the same work.
 
 Tunix runs in its own venv (see bench/rl_bench.py's docstring) in a subprocess; without
 it, `--no-tunix`. `--rounds` alternates the implementations (a shared machine's load
@@ -41,9 +47,15 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 
 import rl_bench  # noqa: E402
 from ptrain import engine as engine_lib  # noqa: E402
+from ptrain import engine_sampler  # noqa: E402
 from ptrain import hf  # noqa: E402
 from ptrain import model as model_lib  # noqa: E402
+from ptrain import rollout  # noqa: E402
 from ptrain import sampler as sampler_lib  # noqa: E402
+from ptrain import synthetic_tasks  # noqa: E402
+from ptrain import tasks as tasks_lib  # noqa: E402
+
+WORDS = synthetic_tasks.WordTokenizer.for_tasks()  # the producer workload's tokenizer
 
 
 def long_tail_workload(args):
@@ -157,6 +169,40 @@ def engine_multi_turn(model, prompts, args, slots):
     return times, engine.metrics()
 
 
+# ----------------------------------------------------------- multi-turn through the producer
+
+def producer_tasks(args):
+    """Arithmetic tasks without tools, judged by their answer: a random model fails each
+    attempt, so every episode runs `--turns` attempts, verdict feedback between them."""
+    rng = np.random.RandomState(2)
+    return [tasks_lib.Task(f"p{i}", "arith", tasks_lib.Answer(str(a * b), numeric=True),
+                           prompt=f"arith: what is {a} times {b}?\n")
+            for i, (a, b) in enumerate(rng.randint(2, 10, (args.prompts, 2)))]
+
+
+def producer_multi_turn(model, task_list, args, sampler):
+    """rollout.generate, the multi-turn producer (rollout.Tasks'), greedily on `sampler`: the
+    static sampler re-prefills each episode's history every attempt; an EngineSampler keeps
+    each episode in its slot (engine_sampler.run_episodes). Greedy, so both do the same
+    work: the same turns, feedback and tokens."""
+    config = rollout.RolloutConfig(
+        num_samples=args.samples, max_new_tokens=args.turn_tokens, max_turns=1,
+        max_attempts=args.turns, max_len=args.turns * (args.turn_tokens + 64), greedy=True,
+        stop_token_ids=(synthetic_tasks.EOS,))
+
+    def run():
+        for engine in getattr(sampler, "engines", {}).values():
+            engine.reset_metrics()  # the metrics printed are the last run's
+        episodes = rollout.generate(sampler, model, task_list, tokenizer=WORDS,
+                                    key=jax.random.key(0), config=config)
+        assert all(e.attempts == args.turns for e in episodes), [e.attempts for e in episodes]
+        return episodes
+    run()
+    for engine in getattr(sampler, "engines", {}).values():
+        engine.warm_up(model)  # every shape a run can use (the first run compiled some)
+    return rl_bench._time(run, args.repeats), run()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
@@ -172,8 +218,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-tunix", action="store_true")
-    parser.add_argument("--workloads", nargs="+", default=["long-tail", "multi-turn"],
-                        choices=["long-tail", "multi-turn"])
+    parser.add_argument("--workloads", nargs="+",
+                        default=["long-tail", "multi-turn", "producer"],
+                        choices=["long-tail", "multi-turn", "producer"])
     parser.add_argument("--compile-cache", default="",
                         help="a directory for JAX's persistent compilation cache")
     args = parser.parse_args()
@@ -198,6 +245,9 @@ def main():
         model_dir = os.path.join(tmp, "model")
         hf.save(model_lib.init(config, seed=0), config, model_dir)
         model, _ = hf.load(model_dir)
+        word_model = model_lib.init(config.replace(vocab_size=WORDS.vocab_size,
+                                                   eos_token_ids=(synthetic_tasks.EOS,)))
+        tasks = producer_tasks(args)
         for r in range(args.rounds):
             if "long-tail" in args.workloads:
                 if not args.no_tunix:
@@ -214,6 +264,19 @@ def main():
                     t, m = engine_multi_turn(model, mt_prompts, args, slots)
                     add(f"engine multi-turn, {slots} slots", t)
                     engine_metrics[f"multi-turn, {slots} slots"] = m
+            if "producer" in args.workloads:
+                t, want = producer_multi_turn(
+                    word_model, tasks, args, sampler_lib.Sampler(word_model,
+                                                                 decode=WORDS.decode))
+                add("re-prefill producer", t)
+                for slots in args.slots:
+                    sampler = engine_sampler.EngineSampler(word_model, slots=slots,
+                                                           decode=WORDS.decode)
+                    t, got = producer_multi_turn(word_model, tasks, args, sampler)
+                    assert [e.tokens for e in got] == [e.tokens for e in want]
+                    add(f"engine producer, {slots} slots", t)
+                    [engine] = sampler.engines.values()
+                    engine_metrics[f"producer, {slots} slots"] = engine.metrics()
             print(f"round {r}: " + ", ".join(f"{k} {v[-1][0] * 1e3:.0f} ms"
                                              for k, v in runs.items()), flush=True)
     best = {k: min(v[0] for v in vs) for k, vs in runs.items()}
@@ -237,6 +300,15 @@ def main():
         for k in [k for k in runs if "multi-turn" in k]:
             print(f"  {k:32s} {episodes / best[k]:8.1f} / {episodes / typical[k]:8.1f}  "
                   f"({best[k] * 1e3:.0f} ms)")
+    if "producer" in args.workloads:
+        print(f"producer multi-turn (rollout.generate, greedy, the same model over the word "
+              f"tokenizer's {WORDS.vocab_size} ids, {word_model.config.n_params / 1e6:.2f}M "
+              f"params): {episodes} episodes "
+              f"({args.prompts} tasks x {args.samples}), {args.turns} attempts of up to "
+              f"{args.turn_tokens} tokens, verdict feedback between; episodes/s best / typical:")
+        for k in [k for k in runs if "producer" in k]:
+            print(f"  {k:32s} {episodes / best[k]:8.1f} / {episodes / typical[k]:8.1f}  "
+                  f"({best[k] * 1e3:.0f} ms)")
     # Each round measures every implementation back to back, so a round's ratio shares
     # its load; the spread over rounds is the ratio's.
     print(f"ratios (round by round, each of medians of {args.repeats}; median [min, max] "
@@ -257,6 +329,10 @@ def main():
             name = f"engine multi-turn, {slots} slots"
             print(f"  {slots} slots: multi-turn vs re-prefill "
                   f"{ratio('re-prefill multi-turn', name)}")
+        if "producer" in args.workloads:
+            name = f"engine producer, {slots} slots"
+            print(f"  {slots} slots: producer multi-turn (kept slots) vs re-prefill "
+                  f"{ratio('re-prefill producer', name)}")
     print("engine metrics (last run of each):")
     for name, m in engine_metrics.items():
         keys = ("tokens_per_s", "slot_occupancy", "bucket_occupancy", "decode_calls",

@@ -43,7 +43,8 @@ def get_config(arg: str = ""):
     c.sft.optim.update(lr=3e-3, warmup_steps=20)
     c.log.num_rollouts = 8
     c.checkpoint.update(every=10, keep=2)
-    # The terminal domain alone (ptrain/terminal_domain.py), its episodes' caps in rollout.*
+    # The terminal domain alone (ptrain/terminal_domain.py); its episodes' caps in rollout.*
+    # (terminal.max_len 0: rollout.max_len)
     c.tasks.update(domains=("terminal",), weights=(1.0,), n_train=40 if short else 400,
                    n_heldout=8 if short else 32)
     c.rollout.update(max_turns=2, max_len=96, max_tool_output_chars=200, tool_timeout_s=10.0)

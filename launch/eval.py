@@ -11,7 +11,9 @@ sub-directory; `sandbox.terminal`), or a JSONL task file in a format of `ptrain.
 (--format, detected from the first record when not given), judged by `ptrain.rewards`.
 --agent=model: a local Hugging Face directory (--model) acting through its chat format's tool
 calls in the task's persistent shell (`ptrain.terminal_agent`), or answering code tasks in one
-turn (`ptrain.code_eval.ModelAgent`).
+turn (`ptrain.code_eval.ModelAgent`); or a launch/train.py work dir, exported first, which on
+the synthetic tasks' word tokenizer (the quickstart's, configs/terminal_toy.py's) acts with
+that tokenizer, the run's chat format and its terminal system prompt.
 Writes OUT/results.jsonl (one line per attempt), OUT/transcripts/, OUT/summary.json (pass@1 and
 pass@k, unbiased) and OUT/report.html; a progress bar goes to stderr, the summary to stdout.
 Run again with the same --out, only the attempts without a line in results.jsonl run.
@@ -52,8 +54,9 @@ flags.mark_flags_as_required(["tasks", "agent", "out"])
 
 
 def load_model():
-    """(sampler, params, tokenizer, chat format, stop ids) of --model."""
-    path = _MODEL.value
+    """(sampler, params, tokenizer, chat format, stop ids, system prompt) of --model."""
+    from ptrain import terminal_agent
+    path, run_config = _MODEL.value, None
     if not path:
         raise app.UsageError("--agent=model needs --model=DIR (a Hugging Face model directory "
                              "or a training run's work dir)")
@@ -65,35 +68,63 @@ def load_model():
                         f"--out={hf_dir}", f"--stage={run[0]}"], check=True)
         print(f"--model={path}: its latest {run[0]} checkpoint exported to {hf_dir}",
               file=sys.stderr)
+        from ptrain import metrics
+        run_config = metrics.read_run_config(path)
         path = hf_dir
     elif not os.path.isfile(os.path.join(path, "config.json")):
         raise app.UsageError(f"--model={path}: neither a Hugging Face model directory "
                              "(config.json) nor a training run's work dir (checkpoints/)")
-    if not any(os.path.exists(os.path.join(path, f))
-               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise app.UsageError(f"--model={_MODEL.value}: no Hugging Face tokenizer (a run on a "
-                             "word tokenizer has none); the model agent needs one")
-    from ptrain import sampler as sampler_lib, terminal_agent
-    model, tokenizer, fmt, stop = terminal_agent.load_hf(path, chat_format=_CHAT_FORMAT.value)
+    system = terminal_agent.SYSTEM
+    if any(os.path.exists(os.path.join(path, f))
+           for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        model, tokenizer, fmt, stop = terminal_agent.load_hf(path,
+                                                             chat_format=_CHAT_FORMAT.value)
+    elif run_config is not None and "tasks" in run_config and \
+            run_config.tasks.source == "synthetic":
+        model, tokenizer, fmt, stop = word_tokenizer_model(path, run_config)
+        system = run_config.terminal.system
+    else:
+        raise app.UsageError(f"--model={_MODEL.value}: no Hugging Face tokenizer, and not the "
+                             "work dir of a run on the synthetic tasks' word tokenizer; the "
+                             "model agent needs one of them")
+    from ptrain import sampler as sampler_lib
     sampler = sampler_lib.Sampler(model, seed=_SEED.value,
                                   pad_id=getattr(tokenizer, "pad_token_id", None) or 0,
                                   decode=tokenizer.decode)
-    return sampler, model, tokenizer, fmt, stop
+    return sampler, model, tokenizer, fmt, stop, system
+
+
+def word_tokenizer_model(path, run_config):
+    """(model, tokenizer, chat format, stop ids) of an exported run on the word tokenizer:
+    the run's own (`closed_loop.make_tokenizer`), its chat format and where its sampler
+    stopped a turn."""
+    from ptrain import chat, closed_loop, hf
+    if _CHAT_FORMAT.value and _CHAT_FORMAT.value != run_config.rollout.chat_format:
+        raise app.UsageError(f"--chat_format={_CHAT_FORMAT.value}: the run at {_MODEL.value} "
+                             f"was trained in {run_config.rollout.chat_format!r}")
+    model, config = hf.load(path)
+    tokenizer = closed_loop.make_tokenizer(run_config)
+    chat.check_vocab(tokenizer, config.vocab_size)
+    fmt = chat.get(run_config.rollout.chat_format)
+    stop = chat.stop_ids(fmt, tokenizer, vocab_size=config.vocab_size)
+    return model, tokenizer, fmt, tuple(dict.fromkeys(
+        (*stop, *map(int, run_config.sampling.stop_token_ids))))
 
 
 def terminal_model_agent():
     from ptrain import terminal_agent
-    sampler, params, tokenizer, fmt, stop = load_model()
+    sampler, params, tokenizer, fmt, stop, system = load_model()
     policy = terminal_agent.SamplerPolicy(
         sampler, params, stop_ids=stop, max_new_tokens=_MAX_NEW_TOKENS.value,
         temperature=_TEMPERATURE.value, greedy=_GREEDY.value, seed=_SEED.value)
     return terminal_agent.ShellAgent(policy, tokenizer, fmt, stop_ids=stop,
-                                     max_turns=_MAX_TURNS.value, max_len=_MAX_LEN.value)
+                                     max_turns=_MAX_TURNS.value, max_len=_MAX_LEN.value,
+                                     system=system)
 
 
 def code_model_agent():
     from ptrain import code_eval
-    sampler, params, tokenizer, fmt, stop = load_model()
+    sampler, params, tokenizer, fmt, stop, _ = load_model()
     return code_eval.ModelAgent(sampler, params, tokenizer, fmt, stop_ids=stop,
                                 max_new_tokens=_MAX_NEW_TOKENS.value,
                                 temperature=_TEMPERATURE.value, greedy=_GREEDY.value,

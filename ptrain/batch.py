@@ -266,9 +266,8 @@ def _shaped(episodes, attempt, config, mesh=None):
 def overlong_penalty(episodes: Batch, config) -> np.ndarray:
     """DAPO's soft overlong penalty of each row (`losses.overlong_penalty`): its tokens after
     the prompt against its own episode's cap, `max_len_b` where the producer set one, else
-    the config's (`config.overlong_max_len`: rollout.max_len in the closed loop,
-    terminal.max_len in the terminal loop, else dapo.overlong_max_len or
-    sampling.max_new_tokens)."""
+    the config's (`config.overlong_max_len`: rollout.max_len in the closed loop, else
+    dapo.overlong_max_len or sampling.max_new_tokens)."""
     caps_b = np.full(len(episodes), config_lib.overlong_max_len(config), np.int32)
     if episodes.max_len_b is not None:
         caps_b = np.where(episodes.max_len_b > 0, episodes.max_len_b, caps_b)

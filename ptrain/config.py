@@ -174,8 +174,9 @@ def _closed_loop_sections(c):
     c.eval = dict(n=100,  # held-out tasks per domain (at most the held-out split)
                   sample=False)  # also pass@1, pass@k at the sampling temperature (num_samples)
     # The "terminal" domain (ptrain/terminal_domain.py): its episodes take rollout.max_turns,
-    # max_len, max_tool_output_chars and tool_timeout_s; these are the docker harness's.
-    c.terminal = dict(threads=16,  # episodes opened, stepped and verified at once
+    # max_tool_output_chars and tool_timeout_s; the rest are its own and the docker harness's.
+    c.terminal = dict(max_len=0,  # tokens after the prompt of an episode; 0: rollout.max_len
+                      threads=16,  # episodes opened, stepped and verified at once
                       max_idle=64,  # warm task containers kept
                       image_map=(),  # ("FROM=LOCAL", ...) for task images not on this machine
                       system="")  # the agent's system prompt; "": the instruction alone
@@ -337,6 +338,10 @@ def _check_loop_values(config):
          "the terminal domain has no self-correction: set rollout.max_attempts=1"),
         (config.terminal.threads >= 1 and config.terminal.max_idle >= 0,
          "terminal.threads must be >= 1 and terminal.max_idle >= 0"),
+        (config.terminal.max_len == 0 or
+         config.terminal.max_len >= config.sampling.max_new_tokens,
+         f"terminal.max_len={config.terminal.max_len} must be 0 (rollout.max_len) or >= "
+         f"sampling.max_new_tokens={config.sampling.max_new_tokens}"),
         (t.source != "jsonl" or len(t.train) == len(t.heldout) == len(t.domains),
          "tasks.train and tasks.heldout need one task file per domain"),
         (config.rollout.chat_format in CHAT_FORMATS,

@@ -54,7 +54,7 @@ class Tokens:
     mask: list[int]
     logp: list[float]
     prompt_len: int
-    finish: str = ""  # answered | max_turns | max_len | time_up
+    finish: str = ""  # answered | truncated (cut at max_new_tokens) | max_turns | max_len | time_up
 
     def add(self, ids, *, model: bool, logp=None) -> None:
         ids = list(ids)
@@ -170,8 +170,8 @@ class ShellAgent:
             tokens.finish = "max_len"
             return True
         calls = chat.parse_tool_calls(self.fmt, text)
-        if not calls:
-            tokens.finish = "answered"
+        if not calls:  # a final answer: one that ends without a stop id was cut at the cap
+            tokens.finish = "answered" if new and new[-1] in self.stop_ids else "truncated"
             return True
         outputs = []
         try:

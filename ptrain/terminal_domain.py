@@ -17,9 +17,10 @@ With "terminal" in `tasks.domains` (`ptrain.config`), `closed_loop.run` takes it
               greedy rate on the tasks whose path has a folder (where the demonstrations
               are wrong)
 
-Episodes take the closed loop's rollout.max_turns, max_len, max_tool_output_chars and
-tool_timeout_s, the sampling section's samples and temperature, data.max_prompt_len; the
-`terminal` section holds the harness's own keys.
+Episodes take the closed loop's rollout.max_turns, max_tool_output_chars and tool_timeout_s,
+the sampling section's samples and temperature, data.max_prompt_len; the `terminal` section
+holds their own cap (terminal.max_len, 0: rollout.max_len; the DAPO overlong penalty measures
+them against it, `Batch.max_len_b`) and the harness's keys.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def rollout_config(config, **changes) -> terminal_rollout.TerminalRolloutConfig:
     """The closed-loop config's terminal episode settings."""
     r, s = config.rollout, config.sampling
     fields = dict(num_samples=s.num_samples, max_new_tokens=s.max_new_tokens,
-                  max_turns=r.max_turns, max_len=r.max_len,
+                  max_turns=r.max_turns, max_len=config.terminal.max_len or r.max_len,
                   max_output_chars=r.max_tool_output_chars, call_timeout_s=r.tool_timeout_s,
                   temperature=s.temperature, threads=config.terminal.threads,
                   system=config.terminal.system)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from sandbox.terminal import report
-from sandbox.terminal.evaluate import summarize, write_transcript
+from sandbox.terminal.evaluate import summarize, transcript_path, write_transcript
 from tests.test_terminal_load import TASKS_DIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,6 +109,34 @@ def write_jsonl(path, records):
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     return str(path)
+
+
+@pytest.mark.xdist_group("terminal")
+def test_cli_model_agent_on_a_word_tokenizer_run(tmp_path):
+    """--agent=model on the work dir of a run on the word tokenizer (configs/terminal_toy.py,
+    a few SFT steps): its checkpoint exported, acting with the run's own tokenizer, chat
+    format and system prompt (none: the bare instruction, as it was trained)."""
+    from tests.test_terminal import _REASON
+    if _REASON is not None:
+        pytest.skip(_REASON)
+    work, out = str(tmp_path / "run"), str(tmp_path / "eval")
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run([sys.executable, "-m", "launch.train",
+                        "--config=configs/terminal_toy.py:short", "--config.steps=0",
+                        "--config.sft.steps=4", "--config.tasks.n_train=8",
+                        "--config.tasks.n_heldout=2", "--config.eval.n=2", f"--workdir={work}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run_eval(f"--tasks={work}/tasks/terminal/heldout", "--agent=model", f"--model={work}",
+             f"--out={out}", "--greedy", "--max_turns=2", "--max_new_tokens=8", "--max_len=96")
+    assert not os.path.exists(os.path.join(out, "model", "tokenizer.json"))  # none to write
+    rows = read_rows(out)
+    assert len(rows) == 2
+    for row in rows:
+        assert row["error"] is None and row["turns"] >= 1 and row["reward"] in (0.0, 1.0), row
+        with open(transcript_path(out, row["task"], row["attempt"])) as f:
+            steps = json.load(f)["steps"]
+        assert steps and steps[0]["role"] == "model"
 
 
 def test_cli_code_tasks_oracle_passes_nop_fails_and_resumes(tmp_path):

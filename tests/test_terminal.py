@@ -344,28 +344,40 @@ def test_limits_come_from_task_toml_and_the_network_is_off(harness, hello):
             assert devices == ["lo"]
 
 
-def test_storage_mb_bounds_what_the_agent_writes(harness, tmp_path):
+@pytest.mark.parametrize("reset", ["auto", "recreate"])
+def test_storage_mb_bounds_what_the_agent_writes(harness, tmp_path, reset):
     """task.toml's storage_mb: docker's size quota where the storage driver has one, else a
-    tmpfs work dir of that size holding the image's files; writing past it fails, and the
-    next episode finds the image's files again."""
+    tmpfs work dir of that size holding the image's files (put back from the host on an
+    in-place reset, from inside the container otherwise); writing past it fails, and the
+    next episode finds the image's files again, links and modes as they were."""
     from tests.test_terminal_load import HARBOR_TOML
     task = terminal.load_task(harbor_task(
         tmp_path / "disk", **{"task.toml": HARBOR_TOML + "storage_mb = 8\n",
                               "environment/Dockerfile": "FROM ptrain-term-base:latest\n"
-                              "WORKDIR /app\nRUN echo kept > /app/seed.txt\n"}))
+                              "WORKDIR /app\nRUN mkdir d && echo kept > d/seed.txt && "
+                              "ln -s d/seed.txt link && chmod 750 d\n"}))
     assert task.storage_mb == 8
-    with harness.episode(task) as ep:
-        if ep.container.storage is None:
-            pytest.skip("docker's storage driver has no quota here and the image no WORKDIR")
-        assert ep.run("cat seed.txt").output == "kept\n"
-        assert ep.run("head -c 4M /dev/zero > small && echo ok").output == "ok\n"
-        r = ep.run("head -c 16M /dev/zero > big")
-        assert r.exit_code != 0 and "No space left on device" in r.output, r.output
-        assert ep.run("rm big && printf '#!/bin/sh\\necho ran\\n' > x.sh && chmod +x x.sh && "
-                      "./x.sh").output == "ran\n"  # the bounded work dir is not noexec
-    with harness.episode(task) as ep:  # a reused container: the image's files, nothing else
-        assert ep.run("ls -A").output == "seed.txt\n"
-        assert ep.run("cat seed.txt").output == "kept\n"
+    h = harness if reset == "auto" else terminal.Harness(reset="recreate")
+    listing = "stat -c '%a %U' . && ls -lAR --time-style=+%s . | tail -n +2"
+    try:
+        with h.episode(task) as ep:
+            if ep.container.storage is None:
+                pytest.skip("docker's storage driver has no quota here and the image no "
+                            "WORKDIR")
+            image = ep.run(listing).output
+            assert ep.run("cat link").output == "kept\n"
+            assert ep.run("head -c 4M /dev/zero > small && echo ok").output == "ok\n"
+            r = ep.run("head -c 16M /dev/zero > big")
+            assert r.exit_code != 0 and "No space left on device" in r.output, r.output
+            script = "printf '#!/bin/sh\\necho ran\\n' > x.sh && chmod +x x.sh && ./x.sh"
+            assert ep.run(f"rm big && {script}").output == "ran\n"  # not noexec
+            ep.run("rm -r d; chmod 700 .; ln -sf /etc/passwd link")
+        with h.episode(task) as ep:  # the same container, reset: the image's files only
+            assert ep.run(listing).output == image
+            assert ep.run("cat link").output == "kept\n"
+    finally:
+        if h is not harness:
+            h.close()
 
 
 # --- time limits ---------------------------------------------------------------------------------

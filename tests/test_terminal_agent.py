@@ -101,6 +101,21 @@ def test_turn_loop_stops_at_max_turns_and_max_len(qwen):
     assert len(tokens.ids) - tokens.prompt_len == 10
 
 
+def test_an_answer_cut_at_max_new_tokens_is_truncated_not_answered(qwen):
+    """A final turn that ends without a stop id (the sampler's cap cut it) finishes
+    "truncated", as in the closed loop's episodes (evaluations count it, dapo.filter_overlong
+    masks it)."""
+    _, tok, stop = qwen
+
+    def cut(ids):
+        new = chat.encode(tok, "The files are a.txt and")  # no <|im_end|>: cut short
+        return new, [-1.0] * len(new)
+    agent = terminal_agent.ShellAgent(cut, tok, chat.QWEN, stop_ids=stop)
+    assert agent(FakeEpisode()).finish == "truncated"
+    agent = terminal_agent.ShellAgent(scripted(tok, ["Done."]), tok, chat.QWEN, stop_ids=stop)
+    assert agent(FakeEpisode()).finish == "answered"
+
+
 def test_detect_format_by_tokenizer_family(hf_dir):
     from ptrain import hf
     assert terminal_agent.detect_format(hf.load_tokenizer(hf_dir("qwen2.5-instruct"))) is chat.QWEN

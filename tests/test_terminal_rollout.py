@@ -154,6 +154,7 @@ def test_terminal_domain_config_tasks_and_demonstrations(tmp_path):
     for key, value, message in [("rl.staleness", 1, "staleness"),
                                 ("rollout.max_attempts", 2, "self-correction"),
                                 ("tasks.source", "jsonl", "generates its tasks"),
+                                ("terminal.max_len", 8, "terminal.max_len=8 must be 0"),
                                 ("terminal.n_tasks", 3, "unknown keys \\['terminal.n_tasks'\\]")]:
         bad = terminal_toy.get_config("short").unlock()
         section, name = key.split(".")
@@ -179,6 +180,10 @@ def test_terminal_domain_config_tasks_and_demonstrations(tmp_path):
     rc = terminal_domain.rollout_config(resolved)
     assert (rc.system, rc.num_samples, rc.max_turns, rc.max_len, rc.max_output_chars,
             rc.call_timeout_s) == ("", config.sampling.num_samples, 2, 96, 200, 10.0)
+    own = terminal_toy.get_config("short").unlock()
+    own.terminal.max_len = 120  # the terminal episodes' own cap (0: rollout.max_len)
+    closed_loop.check_config(own)
+    assert terminal_domain.rollout_config(own).max_len == 120
     mixed = terminal_toy.get_config("short").unlock()
     mixed.tasks.update(domains=("files", "terminal"), weights=(1.0, 1.0))
     closed_loop.check_config(mixed)

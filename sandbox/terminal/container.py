@@ -157,6 +157,7 @@ class Container:
         self.container = None
         self.resets = {"inplace": 0, "recreate": 0}
         self.storage = None  # how storage_mb is enforced: "quota", "workdir" or None
+        self._workdir_tar = None  # with "workdir": the image's files there (a tar)
         self._start()
         _live.add(self)
 
@@ -228,13 +229,23 @@ class Container:
     def _fill_workdir(self, *, clear: bool) -> None:
         """With a tmpfs work dir: (emptied, then) the image's files there. Docker's archive
         API writes beneath a tmpfs mount, not into it: the image's tar goes to the root of
-        the container's own layer and is unpacked from inside."""
+        the container's own layer and is unpacked from inside, or, where the host reaches
+        the container's files, it is unpacked from the host (no docker API call)."""
         if self.storage != "workdir":
             return
+        if self._workdir_tar is None:
+            self._workdir_tar = _image_dir_tar(self._client, self.image, self.workdir)
+        if self._inplace is not None:
+            try:
+                return ConfinedRoot(self._inplace.root).refill(self.workdir,
+                                                               self._workdir_tar)
+            except OSError as e:  # a link in the way, a hard link in the image: from inside
+                log.info("terminal: host-side refill of %s refused (%s); using docker exec",
+                         self.workdir, e)
         staged = "/.ptrain-workdir.tar"
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
-            data = _image_dir_tar(self._client, self.image, self.workdir)
+            data = self._workdir_tar
             info = tarfile.TarInfo(staged.lstrip("/"))
             info.size, info.mode = len(data), 0o600
             tar.addfile(info, io.BytesIO(data))

@@ -8,9 +8,11 @@ raises OSError, and the caller goes through the docker API instead.
 """
 
 import errno
+import io
 import os
 import shutil
 import stat
+import tarfile
 
 
 class ConfinedRoot:
@@ -103,6 +105,71 @@ class ConfinedRoot:
                     view = view[os.write(out, view):]
             finally:
                 os.close(out)
+
+    def refill(self, path: str, tar_bytes: bytes) -> None:
+        """Directory `path` emptied, then the members of `tar_bytes` (as get_archive names
+        them: below `path`'s own name) made in it: directories, regular files and symlinks,
+        with their owner, mode and times (a link is made, never followed: a member below one
+        raises); any other kind of member raises OSError."""
+        top = self._parts(path)
+        fd = self._open_dirs(top, create=False)
+        try:
+            for name in os.listdir(fd):
+                if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    shutil.rmtree(name, dir_fd=fd)
+                else:
+                    os.unlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
+        dirs = []  # (parts, mtime): set last, once their contents are made
+        with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
+            for m in tar:
+                parts = [p for p in m.name.split("/") if p not in ("", ".")]
+                if not parts or ".." in parts:
+                    raise OSError(f"{m.name!r}: not a plain relative path")
+                rel = parts[1:]  # below the directory's own name
+                if not rel or m.isdir():
+                    if rel:
+                        pfd = self._open_dirs(top + rel[:-1], create=False)
+                        try:
+                            os.mkdir(rel[-1], 0o700, dir_fd=pfd)
+                        finally:
+                            os.close(pfd)
+                    dfd = self._open_dirs(top + rel, create=False)
+                    try:
+                        os.fchown(dfd, m.uid, m.gid)
+                        os.fchmod(dfd, m.mode)
+                    finally:
+                        os.close(dfd)
+                    dirs.append((rel, m.mtime))
+                    continue
+                pfd = self._open_dirs(top + rel[:-1], create=False)
+                try:
+                    if m.isreg():
+                        out = os.open(rel[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                                      | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
+                        try:
+                            view = memoryview(tar.extractfile(m).read())
+                            while view:
+                                view = view[os.write(out, view):]
+                            os.fchown(out, m.uid, m.gid)
+                            os.fchmod(out, m.mode)
+                            os.utime(out, (m.mtime, m.mtime))
+                        finally:
+                            os.close(out)
+                    elif m.issym():
+                        os.symlink(m.linkname, rel[-1], dir_fd=pfd)
+                        os.chown(rel[-1], m.uid, m.gid, dir_fd=pfd, follow_symlinks=False)
+                    else:
+                        raise OSError(f"{m.name!r}: a member of type {m.type!r}")
+                finally:
+                    os.close(pfd)
+        for rel, mtime in reversed(dirs):
+            dfd = self._open_dirs(top + rel, create=False)
+            try:
+                os.utime(dfd, (mtime, mtime))
+            finally:
+                os.close(dfd)
 
     def read_tree(self, path: str, max_bytes: int) -> dict[str, bytes]:
         """Regular files below directory `path` (or the file `path`), named as
