@@ -376,10 +376,9 @@ def update(params, opt_state, batch, kl_coef, *, graphdef, s: StepSettings, tx, 
     grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef, s=s),
                                  has_aux=True)
 
-    totals = False
-    if s.kind != "critic" and k > 1:  # (the critic is no Transformer: it has no router)
-        model_config = nnx.merge(graphdef, params).config
-        totals = model_config.n_experts > 0 and model_config.router_loss_scope == "global"
+    model_config = None if s.kind == "critic" else nnx.merge(graphdef, params).config
+    totals = (model_config is not None and k > 1 and model_config.n_experts > 0
+              and model_config.router_loss_scope == "global")
 
     def minibatch(carry, i):
         params, opt_state = carry
