@@ -402,6 +402,14 @@ def update(params, opt_state, batch, kl_coef, *, graphdef, s: StepSettings, tx, 
 
     order = jnp.tile(jnp.arange(m), s.epochs)
     (params, opt_state), metrics = jax.lax.scan(minibatch, (params, opt_state), order)
+    if mesh is not None:
+        # Out as they came in (sharded by their `axes`): left to the partitioner, some come
+        # out sharded otherwise (norm scales over fsdp), and every program that takes them
+        # (sampler, prepare, this update) would compile a second time at step 2.
+        shardings = sharding.state_shardings(params, mesh)
+        params = jax.lax.with_sharding_constraint(params, shardings)
+        opt_state = jax.lax.with_sharding_constraint(
+            opt_state, opt_state_shardings(tx, params, shardings, mesh))
     return params, opt_state, jax.tree.map(lambda v: v.mean(0), metrics)
 
 
