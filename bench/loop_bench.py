@@ -5,17 +5,19 @@ The quickstart's model, tasks, sandbox pool and `rollout.Tasks` producer are bui
 `closed_loop.run` builds them. The policy is the config's fresh initialisation, or with
 `--sft_steps N` the quickstart's SFT warm start cut to N steps: a policy that makes tool
 calls (multi-turn arith episodes) and shorter answers, closer to the quickstart's RL phase.
-`learner.train` runs with rl.staleness=0 (serial: generate, score, update) and with
-rl.staleness=1 (batch t scored in a thread while batch t+1 is generated), the two
-interleaved `--repeats` times so that other load on the machine hits both. Per-step times
+`learner.train` runs with rl.staleness=0 (serial: generate, score, update) and with each
+k of `--staleness` (batch t+k generated at step t, every batch scored in a thread as soon as
+it is generated: `ptrain.lookahead`), interleaved `--repeats` times so that other load on
+the machine hits all. Per-step times
 come from <workdir>/metrics.jsonl (time/step_s, time/rollout_s, time/update_s); the parts
 (producer.generate, producer.score) are timed by wrapping the producer. The ideal step takes
 its parts from the serial runs, where they do not compete. "busy cores" is the whole
 machine's CPU use during each run (other processes included): it tells a saturated machine,
 on which overlapping cannot gain. Per run, the first `--warmup` steps (compilation) and the
-last step (which has no batch t+1 to generate) are left out.
+last k steps (which have no batch t+k to generate) are left out.
 
-    python bench/loop_bench.py [--steps 8 --warmup 2 --repeats 3 --sft_steps 0 --workers 2]
+    python bench/loop_bench.py [--steps 8 --warmup 2 --repeats 3 --sft_steps 0 --workers 2
+                                --staleness 0 1 2 4]
 """
 
 import argparse
@@ -90,7 +92,10 @@ def main():
                         help="SFT warm-start steps before RL (0: a fresh model)")
     parser.add_argument("--workers", type=int, default=0,
                         help="sandbox pool workers (0: the quickstart's)")
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4],
+                        help="rl.staleness values to run (0, the serial baseline, always)")
     args = parser.parse_args()
+    modes = sorted({0, *args.staleness})
 
     with tempfile.TemporaryDirectory(prefix="loop_bench_") as root:
         config = quickstart.get_config("short")
@@ -107,17 +112,19 @@ def main():
         if args.sft_steps:
             params = learner_lib.sft(learner_config(config, **{"sft.steps": args.sft_steps}),
                                      os.path.join(root, "sft"), tokenizer=tokenizer)
-        total = args.warmup + args.steps + 1  # + the last step, left out
         timed = slice(args.warmup, args.warmup + args.steps)
-        # With staleness 1, step s scores batch s and generates batch s + 1 (step 1 makes two).
-        generated = {0: timed, 1: slice(args.warmup + 1, args.warmup + args.steps + 1)}
-        lines, parts, busy = {0: [], 1: []}, {0: {}, 1: {}}, {0: [], 1: []}
+        # With staleness k, step s trains batch s and generates batch s + k (step 1 makes
+        # k + 1): the generate calls of the timed steps are k further on.
+        generated = {k: slice(args.warmup + k, args.warmup + k + args.steps) for k in modes}
+        lines, parts, busy = ({k: [] for k in modes}, {k: {} for k in modes},
+                              {k: [] for k in modes})
         load = os.getloadavg()[0]
         start = time.perf_counter()
         with sandbox.Pool(config.sandbox.workers, backend=config.sandbox.backend) as pool:
             producer = rollout.Tasks(sampler, tokenizer, config, pool)
             for _ in range(args.repeats):
-                for s in (0, 1):
+                for s in modes:
+                    total = args.warmup + args.steps + s  # + the last s steps, left out
                     cpu0, t0 = _busy_s(), time.perf_counter()
                     run, times = run_once(config, params, producer, s, total, root, sources)
                     busy[s].append((_busy_s() - cpu0) / (time.perf_counter() - t0))
@@ -130,7 +137,7 @@ def main():
         return float(np.median(values))
 
     ideal = max(median(0, "generate"), median(0, "score") + median(0, "update"))
-    serial, overlapped = median(0, "step"), median(1, "step")
+    serial = median(0, "step")
     c = config
     print(f"quickstart RL step: {c.data.prompts_per_step} prompts x {c.sampling.num_samples} "
           f"samples, {c.sampling.max_new_tokens} new tokens/turn, {c.sandbox.workers} sandbox "
@@ -140,12 +147,14 @@ def main():
           f"{load:.1f} -> {os.getloadavg()[0]:.1f}")
     keys = ("step", "rollout", "update", "generate", "score")
     print(f"{'seconds':<30}" + "".join(f"{k:>9}" for k in keys) + f"{'busy cores':>11}")
-    for s, name in ((0, "serial (rl.staleness=0)"), (1, "overlapped (rl.staleness=1)")):
+    for s in modes:
+        name = "serial (rl.staleness=0)" if s == 0 else f"rl.staleness={s}"
         print(f"{name:<30}" + "".join(f"{median(s, k):9.3f}" for k in keys)
               + f"{np.median(busy[s]):11.2f}")
     print(f"{'ideal max(gen, score + upd)':<30}{ideal:9.3f}  (parts from the serial runs)")
-    print(f"overlapped / serial: {overlapped / serial:.2f}x")
-    print(f"overlapped / ideal:  {overlapped / ideal:.2f}x  (target <= 1.15x)")
+    for s in modes[1:]:
+        print(f"rl.staleness={s}: serial / it {serial / median(s, 'step'):.2f}x (speed-up), "
+              f"it / ideal {median(s, 'step') / ideal:.2f}x (target <= 1.15x)")
 
 
 def _busy_s() -> float:

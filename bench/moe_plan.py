@@ -11,6 +11,9 @@ dense matmul over all experts, whose buffers say nothing about a GPU or TPU.
         --meshes '[{"sequence": 8}, {"sequence": 4, "expert": 2}]'
     python bench/moe_plan.py --model kimi-k2 --seq 4096 --batch 256 \
         --meshes '[{"expert": 64, "fsdp": 4}, {"expert": 64, "fsdp": 8}]'
+
+Given meshes only; the mesh search over every axis, the expert one included, is
+`python -m launch.plan --config=configs/moe_plan.py[:kimi-k2] --search`.
 """
 
 import argparse
@@ -19,17 +22,8 @@ import math
 import os
 import sys
 
-MODELS = {
-    "qwen3-30b-a3b": dict(
-        vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
-        d_ff=6144, qk_norm=True, n_experts=128, n_experts_per_token=8, d_ff_expert=768,
-        norm_topk_prob=True, rope_theta=1e6, max_position_embeddings=40960),
-    "kimi-k2": dict(
-        vocab_size=163840, d_model=7168, n_layers=61, n_heads=64, n_kv_heads=8, head_dim=128,
-        d_ff=18432, n_experts=384, n_experts_per_token=8, d_ff_expert=2048, n_shared_experts=1,
-        dense_layers=(0,), norm_topk_prob=True, rope_theta=50000.0,
-        max_position_embeddings=131072),
-}
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from configs.moe_plan import MODELS  # noqa: E402 (the shapes, as launch.plan's search uses them)
 
 
 def main():
@@ -43,7 +37,6 @@ def main():
     devices = max(math.prod(m.values()) for m in meshes)
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import ml_collections
     from ptrain import model as model_lib
     from ptrain import moe

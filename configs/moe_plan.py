@@ -14,11 +14,12 @@ or TPU.
 Command:  python -m launch.plan --config=configs/moe_plan.py --search
           python -m launch.plan --config=configs/moe_plan.py:kimi-k2 --search
           (--config.budget_gib=141 for H200; the default 95 is TPU v5p)
-Hardware: any CPU (it simulates the devices); a Qwen3-30B-A3B compile takes about 75 s on 2
-          idle cores, a Kimi-K2 one 2-3 min (see docs/benchmarks.md for the measured runs).
-Expected: Qwen3-30B-A3B, one 32,768-token sequence: 8 devices fit both budgets (peak about
-          72 GiB). Kimi-K2, 256 sequences of 4096 tokens: 256 devices with expert=64 (about
-          93 GiB per device); 128 do not fit. docs/benchmarks.md has what the search printed.
+Hardware: any CPU (it simulates the devices). On 2 shared cores (load 6-25) the Qwen3
+          search took 19 min, the Kimi-K2 one 31 min (compiles of 1-14 min each).
+Expected: Qwen3-30B-A3B, one 32,768-token sequence: 8 devices (sequence=4 x tensor=2, peak
+          72.1 GiB) for both budgets; 4 need 142.9 GiB. Kimi-K2, 256 sequences of 4096
+          tokens: 256 devices (fsdp=2 x expert=128, 93.1 GiB per device); 128 need 164.3
+          GiB. docs/benchmarks.md has every compile the searches made.
 """
 
 from ptrain import config as config_lib

@@ -104,9 +104,11 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         # values), a multiple of sampling.num_samples (verl's log_prob_micro_batch_size);
         # 0: the whole batch in one pass.
         logprob_microbatch_size=0,
-        # 0: on-policy. 1: batch t is scored (in the sandbox) while batch t+1 is generated
-        # from the same parameters, so batch t+1 trains one update late; needs a producer
-        # with separate generate/score (see `learner.train`) and tis_cap > 0 to correct it.
+        # 0: on-policy. k >= 1: generation runs k batches ahead of the learner (batch t+k is
+        # generated at step t from its parameters; each batch is scored in a thread
+        # meanwhile), so a batch trains up to k updates late (`ptrain.lookahead`); needs a
+        # producer with separate generate/score (see `learner.train`), and tis_cap > 0 to
+        # correct the lag (required from k = 2).
         staleness=0,
         # MoE: train with the experts the sampler routed each token to (R3), not the
         # learner's own top-k; needs a producer that records routing (single-turn,
@@ -299,13 +301,14 @@ def _check_values(config):
          config else "dapo.overlong_max_len or sampling.max_new_tokens") + ")"),
         (config.kl.target == 0 or config.kl.in_reward,
          "kl.target (adaptive KL) applies to the KL in the reward: set kl.in_reward=True"),
-        (rl.staleness in (0, 1), "rl.staleness must be 0 (on-policy) or 1 (overlapped)"),
+        (isinstance(rl.staleness, int) and rl.staleness >= 0,
+         f"rl.staleness={rl.staleness!r} must be an int >= 0 (0: on-policy)"),
+        (rl.staleness < 2 or rl.tis_cap > 0,
+         f"rl.staleness={rl.staleness} trains batches up to {rl.staleness} updates late: set "
+         "rl.tis_cap > 0 (truncated importance weights against the sampler's log-probs)"),
         (rl.staleness == 0 or not config.dapo.dynamic_sampling,
          "dynamic sampling needs the rewards before the next batch is drawn: set "
          "rl.staleness=0 or dapo.dynamic_sampling=False"),
-        (not (rl.router_replay and s.engine),
-         "rl.router_replay needs the sampler's recorded routing, which the rollout engine does "
-         "not record yet: set sampling.engine=False"),
     ]
     _raise_first(checks)
     _check_mesh_sizes(config, _fixed_mesh(config.mesh))

@@ -78,6 +78,9 @@ class Trajectory:
     turns: list = dataclasses.field(default_factory=list)  # each turn's token ids
     finish_reasons: list = dataclasses.field(default_factory=list)  # per turn
     tool_wait_s: float = 0.0
+    # MoE (record_routing): the experts [tokens run, MoE layers, k] of each token the model
+    # ran, as it ran them (a final observation that was not run has none)
+    experts: np.ndarray | None = None
 
     def completion(self, turn: int = -1) -> list[int]:
         return self.turns[turn]
@@ -132,7 +135,7 @@ class Engine:
                  stop_check_every: int = 16, pad_id: int = 0, prefill_rows: int = 8,
                  token_buckets: Sequence[int] | None = None, decode_dtype: str | None = None,
                  mesh=None, tool_threads: int = 16, sync_every: int = 32,
-                 refill_rows: int | None = None):
+                 refill_rows: int | None = None, record_routing: bool = False):
         c = model.config
         checks = [
             (slots >= 1 and max_new_tokens >= 1, "slots and max_new_tokens must be >= 1"),
@@ -145,6 +148,8 @@ class Engine:
              f"stop_token_ids must be in [0, {c.vocab_size})"),
             (decode_dtype in (None, "float32", "bfloat16"),
              f"decode_dtype must be None, float32 or bfloat16, got {decode_dtype!r}"),
+            (not record_routing or c.n_experts > 0,
+             "record_routing needs a model with experts (n_experts > 0)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -167,7 +172,8 @@ class Engine:
             lambda: model_lib.Transformer(dc, rngs=nnx.Rngs(0), mesh=None)))
         self.params = None  # the decode copy (decode_dtype set) after sync_weights
         self.state = kv_slots.init_state(c if decode_dtype is None else dc, self.slots,
-                                         self.max_len, self.max_new_tokens)
+                                         self.max_len, self.max_new_tokens,
+                                         record_routing=record_routing)
         self.threads = concurrent.futures.ThreadPoolExecutor(max_workers=tool_threads)
         self._metrics = collections.Counter()
         self._queue_max = collections.Counter()
@@ -460,7 +466,12 @@ class _Run:
                 self.tools[future] = (row, traj, req, time.perf_counter())
 
     def _release(self, traj):
-        self.free.append(self.row_of.pop(id(traj)))
+        row = self.row_of.pop(id(traj))
+        s = self.e.state
+        if "experts_nslk" in s:  # the slot's routing, before another sequence takes it
+            experts, index = jax.device_get((s["experts_nslk"][row], s["index_n"][row]))
+            traj.experts = np.asarray(experts[:int(index)])
+        self.free.append(row)
 
     # -- tools: observations come back in any order; each is appended to its own slot
     def _collect_tools(self, block: bool):

@@ -20,6 +20,7 @@ import numpy as np
 from ptrain import chat
 from ptrain import model as model_lib
 from ptrain import rewards as rewards_lib
+from ptrain import routing
 from ptrain import sampler as sampler_lib
 from ptrain import turns
 from ptrain.engine import Engine, Request, Trajectory, buckets
@@ -30,8 +31,8 @@ class EngineSampler:
     `engine()`). Request i of a `sample` call draws from fold_in(key, i): greedy outputs
     equal the static sampler's, sampled ones come from other (per-request) randomness.
     top-k / top-p are not supported yet (the engine records the log-prob at the sampling
-    temperature only without them), nor is recording an MoE model's routing
-    (`Samples.experts` stays None)."""
+    temperature only without them). An MoE model's routing is recorded as the engine ran
+    each token (`Samples.experts`, `prompt_experts`; `Trajectory.experts`)."""
 
     def __init__(self, model: model_lib.Transformer, *, slots: int = 32, seed: int = 0,
                  pad_id: int = 0, decode: Callable | None = None, stop_check_every: int = 16):
@@ -53,7 +54,7 @@ class EngineSampler:
                 temperature=temperature, greedy=greedy, stop_token_ids=stop_token_ids,
                 stop_strings=stop_strings, decode=self.decode,
                 stop_check_every=self.stop_check_every, pad_id=self.pad_id,
-                token_buckets=settings[7])
+                token_buckets=settings[7], record_routing=self.model.config.n_experts > 0)
         return self.engines[settings]
 
     def run(self, params, requests: Sequence[Request], *, max_len: int, max_new_tokens: int,
@@ -75,7 +76,10 @@ class EngineSampler:
                prompt_len: int | None = None, batch_size: int | None = None,
                record_routing: bool | None = None, shared: bool = False):
         del batch_size  # the engine's rows are its slots
-        _check(top_k, top_p, shared=shared, record_routing=record_routing)
+        _check(top_k, top_p, shared=shared)
+        if record_routing and not self.model.config.n_experts:
+            raise ValueError("EngineSampler: record_routing needs a model with experts "
+                             "(n_experts > 0)")
         if key is None:
             self.key, key = jax.random.split(self.key)
         longest = max(len(p) for p in prompts)
@@ -97,14 +101,33 @@ class EngineSampler:
             k = len(t.turns[0])
             tokens[r, :k] = t.turns[0]
             logp[r, :k], logp_t1[r, :k] = t.logp[t.prompt_len:], t.logp_t1[t.prompt_len:]
+        experts = prompt_experts = None
+        if trajs and trajs[0].experts is not None and record_routing is not False:
+            experts, prompt_experts = _routing(trajs, len(prompts), prompt_len, max_new_tokens)
         # Without top-k / top-p the sampled-from distribution is logits / temperature; greedy
         # rows have no temperature (as the static sampler's).
         return sampler_lib.Samples(
+            experts=experts, prompt_experts=prompt_experts,
             tokens=tokens, logp=logp, logp_temp=logp_t1.copy() if greedy else logp.copy(),
             logp_t1=logp_t1, lengths=np.array([len(t.turns[0]) for t in trajs], np.int32),
             finish_reasons=["length" if t.finish_reasons[0] == "max_len" else
                             t.finish_reasons[0] for t in trajs],
             prompt_index=np.array([t.request for t in trajs], np.int32))
+
+
+def _routing(trajs, n_prompts, prompt_len, max_new_tokens):
+    """`Samples.experts` [rows, max_new_tokens, MoE layers, k] (0 after a row's length) and
+    `prompt_experts` [prompts, prompt_len, ...] (left-padded, -1 on padding) of single-turn
+    trajectories."""
+    shape = trajs[0].experts.shape[1:]
+    experts = np.zeros((len(trajs), max_new_tokens, *shape), np.int16)
+    prompt_experts = np.full((n_prompts, prompt_len, *shape), routing.UNRECORDED, np.int16)
+    for r, t in enumerate(trajs):
+        turn = t.experts[t.prompt_len:]
+        experts[r, :len(turn)] = turn
+        if t.sample == 0:
+            prompt_experts[t.request, prompt_len - t.prompt_len:] = t.experts[:t.prompt_len]
+    return experts, prompt_experts
 
 
 def run_episodes(sampler: EngineSampler, params, episodes, prompts, key, tokenizer, fmt, c,
@@ -159,10 +182,14 @@ def run_episodes(sampler: EngineSampler, params, episodes, prompts, key, tokeniz
                         on_turn=on_turn, max_len=len(prompt) + c.max_len)
                 for i, prompt in enumerate(prompts)]
     longest = max(map(len, prompts))
-    sampler.run(params, requests, max_len=max(16, 1 << (longest - 1).bit_length()) + c.max_len,
-                max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k,
-                top_p=c.top_p, greedy=c.greedy, stop_token_ids=stop_ids,
-                stop_strings=stop_strings)
+    trajs = sampler.run(params, requests,
+                        max_len=max(16, 1 << (longest - 1).bit_length()) + c.max_len,
+                        max_new_tokens=c.max_new_tokens, temperature=c.temperature,
+                        top_k=c.top_k, top_p=c.top_p, greedy=c.greedy,
+                        stop_token_ids=stop_ids, stop_strings=stop_strings)
+    for traj in trajs:  # MoE: each token's experts as the engine ran it (`routing.pack`)
+        if traj.experts is not None:
+            episodes[traj.request * c.num_samples + traj.sample].routing = [traj.experts]
 
 
 def logp_temp(traj: Trajectory, greedy: bool) -> list[float]:
@@ -171,13 +198,10 @@ def logp_temp(traj: Trajectory, greedy: bool) -> list[float]:
     return traj.logp_t1 if greedy else traj.logp
 
 
-def _check(top_k, top_p, *, shared=False, record_routing=None):
+def _check(top_k, top_p, *, shared=False):
     if shared or jax.process_count() > 1:
         raise ValueError("sampling.engine runs on one process only; set "
                          "sampling.engine=False for a multi-process run")
-    if record_routing:
-        raise ValueError("sampling.engine: the engine does not record MoE routing yet; "
-                         "set sampling.engine=False for router replay")
     if top_k or top_p < 1.0:
         raise ValueError("sampling.engine: top_k / top_p are not supported by the engine "
                          "yet; set sampling.engine=False or top_k=0, top_p=1.0")

@@ -23,7 +23,13 @@ Row ids equal to N are padding: reads clip, writes drop. Decode gathers only the
 runs (a bucket of the live ones), once per call, so slots waiting on a tool, and empty
 slots, cost nothing. A decode step runs the model's own layer functions
 (`model.layer_qkv`, `model.layer_out`) around its cache write and attention; extend runs
-`model.hidden` on the rows' cache in the model's layout.
+`model.forward` on the rows' cache in the model's layout.
+
+A mixture-of-experts model's routing is recorded where the state has `experts_nslk`
+(`init_state(record_routing=True)`): the experts each cache position's token was sent to in
+every MoE layer, written by the forward that consumed it (extend for prompts and
+observations, the decode step for sampled tokens), so a slot's positions 0..index-1 hold
+its sequence's routing as the engine ran it.
 
 Every sampled token's randomness comes from its sequence's key folded with its index in the
 sequence (one uniform, inverse-CDF), so what a request samples does not depend on its slot,
@@ -42,7 +48,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ptrain import model as model_lib
+from ptrain import moe
 from ptrain import sampler as sampler_lib
+
+ROUTING_DTYPE = sampler_lib.ROUTING_DTYPE
 
 RUNNING, STOP, LENGTH = 0, 1, 2
 
@@ -71,15 +80,21 @@ def cache_layout(max_len: int, block: int = 128) -> tuple[int, int]:
 
 
 def init_state(config: model_lib.ModelConfig, slots: int, max_len: int,
-               max_new_tokens: int) -> dict:
+               max_new_tokens: int, *, record_routing: bool = False) -> dict:
     """N empty slots of `max_len` cache positions; turn outputs up to `max_new_tokens`.
 
     Keys and values are slot-major and head-major, [layers, slots, kv heads, positions,
-    head dim]: a decode step's attention reads them as they lie (no transposed copy)."""
+    head dim]: a decode step's attention reads them as they lie (no transposed copy).
+    record_routing (a MoE model): each position's experts, [slots, positions, MoE layers,
+    k] int16."""
     n, m = slots, max_new_tokens
     s, _ = cache_layout(max_len)
     shape = (config.n_layers, n, config.n_kv_heads, s, config.head_dim)
-    return {
+    routing = {}
+    if record_routing:
+        routing["experts_nslk"] = jnp.zeros(
+            (n, s, moe.n_moe_layers(config), config.n_experts_per_token), ROUTING_DTYPE)
+    return {**routing,
         "k_lnkse": jnp.zeros(shape, config.dtype),
         "v_lnkse": jnp.zeros(shape, config.dtype),
         "index_n": jnp.zeros(n, jnp.int32),  # the next cache position to write (the length)
@@ -135,8 +150,12 @@ def extend(params, state, rows_r, tokens_rt, lengths_r, reset_r, limit_r, key_r2
                               (slots_rs < index_r[:, None]).astype(jnp.int32), index_r)
     positions_rt = index_r[:, None] + jnp.arange(t, dtype=jnp.int32)
     seg_rt = (jnp.arange(t)[None, :] < lengths_r[:, None]).astype(jnp.int32)
-    h_rtd, cache = model.hidden(tokens_rt, positions_rt, seg_rt, cache)
+    h_rtd, cache, routing = model.forward(tokens_rt, positions_rt, seg_rt, cache)
     h_rd = h_rtd[jnp.arange(r), jnp.maximum(lengths_r - 1, 0)]
+    if "experts_nslk" in sub:  # each appended token's experts at its cache position
+        at_rt = jnp.where(seg_rt > 0, positions_rt, s)  # s: dropped
+        sub["experts_nslk"] = sub["experts_nslk"].at[jnp.arange(r)[:, None], at_rt].set(
+            jnp.moveaxis(routing.experts_lbtk, 0, 2).astype(ROUTING_DTYPE), mode="drop")
     logits_rv = jnp.einsum("rd,vd->rv", h_rd, model.unembedding_vd(),
                            preferred_element_type=jnp.float32)
     sub.update(
@@ -209,10 +228,15 @@ def decode(params, state, rows_b, max_steps, refill_at, min_live, *, graphdef,
 
         stopped_b = live_b & jnp.isin(tok_b, stop_ids)
         full_b = live_b & ~stopped_b & (s["count_n"] + 1 >= s["limit_n"])
-        logits_bv, k, v = decode_step(model, tok_b, s["index_n"], live_b, s["k_lnkse"],
-                                      s["v_lnkse"], block)
+        logits_bv, k, v, experts_blk = decode_step(model, tok_b, s["index_n"], live_b,
+                                                   s["k_lnkse"], s["v_lnkse"], block)
+        routing = {}
+        if "experts_nslk" in s:  # the sampled token's experts at its cache position
+            at_b = jnp.where(live_b, s["index_n"], s["experts_nslk"].shape[1])
+            routing["experts_nslk"] = s["experts_nslk"].at[jnp.arange(b), at_b].set(
+                experts_blk.astype(ROUTING_DTYPE), mode="drop")
         new = dict(
-            s, k_lnkse=k, v_lnkse=v, index_n=s["index_n"] + live_b, logits_nv=logits_bv,
+            s, **routing, k_lnkse=k, v_lnkse=v, index_n=s["index_n"] + live_b, logits_nv=logits_bv,
             gen_n=s["gen_n"] + live_b, count_n=s["count_n"] + live_b,
             live_n=live_b & ~stopped_b & ~full_b,
             reason_n=jnp.where(stopped_b, STOP, jnp.where(full_b, LENGTH, s["reason_n"])),
@@ -231,7 +255,8 @@ def decode_step(model, tok_b, pos_b, live_b, k_lbkse, v_lbkse, block: int):
     model.layer_out), the row's keys and values written at cache position pos_b and its
     query attending to positions 0..pos_b, in blocks of `block` positions up to the
     furthest live row's (a short row costs only the blocks the longest one needs).
-    Returns (logits [b, v] float32, k, v)."""
+    Returns (logits [b, v] float32, k, v, the MoE layers' experts [b, MoE layers, k] or
+    None)."""
     c = model.config
     rope = model_lib.rope_tables(c)
     b = tok_b.shape[0]
@@ -239,6 +264,7 @@ def decode_step(model, tok_b, pos_b, live_b, k_lbkse, v_lbkse, block: int):
     n_blocks = jnp.max(jnp.where(live_b, pos_b, 0)) // block + 1
     valid_b1 = live_b[:, None].astype(jnp.int32)
     x_b1d = model.embed_tokens(tok_b[:, None])
+    experts = []  # per MoE stage: [its layers, b, k]
     for is_moe, lo, hi, _, p in model.stages():
         def layer(carry, xs, is_moe=is_moe):
             x_b1d, k_all, v_all = carry
@@ -251,16 +277,19 @@ def decode_step(model, tok_b, pos_b, live_b, k_lbkse, v_lbkse, block: int):
             v_all = v_all.at[l, rows_b, :, pos_b].set(v_b1ke[:, 0].astype(v_all.dtype),
                                                       mode="drop")
             o_bhe = _attend(q_b1he[:, 0], k_all, v_all, l, pos_b, n_blocks, block)
-            x_b1d, _ = model_lib.layer_out(w, x_b1d, o_bhe[:, None], c=c, mesh=None,
-                                           valid_bt=valid_b1, is_moe=is_moe)
-            return (x_b1d, k_all, v_all), None
+            x_b1d, stats = model_lib.layer_out(w, x_b1d, o_bhe[:, None], c=c, mesh=None,
+                                               valid_bt=valid_b1, is_moe=is_moe)
+            return (x_b1d, k_all, v_all), (stats["experts_btk"][:, 0] if is_moe else None)
 
-        (x_b1d, k_lbkse, v_lbkse), _ = jax.lax.scan(
+        (x_b1d, k_lbkse, v_lbkse), e_lbk = jax.lax.scan(
             layer, (x_b1d, k_lbkse, v_lbkse), (p, jnp.arange(lo, hi)))
+        if is_moe:
+            experts.append(e_lbk)
     h_bd = model_lib.rms_norm(x_b1d[:, 0], model.final_norm[...].astype(c.dtype), c.rms_eps)
     logits_bv = jnp.einsum("bd,vd->bv", h_bd, model.unembedding_vd(),
                            preferred_element_type=jnp.float32)
-    return logits_bv, k_lbkse, v_lbkse
+    experts_blk = jnp.moveaxis(jnp.concatenate(experts), 0, 1) if experts else None
+    return logits_bv, k_lbkse, v_lbkse, experts_blk
 
 
 def _attend(q_bhe, k_lbkse, v_lbkse, l, pos_b, n_blocks, block: int):

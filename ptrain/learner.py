@@ -29,7 +29,6 @@ completion lengths, batch sizes), so every program compiles once.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -48,6 +47,7 @@ from ptrain import config as config_lib
 from ptrain import critic as critic_lib
 from ptrain import data as data_lib
 from ptrain import jsonl
+from ptrain import lookahead as lookahead_lib
 from ptrain import losses
 from ptrain import metrics as metrics_lib
 from ptrain import model as model_lib
@@ -233,8 +233,9 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     producer: a `rollout.Producer`, `generate(params, records, key)` (the device part:
       sampling, tool calls) and `score(generated) -> Batch` (rewards, verdicts from the
       sandbox); records are one batch of data.prompts_per_step prompt records. With
-      rl.staleness=1, batch t is scored in a thread while batch t+1 is generated, so the
-      accelerator does not wait for the sandbox. Default: `rollout.SingleTurn` with
+      rl.staleness=k > 0, batch t+k is generated at step t and each batch is scored in a
+      thread meanwhile, so the accelerator does not wait for the sandbox
+      (`ptrain.lookahead`). Default: `rollout.SingleTurn` with
       config.reward_fn.
     rollout_fn(params, records, key) -> Batch: instead of a producer, one function
       (`rollout.FromFunction`).
@@ -250,7 +251,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     if rollout_fn is not None and producer is not None:
         raise ValueError("give rollout_fn or producer, not both")
     if c.rl.staleness and rollout_fn is not None:
-        raise ValueError("rl.staleness=1 overlaps scoring with generation: pass a producer "
+        raise ValueError("rl.staleness > 0 overlaps scoring with generation: pass a producer "
                          "with separate generate() and score() (the default, "
                          "rollout.SingleTurn, has them), not one rollout_fn")
     if rollout_fn is not None:
@@ -277,27 +278,31 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        max_to_keep=c.checkpoint.keep,
                                        async_save=c.checkpoint.async_save)
-    # With staleness 1 a checkpoint of step t also holds the parameters batch t+1 is generated
-    # from (those before update t), so that a resumed run generates the very batch the
-    # uninterrupted one did (the data state saved is the one before batch t+1 was drawn).
-    aux = {**({"critic": critic} if critic else {}),
-           **({"ahead_params": params} if c.rl.staleness else {})}
-    start, data_state, ahead_params = 0, None, params
+    # With staleness k a checkpoint of step t also holds the parameters batches t+1 .. t+k
+    # were generated from, so that a resumed run generates the very batches the
+    # uninterrupted one did (`ptrain.lookahead`).
+    k = c.rl.staleness
+    aux = {"critic": critic} if critic else {}
+    start, data_state, ahead_params = 0, None, [params] * min(k, c.steps)
     monitor = alerts_lib.Monitor(alerts_lib.AlertConfig.from_config(c.alerts))
     if ckpt.latest_step() is not None:
+        if k:
+            aux["ahead_params"] = lookahead_lib.restore_template(params, k, ckpt.latest_step(),
+                                                                 c.steps)
         restored = ckpt.restore(params=params, opt_state=opt_state, rng=root_key,
-                                aux_state=aux or None)
+                                aux_state={n: v for n, v in aux.items() if v} or None)
         start, params, opt_state = restored.step, restored.params, restored.opt_state
         critic = restored.aux_state.get("critic")
-        ahead_params = restored.aux_state.get("ahead_params")
+        saved = restored.aux_state.get("ahead_params") or {}
+        ahead_params = [saved[str(j)] for j in range(len(saved))]
         data_state = restored.data_state
         kl_ctl = dataclasses.replace(kl_ctl, value=restored.extra["kl_coef"])
         monitor.restore(restored.extra.get("alerts"))
         logging.info("resumed from step %d", start)
     batches = prompts.iterator(data_state)
     writer = metrics_lib.MetricsWriter(workdir, total_steps=c.steps, start_step=start)
-    scorer = concurrent.futures.ThreadPoolExecutor(1) if c.rl.staleness else None
-    ahead = None  # staleness 1: batch t+1, generated while batch t is scored
+    ahead = (lookahead_lib.LookAhead(k, producer, batches, root_key, steps=c.steps,
+                                     save_every=c.checkpoint.every) if k else None)
 
     watchdog = alerts_lib.Watchdog(c.alerts.stall_minutes, c.alerts.stall).start()
     try:
@@ -310,21 +315,16 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
             # batch and says when it is full (with DAPO dynamic sampling, groups whose rewards
             # are all equal carry no signal: more prompts until it holds informative ones).
             collector = batch_lib.Collector(c, mesh=learner.mesh)
-            if c.rl.staleness:
-                # Batch t was generated last step (from the parameters before that update);
-                # score it while batch t+1 is generated from the current parameters.
-                if ahead is None:  # the first step of a run (or of a resumed run)
-                    ahead = producer.generate(ahead_params, next(batches), key)
+            stale_metrics = {}
+            if k:
+                # Batch t was generated k steps ago (scored since, in a thread); batch t+k is
+                # generated now, from the current parameters.
+                if step == start + 1:  # the first step of a run (or of a resumed run)
+                    ahead.start(step, ahead_params)
                     ahead_params = None
-                saving = step % c.checkpoint.every == 0 or step == c.steps
-                # (A copy: `params` are donated to the update.)
-                behind = jax.tree.map(jnp.copy, params) if saving else None
-                scoring = scorer.submit(producer.score, ahead)
-                data_state = batches.get_state()  # batch t drawn, t+1 not yet
-                if step < c.steps:
-                    ahead = producer.generate(params, next(batches),
-                                              jax.random.fold_in(root_key, step + 1))
-                collector.add(scoring.result())
+                scored = ahead.next(step, params)
+                stale_metrics = lookahead_lib.metrics(scored, step, k)
+                collector.add(scored)
             else:
                 while collector.wants_more():
                     generated = producer.generate(params, next(batches),
@@ -352,7 +352,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
 
             # ------------------------------------------------------------ log
             step_metrics = {
-                **gen_metrics, **prep_metrics, **critic_metrics, **upd_metrics,
+                **gen_metrics, **stale_metrics, **prep_metrics, **critic_metrics, **upd_metrics,
                 "optim/lr": float(learner.schedule(step - 1)), "kl/coef": kl_ctl.value,
                 "time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/step_s": t2 - t0,
             }
@@ -363,21 +363,23 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                 writer.write_rollouts(step, batch_lib.rollout_samples(episodes, c.log.num_rollouts))
 
             # ------------------------------------------------------------ checkpoint
-            # (With staleness 1 the saved data state is the one before batch t+1 was drawn: a
-            # resumed run draws it again and generates it from `behind`, as this run did.)
+            # (With staleness k the saved data state is the one before batch t+1 was drawn: a
+            # resumed run draws it again and generates t+1 .. t+k as this run did.)
             alerts_lib.raise_on_stop(fired)  # before this step's checkpoint: the last is good
             watchdog.beat(step)
             if step % c.checkpoint.every == 0 or step == c.steps:
-                aux = {**({"critic": critic} if critic else {}),
-                       **({"ahead_params": behind} if c.rl.staleness else {})}
+                aux = {"critic": critic} if critic else {}
+                if k:
+                    data_state, aux["ahead_params"] = ahead.state()
+                aux = {n: v for n, v in aux.items() if v}
                 ckpt.save(step, params=params, opt_state=opt_state, rng=root_key,
                           data_state=data_state, aux_state=aux or None,
                           extra={"kl_coef": kl_ctl.value, "alerts": monitor.state()})
 
     finally:
         watchdog.close()
-    if scorer is not None:
-        scorer.shutdown()
+    if ahead is not None:
+        ahead.close()
     ckpt.wait()
     ckpt.close()
     writer.plot()

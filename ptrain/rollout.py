@@ -3,8 +3,8 @@ calls run in the sandbox, and retries.
 
 One protocol, `Producer`: `generate(params, records, key)` is the device part (sampling,
 tool calls), `score(generated) -> batch.Batch` the host part (rewards or sandbox verdicts,
-packing). `learner.train` draws every batch through one; with rl.staleness=1 it scores batch
-t in a thread while batch t+1 is generated. Three producers:
+packing). `learner.train` draws every batch through one; with rl.staleness=k it scores
+each batch in a thread while the next ones are generated. Three producers:
 
   SingleTurn    G samples per prompt record, scored by `reward_fn(record, completion_ids,
                 completion_text)` (the learner's default, `config.reward_fn`)

@@ -376,8 +376,8 @@ def update(params, opt_state, batch, kl_coef, *, graphdef, s: StepSettings, tx, 
     grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef, s=s),
                                  has_aux=True)
 
-    model_config = nnx.merge(graphdef, params).config
-    totals = (s.kind != "critic" and k > 1 and model_config.n_experts > 0
+    model_config = None if s.kind == "critic" else nnx.merge(graphdef, params).config
+    totals = (model_config is not None and k > 1 and model_config.n_experts > 0
               and model_config.router_loss_scope == "global")
 
     def minibatch(carry, i):
@@ -402,6 +402,14 @@ def update(params, opt_state, batch, kl_coef, *, graphdef, s: StepSettings, tx, 
 
     order = jnp.tile(jnp.arange(m), s.epochs)
     (params, opt_state), metrics = jax.lax.scan(minibatch, (params, opt_state), order)
+    if mesh is not None:
+        # Out as they came in (sharded by their `axes`): left to the partitioner, some come
+        # out sharded otherwise (norm scales over fsdp), and every program that takes them
+        # (sampler, prepare, this update) would compile a second time at step 2.
+        shardings = sharding.state_shardings(params, mesh)
+        params = jax.lax.with_sharding_constraint(params, shardings)
+        opt_state = jax.lax.with_sharding_constraint(
+            opt_state, opt_state_shardings(tx, params, shardings, mesh))
     return params, opt_state, jax.tree.map(lambda v: v.mean(0), metrics)
 
 

@@ -170,7 +170,8 @@ def learner_program(workdir: str, phases=("sft", "rl")) -> dict:
     from ptrain import learner as L
     mesh = sharding.make_mesh(fsdp=-1)
     out = {}
-    params = nnx.state(L.build_model(_toy_config(), mesh))
+    if "sft" in phases or "rl" in phases:
+        params = nnx.state(L.build_model(_toy_config(), mesh))
     if "sft" in phases:
         c = _toy_config(**{"sft.records_fn": sft_records, "sft.steps": 2, "sft.batch_size": 16,
                            "checkpoint.every": 2})
@@ -180,9 +181,7 @@ def learner_program(workdir: str, phases=("sft", "rl")) -> dict:
         params = L.sft(c, d, mesh=mesh, params=_copy(params))  # resumed at step 2
         out["sft"] = {"metrics": _run_metrics(d), "params": sharding.to_host(params)}
     if "rl" in phases:
-        c = _toy_config(**{"steps": 2, "checkpoint.every": 1, "dapo.dynamic_sampling": True,
-                           "dapo.max_gen_batches": 3, "kl.coef": 0.01,
-                           "sampling.num_samples": 4})
+        c = _rl_config(steps=2)
         d = os.path.join(workdir, "rl")
         L.train(c, d, params=_copy(params), mesh=mesh)
         c.steps = 3
@@ -191,6 +190,75 @@ def learner_program(workdir: str, phases=("sft", "rl")) -> dict:
     if "multiturn" in phases:
         out["multiturn"] = multiturn_program(os.path.join(workdir, "multiturn"))
     return out
+
+
+def _rl_config(steps):
+    """learner_program's RL phase: GRPO with DAPO dynamic sampling and KL, a checkpoint a step."""
+    return _toy_config(**{"steps": steps, "checkpoint.every": 1, "dapo.dynamic_sampling": True,
+                          "dapo.max_gen_batches": 3, "kl.coef": 0.01, "sampling.num_samples": 4})
+
+
+KILL_POINTS = ("generate", "score", "update", "save")
+
+
+def rl_killed_program(workdir: str, params, victim: int = -1, point: str = "") -> dict:
+    """learner_program's RL phase for 3 steps from `params` (whole, on the host), resuming
+    from the latest checkpoint in `workdir`. Process `victim` SIGKILLs itself in step 3, at
+    `point`: entering the generation, at its first reward, entering the update, or entering
+    the checkpoint save (after the step's metrics are written); it first writes
+    `<workdir>/killed<process>`. Returns the step the run resumed from, process 0's metrics
+    and the final parameters (whole)."""
+    import os
+    import signal
+
+    from flax import nnx
+
+    from ptrain import checkpoint
+    from ptrain import learner as L
+    from ptrain import rollout
+    mesh = sharding.make_mesh(fsdp=-1)
+    c = _rl_config(steps=3)
+    like = nnx.state(L.build_model(_toy_config(), mesh))
+    params = jax.tree.map(lambda host, x: jax.make_array_from_callback(
+        x.shape, x.sharding, lambda index: host[index]), params, like)
+    updates = [0]  # updates finished: the step under way is updates[0] + 1
+
+    def die(where, step):
+        if jax.process_index() == victim and where == point and step == 3:
+            with open(os.path.join(workdir, f"killed{victim}"), "w") as f:
+                f.write(point)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    generate, update, save, reward = (rollout.SingleTurn.generate, L.Learner.update,
+                                      checkpoint.Checkpointer.save, c.reward_fn)
+
+    def generate_(self, *args, **kwargs):
+        die("generate", updates[0] + 1)
+        return generate(self, *args, **kwargs)
+
+    def update_(self, *args, **kwargs):
+        die("update", updates[0] + 1)
+        out = update(self, *args, **kwargs)
+        updates[0] += 1
+        return out
+
+    def save_(self, step, **kwargs):
+        die("save", step)
+        return save(self, step, **kwargs)
+
+    def reward_(*args):
+        die("score", updates[0] + 1)
+        return reward(*args)
+
+    rollout.SingleTurn.generate, L.Learner.update = generate_, update_
+    checkpoint.Checkpointer.save = save_
+    c.reward_fn = reward_
+    os.makedirs(workdir, exist_ok=True)
+    with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
+        start = ckpt.latest_step() or 0
+    params = L.train(c, workdir, params=params, mesh=mesh)
+    return {"start": start, "metrics": _run_metrics(workdir),
+            "params": sharding.to_host(params)}
 
 
 PATTERNS = ("[a-f]", "[0-9]", "[g-p]", "[q-z]", "[A-M]", "[:=]", "[N-Z]", "[(]")

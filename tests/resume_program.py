@@ -8,15 +8,15 @@ run. It prints the kill points and how each child ended as JSON.
 
 A kill point is (step, phase); the phases, in the order a step reaches them:
 
-  generate  a producer.generate call begins (with staleness 1: batch STEP + 1, generated
-            while batch STEP is scored; at a run's first step also batch STEP)
-  score     a producer.score call begins (with staleness 1 in the scoring thread)
+  generate  a producer.generate call begins (with staleness k: batch STEP + k; at a run's
+            first step also batches STEP .. STEP + k - 1)
+  score     a producer.score call begins (with staleness k in the scoring thread)
   update    the PPO update of STEP begins
   write     the metrics of STEP have been written
   save      the checkpoint of STEP has been started (async: its arrays are being written)
 
 The producer is the learner's default, `rollout.SingleTurn` (sample on the device, grpo_toy's
-reward on the host), which rl.staleness=1 overlaps as the closed loop does.
+reward on the host), which rl.staleness=k overlaps as the closed loop does.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ def config(staleness: int, steps: int):
     c = grpo_toy.get_config()
     c.steps = steps
     c.rl.staleness = staleness
+    if staleness > 1:
+        c.rl.tis_cap = 2.0  # the importance correction staleness k > 1 needs
     c.checkpoint.update(every=EVERY, keep=1)
     c.log.rollouts_every = 3
     c.data.prompts_per_step = 4
@@ -112,14 +114,16 @@ def _killing(workdir, phase, kill_step):
     return Killing
 
 
-def kill_points(seed, steps, kills):
+def kill_points(seed, steps, kills, staleness):
     """`kills` (step, phase) points at distinct, increasing steps below the last (a step's
-    generate runs ahead); "save" only at checkpoint steps. Each restart resumes from a
-    checkpoint at or before the step it died in, so the next point is still ahead of it."""
+    generate runs ahead); "save" only at checkpoint steps, "generate" and "score" only where
+    a step generates and scores (batch step + staleness within the run). Each restart resumes
+    from a checkpoint at or before the step it died in, so the next point is still ahead."""
     rng = random.Random(seed)
     points = []
     for step in sorted(rng.sample(range(1, steps), kills)):
-        phases = [p for p in PHASES if p != "save" or step % EVERY == 0]
+        phases = [p for p in PHASES if (p != "save" or step % EVERY == 0)
+                  and (p not in ("generate", "score") or step + staleness <= steps)]
         points.append((step, rng.choice(phases)))
     return points
 
@@ -144,7 +148,7 @@ def _in_child(fn):
 
 def main(root, staleness, steps, seed, kills):
     metrics.MetricsWriter.plot = lambda self: None  # PNG curves: seconds, and not compared
-    points = kill_points(seed, steps, kills)
+    points = kill_points(seed, steps, kills, staleness)
     report = {"points": points, "reference": _in_child(
         lambda: run(os.path.join(root, "reference"), staleness, steps))}
     workdir = os.path.join(root, "killed")

@@ -148,9 +148,3 @@ def test_top_k_is_refused_on_the_engine(model):
     with pytest.raises(ValueError, match="top_k"):
         _generate(engine, model, top_k=5)
 
-
-def test_router_replay_on_the_engine_is_refused():
-    config = config_lib.defaults()
-    config.sampling.engine, config.rl.router_replay = True, True
-    with pytest.raises(ValueError, match="sampling.engine=False"):
-        config_lib.check(config)

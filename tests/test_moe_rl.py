@@ -357,10 +357,15 @@ def test_sft_on_a_tiny_moe_resumes_exactly(tmp_path):
 
 @pytest.fixture(scope="module")
 def mixed_rollout():
+    return _mixed_rollout(engine=False)
+
+
+def _mixed_rollout(*, engine):
     """One batch of a mixed producer on the tiny MoE: two multi-turn task records (a failed
     first answer gets its feedback and a second attempt: the feedback is routed by the second
-    turn's prefill) next to two single-turn prompt records, sampled from the initial
-    parameters; the learner's config is closed_loop's."""
+    turn's prefill, or on the engine by its own prefill into the episode's slot) next to two
+    single-turn prompt records, sampled from the initial parameters; the learner's config is
+    closed_loop's."""
     from ptrain import closed_loop as CL
     from ptrain import mixed_producer, tasks
     from ptrain.synthetic_tasks import WordTokenizer
@@ -374,6 +379,7 @@ def mixed_rollout():
     c.rl.update(num_minibatches=2)  # old log-probs (and agreement) measured in prepare
     c.rollout.update(max_turns=1, max_attempts=2, max_len=64)
     c.reward_fn = lambda record, ids, text: float(len(ids) % 2)
+    c.sampling.update(engine=engine, engine_slots=8)
     learner = L.Learner(c, mesh=one_device(), tokenizer=tok)
     sampler = CL.make_sampler(c, learner.mesh, tok)
     producer = mixed_producer.MixedProducer(
@@ -397,8 +403,18 @@ def _valid(batch, g):
 
 
 def test_multi_turn_and_mixed_producers_record_routing_and_replay_restores_it(mixed_rollout):
+    _check_recorded_routing(*mixed_rollout)
+
+
+def test_the_engine_records_routing_single_and_multi_turn():
+    """The same producers on the rollout engine (sampling.engine=True: each episode keeps its
+    slot across turns, an observation prefilled alone): what it records is what the learner
+    routes each token to, and replay restores it."""
+    _check_recorded_routing(*_mixed_rollout(engine=True))
+
+
+def _check_recorded_routing(learner, batch):
     from ptrain import routing
-    learner, batch = mixed_rollout
     s = learner.settings
     g = s.group_size
     multi = [i for i, m in enumerate(batch.meta) if m.get("attempts") == 2]

@@ -1,8 +1,8 @@
 """Exact resume: a tiny GRPO run SIGKILLed at points drawn from a seed (during generation,
 scoring, the update, after the metrics, during an asynchronous checkpoint save) and restarted
 after each kill writes the same metrics.jsonl and rollouts.jsonl (timings aside) as the run
-never interrupted, with rl.staleness=0 and with rl.staleness=1 (batch t+1 generated while
-batch t is scored, from the parameters before update t). The runs are in
+never interrupted, with rl.staleness=0, 1 and 2 (batch t+k generated at step t, from the
+parameters before update t, each batch scored in a thread meanwhile). The runs are in
 tests/resume_program.py."""
 
 import json
@@ -26,7 +26,7 @@ def _logs(workdir):
     return untimed, read_jsonl(os.path.join(workdir, "rollouts.jsonl"))
 
 
-@pytest.mark.parametrize("staleness,seed", [(0, 0), (1, 3)])
+@pytest.mark.parametrize("staleness,seed", [(0, 0), (1, 3), (2, 7)])
 def test_sigkill_at_seeded_points_then_resume_equals_the_uninterrupted_run(
         tmp_path, staleness, seed):
     # (The runs read their programs from the test run's compilation cache, conftest.py.)
@@ -46,3 +46,10 @@ def test_sigkill_at_seeded_points_then_resume_equals_the_uninterrupted_run(
     reference = _logs(tmp_path / "reference")
     assert metrics == reference[0], points
     assert rollouts == reference[1], points
+    if staleness:  # each row's version within k of the learner's: k after the first steps
+        for r in metrics:
+            lag = min(r["step"] - 1, staleness)
+            assert r["rollout/staleness"] == lag
+            assert r["rollout/staleness_hist"] == [0] * lag + [16] + [0] * (staleness - lag)
+        assert rollouts and all(r["policy_version"] == max(0, r["step"] - staleness - 1)
+                                for r in rollouts)

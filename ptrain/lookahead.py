@@ -1,0 +1,111 @@
+"""Bounded staleness (rl.staleness = k >= 1): the batches generated ahead of the learner.
+
+At step t the learner trains batch t and generates batch t + k from its current parameters
+(version t - 1: the updates applied so far), so a batch trains k updates after the
+parameters that generated it (fewer in a run's first k steps, all generated from the
+initial ones): generation runs ahead of the learner by at most k policy versions. Each
+batch is scored (rewards, sandbox verdicts) in a thread as soon as it is generated, so
+scoring has k steps to finish before the learner needs it. Each row records the version
+that generated it (`meta["policy_version"]`); the loss corrects the lag with the truncated
+importance weights against the sampler's log-probs (rl.tis_cap; with a proximal policy's
+log-probs, rl.ppo_epochs > 1, the decoupled objective of AReaL).
+
+Exact resume: a checkpoint of step t holds the data state before batch t + 1 was drawn and
+the parameters each pending batch t + 1 .. t + k was generated from (`state()`); a resumed
+run draws the same records and generates those batches again (`start`), with the same keys,
+so it trains on what the uninterrupted run did. Copies of the parameters are kept only while
+a checkpoint may need them.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass
+class Pending:
+    step: int  # the step that trains it
+    version: int  # updates applied to the parameters that generated it
+    scored: concurrent.futures.Future  # its Batch
+    data_state: object  # the data stream's state before its records were drawn
+    params: object  # a copy of the parameters that generated it, while a save may need it
+
+
+def version(step: int, k: int) -> int:
+    """The version of the parameters that generate the batch of `step`."""
+    return max(0, step - k - 1)
+
+
+def restore_template(params, k: int, latest: int, steps: int) -> dict:
+    """The checkpoint's `ahead_params` entry (its structure) for a run saved at `latest`."""
+    return {str(j): params for j in range(min(k, steps - latest))}
+
+
+class LookAhead:
+    """The pending batches of a run with staleness k (see the module docstring)."""
+
+    def __init__(self, k: int, producer, batches, root_key, *, steps: int, save_every: int):
+        self.k, self.producer, self.batches, self.root_key = k, producer, batches, root_key
+        self.steps, self.save_every = steps, save_every
+        self.pending = collections.deque()
+        self.scorer = concurrent.futures.ThreadPoolExecutor(1)  # in order: deterministic
+
+    def _saves(self, first: int, last: int) -> bool:
+        return any(s % self.save_every == 0 or s == self.steps for s in range(first, last + 1))
+
+    def _generate(self, now: int, step: int, params) -> None:
+        """Generates (and starts scoring) the batch of `step`, at step `now`."""
+        data_state = self.batches.get_state()
+        records = next(self.batches)
+        kept = jax.tree.map(jnp.copy, params) if self._saves(now, step - 1) else None
+        generated = self.producer.generate(params, records,
+                                           jax.random.fold_in(self.root_key, step))
+        self.pending.append(Pending(step, version(step, self.k),
+                                    self.scorer.submit(self.producer.score, generated),
+                                    data_state, kept))
+
+    def start(self, step: int, params_list) -> None:
+        """At a run's first step (or a resumed run's): the batches of step .. step + k - 1,
+        from the initial parameters or those a checkpoint saved (oldest first)."""
+        for j, params in enumerate(params_list):
+            if step + j <= self.steps:
+                self._generate(step, step + j, params)
+
+    def next(self, step: int, params):
+        """Generates batch step + k from `params` (version step - 1), then returns batch
+        `step` once scored, each row's meta recording its version."""
+        if not self.pending:
+            raise RuntimeError("LookAhead.next before start")
+        if step + self.k <= self.steps:
+            self._generate(step, step + self.k, params)
+        item = self.pending.popleft()
+        if item.step != step:
+            raise RuntimeError(f"look-ahead holds batch {item.step}, step {step} wants its own")
+        batch = item.scored.result()
+        for meta in batch.meta:
+            meta["policy_version"] = item.version
+        return batch
+
+    def state(self):
+        """(data state, ahead_params) for a checkpoint after the step just trained."""
+        if not self.pending:
+            return self.batches.get_state(), {}
+        return self.pending[0].data_state, {str(j): p.params for j, p in enumerate(self.pending)}
+
+    def close(self) -> None:
+        self.scorer.shutdown()
+
+
+def metrics(batch, step: int, k: int) -> dict:
+    """The batch's staleness: updates between its rows' versions and the learner's (step - 1),
+    their mean and their histogram over 0..k (a list: counts of rows per lag)."""
+    lags = [step - 1 - m["policy_version"] for m in batch.meta]
+    if any(not 0 <= lag <= k for lag in lags):
+        raise RuntimeError(f"step {step}: a row's staleness is outside [0, {k}]: {set(lags)}")
+    return {"rollout/staleness": sum(lags) / max(len(lags), 1),
+            "rollout/staleness_hist": [lags.count(j) for j in range(k + 1)]}
