@@ -69,7 +69,7 @@ def learner_config(config, **changes):
     return lcfg
 
 
-def run_once(config, params, producer, staleness, steps, root):
+def run_once(config, params, producer, staleness, steps, root, sources):
     """learner.train for `steps` steps from `params` (None: a fresh model); returns the
     metrics.jsonl lines and the producer's call times."""
     lcfg = learner_config(config, **{"steps": steps, "rl.staleness": staleness,
@@ -79,7 +79,7 @@ def run_once(config, params, producer, staleness, steps, root):
     if params is not None:  # train donates them
         params = jax.tree.map(jnp.copy, params)
     learner_lib.train(lcfg, workdir, params=params, producer=timed,
-                      tokenizer=producer.tokenizer)
+                      tokenizer=producer.tokenizer, prompt_sources=sources)
     return metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")), timed.times
 
 
@@ -102,8 +102,9 @@ def main():
         if args.workers:
             config.sandbox.workers = args.workers
         tokenizer = closed_loop.make_tokenizer(config)
-        config = closed_loop.resolve(config, root, tokenizer)
-        closed_loop.make_tasks(config, tokenizer, root)
+        config = closed_loop.derive_config(config, root, tokenizer)
+        train, _ = closed_loop.make_tasks(config, tokenizer, root)
+        sources = closed_loop.prompt_sources(config, train, root)
         mesh = sharding.mesh_from_config(config.mesh)
         sampler = closed_loop.make_sampler(config, mesh, tokenizer)
         backend = sandbox.backends.resolve(config.sandbox.backend)
@@ -125,7 +126,7 @@ def main():
                 for s in modes:
                     total = args.warmup + args.steps + s  # + the last s steps, left out
                     cpu0, t0 = _busy_s(), time.perf_counter()
-                    run, times = run_once(config, params, producer, s, total, root)
+                    run, times = run_once(config, params, producer, s, total, root, sources)
                     busy[s].append((_busy_s() - cpu0) / (time.perf_counter() - t0))
                     lines[s] += run[timed]
                     parts[s].setdefault("generate", []).extend(times["generate"][generated[s]])

@@ -1,4 +1,5 @@
-"""Number for number: two runs' metrics.jsonl and eval.jsonl are identical, time/* keys aside.
+"""Number for number: two runs' metrics.jsonl, rollouts.jsonl and eval.jsonl are identical,
+time/* keys aside.
 
     python bench/same_run.py /work/baseline/grpo_toy runs/grpo_toy
 
@@ -6,21 +7,17 @@ Prints one line per file (rows compared, keys compared, the differences) and exi
 value differs (exactly: the runs are deterministic on one machine).
 """
 
-import json
 import os
 import sys
 
-
-def rows(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+from ptrain import jsonl
 
 
 def compare(a_dir, b_dir, name):
     a_path, b_path = os.path.join(a_dir, name), os.path.join(b_dir, name)
     if not os.path.exists(a_path) and not os.path.exists(b_path):
         return []
-    a, b = rows(a_path), rows(b_path)
+    a, b = jsonl.read(a_path), jsonl.read(b_path)
     diffs = [] if len(a) == len(b) else [f"{name}: {len(a)} rows vs {len(b)}"]
     keys = 0
     for i, (x, y) in enumerate(zip(a, b)):
@@ -36,7 +33,8 @@ def compare(a_dir, b_dir, name):
 
 
 def main(a_dir, b_dir):
-    diffs = compare(a_dir, b_dir, "metrics.jsonl") + compare(a_dir, b_dir, "eval.jsonl")
+    diffs = [d for name in ("metrics.jsonl", "rollouts.jsonl", "eval.jsonl")
+             for d in compare(a_dir, b_dir, name)]
     for d in diffs[:20]:
         print("  " + d)
     return 1 if diffs else 0

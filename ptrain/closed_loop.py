@@ -123,6 +123,14 @@ def make_tasks(config, tokenizer, workdir):
     return train, heldout
 
 
+def prompt_sources(config, train, workdir) -> list:
+    """The RL prompt stream's sources, each domain with its weight: the training Tasks
+    themselves, served as they are (tasks/<domain>.train.jsonl holds the same); the terminal
+    domain's records ({"task_dir": ...}) from its task file."""
+    return [(_task_file(workdir, d, "train") if d == TERMINAL else train[d], float(w))
+            for d, w in zip(config.tasks.domains, config.tasks.weights)]
+
+
 def check_format(fmt, tokenizer, tools) -> None:
     """Episodes are appended to, never re-rendered: the chat format must write, token for
     token, what the tokenizer's own template writes for the same conversation with these
@@ -188,8 +196,9 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step,
             episodes = rollout_lib.generate(
                 sampler, params, mine, tokenizer=tokenizer, key=jax.random.key(config.seed),
                 config=rc, fmt=chat.FORMATS[config.rollout.chat_format], pool=pool,
-                reward_config=rollout_lib.reward_config(config), score_now=rc.max_attempts > 1)
-            rollout_lib.score(episodes, pool=pool, config=rollout_lib.reward_config(config))
+                reward_config=rollout_lib.reward_config(config), verify_now=rc.max_attempts > 1)
+            rollout_lib.verify_episodes(episodes, pool=pool,
+                                        config=rollout_lib.reward_config(config))
             if blocks > 1:  # what eval_summary reads, of every process's episodes
                 episodes = [types.SimpleNamespace(verdicts=v, finish=f)
                             for part in sharding.gather_blocks(
@@ -250,7 +259,7 @@ def run(config, workdir, *, mesh=None):
     # ------------------------------------------------------------ set-up
     check_config(config)
     tokenizer = make_tokenizer(config)
-    config = resolve(config, workdir, tokenizer)
+    config = derive_config(config, workdir, tokenizer)
     train, heldout = make_tasks(config, tokenizer, workdir)
     mesh = sharding.mesh_from_config(config.mesh) if mesh is None else mesh
     sampler = make_sampler(config, mesh, tokenizer)
@@ -287,17 +296,17 @@ def run(config, workdir, *, mesh=None):
             _evaluate_once(eval_path, "sft", params=params, step=config.sft.steps, **ev)
         # -------------------------------------------------------- RL, then its evaluation
         params = learner_lib.train(config, workdir, params=params, producer=producer,
-                                   mesh=mesh, tokenizer=tokenizer)
+                                   mesh=mesh, tokenizer=tokenizer,
+                                   prompt_sources=prompt_sources(config, train, workdir))
         _evaluate_once(eval_path, "rl", params=params, step=config.steps, **ev)
     metrics_lib.plot_rewards(workdir, config.tasks.domains)
     return jsonl.read(eval_path)
 
 
-def resolve(config, workdir, tokenizer) -> ml_collections.ConfigDict:
+def derive_config(config, workdir, tokenizer) -> ml_collections.ConfigDict:
     """A copy with what the run derives filled in: the vocabulary (model.vocab_size 0 means
     the tokenizer's, len(tokenizer) with its added tokens), checked against the tokenizer;
-    the RL prompt stream (one task file per domain, with its weight), the synthetic SFT
-    demonstrations, and the stop ids of a turn (`chat.stop_ids`: the chat format's end of
+    the synthetic SFT demonstrations' file, and the stop ids of a turn (`chat.stop_ids`: the chat format's end of
     turn, the eos ids of hf_model's config.json / generation_config.json, the tokenizer's
     eos), each checked to exist in the vocabulary."""
     out = ml_collections.ConfigDict(config.to_dict())
@@ -306,9 +315,6 @@ def resolve(config, workdir, tokenizer) -> ml_collections.ConfigDict:
     vocab = learner_lib.model_config(out).vocab_size
     chat.check_vocab(tokenizer, vocab, what=f"{out.hf_model}/config.json" if out.hf_model
                      else "config.model.vocab_size")
-    out.data.sources = tuple((_task_file(workdir, d, "train"), float(w))
-                             for d, w in zip(out.tasks.domains, out.tasks.weights))
-    out.data.records_fn = None
     if out.tasks.source == "synthetic":
         out.sft.sources = (os.path.join(workdir, "tasks", "sft.jsonl"),)
         out.sft.records_fn = None

@@ -14,7 +14,7 @@ An agent is `agent(items, attempt) -> [Attempt]`, one per item (a batch, so that
 samples all of them at once). `oracle` answers with the dataset's reference solution
 (HumanEval's canonical_solution, MBPP's code, GSM8K's and MATH's worked answers, the first
 Python solution of APPS and CodeContests), `nop` with nothing. An attempt without a verdict
-is judged here (`rewards.score`); a model agent that ran tools judges its own episodes.
+is judged here (`rewards.verify_all`); a model agent that ran tools judges its own episodes.
 """
 
 from __future__ import annotations
@@ -184,9 +184,9 @@ def evaluate(items: Sequence, agent, out_dir: str, *, attempts: int = 1, pool=No
             raise ValueError(f"agent {name} returned {len(results)} attempts for "
                              f"{len(todo)} tasks")
         judge = [i for i, a in enumerate(results) if a.verdict is None and a.error is None]
-        verdicts = rewards_lib.score([todo[i][0] for i in judge],
-                                     [results[i].completion for i in judge], pool=pool,
-                                     config=config)
+        verdicts = rewards_lib.verify_all([todo[i][0] for i in judge],
+                                          [results[i].completion for i in judge], pool=pool,
+                                          config=config)
         for i, v in zip(judge, verdicts):
             results[i].verdict = v
         per = (time.monotonic() - t0) / len(todo)

@@ -1,6 +1,7 @@
-"""Prompt datasets on grain: JSONL or ArrayRecord files, weighted mixtures, per-host shards.
+"""Prompt datasets on grain: JSONL or ArrayRecord files (or records in memory, such as the
+closed loop's `ptrain.tasks.Task`s), weighted mixtures, per-host shards.
 
-Each record is a JSON object (an ArrayRecord record holds one JSON object as UTF-8 bytes).
+Each record of a file is a JSON object (an ArrayRecord record holds one JSON object as UTF-8 bytes).
 Files are checked once when opened: a record that is not a JSON object, or lacks a required
 key, is reported as `file:line` (`file:record N` for ArrayRecord) and either raises (the
 default) or is skipped, counted and logged (`on_error="skip"`); the count is in
@@ -105,6 +106,23 @@ class RecordSource:
         return f"RecordSource({self.path!r}, {len(self)} records, {len(self.malformed)} bad)"
 
 
+class InMemory:
+    """Records already in memory (dicts, or objects such as `ptrain.tasks.Task`), served as
+    they are (a grain data source, in `RecordSource`'s place: nothing to parse or skip)."""
+
+    def __init__(self, records, name):
+        self.records, self.path, self.malformed = list(records), name, []
+
+    def __len__(self):
+        return len(self.records)
+
+    def __getitem__(self, index):
+        return self.records[index]
+
+    def __repr__(self):
+        return f"InMemory({self.path!r}, {len(self)} records)"
+
+
 @dataclasses.dataclass(frozen=True)
 class Prompts:
     """A prompt stream: `dataset` yields lists of `batch_size` records (this host's share)."""
@@ -133,7 +151,10 @@ def prompt_batches(sources, *, batch_size, seed, num_epochs=None, shuffle=True,
                    on_error="raise", required_keys=(), process_index=None, process_count=None):
     """Builds the prompt stream of this host (`batch_size`: its share of a global batch).
 
-    sources: paths, or (path, weight) pairs; weights are relative sampling rates.
+    sources: paths, or (path, weight) pairs, or (records, weight) pairs with `records` a list
+      in memory (served as they are: dicts, or e.g. `ptrain.tasks.Task`s); weights are
+      relative sampling rates. A list in memory streams exactly as the file written from it
+      would (the same shuffles, mixture and iterator state).
     num_epochs: None repeats forever; k stops when a source runs out after k passes.
     process_index / process_count: this host's shard (default: jax.process_index/count).
     Returns `Prompts`.
@@ -149,7 +170,8 @@ def prompt_batches(sources, *, batch_size, seed, num_epochs=None, shuffle=True,
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index={process_index} not in [0, {process_count})")
     opened = tuple(RecordSource(p, on_error=on_error, required_keys=required_keys)
-                   for p, _ in specs)
+                   if isinstance(p, (str, os.PathLike)) else InMemory(p, f"source {i}")
+                   for i, (p, _) in enumerate(specs))
     parts = []
     for i, source in enumerate(opened):
         if len(source) == 0:

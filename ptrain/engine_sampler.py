@@ -131,7 +131,7 @@ def _routing(trajs, n_prompts, prompt_len, max_new_tokens):
 
 
 def run_episodes(sampler: EngineSampler, params, episodes, prompts, key, tokenizer, fmt, c,
-                 *, pool, reward_config, score_now: bool) -> None:
+                 *, pool, reward_config, verify_now: bool) -> None:
     """rollout.generate's episodes (task i's G at i*G ..., prompts[i] its prompt; c its
     RolloutConfig) on the engine (sampling.engine=True): a task's G episodes share
     its prompt's prefill, and each keeps its slot and cache across turns and attempts: the
@@ -139,7 +139,7 @@ def run_episodes(sampler: EngineSampler, params, episodes, prompts, key, tokeniz
     an episode's next turn starts as soon as its own tools (or verdict) come back, whatever
     the others do. Turns, calls, caps and retries are rollout._run_attempt's (ptrain/turns.py):
     greedily the episodes equal the per-turn path's token for token. Verdicts (with
-    score_now) come per episode as its attempt ends, not per batch."""
+    verify_now) come per episode as its attempt ends, not per batch."""
     stop_ids, stop_strings = turns.turn_stops(fmt, tokenizer, c.stop_token_ids,
                                               tools=any(e.task.tools for e in episodes))
     text = turns.TurnText.of(tokenizer, fmt, c)
@@ -164,10 +164,10 @@ def run_episodes(sampler: EngineSampler, params, episodes, prompts, key, tokeniz
             if ok:
                 e.finish = "max_turns"
                 e.answers.append("")
-        if not score_now:  # the attempt ended
+        if not verify_now:  # the attempt ended
             return None
-        e.verdicts += rewards_lib.score([e.task], [e.answers[-1]], pool=pool,
-                                        sessions=[e.session], config=reward_config)
+        e.verdicts += rewards_lib.verify_all([e.task], [e.answers[-1]], pool=pool,
+                                             sessions=[e.session], config=reward_config)
         if (e.verdicts[-1].passed or e.attempts >= c.max_attempts
                 or e.finish not in ("answered", "truncated")):
             return None

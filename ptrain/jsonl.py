@@ -4,7 +4,9 @@ ends .gz (reading).
 Metrics, rollouts, evaluations, task files, SFT records and code_eval's results all go
 through here; a line that is not a JSON object is an error that names its file and line,
 except a torn last line of a log that a crash cut short, which `truncate` removes.
-(sandbox/ imports nothing of ptrain: its terminal evaluation reads its own results.jsonl.)
+bench/same_run.py reads through here too. sandbox/ and long_context/ import nothing of
+ptrain (docs/architecture.md, "The house"), so sandbox/terminal/evaluate.py keeps its own
+results.jsonl lines and long_context/niah.py its own niah.jsonl.
 """
 
 from __future__ import annotations

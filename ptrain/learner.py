@@ -226,7 +226,7 @@ def _load_tokenizer(path):
 
 
 def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=None,
-          tokenizer=None):
+          tokenizer=None, prompt_sources=None):
     """Runs RL from the config; resumes from the latest checkpoint in `workdir`.
 
     params: initial parameters (e.g. from `sft`); default: the config's model.
@@ -240,6 +240,9 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     rollout_fn(params, records, key) -> Batch: instead of a producer, one function
       (`rollout.FromFunction`).
     tokenizer: default config.tokenizer.
+    prompt_sources: instead of config.data.sources, (records, weight) pairs of records in
+      memory, served to the producer as they are (the closed loop's `ptrain.tasks.Task`s);
+      the stream and its checkpointed state are those of the files written from them.
     Returns the final parameters.
     """
     # ---------------------------------------------------------------- set-up
@@ -259,7 +262,8 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
             tokenizer=learner.tokenizer)
     os.makedirs(workdir, exist_ok=True)
     prompts = _prompt_stream(c.data, c.data.prompts_per_step, c.seed, workdir, "prompts",
-                             on_error=c.data.on_error, mesh=learner.mesh)
+                             on_error=c.data.on_error, mesh=learner.mesh,
+                             sources=prompt_sources)
     root_key = jax.random.key(c.seed)
     kl_ctl = losses.KLController(c.kl.coef, target=c.kl.target or None, horizon=c.kl.horizon)
 
@@ -383,13 +387,18 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     return params
 
 
-def _prompt_stream(data, batch_size, seed, workdir, name, *, on_error, mesh=None):
+def _prompt_stream(data, batch_size, seed, workdir, name, *, on_error, mesh=None, sources=None):
     """A `ptrain.data` stream over the config's sources, or over records_fn(seed) written to
-    <workdir>/<name>.jsonl (so that the run's data is on disk next to its logs).
+    <workdir>/<name>.jsonl (so that the run's data is on disk next to its logs), or over
+    `sources` given (records in memory, `data.prompt_batches`).
 
     `batch_size` is the global batch; with many processes each reads its own block of it
     (`sharding.row_block`), so that together they read what one process would."""
-    sources = list(data.sources)
+    if sources is not None and (data.sources or data.records_fn is not None):
+        section = "sft" if name == "sft" else "data"
+        raise ValueError(f"{name} are given in memory: leave {section}.sources and "
+                         f"{section}.records_fn unset")
+    sources = list(data.sources) if sources is None else list(sources)
     index, count = sharding.row_block(mesh)
     if batch_size % count:
         section = "sft.batch_size" if name == "sft" else "data.prompts_per_step"

@@ -25,8 +25,9 @@ from ptrain import routing
 
 
 def by_task_dir(record) -> str:
-    """"terminal" for a terminal task record ({"task_dir": ...}), else "tasks"."""
-    return "terminal" if "task_dir" in record else "tasks"
+    """"terminal" for a terminal task record ({"task_dir": ...}), else "tasks" (a
+    `ptrain.tasks.Task`, or its record)."""
+    return "terminal" if isinstance(record, dict) and "task_dir" in record else "tasks"
 
 
 class MixedProducer:

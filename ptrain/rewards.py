@@ -25,12 +25,13 @@ from ptrain.tasks import Answer, Files, Format, Stdio, Task, UnitTests
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """How one answer fared. `score` is the fraction of checks passed; `reward` is what the
-    learner gets (the score with partial credit, else 1.0 only when everything passed)."""
+    """How one answer fared. `fraction_passed` is the fraction of checks passed; `reward` is
+    what the learner gets (that fraction with partial credit, else 1.0 only when everything
+    passed)."""
 
     reward: float
     passed: bool
-    score: float
+    fraction_passed: float
     feedback: str
     error_type: str = ""  # "" when passed; an exception name, "timeout", "wrong_answer", ...
 
@@ -131,16 +132,16 @@ def check_files(v: Files, files: dict[str, bytes] | None, run_result=None) -> Ve
         elif want is not None and have != want.encode():
             wrong.append(f"{path} has the wrong content: {have[:80]!r}")
     total = len(v.expected)
-    score = (total - len(wrong)) / total if total else 0.0
+    fraction = (total - len(wrong)) / total if total else 0.0
     feedback = "All files are as expected." if not wrong else "; ".join(wrong) + "."
     if run_result is not None and run_result.stderr.strip() and wrong:
         feedback += "\n" + run_result.stderr_text.strip()[-500:]
-    return Verdict(score, not wrong, score, feedback, "" if not wrong else "wrong_files")
+    return Verdict(fraction, not wrong, fraction, feedback, "" if not wrong else "wrong_files")
 
 
 def from_report(report: judge.Report) -> Verdict:
-    """A judge report's verdict: its score as the reward (`score` applies partial_credit),
-    its feedback, and the error type of the first failure."""
+    """A judge report's verdict: its fraction of tests passed as the reward (`verify_all`
+    applies partial_credit), its feedback, and the error type of the first failure."""
     error_type = ""
     first = report.first_failure
     if report.error:
@@ -151,10 +152,11 @@ def from_report(report: judge.Report) -> Verdict:
         match = re.match(r"(\w+(?:Error|Exception|Interrupt|Exit))\b", last[0])
         if match:
             error_type = match.group(1)
-    return Verdict(report.score, report.all_passed, report.score, report.feedback, error_type)
+    return Verdict(report.fraction_passed, report.all_passed, report.fraction_passed,
+                   report.feedback, error_type)
 
 
-# ----------------------------------------------------------------------------- scoring
+# ----------------------------------------------------------------------------- judging a batch
 
 def _submit(pool, fn, *args, **kwargs) -> concurrent.futures.Future:
     if pool is None:
@@ -164,8 +166,8 @@ def _submit(pool, fn, *args, **kwargs) -> concurrent.futures.Future:
     return pool.submit(fn, *args, **kwargs)
 
 
-def score(tasks_: Sequence[Task], completions: Sequence[str], *, pool=None, sessions=None,
-          config: RewardConfig = RewardConfig()) -> list[Verdict]:
+def verify_all(tasks_: Sequence[Task], completions: Sequence[str], *, pool=None,
+               sessions=None, config: RewardConfig = RewardConfig()) -> list[Verdict]:
     """Verdicts for a batch, judged concurrently on `pool` (in this process without one).
 
     sessions: for tasks judged by the files their episode left (`Files(run="")`), the
@@ -231,4 +233,4 @@ def score(tasks_: Sequence[Task], completions: Sequence[str], *, pool=None, sess
 def verify(task: Task, completion: str, *, session=None,
            config: RewardConfig = RewardConfig()) -> Verdict:
     """One answer, judged in this process."""
-    return score([task], [completion], sessions=[session], config=config)[0]
+    return verify_all([task], [completion], sessions=[session], config=config)[0]

@@ -8,8 +8,8 @@ each batch in a thread while the next ones are generated. Three producers:
 
   SingleTurn    G samples per prompt record, scored by `reward_fn(record, completion_ids,
                 completion_text)` (the learner's default, `config.reward_fn`)
-  Tasks         `ptrain.tasks.Task` records: multi-turn episodes with tool calls, verdicts
-                from the sandbox pool (the closed loop's)
+  Tasks         `ptrain.tasks.Task`s (or task records): multi-turn episodes with tool
+                calls, verdicts from the sandbox pool (the closed loop's)
   FromFunction  a `rollout_fn(params, records, key) -> Batch` (generate and score in one)
 
 Token in, token out. An episode's history is a list of token ids that only ever grows: the
@@ -151,13 +151,14 @@ def render_prompt(task: Task, tokenizer, fmt: chat.ChatFormat = chat.PLAIN) -> l
 def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
              config: RolloutConfig = RolloutConfig(), fmt: chat.ChatFormat = chat.PLAIN,
              pool=None, reward_config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
-             first_group_id: int = 0, score_now: bool | None = None) -> list[Episode]:
+             first_group_id: int = 0, verify_now: bool | None = None) -> list[Episode]:
     """Runs `num_samples` episodes of every task; rows are task-major (task i owns rows
     i*G .. i*G+G-1, group id `first_group_id + i`).
 
-    Verdicts come from `score` (the sandbox pool); with one attempt they can be left to the
-    caller (`score_now=False`) so that scoring overlaps the next generation. Sessions of
-    episodes that are not scored yet stay open until `score` closes them.
+    Verdicts come from `verify_episodes` (the sandbox pool); with one attempt they can be
+    left to the caller (`verify_now=False`) so that judging overlaps the next generation.
+    Sessions of episodes that are not judged yet stay open until `verify_episodes` closes
+    them.
 
     Many processes: each passes its own tasks and runs (tools, verdicts) its own episodes;
     every model turn is one sampler call over the episodes of all processes, in process
@@ -169,8 +170,8 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
     prefilled alone (`engine_sampler.run_episodes`).
     """
     c = config
-    score_now = c.max_attempts > 1 if score_now is None else score_now
-    if c.max_attempts > 1 and not score_now:
+    verify_now = c.max_attempts > 1 if verify_now is None else verify_now
+    if c.max_attempts > 1 and not verify_now:
         raise ValueError("self-correction (max_attempts > 1) needs verdicts during the episode")
     prompts = [render_prompt(task, tokenizer, fmt) for task in tasks]
     episodes = [Episode(task=task, group_id=first_group_id + i, tokens=list(prompt),
@@ -188,11 +189,11 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
         try:
             engine_sampler.run_episodes(sampler, params, episodes, prompts, key, tokenizer,
                                         fmt, c, pool=pool, reward_config=reward_config,
-                                        score_now=score_now)
+                                        verify_now=verify_now)
         except BaseException:
             close(episodes)
             raise
-        if score_now:
+        if verify_now:
             close(episodes)
         return episodes
     keys = iter(jax.random.split(key, c.max_attempts * c.max_turns))
@@ -211,12 +212,13 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
                     active = [e for e in active if e.finish != "max_len"]
                 _run_attempt(sampler, params, active, keys, tokenizer, fmt, c, threads,
                              first=attempt == 0, prompts=prompts)
-                if score_now:
-                    score(active, pool=pool, config=reward_config, close_sessions=False)
+                if verify_now:
+                    verify_episodes(active, pool=pool, config=reward_config,
+                                    close_sessions=False)
         except BaseException:
             close(episodes)
             raise
-    if score_now:
+    if verify_now:
         close(episodes)
     return episodes
 
@@ -288,13 +290,13 @@ def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *,
         e.answers.append("")
 
 
-def score(episodes: Sequence[Episode], *, pool=None,
-          config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
-          close_sessions: bool = True) -> None:
+def verify_episodes(episodes: Sequence[Episode], *, pool=None,
+                    config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
+                    close_sessions: bool = True) -> None:
     """Judges each episode's latest answer (adds a verdict), then removes the work dirs."""
     todo = [e for e in episodes if len(e.verdicts) < len(e.answers)]
-    verdicts = rewards_lib.score([e.task for e in todo], [e.answers[-1] for e in todo],
-                                 pool=pool, sessions=[e.session for e in todo], config=config)
+    verdicts = rewards_lib.verify_all([e.task for e in todo], [e.answers[-1] for e in todo],
+                                      pool=pool, sessions=[e.session for e in todo], config=config)
     for e, v in zip(todo, verdicts):
         e.verdicts.append(v)
     if close_sessions:
@@ -309,20 +311,33 @@ def close(episodes: Sequence[Episode]) -> None:
             e.session = None
 
 
-def to_rows(episodes: Sequence[Episode], config: RolloutConfig) -> dict:
-    """Per-row lists for `batch.Batch.from_histories`, plus host-side metadata."""
-    return dict(
-        tokens=[e.tokens for e in episodes], loss_masks=[e.mask for e in episodes],
-        rollout_logps=[e.logp for e in episodes],
-        rewards=[e.reward(config) for e in episodes],
-        group_ids=[e.group_id for e in episodes],
-        meta=[{"task_id": e.task.id, "domain": e.task.domain, "turns": e.turns,
+def to_batch(episodes: Sequence[Episode], config: RolloutConfig, *, prompt_len: int,
+             length: int, tokenizer=None, pad_id: int = 0, max_len=None) -> Batch:
+    """The episodes as a `batch.Batch`: each history split at its prompt, its reward (from
+    its verdicts, `Episode.reward`) in `rewards_b`, the last verdict's passed, feedback and
+    error type in its row's meta (with a tokenizer, also the prompt and completion texts);
+    a MoE's recorded routing (`ptrain.routing.pack`); `max_len`: the episodes' cap
+    (`Batch.max_len_b`)."""
+    meta = []
+    for e in episodes:
+        last = e.verdicts[-1] if e.verdicts else None
+        row = {"task_id": e.task.id, "domain": e.task.domain, "turns": e.turns,
                "attempts": e.attempts, "tool_calls": e.tool_calls,
                "tool_errors": e.tool_errors, "finish": e.finish,
-               "passed": bool(e.verdicts and e.verdicts[-1].passed),
-               "feedback": e.verdicts[-1].feedback if e.verdicts else "",
-               "error_type": e.verdicts[-1].error_type if e.verdicts else ""}
-              for e in episodes])
+               "passed": bool(last and last.passed),
+               "feedback": last.feedback if last else "",
+               "error_type": last.error_type if last else ""}
+        if tokenizer is not None:
+            row["prompt"] = tokenizer.decode(e.tokens[:e.prompt_len])
+            row["completion"] = tokenizer.decode(e.tokens[e.prompt_len:])
+        meta.append(row)
+    batch = Batch.from_histories(
+        [e.tokens for e in episodes], [e.mask for e in episodes], [e.logp for e in episodes],
+        [e.reward(config) for e in episodes], [e.group_id for e in episodes],
+        prompt_lens=[e.prompt_len for e in episodes], prompt_len=prompt_len, length=length,
+        meta=meta, pad_id=pad_id, max_len=max_len)
+    routing_lib.pack(batch, [(e.routing, len(e.tokens), e.prompt_len) for e in episodes])
+    return batch
 
 
 # ============================================================================ producers
@@ -434,7 +449,7 @@ class FromFunction:
 
 
 class Tasks:
-    """Task records (`ptrain.tasks`): `generate` runs the model and its tool calls, `score`
+    """`ptrain.tasks.Task`s: `generate` runs the model and its tool calls, `score`
     judges the answers in the sandbox pool and packs the rows (the learner may run the two in
     different threads, overlapping batch t's scoring with batch t+1's generation)."""
 
@@ -448,22 +463,18 @@ class Tasks:
         self.pad_id = pad_id(tokenizer)
 
     def generate(self, params, records, key):
-        tasks = [tasks_lib.from_record(r) for r in records]
+        """records: `ptrain.tasks.Task`s (the closed loop's prompt stream serves them), or
+        task records as a ptrain task file holds them (`tasks.from_record`)."""
+        tasks = [r if isinstance(r, Task) else tasks_lib.from_record(r) for r in records]
         return generate(self.sampler, params, tasks, tokenizer=self.tokenizer, key=key,
                         config=self.rollout_config, fmt=self.fmt, pool=self.pool,
                         reward_config=self.reward_config)
 
     def score(self, episodes) -> Batch:
-        score(episodes, pool=self.pool, config=self.reward_config)
-        rows = to_rows(episodes, self.rollout_config)
-        for meta, e in zip(rows["meta"], episodes):
-            meta["prompt"] = self.tokenizer.decode(e.tokens[:e.prompt_len])
-            meta["completion"] = self.tokenizer.decode(e.tokens[e.prompt_len:])
-        batch = Batch.from_histories(
-            **rows, prompt_lens=[e.prompt_len for e in episodes], prompt_len=self.prompt_len,
-            length=self.length, pad_id=self.pad_id, max_len=self.length)
-        routing_lib.pack(batch, [(e.routing, len(e.tokens), e.prompt_len) for e in episodes])
-        return batch
+        verify_episodes(episodes, pool=self.pool, config=self.reward_config)
+        return to_batch(episodes, self.rollout_config, prompt_len=self.prompt_len,
+                        length=self.length, tokenizer=self.tokenizer, pad_id=self.pad_id,
+                        max_len=self.length)
 
 
 def rollout_config(config, **changes) -> RolloutConfig:

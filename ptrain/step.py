@@ -376,8 +376,8 @@ def update(params, opt_state, batch, kl_coef, *, graphdef, s: StepSettings, tx, 
     grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef, s=s),
                                  has_aux=True)
 
-    model_config = nnx.merge(graphdef, params).config
-    totals = (s.kind != "critic" and k > 1 and model_config.n_experts > 0
+    model_config = None if s.kind == "critic" else nnx.merge(graphdef, params).config
+    totals = (model_config is not None and k > 1 and model_config.n_experts > 0
               and model_config.router_loss_scope == "global")
 
     def minibatch(carry, i):

@@ -122,7 +122,7 @@ def test_sandbox_error_rate_from_a_sandbox_that_times_out():
     hang = "def add(a, b):\n    while True:\n        pass\n"
     good = "def add(a, b):\n    return a + b\n"
     config = rewards.RewardConfig(timeout_s=2.0, test_timeout_s=0.3)
-    verdicts = rewards.score([add] * 4, [hang, hang, hang, good], config=config)
+    verdicts = rewards.verify_all([add] * 4, [hang, hang, hang, good], config=config)
     assert [v.error_type for v in verdicts] == ["timeout"] * 3 + [""]
     rate = alerts.sandbox_error_rate(v.error_type for v in verdicts)
     assert rate == 0.75

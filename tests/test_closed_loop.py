@@ -256,22 +256,22 @@ def test_task_files_are_checked_when_loaded_naming_the_key(tmp_path):
         closed_loop.make_tasks(_jsonl_config(tmp_path, long, held), tok, str(tmp_path / "w"))
 
 
-def test_resolve_counts_added_tokens_and_stops_where_a_chat_turn_ends(hf_dir, tmp_path):
+def test_derive_config_counts_added_tokens_and_stops_where_a_chat_turn_ends(hf_dir, tmp_path):
     from ptrain import hf
     base = hf_dir("qwen2.5-base")
     tok = hf.load_tokenizer(base)
     c = _jsonl_config(tmp_path, "t.jsonl", "h.jsonl", **{"rollout.chat_format": "qwen"})
     c.hf_model = base
-    out = closed_loop.resolve(c, str(tmp_path), tok)
+    out = closed_loop.derive_config(c, str(tmp_path), tok)
     im_end, eos = tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id
     assert out.sampling.stop_token_ids == (im_end, eos)  # a base model's eos is not the turn's
     c.hf_model = ""
     c.model.vocab_size = 0  # the tokenizer's: len(tokenizer), added tokens included
-    assert closed_loop.resolve(c, str(tmp_path), tok).model.vocab_size == len(tok) > \
+    assert closed_loop.derive_config(c, str(tmp_path), tok).model.vocab_size == len(tok) > \
         tok.vocab_size
     c.model.vocab_size = len(tok) - 3
     with pytest.raises(ValueError, match=r"config.model.vocab_size.*at least"):
-        closed_loop.resolve(c, str(tmp_path), tok)
+        closed_loop.derive_config(c, str(tmp_path), tok)
 
 
 def test_a_chat_format_its_template_does_not_write_is_refused_when_tasks_load(hf_dir, tmp_path):

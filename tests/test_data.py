@@ -132,3 +132,38 @@ def test_array_record_source(tmp_path):
                                   process_index=0, process_count=1)
     assert prompts.num_malformed == 1
     assert sorted(ids(take(prompts.iterator(), 1))) == [0, 1, 3, 4, 5]
+
+
+def test_records_in_memory_stream_as_the_file_written_from_them(tmp_path):
+    """The closed loop's prompt stream serves its Tasks as they are: a mixture over lists in
+    memory yields the objects in the order the files written from them would, and its
+    iterator state resumes the file stream exactly (and the other way round)."""
+    from ptrain import tasks
+
+    def task(i, domain):
+        return tasks.Task(f"{domain}{i}", domain, tasks.Answer(str(i), numeric=True),
+                          prompt=f"{domain}: {i} = ?\n")
+
+    code, arith = [task(i, "code") for i in range(7)], [task(i, "arith") for i in range(4)]
+    files = [str(tmp_path / "code.jsonl"), str(tmp_path / "arith.jsonl")]
+    tasks.write_jsonl(code, files[0])
+    tasks.write_jsonl(arith, files[1])
+
+    def build(sources):
+        return data.prompt_batches(list(zip(sources, (2.0, 1.0))), batch_size=3, seed=5,
+                                   process_index=0, process_count=1)
+
+    def task_ids(batches):
+        return [r.id if isinstance(r, tasks.Task) else r["id"] for b in batches for r in b]
+
+    in_memory, on_disk = build([code, arith]).iterator(), build(files).iterator()
+    first = take(in_memory, 4)
+    assert all(isinstance(r, tasks.Task) for b in first for r in b)
+    assert task_ids(first) == task_ids(take(on_disk, 4))
+    assert [tasks.to_record(r) for b in first for r in b][:3] == \
+        [tasks.to_record(tasks.from_record(r)) for r in next(build(files).iterator())]
+    state = json.loads(json.dumps(in_memory.get_state()))
+    assert state == json.loads(json.dumps(on_disk.get_state()))
+    expected = task_ids(take(in_memory, 5))
+    assert task_ids(take(build(files).iterator(state), 5)) == expected
+    assert task_ids(take(build([code, arith]).iterator(state), 5)) == expected

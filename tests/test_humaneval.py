@@ -52,7 +52,7 @@ def test_canonical_bodies_and_whole_functions_pass_and_a_wrong_body_fails(proble
     passed = {}
     for name, completions in answers.items():
         start = time.monotonic()
-        verdicts = rewards.score(loaded, completions, pool=pool)
+        verdicts = rewards.verify_all(loaded, completions, pool=pool)
         passed[name] = sum(v.passed for v in verdicts)
         print(f"HumanEval {name}: {passed[name]}/164 in {time.monotonic() - start:.1f} s on "
               f"{type(backend).__name__}")
@@ -84,7 +84,7 @@ def test_an_answer_cannot_redefine_the_helpers_its_tests_use(problems, pool):
         naive = sandbox.judge.unit_tests(whole, f"{problem['test']}\ncheck({entry})\n",
                                          entry_point=entry)
         assert naive.all_passed, (task_id, naive.feedback)
-        verdicts = rewards.score([by_id[task_id]] * 4, [
+        verdicts = rewards.verify_all([by_id[task_id]] * 4, [
             whole, body, problem["canonical_solution"],
             problem["prompt"] + problem["canonical_solution"]], pool=pool)
         assert [v.passed for v in verdicts] == [False, False, True, True], (task_id, verdicts)

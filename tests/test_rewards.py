@@ -29,12 +29,12 @@ def test_unit_tests(pool):
     good = "```python\ndef add(a, b):\n    return a + b\n```"
     bad = "def add(a, b):\n    return a * b\n"  # passes only add(2, 2)
     crash = "def add(a, b):\n    return undefined_name\n"
-    verdicts = rewards.score([CODE] * 3, [good, bad, crash], pool=pool)
+    verdicts = rewards.verify_all([CODE] * 3, [good, bad, crash], pool=pool)
     assert [v.reward for v in verdicts] == [1.0, 0.0, 0.0]
     assert verdicts[0].passed and verdicts[0].feedback == "All 3 tests passed."
     assert verdicts[1].error_type == "AssertionError" and "1/3 tests passed" in verdicts[1].feedback
     assert verdicts[2].error_type == "NameError" and "undefined_name" in verdicts[2].feedback
-    partial = rewards.score([CODE], [bad], pool=pool,
+    partial = rewards.verify_all([CODE], [bad], pool=pool,
                             config=rewards.RewardConfig(partial_credit=True))[0]
     assert partial.reward == pytest.approx(1 / 3) and not partial.passed
 
@@ -48,7 +48,7 @@ def test_unit_tests(pool):
     "def add(a, b):\n    return 0\n",
 ])
 def test_a_program_cannot_fake_a_pass(pool, cheat):
-    verdict = rewards.score([CODE], [cheat], pool=pool)[0]
+    verdict = rewards.verify_all([CODE], [cheat], pool=pool)[0]
     assert verdict.reward == 0.0 and not verdict.passed
 
 
@@ -56,7 +56,7 @@ def test_stdio(pool):
     good = "n = int(input())\nprint(n * n)\n"
     close = "n = int(input())\nprint(n * n + 0.0001)\n"  # within float_tol
     wrong = "print(0)\n"
-    verdicts = rewards.score([STDIO] * 3, [good, close, wrong], pool=pool)
+    verdicts = rewards.verify_all([STDIO] * 3, [good, close, wrong], pool=pool)
     assert [v.reward for v in verdicts] == [1.0, 1.0, 0.0]
     assert verdicts[2].error_type == "failed"
 
@@ -74,7 +74,7 @@ def test_answers_and_formats():
 def test_files_from_a_script(pool):
     good = "```bash\nmkdir -p out\necho 'red fox' > out/a.txt\nrm old.txt\n```"
     no_mkdir = "echo 'red fox' > out/a.txt\nrm old.txt\n"
-    verdicts = rewards.score([FILES] * 2, [good, no_mkdir], pool=pool,
+    verdicts = rewards.verify_all([FILES] * 2, [good, no_mkdir], pool=pool,
                              config=rewards.RewardConfig(partial_credit=True))
     assert verdicts[0].passed and verdicts[0].reward == 1.0
     assert not verdicts[1].passed and verdicts[1].reward == 0.5
@@ -98,8 +98,8 @@ def test_pool_and_in_process_agree(pool):
     completions = ["def add(a, b):\n    return a + b\n", "n = int(input())\nprint(n * n)\n",
                    "answer: 7"]
     batch = [CODE, STDIO, MATH]
-    assert [v.reward for v in rewards.score(batch, completions, pool=pool)] == \
-        [v.reward for v in rewards.score(batch, completions)] == [1.0, 1.0, 0.0]
+    assert [v.reward for v in rewards.verify_all(batch, completions, pool=pool)] == \
+        [v.reward for v in rewards.verify_all(batch, completions)] == [1.0, 1.0, 0.0]
 
 
 def test_extractors():
@@ -134,7 +134,7 @@ def test_public_formats_judged_in_the_sandbox(pool, tmp_path):
          True),  # LeetCode style
         (apps, "def pair(a, b):\n    return [a, b]\n", False),
     ]
-    verdicts = rewards.score([t for t, _, _ in answers], [a for _, a, _ in answers], pool=pool)
+    verdicts = rewards.verify_all([t for t, _, _ in answers], [a for _, a, _ in answers], pool=pool)
     assert [v.passed for v in verdicts] == [ok for _, _, ok in answers]
 
 
@@ -147,6 +147,6 @@ def test_humaneval_body_or_whole_function(pool):
                "def inc(x: List[int]) -> int:\n    return x + 1\n",  # List from the prompt
                "return x + 1\n",  # a body at column 0: not the function's
                "    return x\n"]
-    verdicts = rewards.score([task] * len(answers), answers, pool=pool)
+    verdicts = rewards.verify_all([task] * len(answers), answers, pool=pool)
     assert [v.passed for v in verdicts] == [True, True, True, False, False]
     assert verdicts[3].error_type == "SyntaxError" and "outside function" in verdicts[3].feedback

@@ -8,7 +8,7 @@ sandbox's.
 import numpy as np
 import pytest
 
-from ptrain import chat, hf, learner, rewards, rollout, tasks
+from ptrain import chat, hf, rewards, rollout, tasks
 from ptrain.sampler import Samples
 from ptrain.synthetic_tasks import EOS, WordTokenizer
 
@@ -59,7 +59,7 @@ def _generate(script, task_list, *, score=True, **config):
     episodes = rollout.generate(sampler, None, task_list, tokenizer=TOK, key=_key(),
                                 config=cfg)
     if score:
-        rollout.score(episodes)
+        rollout.verify_episodes(episodes)
     return episodes, sampler, cfg
 
 
@@ -95,9 +95,7 @@ def test_token_in_token_out_and_loss_mask():
     assert TOK.ids["</tool_call>"] in sampler.calls[0]["stop_ids"]
     assert sampler.calls[0]["stop_strings"] == ()
     # The learner gets the same tokens, masks and log-probs, split at the prompt.
-    batch = learner.Episodes.from_histories(**rollout.to_rows([e], cfg),
-                                            prompt_lens=[len(prompt)], prompt_len=32,
-                                            length=128)
+    batch = rollout.to_batch([e], cfg, prompt_len=32, length=128)
     n = batch.lengths_b[0]
     assert batch.tokens_bn[0, :n].tolist() == e.tokens[len(prompt):]
     assert batch.loss_mask_bn[0, :n].tolist() == e.mask[len(prompt):]
@@ -175,9 +173,7 @@ def test_groups_share_their_prompt():
                                        num_samples=3)
     assert sampler.calls[0]["rows"] == 6  # one prefill per task, 3 samples each
     assert [e.group_id for e in episodes] == [0, 0, 0, 1, 1, 1]
-    rows = rollout.to_rows(episodes, cfg)
-    batch = learner.Episodes.from_histories(**rows, prompt_lens=[e.prompt_len for e in episodes],
-                                            prompt_len=32, length=128)
+    batch = rollout.to_batch(episodes, cfg, prompt_len=32, length=128)
     batch.check_groups(3)
 
 
@@ -207,7 +203,7 @@ def _qwen_episode(tokenizer, turns, *, tools=("python",), **config):
     sampler = ScriptedSampler(script, tokenizer)
     [e] = rollout.generate(sampler, None, [task], tokenizer=tokenizer, key=_key(), config=cfg,
                            fmt=chat.QWEN)
-    rollout.score([e])
+    rollout.verify_episodes([e])
     return e, sampler, task
 
 
@@ -279,7 +275,7 @@ def test_public_format_tasks_scripted_correct_answers_get_reward_1(hf_dir, tmp_p
                                 stop_token_ids=(eot,))
     episodes = rollout.generate(ScriptedSampler(script, tok), None, code + math, tokenizer=tok,
                                 key=_key(), config=cfg, fmt=chat.QWEN)
-    rollout.score(episodes)
+    rollout.verify_episodes(episodes)
     assert [e.reward(cfg) for e in episodes] == [1.0] * 8
     assert [e.tool_calls for e in episodes] == [0] * 4 + [1] * 4
     for e in episodes:

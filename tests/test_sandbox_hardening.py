@@ -141,7 +141,7 @@ def test_a_truncated_file_listing_fails_the_files_verdict():
     config = rewards.RewardConfig(backend="process", memory_mb=256)
     padded = "```bash\necho done > out.txt\nhead -c 17000000 /dev/zero > secret.txt\n```"
     honest = "```bash\necho done > out.txt\n```"
-    bad, good = rewards.score([SECRET_TASK] * 2, [padded, honest], config=config)
+    bad, good = rewards.verify_all([SECRET_TASK] * 2, [padded, honest], config=config)
     assert not bad.passed and bad.reward == 0.0 and bad.error_type == "files_truncated"
     assert "cannot be verified" in bad.feedback
     assert good.passed

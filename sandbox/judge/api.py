@@ -117,8 +117,10 @@ class Report:
     restarts: int = 0
 
     @property
-    def score(self) -> float:
+    def fraction_passed(self) -> float:
         return self.passed / self.total if self.total else 0.0
+
+    score = fraction_passed  # its former name, kept for a release
 
     @property
     def all_passed(self) -> bool:
