@@ -185,42 +185,44 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
         if episode.task.tools or _needs_session(episode.task):
             episode.session = make_session(backend=c.session_backend,
                                            files=dict(episode.task.files) or None)
-    if isinstance(sampler, engine_sampler.EngineSampler):  # episodes keep their slots
-        try:
+    try:
+        if isinstance(sampler, engine_sampler.EngineSampler):  # episodes keep their slots
             engine_sampler.run_episodes(sampler, params, episodes, prompts, key, tokenizer,
                                         fmt, c, pool=pool, reward_config=reward_config,
                                         verify_now=verify_now)
-        except BaseException:
-            close(episodes)
-            raise
-        if verify_now:
-            close(episodes)
-        return episodes
-    keys = iter(jax.random.split(key, c.max_attempts * c.max_turns))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as threads:
-        try:
-            for attempt in range(c.max_attempts):
-                active = [e for e in episodes if attempt == 0 or (
-                    e.verdicts and not e.verdicts[-1].passed and
-                    e.finish in ("answered", "truncated"))]
-                if not sharding.agree(bool(active), "any"):  # none left on any process
-                    break
-                if attempt > 0:
-                    for e in active:
-                        turns.append(e, tokenizer, chat.feedback(fmt, e.verdicts[-1].feedback,
-                                                            closed=e.closed), c)
-                    active = [e for e in active if e.finish != "max_len"]
-                _run_attempt(sampler, params, active, keys, tokenizer, fmt, c, threads,
-                             first=attempt == 0, prompts=prompts)
-                if verify_now:
-                    verify_episodes(active, pool=pool, config=reward_config,
-                                    close_sessions=False)
-        except BaseException:
-            close(episodes)
-            raise
+        else:
+            _run_attempts(sampler, params, episodes, prompts, key, tokenizer, fmt, c,
+                          pool=pool, reward_config=reward_config, verify_now=verify_now)
+    except BaseException:
+        close(episodes)
+        raise
     if verify_now:
         close(episodes)
     return episodes
+
+
+def _run_attempts(sampler, params, episodes, prompts, key, tokenizer, fmt, c, *, pool,
+                  reward_config, verify_now):
+    """The static sampler's episodes: each attempt's turns in step across the batch (and
+    across processes), retry feedback appended to the episodes an attempt failed."""
+    keys = iter(jax.random.split(key, c.max_attempts * c.max_turns))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as threads:
+        for attempt in range(c.max_attempts):
+            active = [e for e in episodes if attempt == 0 or (
+                e.verdicts and not e.verdicts[-1].passed and
+                e.finish in ("answered", "truncated"))]
+            if not sharding.agree(bool(active), "any"):  # none left on any process
+                break
+            if attempt > 0:
+                for e in active:
+                    turns.append(e, tokenizer, chat.feedback(fmt, e.verdicts[-1].feedback,
+                                                        closed=e.closed), c)
+                active = [e for e in active if e.finish != "max_len"]
+            _run_attempt(sampler, params, active, keys, tokenizer, fmt, c, threads,
+                         first=attempt == 0, prompts=prompts)
+            if verify_now:
+                verify_episodes(active, pool=pool, config=reward_config,
+                                close_sessions=False)
 
 
 def _sample(sampler, params, histories, *, num_samples=1, **kwargs):
