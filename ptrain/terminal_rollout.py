@@ -58,7 +58,7 @@ class TerminalRolloutConfig:
 class Rollout:
     task: object  # sandbox.terminal.Task
     group_id: int
-    episode: object  # sandbox.terminal.Episode (open until `score`)
+    episode: object  # sandbox.terminal.Episode (open until `verify_rollouts`)
     tokens: terminal_agent.Tokens | None = None
     done: bool = False
     verdict: object = None  # sandbox.terminal.Verdict
@@ -85,7 +85,7 @@ def generate(sampler, params, tasks, *, harness, agent: terminal_agent.ShellAgen
              config: TerminalRolloutConfig, first_group_id: int = 0,
              pool: concurrent.futures.Executor) -> list[Rollout]:
     """`config.num_samples` episodes of every task, their agent turns done (see the module
-    docstring); the episodes stay open for `score`."""
+    docstring); the episodes stay open for `verify_rollouts`."""
     c = config
     specs = [(task, first_group_id + i) for i, task in enumerate(tasks)
              for _ in range(c.num_samples)]
@@ -132,7 +132,7 @@ def generate(sampler, params, tasks, *, harness, agent: terminal_agent.ShellAgen
     return rollouts
 
 
-def score(rollouts: list[Rollout], pool: concurrent.futures.Executor) -> None:
+def verify_rollouts(rollouts: list[Rollout], pool: concurrent.futures.Executor) -> None:
     """Each episode's verdict (the task's tests), then the episodes are closed."""
     def verify(r):
         if r.episode is None:
@@ -168,7 +168,7 @@ def passed(r: Rollout) -> bool:
 
 
 def to_rows(rollouts: list[Rollout], tokenizer) -> dict:
-    """Per-row lists for `batch.Batch.from_histories` (after `score`)."""
+    """Per-row lists for `batch.Batch.from_histories` (after `verify_rollouts`)."""
     tokens, masks, logps, prompt_lens, meta = [], [], [], [], []
     for r in rollouts:
         t = r.tokens
@@ -213,7 +213,7 @@ class TerminalProducer:
 
     def score(self, rollouts):
         from ptrain import batch as batch_lib
-        score(rollouts, self.pool)
+        verify_rollouts(rollouts, self.pool)
         rows = to_rows(rollouts, self.tokenizer)
         return batch_lib.Batch.from_histories(
             **rows, prompt_len=self.prompt_len, length=self.config.max_len, pad_id=self.pad_id,
@@ -226,7 +226,7 @@ class TerminalProducer:
         config = config or dataclasses.replace(self.config, num_samples=1, greedy=True)
         rollouts = self.generate(params, [{"task_dir": d} for d in task_dirs], key,
                                  config=config)
-        score(rollouts, self.pool)
+        verify_rollouts(rollouts, self.pool)
         return rollouts
 
     def close(self):
