@@ -163,14 +163,15 @@ def test_terminal_domain_config_tasks_and_demonstrations(tmp_path):
             closed_loop.check_config(bad)
     tok = closed_loop.make_tokenizer(config)
     assert tok.pieces == terminal_tasks.tokenizer().pieces
-    resolved = closed_loop.resolve(config, str(tmp_path), tok)
+    resolved = closed_loop.derive_config(config, str(tmp_path), tok)
     assert resolved.model.vocab_size == tok.vocab_size
     assert resolved.sampling.stop_token_ids == (tok.eos_token_id,)
-    assert resolved.data.sources == ((str(tmp_path / "tasks" / "terminal.train.jsonl"), 1.0),)
     train, held = closed_loop.make_tasks(resolved, tok, str(tmp_path))
+    task_file = str(tmp_path / "tasks" / "terminal.train.jsonl")
+    assert closed_loop.prompt_sources(resolved, train, str(tmp_path)) == [(task_file, 1.0)]
     train, held = train["terminal"], held["terminal"]
     assert len(train) == config.tasks.n_train and len(held) == config.tasks.n_heldout
-    records = jsonl.read(resolved.data.sources[0][0])
+    records = jsonl.read(task_file)
     assert records == [{"task_dir": g.task_dir, "domain": "terminal"} for g in train]
     demos = jsonl.read(resolved.sft.sources[0])
     assert len(demos) == len(train) and {d["domain"] for d in demos} == {"terminal"}

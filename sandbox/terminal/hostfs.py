@@ -160,6 +160,8 @@ class ConfinedRoot:
                     elif m.issym():
                         os.symlink(m.linkname, rel[-1], dir_fd=pfd)
                         os.chown(rel[-1], m.uid, m.gid, dir_fd=pfd, follow_symlinks=False)
+                        os.utime(rel[-1], (m.mtime, m.mtime), dir_fd=pfd,
+                                 follow_symlinks=False)
                     else:
                         raise OSError(f"{m.name!r}: a member of type {m.type!r}")
                 finally:
