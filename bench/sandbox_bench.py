@@ -88,7 +88,7 @@ def cold_python(python: str, code: str):
 
 
 def fork_server(backend: str, code: str):
-    worker = sandbox.Worker(backend)
+    worker = sandbox.Sandbox(backend)
     _workers.append(worker)
 
     def fn():
@@ -130,7 +130,7 @@ def concurrent_step(backend: str, n: int, turns: int, pinned: bool,
         r = s.run(f"import os\nopen('turn{t}', 'w').write(open('task.txt').read())\n"
                   "print(len(os.listdir('.')))", timeout_s=30)
         assert r.ok and r.stdout == f"{t + 2}\n".encode(), r
-        peak[0] = max(peak[0], len(sandbox.live_workers()))
+        peak[0] = max(peak[0], len(sandbox.live_sandboxes()))
 
     start = time.perf_counter()
     sessions = [sandbox.Session(backend=backend, pinned=pinned, files={"task.txt": str(i)})

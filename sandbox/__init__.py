@@ -13,29 +13,36 @@ Public API
   run(code=None, *, backend="auto", fork_server=True, **options) -> Result
       options: the fields of `Request` (per run: language, command, files, stdin, timeout_s,
       env, return_files, max_output_bytes, max_file_mb, max_open_files, max_files_bytes)
-      and of `Limits` (per worker: memory_mb, max_processes, network), each declared once
+      and of `Limits` (per sandbox: memory_mb, max_processes, network), each declared once
       there with its default and meaning (`sandbox.request.OPTIONS`; the table in
       docs/sandbox.md is generated from them)
   Session(*, backend="auto", files=None, pinned=False, max_state_bytes=16 MiB,
           max_state_files=10000, **limits)
       .run(code=None, **options) -> Result (options: the fields of `Request`),
       .write_files(files), .read_files(max_bytes) -> dict[str, bytes], .close(), .backend,
-      .pinned, .worker: unpinned, the work dir lives on the host between runs and each run
-      borrows a warm worker; pinned, it holds one worker (and /tmp) for its life
-  warm(n, *, backend, **limits): start n idle workers now
-  live_workers() -> list[Worker]: those run/warm/Session started that are alive (at most
-      warm_workers.MAX_WORKERS_PER_KEY idle or lent per settings, plus one per pinned session)
-  Worker(backend, Limits(memory_mb, max_processes, network))
+      .pinned, .sandbox: unpinned, the work dir lives on the host between runs and each run
+      borrows a warm sandbox; pinned, it holds one sandbox (and /tmp) for its life
+  warm(n, *, backend, **limits): start n idle sandboxes now
+  live_sandboxes() -> list[Sandbox]: those run/warm/Session started that are alive (at most
+      warm_sandboxes.MAX_SANDBOXES_PER_KEY idle or lent per settings, plus one per pinned
+      session)
+  Sandbox(backend, Limits(memory_mb, max_processes, network))
       .run(Request(...), keep_state=False) -> Result, .reset(), .close(), .alive,
-      .processes(): one warm fork server (what run() keeps idle and lends, a pinned Session
-      holds and a pool holds; one run at a time per worker)
+      .processes(): one warm fork server in one backend's isolation (what run() keeps idle
+      and lends, and a pinned Session holds; one run at a time per sandbox)
   Request(code=..., ...): the validated per-run arguments of run(); .to_dict() and
       Request.from_dict() for JSON (same text / *_b64 convention as Result)
   Process(), Bwrap(), Docker(image=...): backend specs; "auto" = strongest available
   unavailable_reason(spec) -> None | str, resolve(backend) -> spec, shutdown()
-  Pool, judge, tools: services over run() (HTTP: sandbox.server)
-  Errors: ValueError/TypeError (bad arguments), BackendUnavailable, WorkerError (the sandbox
-  failed, not the program: safe to retry). Nothing the program does raises.
+  Pool(workers, ...): a queue over `workers` worker processes (or Ray actors), each calling
+      run() or a judge in its own warm sandboxes; judge, tools: services over run() (HTTP:
+      sandbox.server). "Worker" means only a pool's process or actor.
+  Errors: ValueError/TypeError (bad arguments), BackendUnavailable, SandboxError (the sandbox
+  failed, not the program: safe to retry), WorkerLost (a pool's request lost its worker on
+  every attempt). Nothing the program does raises.
+  Deprecated aliases (removed in the next release; they warn): Worker (Sandbox), WorkerError
+  (SandboxError), live_workers (live_sandboxes), Session.worker (.sandbox), the modules
+  sandbox.worker (sandbox.sandbox) and sandbox.warm_workers (sandbox.warm_sandboxes).
 
 Result fields (a frozen dataclass; `to_dict()` / `Result.from_dict()` round-trip via JSON)
   stdout, stderr: bytes       captured output, each capped at max_output_bytes; non-UTF-8
@@ -63,12 +70,27 @@ from sandbox.backends import (BackendUnavailable, Bwrap, Docker, Process, resolv
 from sandbox.pool import Pool, PoolFull, WorkerLost
 from sandbox.request import Limits, Request
 from sandbox.result import Result
+from sandbox.sandbox import Sandbox, SandboxError
 from sandbox.session import Session, run
-from sandbox.warm_workers import live_workers, shutdown, warm
-from sandbox.worker import Worker, WorkerError
+from sandbox.warm_sandboxes import live_sandboxes, shutdown, warm
 
 __all__ = [
     "BackendUnavailable", "Bwrap", "Docker", "Limits", "Pool", "PoolFull", "Process", "Request",
-    "Result", "Session", "Worker", "WorkerError", "WorkerLost", "judge", "live_workers",
+    "Result", "Sandbox", "SandboxError", "Session", "WorkerLost", "judge", "live_sandboxes",
     "resolve", "run", "shutdown", "tools", "unavailable_reason", "warm",
 ]
+
+# Deprecated names (a "worker" is now only a pool's process or Ray actor), for one release.
+_RENAMED = {"Worker": "Sandbox", "WorkerError": "SandboxError", "live_workers": "live_sandboxes"}
+
+
+def __getattr__(name):
+    if name in ("worker", "warm_workers"):  # the deprecated modules (each warns on import)
+        import importlib
+        return importlib.import_module(f"sandbox.{name}")
+    if name in _RENAMED:
+        import warnings
+        warnings.warn(f"sandbox.{name} is deprecated: use sandbox.{_RENAMED[name]}",
+                      DeprecationWarning, stacklevel=2)
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module 'sandbox' has no attribute {name!r}")

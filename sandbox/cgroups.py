@@ -1,10 +1,10 @@
-"""Per-worker memory and pids cgroups, on the host side, where the machine allows them.
+"""Per-sandbox memory and pids cgroups, on the host side, where the machine allows them.
 
 Detects what is there (cgroup v1 `memory` + `pids` hierarchies, or a cgroup v2 tree with both
 controllers delegated to us) and whether we may write it; never assumes. Without cgroups the
 backends fall back to rlimits (see docs/sandbox.md).
 
-A worker's cgroup is a child of the caller's own cgroup, so the caller's limits still hold,
+A sandbox's cgroup is a child of the caller's own cgroup, so the caller's limits still hold,
 named `ptrain-sbx-<host pid>-<n>`, with `server` and `run` below it; cgroups left by a
 crashed host are removed the next time one is made.
 """
@@ -47,7 +47,7 @@ def _try_mkdir(parent: str) -> str | None:
 
 
 def _layout() -> tuple[str, dict[str, str]] | None:
-    """("v1", {"memory": dir, "pids": dir}) or ("v2", {"": dir}): where worker cgroups go."""
+    """("v1", {"memory": dir, "pids": dir}) or ("v2", {"": dir}): where sandbox cgroups go."""
     try:
         own = _own_paths()
     except OSError:
@@ -72,12 +72,12 @@ def _layout() -> tuple[str, dict[str, str]] | None:
 
 @functools.lru_cache(maxsize=1)
 def layout():
-    """The cgroup layout worker cgroups use, or None (then rlimits only). Cached."""
+    """The cgroup layout sandbox cgroups use, or None (then rlimits only). Cached."""
     return _layout()
 
 
 class Cgroup:
-    """The cgroups of one worker: `<name>/server` holds the fork server (no limit of ours),
+    """The cgroups of one sandbox: `<name>/server` holds the fork server (no limit of ours),
     `<name>/run` holds each run (memory and pids limits). Every run child moves itself into
     `run` before anything else, so the limits cover all it starts, its files on tmpfs too,
     and the server never competes with a run for memory (an OOM kill always hits the run)."""
@@ -198,7 +198,7 @@ def _rmdir(path: str) -> None:
 
 
 def _sweep(parents: dict[str, str]) -> None:
-    """Remove worker cgroups whose host process is gone (a crashed caller leaves them)."""
+    """Remove sandbox cgroups whose host process is gone (a crashed caller leaves them)."""
     for parent in parents.values():
         try:
             names = os.listdir(parent)

@@ -21,7 +21,7 @@ requests wait, so a saturated fleet slows its caller instead of failing it.
 
 Sessions: a fleet `Session` keeps its work dir with the caller (as an unpinned
 `sandbox.Session` keeps it on the host), and each operation is one pool request that lays
-the work dir into a warm worker on whichever node is free, runs, and brings it back. A turn
+the work dir into a warm sandbox on whichever node is free, runs, and brings it back. A turn
 whose node dies is therefore replayed from the work dir as it was before the turn, on another
 node: no turn is lost, none is applied twice. /tmp and the like do not persist across turns,
 and a work dir past `max_state_bytes` / `max_state_files` is an error (it cannot travel).
@@ -114,10 +114,11 @@ def session_factory(of_pool: Pool):
 class Session:
     """A multi-turn episode's sandbox on a fleet: the interface of `sandbox.Session`
     (run, write_files, read_files, close, backend; never pinned), its work dir kept here and
-    carried to a free worker for each operation. Thread-safe; one operation at a time."""
+    carried to a free pool worker for each operation. Thread-safe; one operation at a time."""
 
     pinned = False
-    worker = None
+    sandbox = None
+    worker = None  # deprecated alias of `sandbox` (Session.worker)
 
     def __init__(self, fleet_pool: Pool, *, backend="auto", memory_mb: int = 512,
                  max_processes: int = 64, network: bool = False, files: dict | None = None,
@@ -189,8 +190,8 @@ class Session:
 
     def _check_open(self) -> None:
         if self._workdir is None:
-            from sandbox.worker import WorkerError
-            raise WorkerError("the session is closed")
+            from sandbox.sandbox import SandboxError
+            raise SandboxError("the session is closed")
 
     def _remote(self, op, payload, timeout_s):
         future = self._pool.submit(_turn, op, self._workdir, payload, self._spec, self._limits,
@@ -200,26 +201,26 @@ class Session:
 
 # -- what runs in a fleet actor ---------------------------------------------------------------
 
-_workers: dict = {}  # (spec, limits) -> the actor's Worker for session turns
-_workers_lock = threading.Lock()
+_sandboxes: dict = {}  # (spec, limits) -> the actor's Sandbox for session turns
+_sandboxes_lock = threading.Lock()
 
 
 def _turn(op, workdir: WorkDir, payload, spec, limits, caps, *, timeout_s):
-    """One session operation in this actor: lay `workdir` into a warm worker, run (or write
+    """One session operation in this actor: lay `workdir` into a warm sandbox, run (or write
     files), collect it back. Returns (result, new work dir)."""
     del timeout_s  # the pool's deadline; the request carries its own
-    from sandbox.worker import Worker
+    from sandbox.sandbox import Sandbox
     key = (backends.resolve(spec), limits)
-    with _workers_lock:
-        worker = _workers.get(key)
-        if worker is None or not worker.alive:
-            worker = _workers[key] = Worker(key[0], limits)
+    with _sandboxes_lock:
+        box = _sandboxes.get(key)
+        if box is None or not box.alive:
+            box = _sandboxes[key] = Sandbox(key[0], limits)
         if op == "run":
-            result, new = worker.run_in(workdir, payload, **caps)
+            result, new = box.run_in(workdir, payload, **caps)
         else:
-            result, new = None, worker.put_in(workdir, payload, **caps)
-        if new is None:  # it stayed in the worker: empty it for the next session
-            worker.reset()
+            result, new = None, box.put_in(workdir, payload, **caps)
+        if new is None:  # it stayed in the sandbox: empty it for the next session
+            box.reset()
             raise ValueError(
                 f"a fleet session's work dir outgrew max_state_bytes={caps['max_bytes']} or "
                 f"max_state_files={caps['max_files']}; it travels between nodes each turn, "

@@ -4,7 +4,7 @@ This file must stay one stdlib-only module: its source is sent inline as the `-c
 the sandbox's interpreter (nothing of ours is on the sandbox's file system), which is why it
 is the one module allowed past the 600-line house rule.
 
-It is started once per worker (by `sandbox/backends.py`, as `python3 -I -X utf8 -c <this
+It is started once per sandbox (by `sandbox/backends.py`, as `python3 -I -X utf8 -c <this
 source> <config json>`), imports common modules, then serves runs one at a time over a
 socket. Each run gets a fresh child, forked after the previous run was cleaned up and parked
 (own session, run cgroup joined) until its request comes; it then sets its rlimits and either
@@ -971,7 +971,7 @@ def run_put(cfg, header, chan, killer, parked):
     return {"error": error} if error else {"ok": True}
 
 
-_PUT_TIMEOUT_S = 8.0  # the host gives up on a put after 10 s (worker._WATCHDOG_GRACE_S)
+_PUT_TIMEOUT_S = 8.0  # the host gives up on a put after 10 s (sandbox._WATCHDOG_GRACE_S)
 
 
 def reset(cfg, modes):
@@ -1080,7 +1080,7 @@ def serve(cfg):
             if done and msg.get("collect"):
                 keep = not _collect(cfg, msg["collect"], result, blobs, sizes)
             if not keep and not reset(cfg, modes):
-                result["clean"] = False  # the host replaces this worker
+                result["clean"] = False  # the host replaces this sandbox
         elif op == "reset":
             result = {"clean": reset(cfg, modes)}
         elif op == "files":

@@ -6,10 +6,10 @@
         report = await pool.acall(judge.stdio, code, cases)      # asyncio
 
 Each worker is a process of its own (or a Ray actor, `cluster="ray"`) that calls the function
-it is sent, typically `sandbox.run` or a judge, which keep warm fork servers inside that worker.
+it is sent, typically `sandbox.run` or a judge, which keep warm sandboxes (fork servers) inside that worker.
 `submit` blocks while `queue_size` requests wait (backpressure; `submit_nowait` raises
 `PoolFull` instead). A request is retried, on a fresh worker, when its worker died, hung past
-its deadline, or the sandbox under it failed (`sandbox.WorkerError`), at most `max_retries`
+its deadline, or the sandbox under it failed (`sandbox.SandboxError`), at most `max_retries`
 times; a program that merely failed is a result, never retried. A request's deadline is its
 `timeout_s` keyword argument (the sandbox's convention; `default_timeout_s` without one) plus
 `grace_s`. Shutdown stops every worker and what it started.
@@ -216,14 +216,14 @@ class Pool(concurrent.futures.Executor):
 
     def _serve(self, slot, worker, item):
         """Runs `item` to exactly one outcome; returns the worker to keep (or None)."""
-        from sandbox.worker import WorkerError
+        from sandbox.sandbox import SandboxError
         while True:
             error = None
             try:
                 if worker is None:
                     worker = self._start_worker(slot)
                 ok, value = worker.call(item.fn, item.args, item.kwargs, item.deadline_s)
-                if not ok and isinstance(value, WorkerError):
+                if not ok and isinstance(value, SandboxError):
                     error = f"its sandbox failed: {value}"
             except _WorkerDied as e:
                 error = f"its worker died: {e}"

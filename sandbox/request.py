@@ -15,7 +15,7 @@ LANGUAGES = ("python", "bash")
 def option(default=dataclasses.MISSING, *, doc: str, json: tuple, cap: str | None = None,
            default_factory=dataclasses.MISSING):
     """A run option: a dataclass field of `Request` (per run) or `backends.Limits` (per
-    worker), declared once. `doc` says what it does; `json` are the JSON types a service
+    sandbox), declared once. `doc` says what it does; `json` are the JSON types a service
     accepts for it; `cap` names the server's configured maximum for it (sandbox.server).
     `sandbox.run`, `Session`, the server and docs/sandbox.md all derive from these."""
     meta = {"doc": doc, "json": json, "cap": cap}
@@ -138,7 +138,7 @@ class Request:
         return cls(files=files, **d)
 
     def to_wire(self) -> tuple[dict, list[bytes]]:
-        """What a sandbox worker is sent: a JSON-able dict (sizes in place of stdin and file
+        """What a sandbox is sent: a JSON-able dict (sizes in place of stdin and file
         contents) and the raw bytes it announces, in order: stdin, then the files."""
         d = dataclasses.asdict(self)
         d["command"] = list(self.command) if self.command is not None else None
@@ -150,7 +150,7 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Limits fixed for the life of a worker (per-run limits live in the Request)."""
+    """Limits fixed for the life of a sandbox (per-run limits live in the Request)."""
     memory_mb: int = option(512, doc="memory of the run (cgroup, else RLIMIT_AS)",
                             json=(int,), cap="max_memory_mb")
     max_processes: int = option(64, doc="processes and threads of the run at once",
@@ -202,7 +202,7 @@ def options_table() -> str:
             "|---|---|---|---|---|"]
     for f in OPTIONS:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        per = "run" if f in dataclasses.fields(Request) else "worker"
+        per = "run" if f in dataclasses.fields(Request) else "sandbox"
         cap = f"`{f.metadata['cap']}`" if f.metadata["cap"] else ""
         rows.append(f"| `{f.name}` | `{default!r}` | {per} | {cap} | {f.metadata['doc']} |")
     return "\n".join(rows)

@@ -1,20 +1,21 @@
-"""`run()` for one-off runs over warm workers, and `Session` for multi-turn episodes.
+"""`run()` for one-off runs over warm sandboxes, and `Session` for multi-turn episodes.
 
-Warm workers are shared per (backend spec, limits): `run` and an unpinned Session's turns
+Warm sandboxes are shared per (backend spec, limits): `run` and an unpinned Session's turns
 borrow one that is idle (or start one) for the length of one run and hand it back emptied.
-At most `MAX_WORKERS_PER_KEY` are lent or idle at once per key; a run that finds them all
+At most `MAX_SANDBOXES_PER_KEY` are lent or idle at once per key; a run that finds them all
 busy waits for one to come back rather than start a sandbox more. Pinned sessions hold a
-worker of their own for their whole life, outside that bound.
+sandbox of their own for their whole life, outside that bound.
 """
 
 import logging
 import threading
+import warnings
 import weakref
 
-from sandbox import backends, warm_workers
+from sandbox import backends, warm_sandboxes
 from sandbox.request import Limits, Request, from_options, options_doc
 from sandbox.result import Result
-from sandbox.worker import Worker, WorkerError
+from sandbox.sandbox import Sandbox, SandboxError
 from sandbox.workdir import WorkDir
 
 log = logging.getLogger("sandbox")
@@ -25,7 +26,7 @@ def run(code: str | None = None, *, backend="auto", fork_server: bool = True,
     list) in a fresh work dir holding `files`, in isolation, and return what happened.
 
     Never raises for anything the program does (see `Result`). Raises ValueError/TypeError
-    for bad arguments, `BackendUnavailable` if `backend` cannot run here, and `WorkerError`
+    for bad arguments, `BackendUnavailable` if `backend` cannot run here, and `SandboxError`
     if the sandbox itself failed (safe to retry).
 
     fork_server=True (the default) runs it through a warm fork server of `backend`: a fork
@@ -37,16 +38,16 @@ def run(code: str | None = None, *, backend="auto", fork_server: bool = True,
     request, limits = from_options({"code": code, **options})
     spec = backends.resolve(backend)
     if not fork_server:
-        with Worker(spec, limits, preimport=False) as worker:
-            return worker.run(request)
+        with Sandbox(spec, limits, preimport=False) as sandbox:
+            return sandbox.run(request)
     key = (spec, limits)
-    worker = warm_workers.borrow(key)
+    sandbox = warm_sandboxes.borrow(key)
     try:
-        result = worker.run(request)
+        result = sandbox.run(request)
     except BaseException as e:
-        warm_workers.hand_back(key, worker, keep=isinstance(e, ValueError))  # files it could not lay out
+        warm_sandboxes.hand_back(key, sandbox, keep=isinstance(e, ValueError))  # files it could not lay out
         raise
-    warm_workers.hand_back(key, worker)
+    warm_sandboxes.hand_back(key, sandbox)
     return result
 
 
@@ -57,20 +58,20 @@ class Session:
     when it ends; the work dir's files, directories, symlinks and fifos (with their modes and
     mtimes) stay until the session closes.
 
-    Unpinned (the default), the session holds no worker: its work dir lives on the host
-    between runs, and each run borrows any warm worker, lays the work dir in, runs, collects
-    it back and hands the worker back emptied, so that many sessions share as many workers as
+    Unpinned (the default), the session holds no sandbox: its work dir lives on the host
+    between runs, and each run borrows any warm sandbox, lays the work dir in, runs, collects
+    it back and hands the sandbox back emptied, so that many sessions share as many sandboxes as
     run at the same moment. /tmp, /dev/shm, SysV IPC and hard links between files do not
     persist. A work dir that grows past `max_state_bytes` of files or `max_state_files`
-    entries (or cannot be read whole) stays in its worker instead, which the session then
+    entries (or cannot be read whole) stays in its sandbox instead, which the session then
     keeps for the rest of its life (`pinned` turns True, and the log says why): nothing is
     lost.
 
-    pinned=True takes a worker for the whole session: /tmp, /dev/shm and SysV IPC persist
+    pinned=True takes a sandbox for the whole session: /tmp, /dev/shm and SysV IPC persist
     too. Closing empties it and hands it back to the warm ones `run` uses.
 
     Either way, closing (or leaving the `with` block) removes everything, and if the caller
-    dies, the workers die with all in them.
+    dies, the sandboxes die with all in them.
 
         with sandbox.Session(backend="bwrap") as s:
             s.run("open('a.txt', 'w').write('hi')")
@@ -88,10 +89,10 @@ class Session:
         self._caps = {"max_bytes": max_state_bytes, "max_files": max_state_files}
         self._lock = threading.Lock()  # one operation at a time: each moves the work dir
         self._workdir = WorkDir()
-        self._held: list[Worker] = []  # the worker of a pinned session
+        self._held: list[Sandbox] = []  # the sandbox of a pinned session
         self._finalizer = weakref.finalize(self, _release, self._key, self._held)
         if pinned:
-            self._held.append(warm_workers.take_idle(self._key) or warm_workers.new_worker(self._key))
+            self._held.append(warm_sandboxes.take_idle(self._key) or warm_sandboxes.new_sandbox(self._key))
         if files:
             self.write_files(files)
 
@@ -101,13 +102,20 @@ class Session:
 
     @property
     def pinned(self) -> bool:
-        """Whether the session holds a worker (asked for, or its work dir outgrew the caps)."""
+        """Whether the session holds a sandbox (asked for, or its work dir outgrew the caps)."""
         return bool(self._held)
 
     @property
-    def worker(self) -> Worker | None:
-        """The worker a pinned session holds; None for an unpinned one."""
+    def sandbox(self) -> Sandbox | None:
+        """The sandbox a pinned session holds; None for an unpinned one."""
         return self._held[0] if self._held else None
+
+    @property
+    def worker(self) -> Sandbox | None:
+        """Deprecated alias of `sandbox` (a "worker" is now only a pool's process or actor)."""
+        warnings.warn("Session.worker is deprecated: use Session.sandbox", DeprecationWarning,
+                      stacklevel=2)
+        return self.sandbox
 
     def run(self, code: str | None = None, **options) -> Result:
         """Like `sandbox.run`, in this session's work dir; `files` are added to it first.
@@ -152,7 +160,7 @@ class Session:
         return files
 
     def close(self) -> None:
-        """Remove the work dir (and empty and hand back a pinned session's worker)."""
+        """Remove the work dir (and empty and hand back a pinned session's sandbox)."""
         with self._lock:
             self._finalizer()
             self._workdir = None
@@ -169,39 +177,39 @@ class Session:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise WorkerError("the session is closed")
+            raise SandboxError("the session is closed")
 
     def _unpinned(self, step):
-        """One operation on a borrowed worker: `step(worker)` -> (result, new WorkDir or
-        None if the work dir stayed in the worker, which the session then keeps)."""
-        worker = warm_workers.borrow(self._key)
+        """One operation on a borrowed sandbox: `step(sandbox)` -> (result, new WorkDir or
+        None if the work dir stayed in the sandbox, which the session then keeps)."""
+        sandbox = warm_sandboxes.borrow(self._key)
         try:
-            result, workdir = step(worker)
+            result, workdir = step(sandbox)
         except BaseException as e:
-            # The work dir is unchanged; a worker that merely refused the files is clean.
-            warm_workers.hand_back(self._key, worker, keep=isinstance(e, ValueError))
+            # The work dir is unchanged; a sandbox that merely refused the files is clean.
+            warm_sandboxes.hand_back(self._key, sandbox, keep=isinstance(e, ValueError))
             raise
         if workdir is None:
             log.warning("sandbox: a session's work dir outgrew what is collected between "
-                        "runs; the session keeps its %s worker from now on", worker.backend)
-            warm_workers.unlend(self._key)
-            self._held.append(worker)
+                        "runs; the session keeps its %s sandbox from now on", sandbox.backend)
+            warm_sandboxes.unlend(self._key)
+            self._held.append(sandbox)
         else:
-            warm_workers.hand_back(self._key, worker)
+            warm_sandboxes.hand_back(self._key, sandbox)
         self._workdir = workdir
         return result
 
 
-def _release(key, held: list[Worker]) -> None:
-    """A closed session's worker, if it holds one: emptied, then warm again for others (or
+def _release(key, held: list[Sandbox]) -> None:
+    """A closed session's sandbox, if it holds one: emptied, then warm again for others (or
     closed)."""
-    for worker in held:
+    for sandbox in held:
         try:
-            worker.reset()
-        except WorkerError:
-            worker.close()
+            sandbox.reset()
+        except SandboxError:
+            sandbox.close()
             continue
-        warm_workers.put_idle(key, worker)
+        warm_sandboxes.put_idle(key, sandbox)
     held.clear()
 
 

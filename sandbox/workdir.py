@@ -1,5 +1,5 @@
-"""A session's work dir kept on the host between runs, so that the session needs no worker of
-its own: each run lays it into whichever warm worker is free and collects it back.
+"""A session's work dir kept on the host between runs, so that the session needs no sandbox of
+its own: each run lays it into whichever warm sandbox is free and collects it back.
 
 The fork server collects it (`forkserver.collect_state`) as entries in an order it can
 replay, `[path, kind, mode, mtime_ns]` plus the size of a file (kind "f") or the target of a

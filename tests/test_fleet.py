@@ -156,7 +156,7 @@ def test_session_errors_are_clear(cluster):
         with pytest.raises(ValueError, match="outgrew max_state_bytes=100"):
             s.run("open('big', 'w').write('x' * 1000)", timeout_s=10)
         s.close()
-        with pytest.raises(sandbox.WorkerError, match="closed"):
+        with pytest.raises(sandbox.SandboxError, match="closed"):
             s.run("print(1)")
     with pytest.raises(TypeError, match="sandbox.Pool"):
         fleet.Session(object())

@@ -196,7 +196,7 @@ def test_without_cgroups_rlimits_bound_memory_and_processes(backend, monkeypatch
     RLIMIT_NPROC on the sandbox's own uid for processes (not for a root caller's
     process backend, which docs/sandbox.md says)."""
     monkeypatch.setattr(sandbox.cgroups, "layout", lambda: None)
-    with sandbox.Worker(backend, sandbox.Limits(memory_mb=160, max_processes=8)) as worker:
+    with sandbox.Sandbox(backend, sandbox.Limits(memory_mb=160, max_processes=8)) as worker:
         assert worker._handle.cgroup is None
         big = worker.run(sandbox.Request(code="x = b'x' * (400 << 20)"))
         assert big.oom and big.stderr.rstrip().endswith(b"MemoryError"), big
@@ -277,7 +277,7 @@ LOOK_FOR_TRACES = textwrap.dedent("""
 def test_a_run_sees_nothing_a_previous_run_left(backend):
     host_shared = backend == "process"  # /dev/shm and SysV IPC are the host's there
     env = {"HOST_SHARED": "1" if host_shared else "0"}
-    with sandbox.Worker(backend) as worker:
+    with sandbox.Sandbox(backend) as worker:
         first = worker.run(sandbox.Request(code=LEAVE_TRACES, env=env))
         assert first.ok, first.stderr
         second = worker.run(sandbox.Request(code=LOOK_FOR_TRACES))
@@ -293,13 +293,47 @@ def test_a_run_sees_nothing_a_previous_run_left(backend):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_dead_worker_raises_worker_error_and_run_recovers(backend):
-    worker = sandbox.Worker(backend)
-    os.kill(worker.server_pid, signal.SIGKILL)
-    with pytest.raises(sandbox.WorkerError):
-        worker.run(sandbox.Request(code="print(1)"))
-    assert not worker.alive
+def test_a_dead_sandbox_raises_sandbox_error_and_run_recovers(backend):
+    box = sandbox.Sandbox(backend)
+    os.kill(box.server_pid, signal.SIGKILL)
+    with pytest.raises(sandbox.SandboxError):
+        box.run(sandbox.Request(code="print(1)"))
+    assert not box.alive
     assert run(backend, "print(1)").stdout == b"1\n"
+
+
+def test_the_names_from_before_sandbox_and_worker_were_told_apart_still_work_and_warn():
+    """`Worker` (the fork-server handle) is now `Sandbox`; "worker" means only a pool's process
+    or Ray actor. The old names stay for one release: the same objects, each access warning."""
+    import importlib
+    import sys
+
+    from sandbox import fleet, session, warm_sandboxes
+    for old, new in [("Worker", sandbox.Sandbox), ("WorkerError", sandbox.SandboxError),
+                     ("live_workers", sandbox.live_sandboxes)]:
+        with pytest.warns(DeprecationWarning, match=f"sandbox.{old} is deprecated"):
+            assert getattr(sandbox, old) is new
+    sys.modules.pop("sandbox.worker", None)
+    old_module = importlib.import_module("sandbox.worker")
+    with pytest.warns(DeprecationWarning, match="use sandbox.Sandbox"):
+        assert old_module.Worker is sandbox.Sandbox
+    with pytest.warns(DeprecationWarning, match="use sandbox.SandboxError"):
+        assert old_module.WorkerError is sandbox.SandboxError
+    sys.modules.pop("sandbox.warm_workers", None)
+    with pytest.warns(DeprecationWarning, match="sandbox.warm_workers is deprecated"):
+        old_registry = importlib.import_module("sandbox.warm_workers")
+    assert old_registry is warm_sandboxes  # one module: monkeypatching either name is one bound
+    with pytest.warns(DeprecationWarning, match="MAX_SANDBOXES_PER_KEY"):
+        assert old_registry.MAX_WORKERS_PER_KEY == warm_sandboxes.MAX_SANDBOXES_PER_KEY
+    s = session.Session(backend="process")  # unpinned: holds no sandbox, starts none
+    try:
+        with pytest.warns(DeprecationWarning, match="Session.sandbox"):
+            assert s.worker is s.sandbox is None
+    finally:
+        s.close()
+    assert fleet.Session.worker is fleet.Session.sandbox is None
+    with pytest.raises(AttributeError, match="no attribute 'Workers'"):
+        sandbox.Workers
 
 
 @pytest.mark.parametrize("backend", backend_params(("bwrap", "process")))

@@ -164,7 +164,7 @@ ISOLATING = ("bwrap", "docker")
 
 @pytest.fixture(scope="module", params=backend_params(ISOLATING))
 def iso_worker(request):
-    with sandbox.Worker(request.param, sandbox.Limits(memory_mb=128)) as w:
+    with sandbox.Sandbox(request.param, sandbox.Limits(memory_mb=128)) as w:
         yield w
 
 
@@ -230,7 +230,7 @@ def test_a_run_cannot_move_the_fork_server_into_another_cgroup(iso_worker):
 def test_a_run_has_oom_score_adj_1000_and_the_server_less(name):
     if sandbox.unavailable_reason(sandbox.resolve(name)):
         pytest.skip(f"{name} unavailable")
-    with sandbox.Worker(name, sandbox.Limits(memory_mb=128)) as w:
+    with sandbox.Sandbox(name, sandbox.Limits(memory_mb=128)) as w:
         r = run_py(w, "print(open('/proc/self/oom_score_adj').read())")
         assert r.stdout.split() == [b"1000"], r
         if w.server_pid:

@@ -473,7 +473,7 @@ def worker(request):
     """One worker per backend serves every hostile program: each must leave it usable."""
     backend = request.param
     before = (own_temp_dirs(), own_cgroups(), own_containers())
-    w = sandbox.Worker(backend, sandbox.Limits(memory_mb=MEMORY_MB,
+    w = sandbox.Sandbox(backend, sandbox.Limits(memory_mb=MEMORY_MB,
                                                max_processes=MAX_PROCESSES))
     yield w
     w.close()
@@ -546,7 +546,7 @@ def test_hostile_program_in_a_session(session_backend, case, ctx):
     if backend == "process" and case.process_skip:
         pytest.skip(case.process_skip)
     code = string.Template(case.code).safe_substitute(ctx.subs())
-    before, workers = _host_view(backend), sandbox.live_workers()
+    before, workers = _host_view(backend), sandbox.live_sandboxes()
     with sandbox.Session(backend=backend, memory_mb=MEMORY_MB,
                          max_processes=MAX_PROCESSES) as s:
         start = time.monotonic()
@@ -557,12 +557,12 @@ def test_hostile_program_in_a_session(session_backend, case, ctx):
         case.check(r, ctx)
         assert wall_s <= case.timeout_s + 1.0
         assert processes_with(ctx.marker) == []
-        assert all(w.processes() == [] for w in sandbox.live_workers())
+        assert all(w.processes() == [] for w in sandbox.live_sandboxes())
         left = s.read_files()
         after = s.run("import os\nprint(sorted(os.listdir('.')))")
         assert after.ok, after
         assert s.read_files() == left and not s.pinned
-    assert sandbox.live_workers() == workers  # the one warm worker, handed back clean
+    assert sandbox.live_sandboxes() == workers  # the one warm worker, handed back clean
     assert _host_view(backend) == before
     clean = sandbox.run("import os\nprint(os.listdir('.'))", backend=backend,
                         memory_mb=MEMORY_MB, max_processes=MAX_PROCESSES)
@@ -600,7 +600,7 @@ def test_a_run_cannot_find_an_earlier_runs_data_in_its_memory(backend):
     secret = "LEAK" + "".join(random.choices(string.ascii_lowercase + string.digits, k=28))
     scan = string.Template(SCAN_OWN_MEMORY).substitute(
         SBX_DIGEST=hashlib.sha256(secret.encode()).hexdigest())
-    with sandbox.Worker(backend) as worker:
+    with sandbox.Sandbox(backend) as worker:
         planted = worker.run(sandbox.Request(
             code=f"import sys\ns = {secret!r}\nprint(s)\nsys.stderr.write(s + sys.stdin.read())"
                  f"\nopen('out.txt', 'w').write(s + open('in.txt').read())",
@@ -654,7 +654,7 @@ except OSError:
         knocker = threading.Thread(target=knock)
         knocker.start()
         try:
-            with sandbox.Worker(backend, sandbox.Limits(network=network)) as w:
+            with sandbox.Sandbox(backend, sandbox.Limits(network=network)) as w:
                 r = w.run(sandbox.Request(code=code, timeout_s=3))
         finally:
             stop.set()

@@ -44,7 +44,7 @@ def test_session_keeps_files_but_not_processes(backend, pinned):
         assert r1.ok, r1.stderr
         assert processes_with(f"1000.{marker}") == []  # the background sleep died with it
         if pinned:
-            assert s.worker.processes() == []
+            assert s.sandbox.processes() == []
         r2 = s.run(command=["bash", "-c", "cat turn1; cat \"$TMPDIR/scratch\"; ls"],
                    files={"more.txt": "m"})
         # /tmp persists only in a pinned session (docs/sandbox.md).
@@ -56,14 +56,14 @@ def test_session_keeps_files_but_not_processes(backend, pinned):
                                   "sub/x.py": b"X = 1"}
         with pytest.raises(ValueError, match="max_bytes"):
             s.read_files(max_bytes=3)
-        worker = s.worker
+        worker = s.sandbox
     assert s.closed
     for call in (lambda: s.run("print(1)"), lambda: s.write_files({"a": "b"}), s.read_files):
-        with pytest.raises(sandbox.WorkerError, match="closed"):
+        with pytest.raises(sandbox.SandboxError, match="closed"):
             call()
     with sandbox.Session(backend=backend, pinned=pinned) as again:  # emptied for the next
         if pinned:
-            assert again.worker is worker
+            assert again.sandbox is worker
         r = again.run(command=["bash", "-c", "ls -A; ls -A \"$TMPDIR\""])
         assert r.ok and r.stdout == b"", r
     sandbox.shutdown()
@@ -191,10 +191,10 @@ def test_write_files_goes_as_in_a_pinned_session(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_many_concurrent_sessions_share_a_bounded_set_of_workers(backend, monkeypatch):
     """64 episodes at once, 3 turns each, their own files: each sees only its own, and no
-    more than MAX_WORKERS_PER_KEY workers ever live."""
+    more than MAX_SANDBOXES_PER_KEY workers ever live."""
     sandbox.shutdown()
     before = _host_view(backend)
-    monkeypatch.setattr(sandbox.warm_workers, "MAX_WORKERS_PER_KEY", 3)
+    monkeypatch.setattr(sandbox.warm_sandboxes, "MAX_SANDBOXES_PER_KEY", 3)
     live = []
 
     def episode(i):
@@ -203,7 +203,7 @@ def test_many_concurrent_sessions_share_a_bounded_set_of_workers(backend, monkey
             for turn in range(3):
                 r = s.run(f"import os\nopen('turn{turn}', 'w').write(open('mine.txt').read())"
                           "\nprint(sorted(os.listdir('.')))")
-                live.append(len(sandbox.live_workers()))
+                live.append(len(sandbox.live_sandboxes()))
                 outs.append(r.stdout)
             return outs, s.read_files()
 
@@ -231,7 +231,7 @@ def test_a_work_dir_past_its_caps_stays_in_its_worker(backend):
         assert s.run("open('small', 'w').write('s')").ok and not s.pinned
         r = s.run("import os, tempfile\nopen('big', 'wb').write(b'x' * 20_000)\n"
                   "open(os.path.join(tempfile.gettempdir(), 't'), 'w').write('t')")
-        assert r.ok and s.pinned and s.worker is not None
+        assert r.ok and s.pinned and s.sandbox is not None
         r = s.run("import os, tempfile\nprint(sorted(os.listdir('.')), "
                   "os.listdir(tempfile.gettempdir()))")
         assert r.stdout == b"['big', 'small'] ['t']\n"
@@ -250,7 +250,7 @@ CRASHING_CALLER = textwrap.dedent("""
     import os, sys, signal, sandbox
     s = sandbox.Session(backend=sys.argv[1], pinned=sys.argv[2] == 'pinned')
     s.run("open('f', 'w').write('x')")
-    print(os.getpid(), *[w.server_pid for w in sandbox.live_workers()], flush=True)
+    print(os.getpid(), *[w.server_pid for w in sandbox.live_sandboxes()], flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
 
@@ -269,5 +269,5 @@ def test_session_is_removed_when_the_caller_dies(backend, pinned):
     assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix)]
     if backend == "docker":
         assert wait_until(lambda: not own_containers(caller_pid), timeout_s=60)
-    sandbox.Worker(backend).close()  # a new worker sweeps cgroups a dead caller left
+    sandbox.Sandbox(backend).close()  # a new worker sweeps cgroups a dead caller left
     assert not own_cgroups(caller_pid)

@@ -6,8 +6,8 @@ returns that backend's `Server` handle) and what the fork server resets after ev
 (`reset()`); base.py holds what they share.
 
 - `Process()`: a plain child process. Not a security boundary.
-- `Bwrap()`: bubblewrap namespaces, an unprivileged uid of its own per worker.
-- `Docker()`: a warm container per worker.
+- `Bwrap()`: bubblewrap namespaces, an unprivileged uid of its own per sandbox.
+- `Docker()`: a warm container per sandbox.
 
 `resolve("auto")` picks the strongest available: docker, then bwrap, then process.
 `backend="bwrap"` and `backend=Bwrap()` mean the same; pass an instance to change its

@@ -1,5 +1,5 @@
 """What every backend's fork server has in common, on the host side: the `Server` handle
-(its socket, how to stop it), the server's config, the start-up handshake, per-worker uids,
+(its socket, how to stop it), the server's config, the start-up handshake, per-sandbox uids,
 cgroups joined through host-held fds, and the OOM shield. Each backend (process.py,
 bwrap.py, docker.py) builds on these."""
 
@@ -19,7 +19,7 @@ log = logging.getLogger("sandbox")
 
 PATH = "/usr/local/bin:/usr/bin:/bin"
 STARTUP_TIMEOUT_S = 60.0
-UID_BASE = 500_000  # per-worker uids when the caller is root: 500000 + slot
+UID_BASE = 500_000  # per-sandbox uids when the caller is root: 500000 + slot
 _UID_SLOTS = 4096
 
 
@@ -68,7 +68,7 @@ class Server:
 
 class LocalServer(Server):
     """A fork server that is a child process of ours (the process and bwrap backends), with
-    the worker's cgroup where the machine has one."""
+    the sandbox's cgroup where the machine has one."""
 
     def __init__(self, backend: str, sock: socket.socket):
         super().__init__(backend, sock)
@@ -105,7 +105,7 @@ class LocalServer(Server):
             self.cgroup = None
         for path in self.cleanup_paths:
             if not forkserver.remove_tree(path):  # fd-based: no depth or path length limit
-                log.warning("sandbox: could not remove %s (left by a %s worker)", path,
+                log.warning("sandbox: could not remove %s (left by a %s sandbox)", path,
                             self.backend)
         self.cleanup_paths = []
         for fd in self.join_fds:
@@ -174,7 +174,7 @@ def await_ready(server: Server) -> None:
 
 
 def join_server_cgroup(server: LocalServer) -> None:
-    """Move the server (and bwrap's monitor) into the worker's server cgroup, and shield
+    """Move the server (and bwrap's monitor) into the sandbox's server cgroup, and shield
     them from the OOM killer where we may. Nothing has forked a run yet, so nothing is left
     behind."""
     tree = [server.proc.pid] + descendants(server.proc.pid)
@@ -235,7 +235,7 @@ def start_local(server: LocalServer, popen, server_end: socket.socket) -> LocalS
 
 
 def take_uid() -> tuple[int | None, int | None]:
-    """A uid no other live worker on this machine holds, and the lock that holds it; (None,
+    """A uid no other live sandbox on this machine holds, and the lock that holds it; (None,
     None) when we are not root (then the sandbox runs as our own uid)."""
     if os.geteuid() != 0:
         return None, None

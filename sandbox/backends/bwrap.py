@@ -1,7 +1,7 @@
 """The `bwrap` backend: the fork server in bubblewrap namespaces (user, pid, net, ipc, uts,
 mount), read-only root with only /usr (and a synthetic /etc/passwd) from the host, private
 tmpfs /tmp, /work and /dev/shm, the IPC namespace's own /dev/mqueue, an unprivileged host uid
-of its own per worker (when the caller is root), no capabilities, no new privileges, no
+of its own per sandbox (when the caller is root), no capabilities, no new privileges, no
 nested user namespaces, no keyrings (seccomp), cgroup memory+pids limits where available."""
 
 import dataclasses
@@ -35,7 +35,7 @@ class Bwrap:
             return f"no python at {self.python} for the sandbox"
         if os.uname().machine not in _KEYRING_SYSCALLS:
             return (f"no keyring seccomp filter for {os.uname().machine}: bwrap runs would "
-                    "share the worker's keyrings")
+                    "share the sandbox's keyrings")
         probe_uid = base.UID_BASE if os.geteuid() == 0 else None
         argv = self._argv(Limits(), _uid_prefix(probe_uid), None)
         probe = subprocess.run(argv + [self.python, "-I", "-S", "-c", "pass"],
@@ -61,7 +61,7 @@ class Bwrap:
                  f"sandbox:x:{shown_uid}:{shown_uid}:sandbox:/work:/bin/bash\n"
                  "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n").encode())
             # kill(-1) from PID 1 of the namespace reaches every process of a run; the cgroup
-            # (or, without one, RLIMIT_NPROC on the worker's own uid) bounds how many.
+            # (or, without one, RLIMIT_NPROC on the sandbox's own uid) bounds how many.
             server.cgroup = base.new_cgroup(limits)
             extra = {"oom_adj": True, "nproc": limits.max_processes + 1, **self.reset()}
             if server.cgroup is None:
@@ -136,7 +136,7 @@ def _pipe_with(data: bytes) -> int:
 
 
 # Keyrings are per uid, not per IPC namespace: a key a run adds to its user keyring would be
-# there for the next run of the same worker. Runs under bwrap cannot use them at all (docker's
+# there for the next run of the same sandbox. Runs under bwrap cannot use them at all (docker's
 # default seccomp profile refuses these calls too): add_key, request_key and keyctl fail with
 # ENOSYS, as does every system call of a foreign ABI (i386, x32), which could reach them
 # under other numbers.

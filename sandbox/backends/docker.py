@@ -1,7 +1,7 @@
-"""The `docker` backend: a warm container per worker (docker SDK): network none, memory/pids
+"""The `docker` backend: a warm container per sandbox (docker SDK): network none, memory/pids
 limits, read-only root, tmpfs /work (exec), /tmp and /dev/shm, all capabilities dropped, no
 new privileges, the default seccomp profile (no keyrings), an unprivileged uid of its own per
-worker. The fork server resets the container between runs (docs/sandbox.md has the
+sandbox. The fork server resets the container between runs (docs/sandbox.md has the
 measurement behind keeping it warm)."""
 
 import dataclasses
@@ -24,7 +24,7 @@ _SERVER_MEMORY_MB = 48
 
 @dataclasses.dataclass(frozen=True)
 class Docker:
-    """A warm docker container per worker; `image` must have Python >= 3.8 at `python`;
+    """A warm docker container per sandbox; `image` must have Python >= 3.8 at `python`;
     `preload`: as for `Process`."""
     image: str = "ptrain-sandbox:latest"
     python: str = "/usr/bin/python3"

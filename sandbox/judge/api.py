@@ -7,7 +7,7 @@ solution process ever holds; the expected outputs of stdio cases never enter the
 are compared here). See judge/harness.py for why a program cannot fake a pass.
 
 Nothing the program does raises: it is all in the Report. Bad arguments raise ValueError or
-TypeError; a sandbox that failed raises `sandbox.WorkerError` (safe to retry; a Pool does).
+TypeError; a sandbox that failed raises `sandbox.SandboxError` (safe to retry; a Pool does).
 """
 
 import base64
