@@ -95,9 +95,9 @@ def check_replay(batch) -> None:
     if batch.experts_bnlk is None or batch.prompt_experts_bplk is None:
         raise ValueError("rl.router_replay: the batch carries no recorded routing "
                          "(Batch.experts_bnlk, prompt_experts_bplk); its producer does not "
-                         "record the sampler's (the single-turn, multi-turn and mixed "
-                         "producers do with the static sampler; sampling.engine and the "
-                         "terminal producer do not yet), or set rl.router_replay=False")
+                         "record the sampler's (the single-turn, multi-turn, mixed and "
+                         "terminal producers and the engine do), or set "
+                         "rl.router_replay=False")
     b, p = batch.prompt_bp.shape
     n = batch.tokens_bn.shape[1]
     mask_bn = batch.loss_mask_bn > 0
@@ -113,6 +113,5 @@ def check_replay(batch) -> None:
                           if i < len(batch.meta)})
         raise ValueError(f"rl.router_replay: {len(rows)} rows (first {rows[:5].tolist()}, "
                          f"domains {domains}) train on tokens without recorded routing; "
-                         "their producer does not record the sampler's (the terminal "
-                         "producer does not yet); set rl.router_replay=False or train "
-                         "without it")
+                         "their producer does not record the sampler's; set "
+                         "rl.router_replay=False or train without it")

@@ -29,7 +29,10 @@ import threading
 
 import jax
 
+from ptrain import batch as batch_lib
 from ptrain import chat
+from ptrain import rewards
+from ptrain import routing
 from ptrain import terminal_agent
 
 
@@ -61,10 +64,13 @@ class Rollout:
     episode: object  # sandbox.terminal.Episode (open until `verify_rollouts`)
     tokens: terminal_agent.Tokens | None = None
     done: bool = False
-    verdict: object = None  # sandbox.terminal.Verdict
+    result: object = None  # sandbox.terminal.VerifierResult: what the task's tests gave
+    verdict: rewards.Verdict | None = None  # the learner's form of it (`verdict`)
     error: str = ""  # the harness could not run this episode (it scores 0)
     turns: int = 0  # kept from the episode when it closes
     tool_calls: int = 0
+    # MoE: the experts the sampler routed the first tokens to (`ptrain.routing.record`)
+    routing: list = dataclasses.field(default_factory=list)
 
 
 class _Tasks:
@@ -120,6 +126,9 @@ def generate(sampler, params, tasks, *, harness, agent: terminal_agent.ShellAgen
             def step(row):
                 r = active[row]
                 n = int(samples.lengths[row])
+                before = len(r.tokens.ids)  # the history this call's prefill routed
+                kept = min(n, c.max_len - (before - r.tokens.prompt_len))  # as step keeps
+                routing.record(r.routing, samples, row, before, max(kept, 0))
                 r.done = agent.step(r.episode, r.tokens, samples.tokens[row, :n].tolist(),
                                     samples.logp_temp[row, :n].tolist())
             list(pool.map(step, range(len(active))))
@@ -138,7 +147,8 @@ def verify_rollouts(rollouts: list[Rollout], pool: concurrent.futures.Executor) 
         if r.episode is None:
             return
         try:
-            r.verdict = r.episode.verify()
+            r.result = r.episode.verify()
+            r.verdict = verdict(r.result)
         except Exception as e:  # noqa: BLE001 (a container that died: reward 0, with why)
             r.error = f"{type(e).__name__}: {e}"
     try:
@@ -167,24 +177,53 @@ def passed(r: Rollout) -> bool:
     return bool(r.verdict is not None and r.verdict.passed)
 
 
-def to_rows(rollouts: list[Rollout], tokenizer) -> dict:
-    """Per-row lists for `batch.Batch.from_histories` (after `verify_rollouts`)."""
-    tokens, masks, logps, prompt_lens, meta = [], [], [], [], []
+def verdict(result) -> rewards.Verdict:
+    """A task verifier's result (`sandbox.terminal.VerifierResult`: this domain's judge
+    report) as the learner's `rewards.Verdict`: its reward and pass, the fraction of its tests
+    that passed (the reward where no pytest ran), its feedback, and an error type ("" when
+    solved; "timeout", "verifier_error" when the tests gave no usable result, else the first
+    failing test's status, or "wrong_answer")."""
+    tests = result.tests
+    ok = sum(s in ("PASSED", "XFAIL") for s in tests.values())
+    fraction = ok / len(tests) if tests else float(result.reward)
+    if result.passed:
+        error_type = ""
+    elif result.timed_out:
+        error_type = "timeout"
+    elif result.error:
+        error_type = "verifier_error"
+    else:
+        bad = [s for s in tests.values() if s in ("FAILED", "ERROR")]
+        error_type = bad[0].lower() if bad else "wrong_answer"
+    return rewards.Verdict(float(result.reward), bool(result.passed), fraction,
+                           result.feedback, error_type)
+
+
+def to_batch(rollouts: list[Rollout], *, tokenizer, prompt_len: int, length: int,
+             pad_id: int = 0, max_len=None) -> batch_lib.Batch:
+    """The rollouts (after `verify_rollouts`) as a `batch.Batch`, as `rollout.to_batch` packs
+    the other domains' episodes: each history split at its prompt, the verdict's reward in
+    `rewards_b`, its passed, feedback and error type in the row's meta (with the domain,
+    turns, tool calls, how the episode ended, the harness's error, the prompt and completion
+    texts), the sampler's recorded MoE routing (`ptrain.routing.pack`); `max_len`: the
+    episodes' cap (`Batch.max_len_b`)."""
+    meta = []
     for r in rollouts:
-        t = r.tokens
-        tokens.append(t.ids)
-        masks.append(t.mask)
-        logps.append(t.logp)
-        prompt_lens.append(t.prompt_len)
-        v = r.verdict
+        t, v = r.tokens, r.verdict
         meta.append({"task_id": r.task.name, "domain": "terminal", "passed": passed(r),
-                     "turns": r.turns, "tool_calls": r.tool_calls, "finish": t.finish, "error": r.error or (v.error if v else "") or "",
+                     "turns": r.turns, "tool_calls": r.tool_calls, "finish": t.finish,
+                     "error": r.error or (r.result.error if r.result else "") or "",
+                     "error_type": v.error_type if v else "harness_error",
                      "feedback": (v.feedback[:500] if v else r.error),
                      "prompt": tokenizer.decode(t.ids[:t.prompt_len]),
                      "completion": tokenizer.decode(t.ids[t.prompt_len:])})
-    return dict(tokens=tokens, loss_masks=masks, rollout_logps=logps,
-                rewards=[reward(r) for r in rollouts],
-                group_ids=[r.group_id for r in rollouts], prompt_lens=prompt_lens, meta=meta)
+    out = batch_lib.Batch.from_histories(
+        [r.tokens.ids for r in rollouts], [r.tokens.mask for r in rollouts],
+        [r.tokens.logp for r in rollouts], [reward(r) for r in rollouts],
+        [r.group_id for r in rollouts], prompt_lens=[r.tokens.prompt_len for r in rollouts],
+        prompt_len=prompt_len, length=length, meta=meta, pad_id=pad_id, max_len=max_len)
+    routing.pack(out, [(r.routing, len(r.tokens.ids), r.tokens.prompt_len) for r in rollouts])
+    return out
 
 
 class TerminalProducer:
@@ -212,12 +251,10 @@ class TerminalProducer:
                         key=key, config=config or self.config, pool=self.pool)
 
     def score(self, rollouts):
-        from ptrain import batch as batch_lib
         verify_rollouts(rollouts, self.pool)
-        rows = to_rows(rollouts, self.tokenizer)
-        return batch_lib.Batch.from_histories(
-            **rows, prompt_len=self.prompt_len, length=self.config.max_len, pad_id=self.pad_id,
-            max_len=self.config.max_len)
+        return to_batch(rollouts, tokenizer=self.tokenizer, prompt_len=self.prompt_len,
+                        length=self.config.max_len, pad_id=self.pad_id,
+                        max_len=self.config.max_len)
 
     def evaluate(self, params, task_dirs, key, *,
                  config: TerminalRolloutConfig | None = None) -> list[Rollout]:

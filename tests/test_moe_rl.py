@@ -414,13 +414,21 @@ def test_the_engine_records_routing_single_and_multi_turn():
 
 
 def _check_recorded_routing(learner, batch):
-    from ptrain import routing
-    s = learner.settings
-    g = s.group_size
     multi = [i for i, m in enumerate(batch.meta) if m.get("attempts") == 2]
     assert len(multi) == 4 and len(batch) == 8  # both task groups tried twice
     assert batch.experts_bnlk.shape == (8, 64, 1, K)
-    valid_bn, valid_gp = _valid(batch, g)
+    _check_replay_restores(learner, batch)
+
+
+def _check_replay_restores(learner, batch, valid_bn=None):
+    """Every token the learner runs up to `valid_bn` (default: each row's length) has its
+    recorded experts, which are the learner's own routing with the same parameters and
+    which replay restores under a moved router."""
+    from ptrain import routing
+    s = learner.settings
+    g = s.group_size
+    lengths_bn, valid_gp = _valid(batch, g)
+    valid_bn = lengths_bn if valid_bn is None else valid_bn
     # Every token the learner runs is recorded: prompts, both turns, the feedback between.
     assert (batch.experts_bnlk[valid_bn] >= 0).all()
     assert (batch.prompt_experts_bplk[::g][valid_gp] >= 0).all()
@@ -463,8 +471,63 @@ def _check_recorded_routing(learner, batch):
     assert float(on["rollout/logp_mismatch"]) < 0.5 * float(off["rollout/logp_mismatch"])
 
 
+def test_the_terminal_producer_records_routing_and_replay_restores_it(tmp_path):
+    """The terminal producer on the tiny MoE, its episodes in real task shells: a chat format
+    that reads every turn as the same bash call gives each episode two model turns with the
+    shell's answer between them (routed by the second turn's prefill). Every token up to the
+    last sampled one is recorded, the learner routes it the same way, replay restores it; the
+    observation after the last turn, which no sampler forward consumed, is unrecorded."""
+    import dataclasses
+    from tests.test_terminal import _REASON
+    if _REASON is not None:
+        pytest.skip(_REASON)
+    from ptrain import chat, closed_loop as CL, routing, terminal_rollout, terminal_tasks
+    from sandbox import terminal
+    tok = terminal_tasks.tokenizer()
+    c = CL.defaults()
+    c.model.update(vocab_size=tok.vocab_size, d_model=32, d_ff=64, n_layers=2, n_experts=E,
+                   n_experts_per_token=K, d_ff_expert=16, norm_topk_prob=True,
+                   dense_layers=(0,), attention_impl="reference")
+    c.data.update(max_prompt_len=24, prompts_per_step=2)
+    c.sampling.update(num_samples=2, max_new_tokens=6, stop_token_ids=(tok.eos_token_id,))
+    c.rl.update(num_minibatches=2)
+    learner = L.Learner(c, mesh=one_device(), tokenizer=tok)
+    sampler = CL.make_sampler(c, learner.mesh, tok)
+    always_calls = dataclasses.replace(
+        chat.PLAIN, name="every-turn-a-call",
+        parse_calls=lambda text: [chat.ToolCall("bash", {"command": "echo routed"})])
+    generated = terminal_tasks.generate(str(tmp_path), 2, seed=0, split="train")
+    config = terminal_rollout.TerminalRolloutConfig(num_samples=2, max_new_tokens=6,
+                                                    max_turns=2, max_len=64, threads=4,
+                                                    system="")
+    with terminal.Harness() as h:
+        producer = terminal_rollout.TerminalProducer(
+            sampler, tok, harness=h, fmt=always_calls, stop_ids=(tok.eos_token_id,),
+            config=config, prompt_len=24, pad_id=learner.pad_id)
+        try:
+            batch = producer.score(producer.generate(
+                learner.initial_params, [{"task_dir": g.task_dir} for g in generated],
+                jax.random.key(3)))
+        finally:
+            producer.close()
+    assert len(batch) == 4 and all(m["turns"] == 2 and m["tool_calls"] == 2
+                                   for m in batch.meta), batch.meta
+    assert batch.experts_bnlk.shape == (4, 64, 1, K)
+    n = batch.tokens_bn.shape[1]
+    mask_bn = batch.loss_mask_bn > 0
+    last_b = n - 1 - np.argmax(mask_bn[:, ::-1], axis=1)
+    upto_bn = np.arange(n)[None, :] <= last_b[:, None]
+    # Two model turns, the first observation between them: tokens of all three kinds.
+    for i in range(4):
+        runs = np.flatnonzero(np.diff(mask_bn[i, :last_b[i] + 1].astype(int)))
+        assert len(runs) == 2, mask_bn[i]
+    after_bn = (np.arange(n)[None, :] < batch.lengths_b[:, None]) & ~upto_bn
+    assert after_bn.any() and (batch.experts_bnlk[after_bn] == routing.UNRECORDED).all()
+    _check_replay_restores(learner, batch, upto_bn)
+
+
 def test_replay_refuses_rows_whose_producer_records_no_routing(mixed_rollout):
-    """A mixed batch with one producer that records nothing (the terminal one, today): the
+    """A mixed batch with one producer that records nothing (a producer that records none, or routing dropped): the
     concat marks its rows unrecorded, the learner refuses to replay them and names them."""
     from ptrain import mixed_producer, routing
     learner, batch = mixed_rollout

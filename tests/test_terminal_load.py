@@ -270,17 +270,17 @@ def real_pytest_output(tmp_path) -> str:
 
 def test_pytest_verdict_from_real_pytest_output(tmp_path):
     out = real_pytest_output(tmp_path)
-    v = verify.pytest_verdict(out, tail=out[-500:])
+    v = verify.pytest_result(out, tail=out[-500:])
     assert v.tests == {"test_demo.py::test_ok": "PASSED", "test_demo.py::test_wrong": "FAILED",
                        "test_demo.py::test_error": "ERROR"}
     assert v.reward == 0.0 and not v.passed
     assert any("test_wrong" in f and "lists differ" in f for f in v.failures)
     assert any("test_error" in f and "fixture broke" in f for f in v.failures)
     assert "1 of 3 tests passed" in v.feedback and "lists differ" in v.feedback
-    ok = verify.pytest_verdict(out.replace("FAILED", "PASSED").replace("ERROR ", "PASSED "),
+    ok = verify.pytest_result(out.replace("FAILED", "PASSED").replace("ERROR ", "PASSED "),
                                tail="")
     assert ok.reward == 1.0 and ok.passed
-    none = verify.pytest_verdict("bash: pytest: command not found\n", tail="")
+    none = verify.pytest_result("bash: pytest: command not found\n", tail="")
     assert none.reward == 0.0 and "no pytest results" in none.error
 
 
@@ -298,7 +298,7 @@ def test_pytest_verdict_from_real_pytest_output(tmp_path):
     ({}, 0.0, "wrote no"),
 ])
 def test_reward_files_read_as_harbor_reads_them(files, reward, error):
-    v = verify.reward_file_verdict(files, "", tail="")
+    v = verify.reward_file_result(files, "", tail="")
     assert v.reward == reward
     assert v.passed == (reward >= 1.0)
     if error is None:

@@ -28,11 +28,11 @@ from sandbox.terminal.evaluate import evaluate, pass_at_k, run_attempt, summariz
 from sandbox.terminal.image import BASE_IMAGE, ImageError, ensure_image, parse_image_map
 from sandbox.terminal.shell import Shell, ShellResult
 from sandbox.terminal.task import Loaded, Task, TaskError, load_task, load_tasks
-from sandbox.terminal.verify import Verdict
+from sandbox.terminal.verify import Verdict, VerifierResult
 
 __all__ = [
     "BASE_IMAGE", "Container", "ContainerGone", "Episode", "ExecResult", "Harness",
     "HealthcheckFailed", "ImageError", "Limits", "Loaded", "Shell", "ShellResult", "Task",
-    "TaskError", "TimeUp", "Verdict", "ensure_image", "evaluate", "load_task", "load_tasks", "nop",
+    "TaskError", "TimeUp", "Verdict", "VerifierResult", "ensure_image", "evaluate", "load_task", "load_tasks", "nop",
     "oracle", "parse_image_map", "pass_at_k", "remove_orphans", "run_attempt", "summarize",
 ]

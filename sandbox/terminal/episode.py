@@ -4,7 +4,7 @@
     with harness.episode(task) as ep:                  # a clean container and a fresh shell
         ep.instruction                                 # what the agent is asked to do
         r = ep.run("ls /app")                          # ShellResult: output, exit_code, ...
-        verdict = ep.verify()                          # Verdict: reward, feedback, ...
+        result = ep.verify()                           # VerifierResult: reward, feedback
     # leaving the block resets the container and keeps it warm for the next episode
 
 The agent's clock starts when the shell is ready and stops at `verify()`; every `run` is cut
@@ -19,7 +19,7 @@ import shlex
 import threading
 import time
 
-from sandbox.terminal import host_pytest, verify as verdicts
+from sandbox.terminal import host_pytest, verify as verifier
 from sandbox.terminal.container import (Container, ContainerGone, Limits, docker_client,
                                         remove_orphans)
 from sandbox.terminal.image import ensure_image
@@ -151,7 +151,7 @@ class Episode:
         self.transcript: list[dict] = []
         self.turns = 0              # agents that think in turns (a model) count them here
         self.agent_timed_out = False
-        self.verdict: verdicts.Verdict | None = None
+        self.result: verifier.VerifierResult | None = None
         self.container = harness.acquire(task)
         try:
             self._healthcheck()
@@ -204,7 +204,7 @@ class Episode:
 
     def run(self, command: str, timeout_s: float | None = None) -> ShellResult:
         """Run `command` in the episode's shell."""
-        if self.verdict is not None or self._closed:
+        if self.result is not None or self._closed:
             raise RuntimeError("the episode is over: run() comes before verify()")
         left = self.time_left_s
         if left <= 0:
@@ -230,11 +230,11 @@ class Episode:
 
     # --- the verifier -------------------------------------------------------------------------
 
-    def verify(self) -> verdicts.Verdict:
+    def verify(self) -> verifier.VerifierResult:
         """Run the task's tests against the container as the agent left it (its background
         processes still running); the agent's turn is over."""
-        if self.verdict is not None:
-            return self.verdict
+        if self.result is not None:
+            return self.result
         task = self.task
         self._agent_done = time.monotonic()
         env = {**dict(task.verifier_env), "PYTEST_ADDOPTS": "-rA", "COLUMNS": "200"}
@@ -255,25 +255,25 @@ class Episode:
                     workdir=self.container.workdir, max_output_bytes=1 << 20)
                 output, timed_out, code = r.text, r.timed_out, r.exit_code
         except ContainerGone as e:
-            self.verdict = verdicts.failed_verdict(
+            self.result = verifier.failed_result(
                 f"the task's container stopped during the episode ({e})",
                 duration_s=time.monotonic() - t0)
-            return self.verdict
+            return self.result
         tail = output[-_TAIL_CHARS:]
         extra = {"duration_s": time.monotonic() - t0, "exit_code": code}
         if timed_out:
             self.container.kill_processes()
-            self.verdict = verdicts.failed_verdict(
+            self.result = verifier.failed_result(
                 f"the tests ran past their time limit ({task.verifier_timeout_s:g} s) and "
                 f"were stopped", output, tail=tail, timed_out=True, **extra)
         elif task.parser == "pytest":
-            self.verdict = verdicts.pytest_verdict(output, tail=tail, **extra)
+            self.result = verifier.pytest_result(output, tail=tail, **extra)
         else:
             files = self.container.read_files(VERIFIER_LOGS)  # "verifier/reward.txt": ...
             files = {name.split("/", 1)[1]: data for name, data in files.items()
                      if name.count("/") == 1}
-            self.verdict = verdicts.reward_file_verdict(files, output, tail=tail, **extra)
-        return self.verdict
+            self.result = verifier.reward_file_result(files, output, tail=tail, **extra)
+        return self.result
 
     def close(self) -> None:
         """The episode ends: the shell closes, the container is reset and kept warm."""

@@ -1,4 +1,7 @@
-"""The verdict of a task's own tests: reward, and feedback a model can learn from.
+"""What a task's own tests gave (`VerifierResult`): reward, and feedback a model can learn from.
+
+The terminal domain's form of a judge report: ptrain turns it into a `rewards.Verdict`
+(`terminal_rollout.verdict`) and that into a batch row, as for the other domains.
 
 Harbor tasks write their reward to /logs/verifier/reward.json (a table of numbers; "reward"
 is the one that counts) or reward.txt (one number), as harbor reads them. TB 1.0 tasks are
@@ -17,7 +20,7 @@ _FAILING = ("FAILED", "ERROR")
 
 
 @dataclasses.dataclass(frozen=True)
-class Verdict:
+class VerifierResult:
     reward: float
     passed: bool                      # reward >= 1 (the task is solved)
     rewards: dict                     # every number the verifier reported
@@ -47,6 +50,9 @@ class Verdict:
         return {**dataclasses.asdict(self), "failures": list(self.failures)}
 
 
+Verdict = VerifierResult  # the old name (ptrain.rewards.Verdict is the learner's verdict)
+
+
 def parse_pytest(output: str) -> tuple[dict, tuple[str, ...]]:
     """(test id -> status, failure lines) from pytest's short test summary (-rA); ({}, ())
     when there is none."""
@@ -69,7 +75,7 @@ def parse_pytest(output: str) -> tuple[dict, tuple[str, ...]]:
     return tests, tuple(failures)
 
 
-def pytest_verdict(output: str, *, tail: str, **extra) -> Verdict:
+def pytest_result(output: str, *, tail: str, **extra) -> VerifierResult:
     """TB 1.0: solved iff pytest ran, at least one test passed and none failed."""
     tests, failures = parse_pytest(output)
     passed_n = sum(s in ("PASSED", "XFAIL") for s in tests.values())
@@ -82,11 +88,11 @@ def pytest_verdict(output: str, *, tail: str, **extra) -> Verdict:
         error = "no test passed"
     solved = bool(tests) and not failures and passed_n > 0
     reward = 1.0 if solved else 0.0
-    return Verdict(reward, solved, {"reward": reward}, tests, failures, error, tail, **extra)
+    return VerifierResult(reward, solved, {"reward": reward}, tests, failures, error, tail, **extra)
 
 
-def reward_file_verdict(files: dict[str, bytes], output: str, *, tail: str,
-                        **extra) -> Verdict:
+def reward_file_result(files: dict[str, bytes], output: str, *, tail: str,
+                        **extra) -> VerifierResult:
     """Harbor: reward.json (numbers; its "reward", or its only number) before reward.txt."""
     tests, failures = parse_pytest(output)
     rewards, error = {}, None
@@ -118,7 +124,7 @@ def reward_file_verdict(files: dict[str, bytes], output: str, *, tail: str,
         error, reward = f"the reward is not a finite number: {reward}", 0.0
     if error is not None:
         reward = 0.0
-    return Verdict(reward, reward >= 1.0, rewards, tests, failures, error, tail, **extra)
+    return VerifierResult(reward, reward >= 1.0, rewards, tests, failures, error, tail, **extra)
 
 
 def _reward_txt(data: bytes):
@@ -131,7 +137,7 @@ def _reward_txt(data: bytes):
         return {}, f"reward.txt is not a number: {text[:80]!r}"
 
 
-def failed_verdict(error: str, output: str = "", *, tail: str = "", **extra) -> Verdict:
+def failed_result(error: str, output: str = "", *, tail: str = "", **extra) -> VerifierResult:
     """Reward 0 with the reason (the verifier hung, the container died, ...)."""
     tests, failures = parse_pytest(output)
-    return Verdict(0.0, False, {}, tests, failures, error, tail, **extra)
+    return VerifierResult(0.0, False, {}, tests, failures, error, tail, **extra)
