@@ -233,9 +233,9 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     producer: a `rollout.Producer`, `generate(params, records, key)` (the device part:
       sampling, tool calls) and `score(generated) -> Batch` (rewards, verdicts from the
       sandbox); records are one batch of data.prompts_per_step prompt records. With
-      rl.staleness=k > 0, batch t+k is generated at step t and each batch is scored in a
-      thread meanwhile, so the accelerator does not wait for the sandbox
-      (`ptrain.lookahead`). Default: `rollout.SingleTurn` with
+      rl.staleness=k > 0, batch t+k is generated at step t in a thread, while update t
+      runs, and each batch is scored in another thread meanwhile, so the accelerator does
+      not wait for the sandbox (`ptrain.lookahead`). Default: `rollout.SingleTurn` with
       config.reward_fn.
     rollout_fn(params, records, key) -> Batch: instead of a producer, one function
       (`rollout.FromFunction`).
@@ -317,13 +317,14 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
             collector = batch_lib.Collector(c, mesh=learner.mesh)
             stale_metrics = {}
             if k:
-                # Batch t was generated k steps ago (scored since, in a thread); batch t+k is
-                # generated now, from the current parameters.
+                # Batch t was generated from the parameters of k steps ago (scored since, in
+                # a thread); batch t+k is generated now from a copy of the current ones, in
+                # the generation thread, while this thread updates.
                 if step == start + 1:  # the first step of a run (or of a resumed run)
                     ahead.start(step, ahead_params)
                     ahead_params = None
                 scored = ahead.next(step, params)
-                stale_metrics = lookahead_lib.metrics(scored, step, k)
+                stale_metrics = lookahead_lib.metrics(scored, step, k, ahead.waited_s)
                 collector.add(scored)
             else:
                 while collector.wants_more():
@@ -378,8 +379,8 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
 
     finally:
         watchdog.close()
-    if ahead is not None:
-        ahead.close()
+        if ahead is not None:
+            ahead.close()
     ckpt.wait()
     ckpt.close()
     writer.plot()

@@ -3,12 +3,21 @@
 At step t the learner trains batch t and generates batch t + k from its current parameters
 (version t - 1: the updates applied so far), so a batch trains k updates after the
 parameters that generated it (fewer in a run's first k steps, all generated from the
-initial ones): generation runs ahead of the learner by at most k policy versions. Each
-batch is scored (rewards, sandbox verdicts) in a thread as soon as it is generated, so
-scoring has k steps to finish before the learner needs it. Each row records the version
-that generated it (`meta["policy_version"]`); the loss corrects the lag with the truncated
-importance weights against the sampler's log-probs (rl.tis_cap; with a proximal policy's
-log-probs, rl.ppo_epochs > 1, the decoupled objective of AReaL).
+initial ones): generation runs ahead of the learner by at most k policy versions. Each row
+records the version that generated it (`meta["policy_version"]`); the loss corrects the lag
+with the truncated importance weights against the sampler's log-probs (rl.tis_cap; with a
+proximal policy's log-probs, rl.ppo_epochs > 1, the decoupled objective of AReaL).
+
+Three threads. The learner's (prepare, update, log, save), the generation thread
+(`producer.generate`, one batch at a time, in order) and the scoring thread
+(`producer.score`: rewards, sandbox verdicts, in order, each batch as soon as it is
+generated, so scoring has k steps to finish before the learner needs it). The weight sync
+point is fixed by the schedule, not by a race: at the start of step t the learner waits for
+the generation in flight (batch t + k - 1) to end, copies its parameters (version t - 1) for
+the generation of batch t + k and hands them over; update t then runs while batch t + k is
+generated (XLA releases the GIL: the two threads' device work overlaps), and donates the
+learner's parameters, not the copy. So at most one generation is in flight, it overlaps
+exactly one update, and what it generates depends on (version, records, key) only.
 
 Exact resume: a checkpoint of step t holds the data state before batch t + 1 was drawn and
 the parameters each pending batch t + 1 .. t + k was generated from (`state()`); a resumed
@@ -22,6 +31,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +43,7 @@ class Pending:
     version: int  # updates applied to the parameters that generated it
     scored: concurrent.futures.Future  # its Batch
     data_state: object  # the data stream's state before its records were drawn
-    params: object  # a copy of the parameters that generated it, while a save may need it
+    params: object  # the copy of the parameters that generated it, while a save may need it
 
 
 def version(step: int, k: int) -> int:
@@ -53,21 +63,36 @@ class LookAhead:
         self.k, self.producer, self.batches, self.root_key = k, producer, batches, root_key
         self.steps, self.save_every = steps, save_every
         self.pending = collections.deque()
-        self.scorer = concurrent.futures.ThreadPoolExecutor(1)  # in order: deterministic
+        # One worker each: batches are generated, then scored, in order (deterministic).
+        self.generator = concurrent.futures.ThreadPoolExecutor(1, "lookahead-generate")
+        self.scorer = concurrent.futures.ThreadPoolExecutor(1, "lookahead-score")
+        self.generating = None  # the generation in flight (a Future)
+        self.waited_s = 0.0  # the learner's time waiting on generation and scoring, this step
 
     def _saves(self, first: int, last: int) -> bool:
         return any(s % self.save_every == 0 or s == self.steps for s in range(first, last + 1))
 
+    def _wait(self, future):
+        start = time.perf_counter()
+        try:
+            return future.result()
+        finally:
+            self.waited_s += time.perf_counter() - start
+
     def _generate(self, now: int, step: int, params) -> None:
-        """Generates (and starts scoring) the batch of `step`, at step `now`."""
+        """Starts generating (then scoring) the batch of `step` at step `now`, in the threads,
+        from a copy of `params` (the learner donates its own to the update meanwhile)."""
+        if self.generating is not None:  # the sync point: one generation in flight at most
+            self._wait(self.generating)
         data_state = self.batches.get_state()
         records = next(self.batches)
-        kept = jax.tree.map(jnp.copy, params) if self._saves(now, step - 1) else None
-        generated = self.producer.generate(params, records,
-                                           jax.random.fold_in(self.root_key, step))
-        self.pending.append(Pending(step, version(step, self.k),
-                                    self.scorer.submit(self.producer.score, generated),
-                                    data_state, kept))
+        weights = jax.tree.map(jnp.copy, params)
+        generated = self.generator.submit(self.producer.generate, weights, records,
+                                          jax.random.fold_in(self.root_key, step))
+        scored = self.scorer.submit(lambda: self.producer.score(generated.result()))
+        self.generating = generated
+        self.pending.append(Pending(step, version(step, self.k), scored, data_state,
+                                    weights if self._saves(now, step - 1) else None))
 
     def start(self, step: int, params_list) -> None:
         """At a run's first step (or a resumed run's): the batches of step .. step + k - 1,
@@ -77,16 +102,18 @@ class LookAhead:
                 self._generate(step, step + j, params)
 
     def next(self, step: int, params):
-        """Generates batch step + k from `params` (version step - 1), then returns batch
-        `step` once scored, each row's meta recording its version."""
+        """Starts generating batch step + k from `params` (version step - 1), then returns
+        batch `step` once scored, each row's meta recording its version. The generation runs
+        on while the learner updates `params` (see the module docstring)."""
         if not self.pending:
             raise RuntimeError("LookAhead.next before start")
+        self.waited_s = 0.0
         if step + self.k <= self.steps:
             self._generate(step, step + self.k, params)
         item = self.pending.popleft()
         if item.step != step:
             raise RuntimeError(f"look-ahead holds batch {item.step}, step {step} wants its own")
-        batch = item.scored.result()
+        batch = self._wait(item.scored)
         for meta in batch.meta:
             meta["policy_version"] = item.version
         return batch
@@ -98,14 +125,19 @@ class LookAhead:
         return self.pending[0].data_state, {str(j): p.params for j, p in enumerate(self.pending)}
 
     def close(self) -> None:
-        self.scorer.shutdown()
+        """Ends the threads (work not started is dropped: a finished run leaves none, a
+        failed one needs none)."""
+        self.generator.shutdown(cancel_futures=True)
+        self.scorer.shutdown(cancel_futures=True)
 
 
-def metrics(batch, step: int, k: int) -> dict:
+def metrics(batch, step: int, k: int, waited_s: float = 0.0) -> dict:
     """The batch's staleness: updates between its rows' versions and the learner's (step - 1),
-    their mean and their histogram over 0..k (a list: counts of rows per lag)."""
+    their mean and their histogram over 0..k (a list: counts of rows per lag); and the
+    seconds the learner waited on the threads this step (`time/wait_rollout_s`)."""
     lags = [step - 1 - m["policy_version"] for m in batch.meta]
     if any(not 0 <= lag <= k for lag in lags):
         raise RuntimeError(f"step {step}: a row's staleness is outside [0, {k}]: {set(lags)}")
     return {"rollout/staleness": sum(lags) / max(len(lags), 1),
-            "rollout/staleness_hist": [lags.count(j) for j in range(k + 1)]}
+            "rollout/staleness_hist": [lags.count(j) for j in range(k + 1)],
+            "time/wait_rollout_s": waited_s}

@@ -8,9 +8,14 @@ run. It prints the kill points and how each child ended as JSON.
 
 A kill point is (step, phase); the phases, in the order a step reaches them:
 
-  generate  a producer.generate call begins (with staleness k: batch STEP + k; at a run's
-            first step also batches STEP .. STEP + k - 1)
+  generate  a producer.generate call begins (with staleness k: batch STEP + k, in the
+            generation thread while update STEP runs; at a run's first step also batches
+            STEP .. STEP + k - 1)
   score     a producer.score call begins (with staleness k in the scoring thread)
+
+With staleness k the threads' calls are told apart by their order, not by the step the
+learner is in when they begin: a run started at step s generates and scores batch s + n
+at its n-th call, scheduled at step max(s, s + n - k).
   update    the PPO update of STEP begins
   write     the metrics of STEP have been written
   save      the checkpoint of STEP has been started (async: its arrays are being written)
@@ -74,22 +79,28 @@ def run(workdir, staleness, steps, producer_cls=rollout.SingleTurn):
     return learner.train(c, workdir, producer=producer, mesh=mesh)
 
 
-def _killing(workdir, phase, kill_step):
+def _killing(workdir, phase, kill_step, staleness):
     """Patches the run's stages so that the process SIGKILLs itself at (phase, kill_step)."""
     latest = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints")).latest_step()
     now = {"step": (latest or 0) + 1}  # the step in progress
+    first, calls = now["step"], {"generate": 0, "score": 0}
 
     def point(name, step=None):
         if name == phase and (now["step"] if step is None else step) == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def scheduled(name):
+        """The step that scheduled this generate or score call (see the module docstring)."""
+        n, calls[name] = calls[name], calls[name] + 1
+        return max(first, first + n - staleness) if staleness else None
+
     class Killing(rollout.SingleTurn):
         def generate(self, *args):
-            point("generate")
+            point("generate", scheduled("generate"))
             return super().generate(*args)
 
         def score(self, *args):
-            point("score")
+            point("score", scheduled("score"))
             return super().score(*args)
 
     update, write, save = (learner.Learner.update, metrics.MetricsWriter.write,
@@ -153,7 +164,7 @@ def main(root, staleness, steps, seed, kills):
         lambda: run(os.path.join(root, "reference"), staleness, steps))}
     workdir = os.path.join(root, "killed")
     report["killed"] = [_in_child(lambda: run(workdir, staleness, steps,
-                                              _killing(workdir, phase, step)))
+                                              _killing(workdir, phase, step, staleness)))
                         for step, phase in points]
     report["finished"] = _in_child(lambda: run(workdir, staleness, steps))
     print(json.dumps(report), flush=True)
