@@ -39,7 +39,7 @@ def main():
     parser.add_argument("--pool-workers", type=int, default=2)
     args = parser.parse_args()
     names = [b for b in args.backends.split(",")
-             if sandbox.unavailable_reason(sandbox.resolve(b)) is None]
+             if sandbox.unavailable_reason(sandbox.pick_backend(b)) is None]
     skipped = sorted(set(args.backends.split(",")) - set(names))
     print(f"backends: {names} (unavailable: {skipped or '-'}); cpus: {os.cpu_count()}")
 

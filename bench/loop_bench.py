@@ -108,7 +108,7 @@ def main():
         sources = closed_loop.prompt_sources(config, train, root)
         mesh = sharding.mesh_from_config(config.mesh)
         sampler = closed_loop.make_sampler(config, mesh, tokenizer)
-        backend = sandbox.backends.resolve(config.sandbox.backend)
+        backend = sandbox.backends.pick_backend(config.sandbox.backend)
         params = None
         if args.sft_steps:
             params = learner_lib.sft(learner_config(config, **{"sft.steps": args.sft_steps}),

@@ -196,7 +196,7 @@ def main():
         rows.append((label, f"cold `{python} -I -S -c`", base_med, base_med, 1.0,
                      1 / statistics.mean(base_times), base_tp))
         for backend in args.backends.split(","):
-            reason = sandbox.unavailable_reason(sandbox.resolve(backend))
+            reason = sandbox.unavailable_reason(sandbox.pick_backend(backend))
             if reason is not None:
                 print(f"# {backend}: skipped ({reason})")
                 continue
@@ -218,7 +218,7 @@ def main():
     turns = 3
     base = cold_pythons(python, PRINT, turns)
     available = [b for b in args.backends.split(",")
-                 if sandbox.unavailable_reason(sandbox.resolve(b)) is None]
+                 if sandbox.unavailable_reason(sandbox.pick_backend(b)) is None]
     for backend in available:
         for pinned in (False, True):
             episode = session(backend, turns, pinned)

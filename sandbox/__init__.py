@@ -33,7 +33,8 @@ Public API
   Request(code=..., ...): the validated per-run arguments of run(); .to_dict() and
       Request.from_dict() for JSON (same text / *_b64 convention as Result)
   Process(), Bwrap(), Docker(image=...): backend specs; "auto" = strongest available
-  unavailable_reason(spec) -> None | str, resolve(backend) -> spec, shutdown()
+  pick_backend(backend="auto") -> spec: the spec of a name, a spec itself, or for "auto" the
+      strongest available; unavailable_reason(spec) -> None | str; shutdown()
   Pool(workers, ...): a queue over `workers` worker processes (or Ray actors), each calling
       run() or a judge in its own warm sandboxes; judge, tools: services over run() (HTTP:
       sandbox.server). "Worker" means only a pool's process or actor.
@@ -41,8 +42,9 @@ Public API
   failed, not the program: safe to retry), WorkerLost (a pool's request lost its worker on
   every attempt). Nothing the program does raises.
   Deprecated aliases (removed in the next release; they warn): Worker (Sandbox), WorkerError
-  (SandboxError), live_workers (live_sandboxes), Session.worker (.sandbox), the modules
-  sandbox.worker (sandbox.sandbox) and sandbox.warm_workers (sandbox.warm_sandboxes).
+  (SandboxError), live_workers (live_sandboxes), resolve (pick_backend), Session.worker
+  (.sandbox), the modules sandbox.worker (sandbox.sandbox) and sandbox.warm_workers
+  (sandbox.warm_sandboxes).
 
 Result fields (a frozen dataclass; `to_dict()` / `Result.from_dict()` round-trip via JSON)
   stdout, stderr: bytes       captured output, each capped at max_output_bytes; non-UTF-8
@@ -65,7 +67,7 @@ What each backend guarantees, and what it does not: docs/sandbox.md.
 """
 
 from sandbox import judge, tools
-from sandbox.backends import (BackendUnavailable, Bwrap, Docker, Process, resolve,
+from sandbox.backends import (BackendUnavailable, Bwrap, Docker, Process, pick_backend,
                               unavailable_reason)
 from sandbox.pool import Pool, PoolFull, WorkerLost
 from sandbox.request import Limits, Request
@@ -77,11 +79,12 @@ from sandbox.warm_sandboxes import live_sandboxes, shutdown, warm
 __all__ = [
     "BackendUnavailable", "Bwrap", "Docker", "Limits", "Pool", "PoolFull", "Process", "Request",
     "Result", "Sandbox", "SandboxError", "Session", "WorkerLost", "judge", "live_sandboxes",
-    "resolve", "run", "shutdown", "tools", "unavailable_reason", "warm",
+    "pick_backend", "run", "shutdown", "tools", "unavailable_reason", "warm",
 ]
 
 # Deprecated names (a "worker" is now only a pool's process or Ray actor), for one release.
-_RENAMED = {"Worker": "Sandbox", "WorkerError": "SandboxError", "live_workers": "live_sandboxes"}
+_RENAMED = {"Worker": "Sandbox", "WorkerError": "SandboxError", "live_workers": "live_sandboxes",
+            "resolve": "pick_backend"}
 
 
 def __getattr__(name):

@@ -130,7 +130,7 @@ class Session:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}")
         self._pool = fleet_pool
-        self._spec = backends.resolve(backend) if backend != "auto" else "auto"
+        self._spec = backends.pick_backend(backend) if backend != "auto" else "auto"
         self._limits = backends.Limits(memory_mb=memory_mb, max_processes=max_processes,
                                        network=network)
         self._caps = {"max_bytes": max_state_bytes, "max_files": max_state_files}
@@ -210,7 +210,7 @@ def _turn(op, workdir: WorkDir, payload, spec, limits, caps, *, timeout_s):
     files), collect it back. Returns (result, new work dir)."""
     del timeout_s  # the pool's deadline; the request carries its own
     from sandbox.sandbox import Sandbox
-    key = (backends.resolve(spec), limits)
+    key = (backends.pick_backend(spec), limits)
     with _sandboxes_lock:
         box = _sandboxes.get(key)
         if box is None or not box.alive:

@@ -38,7 +38,7 @@ class Sandbox:
 
     def __init__(self, backend="auto", limits: backends.Limits | None = None, *,
                  preimport: bool = True):
-        self.spec = backends.resolve(backend)
+        self.spec = backends.pick_backend(backend)
         self.limits = limits or backends.Limits()
         self._lock = threading.Lock()
         self._handle = backends.start(self.spec, self.limits, preimport=preimport)

@@ -36,7 +36,7 @@ def run(code: str | None = None, *, backend="auto", fork_server: bool = True,
     options (the fields of `Request` and `Limits`, declared there once):
     """
     request, limits = from_options({"code": code, **options})
-    spec = backends.resolve(backend)
+    spec = backends.pick_backend(backend)
     if not fork_server:
         with Sandbox(spec, limits, preimport=False) as sandbox:
             return sandbox.run(request)
@@ -84,7 +84,7 @@ class Session:
                             ("max_state_files", max_state_files)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}")
-        spec = backends.resolve(backend)
+        spec = backends.pick_backend(backend)
         self._key = (spec, Limits(**limits))
         self._caps = {"max_bytes": max_state_bytes, "max_files": max_state_files}
         self._lock = threading.Lock()  # one operation at a time: each moves the work dir

@@ -119,7 +119,7 @@ def warm(n: int = 1, *, backend="auto", **limits) -> None:
     """Start `n` sandboxes for these settings (in parallel; at most MAX_SANDBOXES_PER_KEY stay)
     and keep them idle, so that the next `run` calls and `Session`s with the same settings
     start at once. `limits`: the fields of `Limits` (memory_mb, max_processes, network)."""
-    spec = backends.resolve(backend)
+    spec = backends.pick_backend(backend)
     key = (spec, Limits(**limits))
     started, errors = [], []
 

@@ -14,7 +14,7 @@ from sandbox import cgroups
 def backend_params(names=("process", "bwrap", "docker")):
     params = []
     for name in names:
-        reason = sandbox.unavailable_reason(sandbox.resolve(name))
+        reason = sandbox.unavailable_reason(sandbox.pick_backend(name))
         params.append(pytest.param(name, id=name, marks=pytest.mark.skipif(
             reason is not None, reason=f"{name} backend unavailable: {reason}")))
     return params

@@ -23,7 +23,7 @@ BACKENDS = ("process", "bwrap", "docker")
 @functools.lru_cache(maxsize=None)
 def backend_problem(name):
     """None if `name` runs `print(1)` here, else why not."""
-    reason = sandbox.unavailable_reason(sandbox.resolve(name))
+    reason = sandbox.unavailable_reason(sandbox.pick_backend(name))
     if reason:
         return reason
     try:

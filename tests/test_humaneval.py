@@ -48,7 +48,7 @@ def test_canonical_bodies_and_whole_functions_pass_and_a_wrong_body_fails(proble
             [f"Here it is:\n```python\n{_entry_function(raw[t.id])}```" for t in loaded],
         "an always-wrong body": ["    return None\n"] * len(loaded),
     }
-    backend = pool.backend if pool.backend != "auto" else sandbox.resolve("auto")
+    backend = pool.backend if pool.backend != "auto" else sandbox.pick_backend("auto")
     passed = {}
     for name, completions in answers.items():
         start = time.monotonic()

@@ -89,6 +89,17 @@ def test_request_rejects_bad_input_with_a_clear_message(kwargs, match):
         sandbox.Request(**kwargs)
 
 
+def test_pick_backend_turns_a_name_or_a_spec_into_the_spec_runs_use():
+    assert [sandbox.pick_backend(n) for n in ("process", "bwrap", "docker")] == [
+        sandbox.Process(), sandbox.Bwrap(), sandbox.Docker()]
+    custom = sandbox.Docker(image="my-image:tag")
+    assert sandbox.pick_backend(custom) is custom
+    assert sandbox.pick_backend("auto").name in ("process", "bwrap", "docker")
+    with pytest.raises(ValueError, match=r"unknown backend 'vm'; use 'auto', one of "
+                                         r"\['bwrap', 'docker', 'process'\]"):
+        sandbox.pick_backend("vm")
+
+
 def test_bad_backend_and_limits_are_clear_errors():
     with pytest.raises(ValueError, match="unknown backend"):
         sandbox.run("1", backend="vm")
@@ -129,7 +140,7 @@ def _cpython(code: str, python: str) -> tuple[bytes, bytes, int]:
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_python_runs_exactly_like_cpython(backend, name):
     code = PROGRAMS[name]
-    stdout, stderr, returncode = _cpython(code, sandbox.resolve(backend).python)
+    stdout, stderr, returncode = _cpython(code, sandbox.pick_backend(backend).python)
     r = run(backend, code)
     assert (r.stdout, r.stderr) == (stdout, stderr)
     if returncode < 0:
@@ -229,8 +240,9 @@ def test_cold_sandbox_gives_the_same_result_as_the_fork_server(backend):
 
 
 def test_auto_picks_the_strongest_available_backend_and_says_so():
-    expected = next(n for n in sandbox.backends.STRONGEST_FIRST
-                    if sandbox.unavailable_reason(sandbox.resolve(n)) is None)
+    expected = next(c.name for c in sandbox.backends.STRONGEST_FIRST
+                    if sandbox.unavailable_reason(c()) is None)
+    assert sandbox.pick_backend("auto").name == expected
     assert sandbox.run("print(1)").backend == expected
 
 
@@ -310,9 +322,14 @@ def test_the_names_from_before_sandbox_and_worker_were_told_apart_still_work_and
 
     from sandbox import fleet, session, warm_sandboxes
     for old, new in [("Worker", sandbox.Sandbox), ("WorkerError", sandbox.SandboxError),
-                     ("live_workers", sandbox.live_sandboxes)]:
+                     ("live_workers", sandbox.live_sandboxes), ("resolve", sandbox.pick_backend)]:
         with pytest.warns(DeprecationWarning, match=f"sandbox.{old} is deprecated"):
             assert getattr(sandbox, old) is new
+    with pytest.warns(DeprecationWarning, match="backends.resolve is deprecated"):
+        assert sandbox.backends.resolve is sandbox.pick_backend
+    with pytest.warns(DeprecationWarning, match="BY_NAME is deprecated"):
+        assert sandbox.backends.BY_NAME == {"process": sandbox.Process, "bwrap": sandbox.Bwrap,
+                                            "docker": sandbox.Docker}
     sys.modules.pop("sandbox.worker", None)
     old_module = importlib.import_module("sandbox.worker")
     with pytest.warns(DeprecationWarning, match="use sandbox.Sandbox"):

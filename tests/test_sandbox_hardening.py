@@ -228,7 +228,7 @@ def test_a_run_cannot_move_the_fork_server_into_another_cgroup(iso_worker):
 
 @pytest.mark.parametrize("name", ["process", "bwrap", "docker"])
 def test_a_run_has_oom_score_adj_1000_and_the_server_less(name):
-    if sandbox.unavailable_reason(sandbox.resolve(name)):
+    if sandbox.unavailable_reason(sandbox.pick_backend(name)):
         pytest.skip(f"{name} unavailable")
     with sandbox.Sandbox(name, sandbox.Limits(memory_mb=128)) as w:
         r = run_py(w, "print(open('/proc/self/oom_score_adj').read())")

@@ -9,9 +9,10 @@ returns that backend's `Server` handle) and what the fork server resets after ev
 - `Bwrap()`: bubblewrap namespaces, an unprivileged uid of its own per sandbox.
 - `Docker()`: a warm container per sandbox.
 
-`resolve("auto")` picks the strongest available: docker, then bwrap, then process.
+`pick_backend("auto")` picks the strongest available: docker, then bwrap, then process.
 `backend="bwrap"` and `backend=Bwrap()` mean the same; pass an instance to change its
-settings (`Docker(image="my-image:tag")`).
+settings (`Docker(image="my-image:tag")`). Every `backend=` argument of the package goes
+through `pick_backend`, the one place a backend's name becomes its spec.
 """
 
 import functools
@@ -25,34 +26,52 @@ from sandbox.backends.preimport import PREIMPORT
 from sandbox.backends.process import Process
 from sandbox.request import Limits
 
-__all__ = ["BY_NAME", "BackendUnavailable", "Bwrap", "Docker", "Limits", "PREIMPORT", "Process",
-           "STRONGEST_FIRST", "Server", "docker_client", "resolve", "seccomp_filter",
+__all__ = ["BackendUnavailable", "Bwrap", "Docker", "Limits", "PREIMPORT", "Process",
+           "STRONGEST_FIRST", "Server", "docker_client", "pick_backend", "seccomp_filter",
            "server_argv", "start", "unavailable_reason"]
 
 log = logging.getLogger("sandbox")
 
-BY_NAME = {"process": Process, "bwrap": Bwrap, "docker": Docker}
-STRONGEST_FIRST = ("docker", "bwrap", "process")
-_SPECS = tuple(BY_NAME.values())
+STRONGEST_FIRST = (Docker, Bwrap, Process)  # the spec classes, as "auto" tries them
+_SPECS = STRONGEST_FIRST
 
 
-def resolve(backend):
-    """A backend spec from "auto", a name, or a spec instance."""
+def pick_backend(backend="auto"):
+    """The backend spec to run on: `backend` itself if it is a spec (`Process()`, `Bwrap()`,
+    `Docker(image=...)`), a default one of that name ("process", "bwrap", "docker"), or for
+    "auto" the strongest that can run here (docker, then bwrap, then process)."""
     if isinstance(backend, _SPECS):
         return backend
     if backend == "auto":
         reasons = {}
-        for name in STRONGEST_FIRST:
-            spec = BY_NAME[name]()
-            reasons[name] = unavailable_reason(spec)
-            if reasons[name] is None:
-                _log_auto_once(name, tuple((k, v) for k, v in reasons.items() if v))
+        for spec_class in STRONGEST_FIRST:
+            spec = spec_class()
+            reasons[spec.name] = unavailable_reason(spec)
+            if reasons[spec.name] is None:
+                _log_auto_once(spec.name, tuple((k, v) for k, v in reasons.items() if v))
                 return spec
         raise BackendUnavailable(f"no backend can run here: {reasons}")
-    if backend in BY_NAME:
-        return BY_NAME[backend]()
-    raise ValueError(f"unknown backend {backend!r}; use 'auto', one of {sorted(BY_NAME)}, "
-                     "or an instance of sandbox.Process/Bwrap/Docker")
+    for spec_class in _SPECS:
+        if backend == spec_class.name:
+            return spec_class()
+    raise ValueError(f"unknown backend {backend!r}; use 'auto', one of "
+                     f"{sorted(c.name for c in _SPECS)}, or an instance of "
+                     "sandbox.Process/Bwrap/Docker")
+
+
+def __getattr__(name):
+    """Deprecated names, for one release: `resolve` (now `pick_backend`: "resolve" is
+    ptrain.config's word for turning a config into settings) and `BY_NAME`."""
+    import warnings
+    if name == "resolve":
+        warnings.warn("sandbox.backends.resolve is deprecated: use pick_backend",
+                      DeprecationWarning, stacklevel=2)
+        return pick_backend
+    if name == "BY_NAME":
+        warnings.warn("sandbox.backends.BY_NAME is deprecated: pick_backend(name) makes the "
+                      "spec of a name", DeprecationWarning, stacklevel=2)
+        return {c.name: c for c in _SPECS}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -276,7 +276,7 @@ def _harness():
 def judge_backend(backend):
     """`backend` (a name, "auto" or a spec) with the harness's modules pre-imported and the
     harness itself preloaded in its fork servers."""
-    spec = backends.resolve(backend)
+    spec = backends.pick_backend(backend)
     preimport = tuple(dict.fromkeys(tuple(spec.preimport) + JUDGE_PREIMPORT))
     preload = tuple(p for p in spec.preload if p[0] != "judge_harness") + (
         ("judge_harness", preload_source()),)
