@@ -14,6 +14,10 @@ oracle episodes per second with warm containers against a fresh container per ep
    rounds alternate between the two. Two workloads: the bundled tasks in turn (their own
    tests, mostly pytest, dominate), and a minimal Harbor task (`echo` solution, a one-line
    test.sh): what the environment itself costs per episode.
+3. bwrap against docker (`--backends`, where bwrap and its base are there): on the minimal
+   task, interleaved, the per-episode reset after the same dirt in the files both allow
+   (docker in place vs bwrap's new sandbox), a command through `exec` (`true`), and a command
+   in the agent's persistent shell (`Shell.run("true")`).
 Prints medians, the spread (min-max) and the ratios measured in this run.
 """
 
@@ -90,6 +94,50 @@ def bench_reset(task, reps: int) -> dict:
     return {"inplace": inplace_s, "rm_run": rm_run_s, "run": run_s}
 
 
+# What both backends let an episode do (bwrap's /usr and /etc are read-only).
+DIRT_FILES = ("mkdir -p /app/out /opt/tool && for i in $(seq 50); do echo $i > /app/out/f$i; "
+              "done; cp -r /usr/share/misc /tmp/misc; mkdir -p /tests /logs/verifier && "
+              "echo 1 > /logs/verifier/reward.txt; "
+              "nohup python3 -m http.server 8111 --bind 127.0.0.1 >/dev/null 2>&1 & sleep 0.2")
+
+
+def bench_backends(task, reps: int) -> dict:
+    """{(backend, what): [seconds]}: the reset after an episode's dirt, an exec, the
+    episode's shell starting, a command in it."""
+    from sandbox.terminal.shell import Shell
+    out = {}
+    harnesses = {"docker": terminal.Harness(), "bwrap": terminal.Harness(backend="bwrap")}
+    boxes, shells = {}, {}
+    try:
+        for name, h in harnesses.items():
+            boxes[name] = h.acquire(task)
+        for _ in range(reps):
+            for name, box in boxes.items():
+                r = box.exec(["bash", "-c", DIRT_FILES], timeout_s=60, user="root")
+                assert r.exit_code == 0, r.text
+                t0 = time.perf_counter()
+                box.reset()
+                out.setdefault((name, "reset"), []).append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                assert box.exec(["true"], timeout_s=30).exit_code == 0
+                out.setdefault((name, "exec"), []).append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                shells[name] = Shell(box)
+                out.setdefault((name, "shell start"), []).append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                assert shells[name].run("true", 30).exit_code == 0
+                out.setdefault((name, "command"), []).append(time.perf_counter() - t0)
+                shells.pop(name).close()
+    finally:
+        for sh in shells.values():
+            sh.close()
+        for box in boxes.values():
+            box.close()
+        for h in harnesses.values():
+            h.close()
+    return out
+
+
 def bench_throughput(tasks, concurrency: int, rounds: int) -> dict:
     results = {"auto": [], "recreate": []}
     harnesses = {mode: terminal.Harness(reset=mode, max_idle=concurrency) for mode in results}
@@ -119,20 +167,35 @@ def main():
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--skip-reset", action="store_true")
+    ap.add_argument("--backends", action="store_true", help="bwrap against docker")
     args = ap.parse_args()
     loaded = terminal.load_tasks(TASKS_DIR)
     tasks = list(loaded.tasks)
     hello = next(t for t in tasks if t.name == "hello-file")
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
 
-    r = bench_reset(hello, args.reps)
-    med = {k: statistics.median(v) for k, v in r.items()}
-    print(f"\nper-episode reset of a dirtied container, ms, median (min-max) of {args.reps}:")
-    print(f"  in-place reset      {spread(r['inplace'])}")
-    print(f"  docker rm + run     {spread(r['rm_run'])}")
-    print(f"  docker run alone    {spread(r['run'])}")
-    print(f"  ratio in-place / run alone: {med['inplace'] / med['run']:.3f}x   "
-          f"in-place / (rm + run): {med['inplace'] / med['rm_run']:.3f}x")
+    if args.backends:
+        with tempfile.TemporaryDirectory(prefix="ptrain-term-bench-") as tmp:
+            b = bench_backends(minimal_task(tmp), args.reps)
+        print(f"\nbwrap against docker on the minimal task, ms, median (min-max) of "
+              f"{args.reps}, interleaved:")
+        for what in ("reset", "exec", "shell start", "command"):
+            ratio = statistics.median(b[("bwrap", what)]) / statistics.median(
+                b[("docker", what)])
+            print(f"  {what:11s} docker {spread(b[('docker', what)])}   "
+                  f"bwrap {spread(b[('bwrap', what)])}   bwrap / docker {ratio:.3f}x")
+
+    if not args.skip_reset:
+        r = bench_reset(hello, args.reps)
+        med = {k: statistics.median(v) for k, v in r.items()}
+        print(f"\nper-episode reset of a dirtied container, ms, median (min-max) of "
+              f"{args.reps}:")
+        print(f"  in-place reset      {spread(r['inplace'])}")
+        print(f"  docker rm + run     {spread(r['rm_run'])}")
+        print(f"  docker run alone    {spread(r['run'])}")
+        print(f"  ratio in-place / run alone: {med['inplace'] / med['run']:.3f}x   "
+              f"in-place / (rm + run): {med['inplace'] / med['rm_run']:.3f}x")
 
     if not args.skip_throughput:
         with tempfile.TemporaryDirectory(prefix="ptrain-term-bench-") as tmp:

@@ -38,6 +38,10 @@ _IMAGE_MAP = flags.DEFINE_multi_string(
     "image_map", [], "FROM=LOCAL: build a Dockerfile's FROM image from a local image instead "
     "(repeat the flag for several).")
 _NETWORK = flags.DEFINE_bool("network", False, "Let tasks that ask for a network have one.")
+_BACKEND = flags.DEFINE_enum("backend", "docker", ["docker", "bwrap"],
+                             "Terminal tasks' environment: docker, or bwrap for tasks that need "
+                             "only files (the others score 0, saying they need the docker "
+                             "backend).")
 _WORKERS = flags.DEFINE_integer("workers", 2, "Sandbox workers judging code tasks.")
 _MODEL = flags.DEFINE_string("model", "", "--agent=model: a local Hugging Face model directory, "
                              "or the --workdir of a launch/train.py run (its latest RL "
@@ -156,7 +160,8 @@ def evaluate_terminal(path, agent_name, out, progress):
     agent = (terminal_model_agent() if agent_name == "model" else
              {"oracle": terminal.oracle, "nop": terminal.nop}[agent_name])
     image_map = terminal.parse_image_map(_IMAGE_MAP.value)
-    with terminal.Harness(image_map=image_map, network=_NETWORK.value) as harness:
+    with terminal.Harness(image_map=image_map, network=_NETWORK.value,
+                          backend=_BACKEND.value) as harness:
         return terminal.evaluate(loaded.tasks, agent, out, attempts=_ATTEMPTS.value,
                                  concurrency=_CONCURRENCY.value, harness=harness,
                                  progress=progress)

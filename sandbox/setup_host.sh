@@ -7,6 +7,10 @@
 #   ptrain-term-base:latest  the base of terminal tasks (tasks/terminal/, sandbox/terminal/):
 #                            bash, coreutils, gzip/tar/xz/bzip2/zip, procps, python3, jq, ...
 #                            (no curl or wget: there is no network to fetch from)
+# and, where bwrap is installed, the same rootfs as ptrain-term-base unpacked in a directory
+# for the terminal tasks' bubblewrap backend (no docker needed for that one):
+#   $PTRAIN_TERM_ROOTFS_DIR/ptrain-term-base/  (default /var/lib/ptrain/rootfs), with
+#   ptrain-term-base.json beside it (the image's name, PATH, LANG and WORKDIR)
 #
 # Idempotent and quick when all is there; never fails (a backend that cannot run is skipped
 # by the tests, with the reason). Called by `make test` as `bash sandbox/setup_host.sh`.
@@ -16,6 +20,7 @@ PYTHON_ROOTS="python3.11-minimal python3.11 libpython3.11-stdlib python3-minimal
 # gzip and tar: what a bash tool call in the docker backend most often reaches for.
 SANDBOX_ROOTS="bash dash coreutils grep sed findutils diffutils gzip tar $PYTHON_ROOTS"
 TERM_IMAGE="${PTRAIN_TERM_BASE_IMAGE:-ptrain-term-base:latest}"
+ROOTFS_DIR="${PTRAIN_TERM_ROOTFS_DIR:-/var/lib/ptrain/rootfs}"
 TERM_ROOTS="$SANDBOX_ROOTS xz-utils bzip2 zip unzip procps psmisc patch bc jq mawk"
 TERM_ROOTS="$TERM_ROOTS file sqlite3 make less debianutils"
 say() { echo "setup_host: $*"; }
@@ -79,20 +84,25 @@ package_closure() {
 }
 
 # build_image IMAGE ROOTS WORKDIR [DIR:MODE ...]: a rootfs of ROOTS' package closure, tagged
-# IMAGE once it runs python3 and bash; rebuilt only when its packages or this script change
-# (the hash label). Each DIR is created with MODE (docker copies the modes of /work and /tmp
-# onto the tmpfs mounts there).
+# IMAGE once it runs python3 and bash (where docker runs), and unpacked for bwrap in
+# $ROOTFS_DIR (where bwrap is installed and PTRAIN_ROOTFS=1: the terminal base only);
+# rebuilt only when its packages or this script change (the hash label). Each DIR is created
+# with MODE (docker copies the modes of /work and /tmp onto the tmpfs mounts there).
 build_image() {
   local image="$1" roots="$2" workdir="$3"
   shift 3
   command -v dpkg-query >/dev/null || { say "no dpkg: cannot build $image"; return 1; }
-  local pkgs hash have
+  local pkgs hash have want_docker=0 want_rootfs=0 rootfs_name="${image%%:*}"
   pkgs=$(package_closure "$roots")
   hash=$( (dpkg-query -W $pkgs; sha256sum "$0"; echo "$image $workdir $*") | sha256sum | cut -c1-16)
-  have=$(docker image inspect -f '{{index .Config.Labels "ptrain.hash"}}' "$image" 2>/dev/null)
-  if [ "$have" = "$hash" ]; then
-    return 0
+  if [ "$DOCKER_OK" = 1 ]; then
+    have=$(docker image inspect -f '{{index .Config.Labels "ptrain.hash"}}' "$image" 2>/dev/null)
+    [ "$have" = "$hash" ] || want_docker=1
   fi
+  if [ "${PTRAIN_ROOTFS:-0}" = 1 ] && command -v bwrap >/dev/null; then
+    grep -qs "\"hash\": \"$hash\"" "$ROOTFS_DIR/$rootfs_name.json" || want_rootfs=1
+  fi
+  [ $want_docker = 0 ] && [ $want_rootfs = 0 ] && return 0
   say "building $image from $(wc -w <<<"$pkgs") host packages"
   local tmp old spec dirs=()
   old=$(docker image inspect -f '{{.Id}}' "$image" 2>/dev/null)
@@ -142,23 +152,40 @@ build_image() {
   tar -C / -cf "$tmp/rootfs.tar" --no-recursion -T "$tmp/files" 2>/dev/null
   tar -C "$tmp" -rf "$tmp/rootfs.tar" etc/passwd etc/group root "${dirs[@]}" \
     $(cd "$tmp" && ls -d bin sbin lib lib64 2>/dev/null)
-  docker import -c "LABEL ptrain.hash=$hash" -c 'ENV PATH=/usr/local/bin:/usr/bin:/bin' \
-    -c 'ENV LANG=C.UTF-8' -c "WORKDIR $workdir" "$tmp/rootfs.tar" "$image-candidate" \
-    >/dev/null \
-    && docker run --rm --network none "$image-candidate" /usr/bin/python3 -I -c \
-      'import json, unittest, subprocess; subprocess.run(["bash", "-c", "ls /"], check=True)' \
+  if [ $want_rootfs = 1 ]; then  # the same files, unpacked for bwrap (checked the same way)
+    local dest="$ROOTFS_DIR/$rootfs_name"
+    mkdir -p "$ROOTFS_DIR" && rm -rf "$dest.new" && mkdir "$dest.new" \
+      && tar -C "$dest.new" -xpf "$tmp/rootfs.tar" && mkdir -p "$dest.new/proc" "$dest.new/dev" \
+      && bwrap --unshare-all --die-with-parent --ro-bind "$dest.new" / --proc /proc \
+        --dev /dev /usr/bin/python3 -I -c \
+        'import json, unittest, subprocess; subprocess.run(["bash", "-c", "ls /"], check=True)' \
+        >/dev/null \
+      && rm -rf "$dest" && mv "$dest.new" "$dest" \
+      && printf '{"image": "%s", "hash": "%s", "workdir": "%s", "env": {"PATH": %s, "LANG": %s}}\n' \
+        "$image" "$hash" "$workdir" '"/usr/local/bin:/usr/bin:/bin"' '"C.UTF-8"' \
+        >"$ROOTFS_DIR/$rootfs_name.json" \
+      && say "unpacked $image for bwrap in $dest" || say "could not unpack $image for bwrap"
+    rm -rf "$dest.new"
+  fi
+  if [ $want_docker = 1 ]; then
+    docker import -c "LABEL ptrain.hash=$hash" -c 'ENV PATH=/usr/local/bin:/usr/bin:/bin' \
+      -c 'ENV LANG=C.UTF-8' -c "WORKDIR $workdir" "$tmp/rootfs.tar" "$image-candidate" \
       >/dev/null \
-    && docker tag "$image-candidate" "$image" && say "built $image" || say "could not build $image"
-  docker rmi "$image-candidate" >/dev/null 2>&1
-  [ -n "$old" ] && docker rmi "$old" >/dev/null 2>&1  # the build this one replaces
+      && docker run --rm --network none "$image-candidate" /usr/bin/python3 -I -c \
+        'import json, unittest, subprocess; subprocess.run(["bash", "-c", "ls /"], check=True)' \
+        >/dev/null \
+      && docker tag "$image-candidate" "$image" && say "built $image" || say "could not build $image"
+    docker rmi "$image-candidate" >/dev/null 2>&1
+    [ -n "$old" ] && docker rmi "$old" >/dev/null 2>&1  # the build this one replaces
+  fi
   rm -rf "$tmp"
 }
 
 install_packages
-if start_dockerd; then
-  build_image "$IMAGE" "$SANDBOX_ROOTS" /work work:1777 tmp:1777
-  build_image "$TERM_IMAGE" "$TERM_ROOTS" / tmp:1777 var/tmp:1777 usr/local/bin:755 \
-    usr/local/sbin:755 usr/local/lib:755 usr/local/share:755 home:755 opt:755 srv:755 \
-    mnt:755 run:755 var/log:755 var/lib:755
-fi
+DOCKER_OK=0  # PTRAIN_SETUP_DOCKER=0: leave docker and its images alone (the bwrap rootfs only)
+[ "${PTRAIN_SETUP_DOCKER:-1}" = 1 ] && start_dockerd && DOCKER_OK=1
+[ $DOCKER_OK = 1 ] && build_image "$IMAGE" "$SANDBOX_ROOTS" /work work:1777 tmp:1777
+PTRAIN_ROOTFS=1 build_image "$TERM_IMAGE" "$TERM_ROOTS" / tmp:1777 var/tmp:1777 \
+  usr/local/bin:755 usr/local/sbin:755 usr/local/lib:755 usr/local/share:755 home:755 \
+  opt:755 srv:755 mnt:755 run:755 var/log:755 var/lib:755
 exit 0

@@ -20,6 +20,7 @@ images without it), episode.py (Harness, Episode), agents.py (oracle, nop), eval
 (results.jsonl, pass@k), report.py (the HTML report). What each guarantees: docs/terminal.md.
 """
 
+from sandbox.terminal import bwrap
 from sandbox.terminal.agents import nop, oracle
 from sandbox.terminal.container import (Container, ContainerGone, ExecResult, Limits,
                                         remove_orphans)

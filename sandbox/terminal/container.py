@@ -358,6 +358,15 @@ class Container:
         return ExecResult(out.value(), exit_code, timed_out, out.dropped > 0,
                           time.monotonic() - t0)
 
+    def open_terminal(self, argv, *, user=None, env=None, workdir=None):
+        """(socket, its wrapper to close): `argv` on a new pseudo-terminal in the container
+        (the agent's shell, shell.py), through `docker exec`."""
+        api = self._client.api
+        ex = api.exec_create(self.id, argv, stdin=True, tty=True, user=user or "",
+                             environment=dict(env or {}), workdir=workdir)
+        wrapper = api.exec_start(ex["Id"], socket=True, tty=True)
+        return getattr(wrapper, "_sock", wrapper), wrapper
+
     def fresh_dirs(self, paths, mode: int = 0o755) -> None:
         """Remove `paths` (whatever is there: a tree, a file, a symlink) and make each an
         empty directory with `mode`: where the verifier's tests and logs go."""

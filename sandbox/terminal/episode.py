@@ -19,7 +19,7 @@ import shlex
 import threading
 import time
 
-from sandbox.terminal import host_pytest, verify as verifier
+from sandbox.terminal import bwrap, host_pytest, verify as verifier
 from sandbox.terminal.container import (Container, ContainerGone, Limits, docker_client,
                                         remove_orphans)
 from sandbox.terminal.image import ensure_image
@@ -47,19 +47,32 @@ class Harness:
     reset: "auto" (in place where possible, else recreate), "inplace" or "recreate".
     max_idle: warm containers kept per task image between episodes.
     call_timeout_s: a shell command's default time limit (within the agent's).
+    backend: "docker", or "bwrap" for tasks whose environment is files on an unpacked base
+      (`sandbox.terminal.bwrap`: no docker; a task that needs its Dockerfile's image raises
+      `bwrap.NeedsImage` when its episode opens).
     """
 
     def __init__(self, *, image_map=None, network: bool = False, reset: str = "auto",
                  max_idle: int = 8, call_timeout_s: float = 180.0,
                  max_output_bytes: int = 32 << 10, supply_pytest: bool = True,
-                 build_log=None, client=None):
+                 build_log=None, client=None, backend: str = "docker"):
+        if backend not in ("docker", "bwrap"):
+            raise ValueError(f"backend must be 'docker' or 'bwrap', got {backend!r}")
         self.image_map, self.network, self.reset_mode = dict(image_map or {}), network, reset
         self.max_idle, self.call_timeout_s = max_idle, call_timeout_s
         self.max_output_bytes, self.build_log = max_output_bytes, build_log
-        self.client = client or docker_client()
-        removed = remove_orphans(self.client)
-        if removed:
-            log.info("removed %d task containers left by processes that are gone", removed)
+        self.backend = backend
+        if backend == "bwrap":
+            why = bwrap.unavailable()
+            if why is not None:
+                raise RuntimeError(f"the bwrap terminal backend cannot run here: {why}")
+            self.client = None
+        else:
+            self.client = client or docker_client()
+            removed = remove_orphans(self.client)
+            if removed:
+                log.info("removed %d task containers left by processes that are gone",
+                         removed)
         self.pytest_dir = host_pytest.pytest_dir() if supply_pytest else None  # None: no pytest
         self._images: dict[str, str] = {}
         self._idle: dict[tuple, list[Container]] = {}
@@ -69,16 +82,25 @@ class Harness:
 
     # --- images and containers ----------------------------------------------------------------
 
-    def image(self, task: Task) -> str:
-        """The local image `task` runs in, built (once) if it needs building."""
+    def image(self, task: Task):
+        """The local image `task` runs in, built (once) if it needs building (bwrap: its
+        `bwrap.Plan`, the files on an unpacked base)."""
         with self._lock:
             lock = self._task_locks.setdefault(task.path, threading.Lock())
         with lock:
             if task.path not in self._images:
-                self._images[task.path] = ensure_image(
-                    task, self.client, image_map=self.image_map, network=self.network,
-                    log=self.build_log)
+                self._images[task.path] = bwrap.plan(task, image_map=self.image_map) \
+                    if self.backend == "bwrap" else ensure_image(
+                        task, self.client, image_map=self.image_map, network=self.network,
+                        log=self.build_log)
             return self._images[task.path]
+
+    def _new(self, task: Task, key: tuple):
+        if self.backend == "bwrap":
+            return bwrap.Box(key[0], key[1], env=key[2], name=task.name,
+                             pytest_dir=self.pytest_dir)
+        return Container(key[0], key[1], env=key[2], name=task.name,
+                         pytest_dir=self.pytest_dir, reset=self.reset_mode, client=self.client)
 
     def limits(self, task: Task) -> Limits:
         return Limits(cpus=task.cpus, memory_mb=task.memory_mb,
@@ -95,8 +117,7 @@ class Harness:
             idle = self._idle.get(key)
             if idle:
                 return idle.pop()
-        return Container(key[0], key[1], env=key[2], name=task.name,
-                         pytest_dir=self.pytest_dir, reset=self.reset_mode, client=self.client)
+        return self._new(task, key)
 
     def release(self, task: Task, container: Container) -> None:
         """Reset `container` and keep it warm (or close it, past `max_idle` or if it fails)."""
@@ -118,9 +139,7 @@ class Harness:
         key = self._key(task)
         with self._lock:
             need = n - len(self._idle.get(key, []))
-        made = [Container(key[0], key[1], env=key[2], name=task.name,
-                          pytest_dir=self.pytest_dir, reset=self.reset_mode, client=self.client)
-                for _ in range(max(0, need))]
+        made = [self._new(task, key) for _ in range(max(0, need))]
         with self._lock:
             self._idle.setdefault(key, []).extend(made)
 

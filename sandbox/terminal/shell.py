@@ -1,7 +1,7 @@
 """A persistent shell in a task's container: what the agent types into.
 
 One interactive bash (sh where the image has no bash) on a pseudo-terminal, started with
-`docker exec`: `cd`, exported variables, functions and background jobs survive from one
+`docker exec` (bwrap: `nsenter`; `Container.open_terminal`, `bwrap.Box.open_terminal`): `cd`, exported variables, functions and background jobs survive from one
 command to the next. Each command goes in as one line of printable ASCII (its bytes are
 escaped, so a control character in it cannot signal the terminal), is `eval`ed with stdin from
 /dev/null (a command that waits for input ends instead of hanging), and is followed by a
@@ -62,15 +62,11 @@ class Shell:
         self._start()
 
     def _start(self) -> None:
-        api = self.container._client.api
         env = {"TERM": "dumb", **self.env}
         argv = ["/bin/sh", "-c", "if command -v bash >/dev/null 2>&1; then exec bash "
                 "--noediting -i; else exec sh -i; fi"]
-        ex = api.exec_create(self.container.id, argv, stdin=True, tty=True, user=self.user or "",
-                             environment=env, workdir=self.workdir)
-        self._exec_id = ex["Id"]
-        self._wrapper = api.exec_start(self._exec_id, socket=True, tty=True)
-        self._sock = getattr(self._wrapper, "_sock", self._wrapper)
+        self._sock, self._wrapper = self.container.open_terminal(
+            argv, user=self.user, env=env, workdir=self.workdir)
         self._pending = b""
         nonce = secrets.token_hex(8)
         self._send("stty -echo -icanon -opost -ixon 2>/dev/null; PS1=''; PS2=''; PS4='+ '; "

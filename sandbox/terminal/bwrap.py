@@ -1,0 +1,511 @@
+"""The bubblewrap backend: terminal tasks that need only files, without docker.
+
+A task qualifies when its Dockerfile only starts from a base whose root file system is on
+this machine as a directory (`bash sandbox/setup_host.sh` unpacks ptrain-term-base's, the
+same files the docker image is made of, into /var/lib/ptrain/rootfs) and otherwise only sets
+WORKDIR, ENV and COPYs files of its context (metadata such as LABEL, EXPOSE or CMD is
+ignored: nothing runs them). Anything else (RUN, ADD, USER, ARG, a second stage, a prebuilt
+`docker_image`) needs the image the Dockerfile builds: `plan` raises `NeedsImage` naming the
+line, never a silently different environment.
+
+`Box` is the `Container` of this backend (the same methods, so `Harness`, `Episode`, `Shell`
+and the verifier are the docker backend's code): one `bwrap` process per episode with
+
+- a fresh tmpfs as `/` (sized by the task's `storage_mb`, else its `memory_mb`): the work
+  dir, /tmp, /root, /home, /opt, /srv, /run, /tests, /logs live there and are writable; the
+  base's /usr, /etc and /var are bound read-only (an episode cannot change them);
+- every namespace new (`--unshare-all`): no network but a loopback of its own (unless the
+  task allows it and the operator enables it), its own pids (bwrap is pid 1 and reaps), IPC,
+  UTS (hostname "task"); root inside a user namespace, with docker's default capabilities
+  minus NET_RAW, MKNOD, AUDIT_WRITE and SETFCAP;
+- memory and pids limits from the task (sandbox/cgroups.py, where the host lets us write
+  cgroups; else none: logged); CPUs are not bounded here.
+
+Commands (the agent's shell on a pseudo-terminal, the verifier) join it with `nsenter`; files
+go in and out through `/proc/<pid 1>/root` with `hostfs.ConfinedRoot` (no symlink followed).
+The tests are copied in only by `Episode.verify`, after the agent's turn. Reset: the sandbox
+is killed (its pid 1, and with it every process in it) and a new one started: nothing of an
+episode survives into the next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fnmatch
+import json
+import logging
+import os
+import pty
+import select
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+from sandbox.terminal.container import CappedBuffer, ExecResult, Limits
+from sandbox.terminal.hostfs import ConfinedRoot
+from sandbox.terminal.image import _context_files, _logical_lines, _mapped
+from sandbox.terminal.reset import _children, kill_tree
+
+log = logging.getLogger("sandbox.terminal")
+
+ROOTFS_DIR = os.environ.get("PTRAIN_TERM_ROOTFS_DIR", "/var/lib/ptrain/rootfs")
+_READ_ONLY = ("usr", "etc", "var")  # of the base's top level; the rest is made writable
+_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "SETPCAP",
+         "NET_BIND_SERVICE", "SYS_CHROOT")  # docker's defaults minus _CAP_DROP's four
+# Run inside, before the command: (agent) drop every capability but _CAPS from the bounding
+# set, so the exec'd root has only those; then become the user (by the sandbox's /etc/passwd).
+_AS_USER = """
+import ctypes, os, pwd, sys
+if sys.argv[1] == "1":
+    libc, keep = ctypes.CDLL(None, use_errno=True), {0, 1, 3, 4, 5, 6, 7, 8, 10, 18}
+    for cap in range(64):
+        if cap not in keep and libc.prctl(24, cap, 0, 0, 0) != 0:
+            if ctypes.get_errno() == 22: break
+            raise OSError(ctypes.get_errno(), f"PR_CAPBSET_DROP {cap}")
+if sys.argv[2] not in ("root", "0"):
+    u = pwd.getpwuid(int(sys.argv[2])) if sys.argv[2].isdigit() else pwd.getpwnam(sys.argv[2])
+    os.initgroups(u.pw_name, u.pw_gid); os.setgid(u.pw_gid); os.setuid(u.pw_uid)
+    os.environ["HOME"] = u.pw_dir
+os.execvp(sys.argv[4], sys.argv[4:])
+"""
+_METADATA = {"LABEL", "EXPOSE", "CMD", "ENTRYPOINT", "HEALTHCHECK", "MAINTAINER",
+             "STOPSIGNAL", "SHELL", "VOLUME", "ONBUILD"}
+
+
+class NeedsImage(RuntimeError):
+    """The task's environment is more than files on a known base: use the docker backend."""
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot run the backend (None when it can)."""
+    if shutil.which("bwrap") is None:
+        return "bwrap is not installed (make system-deps / bash sandbox/setup_host.sh)"
+    if shutil.which("nsenter") is None:
+        return "nsenter (util-linux) is not installed"
+    if not os.path.isdir(ROOTFS_DIR) or not any(n.endswith(".json")
+                                                for n in os.listdir(ROOTFS_DIR)):
+        return (f"no base root file system in {ROOTFS_DIR} (bash sandbox/setup_host.sh "
+                f"unpacks ptrain-term-base's there)")
+    r = subprocess.run(["bwrap", "--unshare-all", "--unshare-user", "--ro-bind", "/", "/",
+                        "true"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"bwrap cannot make namespaces here: {r.stderr.strip()[-200:]}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# What a task's environment is, as files
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A task's environment for bwrap: the base's root, the work dir, the environment and
+    the files its Dockerfile copies in ((host path, sandbox path), in order)."""
+    image: str
+    rootfs: str
+    workdir: str
+    env: tuple[tuple[str, str], ...]
+    copies: tuple[tuple[str, str], ...]
+    dirs: tuple[str, ...]  # made empty (WORKDIR, COPY of an empty directory)
+
+
+def bases(rootfs_dir: str = ROOTFS_DIR) -> dict[str, dict]:
+    """{image name: its description (rootfs dir, env, workdir)} of the unpacked bases."""
+    out = {}
+    for name in sorted(os.listdir(rootfs_dir)) if os.path.isdir(rootfs_dir) else ():
+        if name.endswith(".json"):
+            with open(os.path.join(rootfs_dir, name)) as f:
+                meta = json.load(f)
+            meta["rootfs"] = os.path.join(rootfs_dir, name[:-len(".json")])
+            if os.path.isdir(meta["rootfs"]):
+                out[meta["image"]] = meta
+    return out
+
+
+def plan(task, *, image_map=None, rootfs_dir: str = ROOTFS_DIR) -> Plan:
+    """The task's environment as files on an unpacked base, or `NeedsImage` saying why not."""
+    image_map = dict(image_map or {})
+    if task.dockerfile is None:
+        raise NeedsImage(f"{task.name}: runs in the prebuilt image {task.docker_image!r}, "
+                         f"which bwrap cannot provide; use the docker backend")
+    known = bases(rootfs_dir)
+    with open(task.dockerfile, encoding="utf-8") as f:
+        text = f.read()
+    allowed = {rel: host for rel, host, _ in
+               _context_files(task.context_dir, task.context_exclude, task.dockerfile)}
+    where = os.path.relpath(task.dockerfile, task.path)
+    base, workdir, env, copies, dirs = None, None, {}, [], []
+
+    def refuse(line, why):
+        raise NeedsImage(f"{task.name}: {where} line {line}: {why}; it needs the image its "
+                         f"Dockerfile builds: use the docker backend")
+
+    for line, _, inst in _logical_lines(text):
+        word, _, rest = inst.partition(" ")
+        op, rest = word.upper(), rest.strip()
+        if op == "FROM":
+            if base is not None:
+                refuse(line, "a second FROM (a multi-stage build)")
+            tokens = [t for t in rest.split() if not t.startswith("--")]
+            name = _mapped(tokens[0], image_map) if tokens else ""
+            if name not in known and f"{name}:latest" in known:
+                name = f"{name}:latest"
+            if name not in known:
+                refuse(line, f"FROM {tokens[0] if tokens else ''}: no unpacked root file "
+                             f"system of {name!r} in {rootfs_dir} (bases there: "
+                             f"{sorted(known) or 'none'})")
+            base = known[name]
+            workdir, env = base.get("workdir") or "/", dict(base.get("env") or {})
+        elif base is None:
+            refuse(line, f"{op} before FROM")
+        elif op == "WORKDIR":
+            workdir = os.path.normpath(os.path.join(workdir, _expand(rest, env)))
+            dirs.append(workdir)
+        elif op == "ENV":
+            env.update(_env_pairs(rest))
+        elif op == "COPY":
+            args = rest.split()
+            if any(a.startswith("--") for a in args) or len(args) < 2:
+                refuse(line, f"COPY {rest} (only `COPY SRC... DEST` of context files)")
+            *srcs, dest = [_expand(a, env) for a in args]
+            dest = os.path.normpath(os.path.join(workdir, dest)) + ("/" if dest.endswith("/")
+                                                                   else "")
+            for src in srcs:
+                found = sorted(rel for rel in allowed
+                               if fnmatch.fnmatch(rel, os.path.normpath(src)))
+                if not found:
+                    refuse(line, f"COPY {src}: not in the build context")
+                into_dir = dest.endswith("/") or len(srcs) > 1 or any(
+                    ch in src for ch in "*?[")
+                for rel in found:
+                    host = allowed[rel]
+                    if os.path.isdir(host) and not os.path.islink(host):
+                        below = [r for r in allowed if r.startswith(rel + "/")]
+                        target = dest.rstrip("/")
+                        dirs.append(target)
+                        for r in below:
+                            h = allowed[r]
+                            path = os.path.join(target, os.path.relpath(r, rel))
+                            if os.path.isdir(h) and not os.path.islink(h):
+                                dirs.append(path)
+                            elif os.path.isfile(h) and not os.path.islink(h):
+                                copies.append((h, path))
+                            else:
+                                refuse(line, f"COPY {src}: {r} is not a regular file")
+                    elif os.path.isfile(host) and not os.path.islink(host):
+                        path = (os.path.join(dest, os.path.basename(rel)) if into_dir
+                                else dest.rstrip("/"))
+                        copies.append((host, path))
+                    else:
+                        refuse(line, f"COPY {src}: {rel} is not a regular file")
+        elif op not in _METADATA:
+            refuse(line, f"{op} {rest[:60]}")
+    if base is None:
+        raise NeedsImage(f"{task.name}: {where} has no FROM")
+    env.update(dict(task.env))
+    return Plan(name, base["rootfs"], workdir, tuple(env.items()), tuple(copies),
+                tuple(dict.fromkeys(dirs)))
+
+
+def _expand(word: str, env: dict) -> str:
+    from sandbox.terminal.image import _substitute
+    return _substitute(word.strip('"\''), env)
+
+
+def _env_pairs(rest: str) -> dict[str, str]:
+    import shlex
+    words = shlex.split(rest)
+    if words and "=" not in words[0]:  # the old form: ENV KEY VALUE...
+        return {words[0]: " ".join(words[1:])}
+    return dict(w.split("=", 1) for w in words)
+
+
+# ---------------------------------------------------------------------------------------------
+# The sandbox
+# ---------------------------------------------------------------------------------------------
+
+def cgroups_kill(cgroup) -> None:
+    """SIGKILL every process in `cgroup`'s run group, until none is left."""
+    for _ in range(100):
+        pids = cgroup.pids()
+        if not pids:
+            return
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.002)
+
+
+class _PtyStream:
+    """The socket-like end of a pseudo-terminal (what `Shell` reads and writes)."""
+
+    def __init__(self, fd: int, proc: subprocess.Popen):
+        self.fd, self.proc, self._timeout = fd, proc, None
+
+    def sendall(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+
+    def settimeout(self, timeout) -> None:
+        self._timeout = timeout
+
+    def recv(self, n: int) -> bytes:
+        ready, _, _ = select.select([self.fd], [], [], self._timeout)
+        if not ready:
+            raise TimeoutError
+        try:
+            return os.read(self.fd, n)
+        except OSError as e:
+            if e.errno == errno.EIO:  # the terminal's other side closed: the shell exited
+                return b""
+            raise
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # the session gets SIGHUP
+            self.fd = -1
+        threading.Thread(target=self.proc.wait, daemon=True).start()  # reaped when it ends
+
+
+class Box:
+    """A task's bwrap sandbox, with `Container`'s methods (see the module docstring)."""
+
+    def __init__(self, plan_: Plan, limits: Limits = Limits(), *, env=(), name: str = "task",
+                 pytest_dir: str | None = None):
+        self.plan, self.limits, self._name = plan_, limits, name
+        self.image = plan_.image
+        self.env = {"HOME": "/root", **dict(plan_.env), **dict(env)}
+        self.workdir, self.user = plan_.workdir, ""
+        self._pytest_dir = pytest_dir
+        self._lock = threading.Lock()
+        self.resets = {"restart": 0}
+        self.storage = "tmpfs"
+        self.proc = self.pid = self._cgroup = self._cgroup_error = None
+        self._start()
+
+    reset_mode = "restart"
+
+    # --- life cycle ---------------------------------------------------------------------------
+
+    def _argv(self, info_fd: int) -> list[str]:
+        root, mb = self.plan.rootfs, self.limits.storage_mb or self.limits.memory_mb
+        argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "0", "--gid", "0",
+                "--die-with-parent", "--new-session", "--hostname", "task",
+                "--cap-drop", "ALL", *[a for c in _CAPS for a in ("--cap-add", f"CAP_{c}")],
+                "--size", str(mb << 20), "--tmpfs", "/", "--info-fd", str(info_fd)]
+        if self.limits.network:
+            argv.append("--share-net")
+        for entry in sorted(set(os.listdir(root)) - {"proc", "dev", "sys"}):
+            path = os.path.join(root, entry)
+            if os.path.islink(path):
+                argv += ["--symlink", os.readlink(path), f"/{entry}"]
+            elif entry in _READ_ONLY:
+                argv += ["--ro-bind", path, f"/{entry}"]
+            elif os.path.isdir(path):
+                argv += ["--perms", f"{os.stat(path).st_mode & 0o7777:o}", "--dir", f"/{entry}"]
+        argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--dir", "/tmp",
+                 "--dir", "/tests", "--dir", "/logs"]
+        if self._pytest_dir:
+            from sandbox.terminal.container import PYTEST_MOUNT
+            argv += ["--ro-bind", self._pytest_dir, PYTEST_MOUNT]
+        # Its first words say the sandbox is set up (bwrap reports its pid before that).
+        return argv + ["--", "/bin/sh", "-c", "echo ready; exec sleep infinity"]
+
+    def _start(self) -> None:
+        from sandbox import cgroups
+        if self._cgroup is None and self._cgroup_error is None:  # one per box, kept by reset
+            try:
+                self._cgroup = cgroups.Cgroup(self.limits.memory_mb << 20, self.limits.pids)
+            except OSError as e:
+                self._cgroup_error = str(e)
+                log.info("terminal (bwrap): no memory/pids cgroup here (%s): unbounded", e)
+        r, w = os.pipe()
+        try:
+            self.proc = subprocess.Popen(self._argv(w), pass_fds=(w,), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         preexec_fn=self._join)
+            os.close(w)
+            w = -1
+            info = b""
+            while b"}" not in info and (chunk := os.read(r, 4096)):
+                info += chunk
+            ready = self.proc.stdout.readline()  # the sandbox is set up once it speaks
+            if b"}" not in info or ready != b"ready\n":
+                raise RuntimeError(f"bwrap did not start the sandbox for {self._name}: "
+                                   f"{self.proc.stderr.read1(4096).decode()[-500:]}")
+            self.pid = json.loads(info[:info.index(b"}") + 1])["child-pid"]
+            self.root = f"/proc/{self.pid}/root"
+            if os.path.samestat(os.stat(self.root + "/"), os.stat("/")):
+                raise RuntimeError(f"the sandbox of {self._name} has the host's root")
+            files = ConfinedRoot(self.root)
+            for d in self.plan.dirs:
+                files.fresh_dir(d, 0o755)
+            files.write(self.plan.copies)
+        except BaseException:
+            self._stop()
+            raise
+        finally:
+            os.close(r)
+            if w >= 0:
+                os.close(w)
+
+    def _join(self) -> None:
+        """(In the child, before exec) into the sandbox's cgroup, if there is one."""
+        if self._cgroup is not None:
+            for path in self._cgroup.run_join_files():
+                fd = os.open(path, os.O_WRONLY)
+                os.write(fd, b"0")
+                os.close(fd)
+
+    def _stop(self, *, keep_cgroup: bool = False) -> None:
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)  # pid 1 of its namespace: all of it dies
+            except ProcessLookupError:
+                pass
+        if self.proc is not None:
+            try:
+                self.proc.kill()
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            for pipe in (self.proc.stdout, self.proc.stderr):
+                pipe.close()
+        if self._cgroup is not None:
+            if keep_cgroup:  # emptied: what pid 1's death left (an nsenter'd straggler)
+                cgroups_kill(self._cgroup)
+            else:
+                self._cgroup.remove()
+                self._cgroup = None
+        self.proc = self.pid = None
+
+    def reset(self) -> str:
+        """A new sandbox: nothing of the last episode (files, processes) is left."""
+        with self._lock:
+            self._stop(keep_cgroup=True)
+            self._start()
+            self.resets["restart"] += 1
+            return "restart"
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    @property
+    def id(self) -> str:
+        return f"bwrap-{self.pid}"
+
+    # --- processes ----------------------------------------------------------------------------
+
+    def _enter(self, user, env, workdir, *, agent: bool = False) -> tuple[list[str], dict]:
+        """The command line that runs a command in the sandbox (its namespaces, its root, the
+        work dir) as `user`; for the agent (`agent`), with the capabilities cut down to
+        docker's default set (the user namespace's root otherwise has all of them there)."""
+        if self.pid is None or self.proc.poll() is not None:
+            from sandbox.terminal.container import ContainerGone
+            raise ContainerGone(f"the sandbox of {self._name} is gone")
+        # (nsenter's -w opens its directory before it enters: env -C changes to it inside)
+        argv = ["nsenter", "-t", str(self.pid), "-a", "--preserve-credentials", "-r", "--",
+                "/usr/bin/env", "-C", workdir or self.workdir]
+        if agent or (user and user not in ("root", "0")):
+            argv += ["/usr/bin/python3", "-I", "-S", "-c", _AS_USER, str(int(agent)),
+                     user or "root"]
+            argv.append("--")
+        return argv, {**self.env, **dict(env or {})}
+
+    def open_terminal(self, argv, *, user=None, env=None, workdir=None):
+        """(stream, None): `argv` on a new pseudo-terminal in the sandbox (the shell)."""
+        enter, env = self._enter(user, env, workdir, agent=True)
+        master, slave = pty.openpty()
+        try:
+            proc = subprocess.Popen(enter + list(argv), stdin=slave, stdout=slave, stderr=slave,
+                                    env=env, start_new_session=True,
+                                    preexec_fn=self._join_tty)
+        except BaseException:
+            os.close(master)
+            raise
+        finally:
+            os.close(slave)
+        return _PtyStream(master, proc), None
+
+    def _join_tty(self) -> None:
+        import fcntl
+        import termios
+        self._join()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    def exec(self, argv, *, timeout_s: float, user: str | None = None, env=None,
+             workdir: str | None = None, max_output_bytes: int = 1 << 20) -> ExecResult:
+        """Run `argv` in the sandbox, output capped, cut at `timeout_s` (its tree killed)."""
+        t0 = time.monotonic()
+        enter, env = self._enter(user, env, workdir)
+        proc = subprocess.Popen(enter + list(argv), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, preexec_fn=self._join)
+        out, timed_out = CappedBuffer(max_output_bytes), False
+        fd = proc.stdout.fileno()
+        while True:
+            left = t0 + timeout_s - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+            if ready:
+                data = os.read(fd, 1 << 16)
+                if not data:
+                    break
+                out.add(data)
+        if timed_out:
+            kill_tree(proc.pid)
+        proc.stdout.close()
+        code = proc.wait()
+        return ExecResult(out.value(), None if timed_out else code, timed_out,
+                          out.dropped > 0, time.monotonic() - t0)
+
+    def _inside(self) -> list[int]:
+        """Host pids of the sandbox's processes but its pid 1 and that one's sleep."""
+        try:
+            ns = os.readlink(f"/proc/{self.pid}/ns/pid")
+        except OSError:
+            return []
+        keep = {self.pid, *_children(self.pid)[:1]}
+        out = []
+        for name in os.listdir("/proc"):
+            if name.isdigit() and int(name) not in keep:
+                try:
+                    if os.readlink(f"/proc/{name}/ns/pid") == ns:
+                        out.append(int(name))
+                except OSError:
+                    pass
+        return out
+
+    def kill_processes(self) -> None:
+        """Every process in the sandbox but its pid 1 and sleep (the verifier's cut)."""
+        for _ in range(50):
+            pids = self._inside()
+            if not pids:
+                return
+            for p in pids:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.002)
+
+    # --- files (from the host, through its pid 1's root: no symlink followed) ------------------
+
+    def fresh_dirs(self, paths, mode: int = 0o755) -> None:
+        for path in paths:
+            ConfinedRoot(self.root).fresh_dir(path, mode)
+
+    def put_files(self, files) -> None:
+        ConfinedRoot(self.root).write(files)
+
+    def read_files(self, path: str, max_bytes: int = 4 << 20) -> dict[str, bytes]:
+        return ConfinedRoot(self.root).read_tree(path, max_bytes)

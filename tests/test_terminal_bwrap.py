@@ -1,0 +1,141 @@
+"""sandbox/terminal/bwrap.py: terminal tasks that need only files, in bubblewrap (no docker).
+
+The bundled tasks whose Dockerfile only copies files onto the base pass their oracle and fail
+nop; every other one is refused with the Dockerfile line that needs the image. What the
+sandbox sees of the network (its own loopback only: the host's listener is unreachable),
+a clean state each episode on a reused warm box, the tests hidden until verify, the read-only
+base, the storage bound, the agent's capabilities and its cgroup limits."""
+
+import os
+import shutil
+import socket
+import threading
+
+import pytest
+
+from sandbox import terminal
+from sandbox.terminal import bwrap
+
+_REASON = bwrap.unavailable()
+pytestmark = [pytest.mark.skipif(_REASON is not None, reason=str(_REASON)),
+              pytest.mark.xdist_group("terminal")]
+TASKS = os.path.join(os.path.dirname(__file__), "..", "tasks", "terminal")
+FILES_ONLY = {"csv-column-sum", "csv-to-json", "fix-stats-bug", "hello-file",
+              "tcp-upper-service"}
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return terminal.load_tasks(TASKS)
+
+
+@pytest.fixture(scope="module")
+def harness():
+    with terminal.Harness(backend="bwrap", max_idle=2) as h:
+        yield h
+
+
+def _task(loaded, name):
+    return next(t for t in loaded.tasks if t.name == name)
+
+
+def test_files_only_tasks_pass_their_oracle_and_fail_nop(loaded, harness):
+    runnable = []
+    for task in loaded.tasks:
+        try:
+            harness.image(task)
+            runnable.append(task.name)
+        except bwrap.NeedsImage as e:
+            assert task.name not in FILES_ONLY
+            assert "line" in str(e) and "RUN" in str(e) and "docker backend" in str(e)
+            # Never a silently different environment: an episode of it does not open.
+            with pytest.raises(bwrap.NeedsImage):
+                harness.episode(task)
+    assert set(runnable) == FILES_ONLY
+    for name in sorted(FILES_ONLY):
+        task = _task(loaded, name)
+        assert terminal.run_attempt(harness, task, terminal.oracle, 0)[0]["reward"] == 1.0, name
+        assert terminal.run_attempt(harness, task, terminal.nop, 0)[0]["reward"] == 0.0, name
+
+
+def test_the_network_is_the_sandboxs_own_loopback(loaded, harness):
+    host = socket.socket()
+    host.bind(("127.0.0.1", 0))
+    host.listen(4)
+    port = host.getsockname()[1]
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(host.accept()), daemon=True).start()
+    try:
+        with harness.episode(_task(loaded, "hello-file")) as ep:
+            devices = ep.run("tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '").output
+            assert devices.split() == ["lo"]
+            routes = ep.run("tail -n +2 /proc/net/route; tail -n +1 /proc/net/ipv6_route "
+                            "2>/dev/null | grep -v ' lo$'").output
+            assert routes.strip() == ""
+            probe = ("python3 -c \"import socket; s = socket.socket(); s.settimeout(3)\n"
+                     f"try: s.connect(('127.0.0.1', {port})); print('reached')\n"
+                     "except OSError as e: print(type(e).__name__)\"")
+            assert ep.run(probe).output.strip() == "ConnectionRefusedError"
+            # Its own loopback works (a server started in one call answers in the next).
+            ep.run("nohup python3 -m http.server 8123 --bind 127.0.0.1 >/dev/null 2>&1 & "
+                   "sleep 0.5")
+            got = ep.run("python3 -c \"import urllib.request as u; "
+                         "print(u.urlopen('http://127.0.0.1:8123/').status)\"").output
+            assert got.strip() == "200"
+        with pytest.raises(OSError):  # and the host does not reach the sandbox's
+            socket.create_connection(("127.0.0.1", 8123), timeout=2).close()
+        assert not accepted
+        c = socket.create_connection(("127.0.0.1", port), timeout=5)  # the listener works
+        c.close()
+    finally:
+        host.close()
+
+
+def test_clean_state_each_episode_and_the_tests_hidden_until_verify(loaded, harness):
+    task = _task(loaded, "hello-file")
+    with harness.episode(task) as ep:
+        box = ep.container
+        assert ep.run("cd /tmp && pwd").output.strip() == "/tmp"
+        assert ep.run("export X=1; echo $X; pwd").output.split() == ["1", "/tmp"]
+        assert ep.run("echo $X").output.strip() == "1"
+        assert ep.run("ls -A /tests /solution 2>&1; cat /tests/test.sh 2>&1").exit_code != 0
+        ep.run("echo left > /app/left; echo left > /tmp/left; mkdir -p /opt/x; "
+               "echo 'export LEFT=1' >> /root/.bashrc; setsid sleep 1000 & "
+               "mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; "
+               "rm -rf /tests; ln -s /usr /tests")
+        assert "Read-only file system" in ep.run("echo x > /usr/bin/new; echo x >> "
+                                                 "/etc/passwd").output
+        result = ep.verify()  # the planted reward and the /tests symlink are replaced
+        assert result.reward == 0.0 and not os.path.exists("/usr/test.sh")
+    with harness.episode(task) as ep:
+        assert ep.container is box and box.resets["restart"] >= 1  # the warm box, reset
+        out = ep.run("ls -A /app /tmp /opt /logs /tests; echo LEFT=$LEFT X=$X; "
+                     "ps -eo comm= | sort | tr '\\n' ' '").output
+        assert "left" not in out and "x" not in out.split() and "LEFT= X=" in out
+        assert "sleep" in out and out.count("sleep") == 1  # the sandbox's own, nothing else
+        assert sorted(out.split("LEFT= X=")[0].split()) == [  # the supplied pytest's mount
+            "/app:", "/logs:", "/opt:", "/tests:", "/tmp:", "ptrain-pytest"], out
+
+
+def test_limits_capabilities_and_storage(loaded, tmp_path):
+    src = os.path.join(TASKS, "hello-file")
+    shutil.copytree(src, tmp_path / "small")
+    toml = (tmp_path / "small" / "task.toml").read_text().replace("storage_mb = 1024",
+                                                                  "storage_mb = 8")
+    (tmp_path / "small" / "task.toml").write_text(toml)
+    task = terminal.load_task(str(tmp_path / "small"))
+    with terminal.Harness(backend="bwrap") as h, h.episode(task) as ep:
+        r = ep.run("head -c 16000000 /dev/zero > /app/big; echo $?")
+        assert "No space left on device" in r.output
+        # The agent's root has docker's default capabilities, and nothing more.
+        bounding = int(ep.run("grep CapBnd /proc/self/status | cut -f2").output, 16)
+        assert bounding == sum(1 << c for c in (0, 1, 3, 4, 5, 6, 7, 8, 10, 18))
+        box = ep.container
+        if box._cgroup is not None:  # memory and pids limits hold for the agent's processes
+            ns = os.readlink(f"/proc/{box.pid}/ns/pid")
+            inside = [p for p in box._cgroup.pids()
+                      if os.readlink(f"/proc/{p}/ns/pid") == ns]
+            assert len(inside) >= 3  # the sandbox's pid 1, its sleep, the agent's shell
+            name = "memory.limit_in_bytes" if box._cgroup.version == "v1" else "memory.max"
+            with open(box._cgroup._file("memory", "run", name)) as f:
+                assert int(f.read()) == task.memory_mb << 20
