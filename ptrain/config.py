@@ -181,7 +181,12 @@ def _closed_loop_sections(c):
                       threads=16,  # episodes opened, stepped and verified at once
                       max_idle=64,  # warm task containers kept
                       image_map=(),  # ("FROM=LOCAL", ...) for task images not on this machine
-                      system="")  # the agent's system prompt; "": the instruction alone
+                      system="",  # the agent's system prompt; "": the instruction alone
+                      # A directory of Harbor / Terminal-Bench tasks as the prompt source
+                      # ("": generated tasks); held out: heldout_dir's tasks, or ("") a
+                      # seeded split of tasks_dir (tasks.n_heldout, at most half of them).
+                      tasks_dir="", heldout_dir="",
+                      backend="docker")  # or "bwrap": tasks that need only files
 
 
 def plan_defaults() -> ml_collections.ConfigDict:
@@ -333,7 +338,8 @@ def _check_loop_values(config):
          f"synthetic domains are {(*synthetic_tasks.DOMAINS, TERMINAL)}"),
         (len(set(t.domains)) == len(t.domains), f"tasks.domains {t.domains} repeats a domain"),
         (TERMINAL not in t.domains or t.source == "synthetic",
-         "the terminal domain generates its tasks: set tasks.source='synthetic'"),
+         "the terminal domain generates its tasks (or reads terminal.tasks_dir): set "
+         "tasks.source='synthetic'"),
         (TERMINAL not in t.domains or config.rl.staleness == 0,
          "the terminal domain needs rl.staleness=0: two batches of open task containers at "
          "once would double the containers"),
@@ -341,6 +347,10 @@ def _check_loop_values(config):
          "the terminal domain has no self-correction: set rollout.max_attempts=1"),
         (config.terminal.threads >= 1 and config.terminal.max_idle >= 0,
          "terminal.threads must be >= 1 and terminal.max_idle >= 0"),
+        (config.terminal.backend in ("docker", "bwrap"),
+         f"terminal.backend={config.terminal.backend!r} must be 'docker' or 'bwrap'"),
+        (not config.terminal.heldout_dir or config.terminal.tasks_dir,
+         "terminal.heldout_dir needs terminal.tasks_dir (the training tasks' directory)"),
         (config.terminal.max_len == 0 or
          config.terminal.max_len >= config.sampling.max_new_tokens,
          f"terminal.max_len={config.terminal.max_len} must be 0 (rollout.max_len) or >= "

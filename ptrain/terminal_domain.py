@@ -1,4 +1,5 @@
-"""The closed loop's "terminal" domain: generated Harbor tasks run in docker.
+"""The closed loop's "terminal" domain: generated Harbor tasks, or a directory of Harbor /
+Terminal-Bench tasks (terminal.tasks_dir), run in docker (or bwrap: terminal.backend).
 
     python -m launch.train --config=configs/terminal_toy.py --workdir=runs/terminal_toy
 
@@ -6,6 +7,8 @@ With "terminal" in `tasks.domains` (`ptrain.config`), `closed_loop.run` takes it
 
   make_tasks  a training and a held-out split of Harbor task directories under
               <workdir>/tasks/terminal/ (`ptrain.terminal_tasks`; no instruction in both),
+              or of terminal.tasks_dir's tasks (terminal.heldout_dir's held out, else a
+              seeded split; no demonstrations for them),
               the RL records ({"task_dir": ..., "domain": "terminal"}) in
               <workdir>/tasks/terminal.{train,heldout}.jsonl, weighted among the other
               domains' by tasks.weights, and the partly wrong SFT demonstrations
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import random
 import types
@@ -41,21 +45,78 @@ from ptrain import terminal_rollout
 from ptrain import terminal_tasks
 
 DOMAIN = "terminal"
+log = logging.getLogger("ptrain")
+
+
+@dataclasses.dataclass(frozen=True)
+class Listed:
+    """A task of a directory (terminal.tasks_dir), as the domain keeps its tasks."""
+    task_dir: str
+    instruction: str
+    triggered: bool = False  # (generated tasks: the demonstrations' mistake applies)
 
 
 def make_tasks(config, tokenizer, workdir, *, train_file: str, heldout_file: str):
-    """(train, heldout) `terminal_tasks.Generated` lists and the SFT demonstration records
-    (in the training tasks' order; the caller shuffles them with the other domains')."""
+    """(train, heldout) task lists (`terminal_tasks.Generated`, or `Listed` from
+    terminal.tasks_dir) and the SFT demonstration records (generated tasks only; in the
+    training tasks' order: the caller shuffles them with the other domains')."""
     t, root = config.tasks, os.path.join(workdir, "tasks", DOMAIN)
-    heldout = terminal_tasks.generate(root, t.n_heldout, seed=config.seed, split="heldout")
-    train = terminal_tasks.generate(root, t.n_train, seed=config.seed, split="train",
-                                    exclude={g.instruction for g in heldout})
+    if config.terminal.tasks_dir:
+        train, heldout = from_directory(config)
+        demos = []
+    else:
+        heldout = terminal_tasks.generate(root, t.n_heldout, seed=config.seed,
+                                          split="heldout")
+        train = terminal_tasks.generate(root, t.n_train, seed=config.seed, split="train",
+                                        exclude={g.instruction for g in heldout})
+        rng = random.Random(f"{config.seed}/terminal/demos")
+        demos = [terminal_tasks.demo_record(g, tokenizer, *terminal_tasks.demonstration(
+            g, rng, t.bug_rate), system=config.terminal.system) for g in train]
     for found, path in ((train, train_file), (heldout, heldout_file)):
         jsonl.write([{"task_dir": g.task_dir, "domain": DOMAIN} for g in found], path)
-    rng = random.Random(f"{config.seed}/terminal/demos")
-    demos = [terminal_tasks.demo_record(g, tokenizer, *terminal_tasks.demonstration(
-        g, rng, t.bug_rate), system=config.terminal.system) for g in train]
     return train, heldout, demos
+
+
+def _load(path: str, backend: str) -> list[Listed]:
+    """The tasks of a directory (every skipped one named, with why); on bwrap, one that
+    needs its Dockerfile's image is an error here, before anything trains."""
+    from sandbox import terminal
+    loaded = terminal.load_tasks(path)
+    if loaded.skipped:
+        log.warning("terminal.tasks_dir: %s", loaded.summary())
+    if not loaded.tasks:
+        raise ValueError(f"terminal: no task loaded from {path}: {loaded.summary()}")
+    if backend == "bwrap":
+        refused = []
+        for task in loaded.tasks:
+            try:
+                terminal.bwrap.plan(task)
+            except terminal.bwrap.NeedsImage as e:
+                refused.append(str(e))
+        if refused:
+            raise ValueError(f"terminal.backend='bwrap' cannot run {len(refused)} task(s) of "
+                             f"{path} (use terminal.backend='docker', or leave them out): "
+                             + "; ".join(refused))
+    return [Listed(task.path, task.instruction) for task in loaded.tasks]
+
+
+def from_directory(config) -> tuple[list[Listed], list[Listed]]:
+    """(train, heldout) from terminal.tasks_dir: heldout_dir's tasks, or a seeded split of
+    tasks_dir holding out tasks.n_heldout of them (at most half); no instruction in both."""
+    d = config.terminal
+    tasks = _load(d.tasks_dir, d.backend)
+    if d.heldout_dir:
+        train, heldout = tasks, _load(d.heldout_dir, d.backend)
+    else:
+        order = sorted(tasks, key=lambda x: x.task_dir)
+        random.Random(f"{config.seed}/terminal/split").shuffle(order)
+        n = min(config.tasks.n_heldout, len(order) // 2)
+        heldout, train = order[:n], order[n:]
+    both = {x.instruction for x in train} & {x.instruction for x in heldout}
+    if both:
+        raise ValueError(f"terminal: {len(both)} held-out instruction(s) are also training "
+                         f"tasks', e.g. {sorted(both)[0][:80]!r}")
+    return train, heldout
 
 
 def prompt_lengths(config, tokenizer, generated) -> dict[str, int]:
@@ -85,7 +146,7 @@ def producer(config, sampler, tokenizer, heldout):
     from sandbox import terminal
     t = config.terminal
     with terminal.Harness(image_map=terminal.parse_image_map(list(t.image_map)),
-                          max_idle=t.max_idle,
+                          max_idle=t.max_idle, backend=t.backend,
                           call_timeout_s=config.rollout.tool_timeout_s) as harness:
         out = terminal_rollout.TerminalProducer(
             sampler, tokenizer, harness=harness, fmt=chat.FORMATS[config.rollout.chat_format],

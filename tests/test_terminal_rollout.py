@@ -193,6 +193,56 @@ def test_terminal_domain_config_tasks_and_demonstrations(tmp_path):
         closed_loop.synthetic_tasks.WordTokenizer.for_tasks().pieces)
 
 
+def test_a_directory_of_tasks_is_the_terminal_domains_prompt_source(tmp_path):
+    """terminal.tasks_dir: the bundled Harbor / TB 1.0 tasks as the domain's training and
+    held-out tasks (a seeded split, or heldout_dir's), mixed with another domain by
+    tasks.weights; on bwrap a task that needs its image is an error before anything runs."""
+    import os
+    import shutil
+    from configs import terminal_toy
+    from ptrain import closed_loop, jsonl, terminal_domain
+    bundled = os.path.join(os.path.dirname(__file__), "..", "tasks", "terminal")
+    config = terminal_toy.get_config("short").unlock()
+    config.tasks.update(domains=("files", "terminal"), weights=(1.0, 3.0), n_heldout=4)
+    config.terminal.tasks_dir = bundled
+    config.data.max_prompt_len = 4096  # the bundled instructions, partly spelled out
+    closed_loop.check_config(config)
+    tok = closed_loop.make_tokenizer(config)
+    resolved = closed_loop.derive_config(config, str(tmp_path), tok)
+    train, held = closed_loop.make_tasks(resolved, tok, str(tmp_path))
+    names = lambda found: sorted(os.path.basename(x.task_dir) for x in found)  # noqa: E731
+    assert len(held["terminal"]) == 4 and len(train["terminal"]) == 11
+    assert sorted(names(train["terminal"]) + names(held["terminal"])) == sorted(
+        os.listdir(bundled))
+    again = closed_loop.make_tasks(resolved, tok, str(tmp_path / "again"))
+    assert names(again[1]["terminal"]) == names(held["terminal"])  # the split is seeded
+    task_file = str(tmp_path / "tasks" / "terminal.train.jsonl")
+    sources = closed_loop.prompt_sources(resolved, train, str(tmp_path))
+    assert sources[0][0] is train["files"] and [w for _, w in sources] == [1.0, 3.0]
+    assert sources[1][0] == task_file
+    assert jsonl.read(task_file) == [{"task_dir": x.task_dir, "domain": "terminal"}
+                                     for x in train["terminal"]]
+    demos = jsonl.read(resolved.sft.sources[0])
+    assert {d["domain"] for d in demos} == {"files"}  # no demonstrations for listed tasks
+    # A held-out directory of its own; on bwrap, the five tasks that need only files.
+    files_only = tmp_path / "files_only"
+    for name in ("csv-column-sum", "csv-to-json", "fix-stats-bug", "hello-file",
+                 "tcp-upper-service"):
+        shutil.copytree(os.path.join(bundled, name), files_only / name)
+    own = resolved.unlock()
+    own.terminal.update(tasks_dir=str(files_only), heldout_dir=str(files_only / "hello-file"))
+    with pytest.raises(ValueError, match="also training tasks'"):
+        terminal_domain.from_directory(own)
+    from sandbox.terminal import bwrap
+    if bwrap.unavailable() is None:
+        own.terminal.update(heldout_dir="", backend="bwrap")
+        tr, he = terminal_domain.from_directory(own)
+        assert len(tr) + len(he) == 5 and len(he) == 2
+        own.terminal.tasks_dir = bundled
+        with pytest.raises(ValueError, match="cannot run 10 task.*RUN"):
+            terminal_domain.from_directory(own)
+
+
 def test_the_closed_loop_mixes_terminal_tasks_with_another_domain(terminal, tmp_path):
     """One closed-loop run with the files domain and the terminal domain by weight: SFT on
     both domains' demonstrations, RL batches holding episodes of both (sandbox verdicts and
