@@ -20,13 +20,30 @@ import shlex
 import sys
 
 import numpy as np
-import tensorboardX
 import tqdm
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from ptrain import jsonl
 from ptrain.jsonl import read as read_jsonl
+
+
+def _import_tensorboardx():
+    """tensorboardX, imported without torch where torch is not loaded yet: tensorboardX
+    imports it only to accept torch tensors (ptrain logs floats), and that import costs
+    seconds of CPU in every process that writes metrics (each launch.train start)."""
+    if "torch" in sys.modules:
+        import tensorboardX
+        return tensorboardX
+    sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+    try:
+        import tensorboardX
+    finally:
+        del sys.modules["torch"]  # a later `import torch` loads it as usual
+    return tensorboardX
+
+
+tensorboardX = _import_tensorboardx()
 
 ROLLOUT_KEYS = ("prompt", "completion", "reward")  # also: feedback, domain, anything else
 DEFAULT_PLOT_PATTERN = re.compile(r"reward|kl|entropy|length")
