@@ -340,9 +340,6 @@ def _check_loop_values(config):
         (TERMINAL not in t.domains or t.source == "synthetic",
          "the terminal domain generates its tasks (or reads terminal.tasks_dir): set "
          "tasks.source='synthetic'"),
-        (TERMINAL not in t.domains or config.rl.staleness == 0,
-         "the terminal domain needs rl.staleness=0: two batches of open task containers at "
-         "once would double the containers"),
         (TERMINAL not in t.domains or config.rollout.max_attempts == 1,
          "the terminal domain has no self-correction: set rollout.max_attempts=1"),
         (config.terminal.threads >= 1 and config.terminal.max_idle >= 0,

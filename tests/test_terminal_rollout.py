@@ -128,6 +128,63 @@ def test_producer_rewards_episodes_by_the_tasks_tests(terminal, generated):
     assert metrics["episode/terminal/tool_calls"] == 1.0
 
 
+def test_the_producer_at_staleness_1_on_bwrap(generated):
+    """The terminal producer under the learner's look-ahead (rl.staleness=1): batch t+1 is
+    generated (episodes opened and stepped) in its thread while batch t is scored in
+    another; each batch is rewarded by its tasks' tests as at staleness 0, rows carry the
+    version that generated them, and at most two batches of sandboxes exist at once."""
+    import jax
+    import jax.numpy as jnp
+    from ptrain import lookahead
+    from sandbox import terminal
+    from sandbox.terminal import bwrap
+    if bwrap.unavailable() is not None:
+        pytest.skip(bwrap.unavailable())
+    train, _ = generated
+    picked = [g for g in train if g.triggered][:1] + [g for g in train if not g.triggered][:1]
+    tok = terminal_tasks.tokenizer()
+    sampler = ScriptedSampler(tok, {g.instruction: g for g in picked})
+    config = terminal_rollout.TerminalRolloutConfig(num_samples=2, max_new_tokens=56,
+                                                    max_turns=2, max_len=96, threads=4,
+                                                    system="")
+    records = [{"task_dir": g.task_dir, "domain": "terminal"} for g in picked]
+
+    class Stream:
+        n = 0
+
+        def get_state(self):
+            return self.n
+
+        def __next__(self):
+            self.n += 1
+            return records
+
+    steps, made = 4, []
+    with terminal.Harness(backend="bwrap", max_idle=8) as h:
+        new = h._new
+        h._new = lambda task, key: made.append(1) or new(task, key)
+        producer = terminal_rollout.TerminalProducer(
+            sampler, tok, harness=h, fmt=chat.PLAIN, stop_ids=(tok.eos_token_id,),
+            config=config, prompt_len=24)
+        ahead = lookahead.LookAhead(1, producer, Stream(), jax.random.key(0), steps=steps,
+                                    save_every=100)
+        params, batches = {"w": jnp.zeros(())}, []
+        try:
+            ahead.start(1, [params])
+            for step in range(1, steps + 1):
+                batches.append(ahead.next(step, params))
+                params = {"w": params["w"] + 1}  # the update
+        finally:
+            ahead.close()
+            producer.close()
+    want = [1.0, 0.0, 1.0, 1.0]  # the folder task: the odd row forgets mkdir -p
+    for step, b in enumerate(batches, 1):
+        assert b.rewards_b.tolist() == want, (step, b.meta)
+        assert {m["policy_version"] for m in b.meta} == {lookahead.version(step, 1)}
+        assert lookahead.metrics(b, step, 1)["rollout/staleness"] == min(step - 1, 1)
+    assert len(made) <= 2 * len(want)  # warm boxes reused: two batches' worth at most
+
+
 def test_demonstrations_carry_the_mistake_at_the_bug_rate(generated):
     train, _ = generated
     tok = terminal_tasks.tokenizer()
@@ -151,8 +208,10 @@ def test_terminal_domain_config_tasks_and_demonstrations(tmp_path):
     from ptrain import closed_loop, jsonl, terminal_domain
     config = terminal_toy.get_config("short")
     closed_loop.check_config(config)
-    for key, value, message in [("rl.staleness", 1, "staleness"),
-                                ("rollout.max_attempts", 2, "self-correction"),
+    ahead = terminal_toy.get_config("short").unlock()
+    ahead.rl.staleness = 1  # its episodes under the look-ahead: test_..._at_staleness_1
+    closed_loop.check_config(ahead)
+    for key, value, message in [("rollout.max_attempts", 2, "self-correction"),
                                 ("tasks.source", "jsonl", "generates its tasks"),
                                 ("terminal.max_len", 8, "terminal.max_len=8 must be 0"),
                                 ("terminal.n_tasks", 3, "unknown keys \\['terminal.n_tasks'\\]")]:
