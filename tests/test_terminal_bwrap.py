@@ -98,6 +98,9 @@ def test_clean_state_each_episode_and_the_tests_hidden_until_verify(loaded, harn
         assert ep.run("cd /tmp && pwd").output.strip() == "/tmp"
         assert ep.run("export X=1; echo $X; pwd").output.split() == ["1", "/tmp"]
         assert ep.run("echo $X").output.strip() == "1"
+        cut = ep.run("sleep 30", timeout_s=1)  # Ctrl-C on the sandbox's terminal
+        assert cut.timed_out and not cut.restarted and "cut at the time limit" in cut.output
+        assert ep.run("echo $X").output.strip() == "1"  # the same shell, its state kept
         assert ep.run("ls -A /tests /solution 2>&1; cat /tests/test.sh 2>&1").exit_code != 0
         ep.run("echo left > /app/left; echo left > /tmp/left; mkdir -p /opt/x; "
                "echo 'export LEFT=1' >> /root/.bashrc; setsid sleep 1000 & "

@@ -38,6 +38,7 @@ import logging
 import os
 import pty
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -327,9 +328,9 @@ class Box:
                 log.info("terminal (bwrap): no memory/pids cgroup here (%s): unbounded", e)
         r, w = os.pipe()
         try:
-            self.proc = subprocess.Popen(self._argv(w), pass_fds=(w,), stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         preexec_fn=self._join)
+            self.proc = subprocess.Popen(self._joined(self._argv(w)), pass_fds=(w,),
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE)
             os.close(w)
             w = -1
             info = b""
@@ -355,13 +356,17 @@ class Box:
             if w >= 0:
                 os.close(w)
 
-    def _join(self) -> None:
-        """(In the child, before exec) into the sandbox's cgroup, if there is one."""
-        if self._cgroup is not None:
-            for path in self._cgroup.run_join_files():
-                fd = os.open(path, os.O_WRONLY)
-                os.write(fd, b"0")
-                os.close(fd)
+    def _joined(self, argv, tty: str | None = None) -> list[str]:
+        """`argv` run by the host's sh, which first moves itself into the sandbox's cgroup
+        (if there is one) and, with `tty`, onto that terminal as its controlling one, then
+        execs: no preexec_fn, so subprocess spawns with vfork, never a fork of this (JAX,
+        multi-threaded) process."""
+        joins = self._cgroup.run_join_files() if self._cgroup is not None else []
+        script = "".join(f"echo $$ > {shlex.quote(p)} && " for p in joins)
+        if tty is not None:  # a session leader opening a terminal acquires it
+            script += 'exec 0<>"$1" 1>&0 2>&0 && shift && '
+        return ["/bin/sh", "-c", script + 'exec "$@"', "sh",
+                *([tty] if tty is not None else []), *argv]
 
     def _stop(self, *, keep_cgroup: bool = False) -> None:
         if self.pid is not None:
@@ -424,9 +429,11 @@ class Box:
         enter, env = self._enter(user, env, workdir, agent=True)
         master, slave = pty.openpty()
         try:
-            proc = subprocess.Popen(enter + list(argv), stdin=slave, stdout=slave, stderr=slave,
-                                    env=env, start_new_session=True,
-                                    preexec_fn=self._join_tty)
+            # (the slave as stdio too: the terminal is never without a reader's other end,
+            # which would read as its end, EIO; the sh opens it again to make it its own)
+            proc = subprocess.Popen(self._joined(enter + list(argv), os.ttyname(slave)),
+                                    stdin=slave, stdout=slave, stderr=slave, env=env,
+                                    start_new_session=True)
         except BaseException:
             os.close(master)
             raise
@@ -434,20 +441,14 @@ class Box:
             os.close(slave)
         return _PtyStream(master, proc), None
 
-    def _join_tty(self) -> None:
-        import fcntl
-        import termios
-        self._join()
-        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
     def exec(self, argv, *, timeout_s: float, user: str | None = None, env=None,
              workdir: str | None = None, max_output_bytes: int = 1 << 20) -> ExecResult:
         """Run `argv` in the sandbox, output capped, cut at `timeout_s` (its tree killed)."""
         t0 = time.monotonic()
         enter, env = self._enter(user, env, workdir)
-        proc = subprocess.Popen(enter + list(argv), stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(self._joined(enter + list(argv)), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, preexec_fn=self._join)
+                                start_new_session=True)
         out, timed_out = CappedBuffer(max_output_bytes), False
         fd = proc.stdout.fileno()
         while True:
