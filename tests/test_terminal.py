@@ -10,7 +10,7 @@ import pytest
 
 from sandbox import terminal
 from sandbox.terminal import container as container_mod
-from tests.test_terminal_load import TASKS_DIR, harbor_task, tb1_task, write
+from tests.test_terminal_load import TASKS_DIR, harbor_task, quick_task, tb1_task, write
 
 pytestmark = pytest.mark.xdist_group("terminal")  # one warm harness, on one worker
 
@@ -381,12 +381,6 @@ def test_storage_mb_bounds_what_the_agent_writes(harness, tmp_path, reset):
 
 
 # --- time limits ---------------------------------------------------------------------------------
-
-def quick_task(root, agent_s=3, verifier_s=30, test_sh="echo 0 > /logs/verifier/reward.txt\n"):
-    toml = (f"[verifier]\ntimeout_sec = {verifier_s}\n\n[agent]\ntimeout_sec = {agent_s}\n\n"
-            "[environment]\nmemory_mb = 256\nallow_internet = false\n")
-    return terminal.load_task(harbor_task(root, **{"task.toml": toml, "tests/test.sh": test_sh}))
-
 
 def test_an_agent_that_never_stops_is_cut_at_the_agent_timeout(harness, tmp_path):
     task = quick_task(tmp_path / "short", agent_s=3)

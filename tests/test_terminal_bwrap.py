@@ -142,3 +142,22 @@ def test_limits_capabilities_and_storage(loaded, tmp_path):
             name = "memory.limit_in_bytes" if box._cgroup.version == "v1" else "memory.max"
             with open(box._cgroup._file("memory", "run", name)) as f:
                 assert int(f.read()) == task.memory_mb << 20
+
+
+def test_time_limits_cut_the_agent_and_a_hanging_verifier(harness, tmp_path):
+    from tests.test_terminal_load import quick_task
+    short = quick_task(tmp_path / "short", agent_s=2)
+
+    def forever(ep):
+        while True:
+            ep.run("sleep 0.2")
+
+    row, _ = terminal.run_attempt(harness, short, forever, 0)  # it returns
+    assert row["agent_timed_out"] and row["error"] is None and row["agent_time_s"] >= 2.0
+    hang = quick_task(tmp_path / "hang", verifier_s=2, test_sh="echo 1 > /logs/verifier/"
+                      "reward.txt\nsetsid sleep 1000 & sleep 1000\n")
+    with harness.episode(hang) as ep:
+        v = ep.verify()
+        assert v.timed_out and v.reward == 0.0 and "time limit (2 s)" in v.error
+        ps = ep.container.exec(["ps", "-eo", "args"], timeout_s=10).text
+        assert "sleep 1000" not in ps  # the verifier's processes, even a setsid one

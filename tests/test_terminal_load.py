@@ -60,6 +60,14 @@ def harbor_task(root, **overrides):
     return write(root, {k: v for k, v in files.items() if v is not None})
 
 
+def quick_task(root, agent_s=3, verifier_s=30, test_sh="echo 0 > /logs/verifier/reward.txt\n"):
+    """A loaded Harbor task with short time limits (test_terminal, test_terminal_bwrap)."""
+    from sandbox import terminal
+    toml = (f"[verifier]\ntimeout_sec = {verifier_s}\n\n[agent]\ntimeout_sec = {agent_s}\n\n"
+            "[environment]\nmemory_mb = 256\nallow_internet = false\n")
+    return terminal.load_task(harbor_task(root, **{"task.toml": toml, "tests/test.sh": test_sh}))
+
+
 def tb1_task(root, **overrides):
     files = {"task.yaml": TB1_YAML, "Dockerfile": "FROM ptrain-term-base:latest\n",
              "run-tests.sh": "pytest $TEST_DIR/test_outputs.py -rA\n",
