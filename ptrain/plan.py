@@ -13,12 +13,15 @@ compiles the functions of `ptrain.step` that the learner runs.
                    prompt through a KV cache that is not sharded over time, so at long
                    context (configs/long_context_1m.py) this is the step to plan.
   compile_rl_step  the learner's own RL step for a learner config (`ptrain.config.defaults`,
-                   e.g. configs/grpo_toy.py with its mesh sizes named): `step.prepare`, then
+                   e.g. configs/grpo_toy.py with its mesh sizes named): the sampler's
+                   prefill and decode loop (`Sampler.compile`), `step.prepare`, then
                    `step.update` for the critic (rl.estimator="gae") and the policy, through
-                   `step.jit_update` as `learner.train` calls them, with the config's resolved
-                   settings and optimizers and its batch shape.
+                   `step.jit_update` as `learner.train` calls them; the memory of policy,
+                   optimizer, reference, critic, KV cache and activations.
   search           "what mesh do I need for N tokens of model M": ranks candidate meshes
-                   with `estimate` and confirms the best with compiles against a budget.
+                   with `estimate` (ptrain/plan_estimate.py) and confirms the best with
+                   compiles of `compile_plan` against a budget; `search_rl_step` the same
+                   walk over `compile_rl_step` for a learner config.
 
 The numbers are those of XLA's CPU compiler, which schedules and fuses differently from the
 GPU and TPU compilers and widens some bfloat16 buffers to float32 (the layer scan's saved
@@ -40,7 +43,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import long_context
 from ptrain import config as config_lib
@@ -49,6 +52,7 @@ from ptrain import model as model_lib
 from ptrain import moe
 from ptrain import sharding
 from ptrain import step as step_lib
+from ptrain.plan_estimate import estimate
 
 GIB = 1 << 30
 BATCH_KEYS = ("tokens_bt", "positions_bt", "segment_ids_bt", "targets_bt", "loss_mask_bt")
@@ -240,17 +244,19 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
     """Compiles the RL step of a learner config (checked as `learner.train` checks it) for
     `mesh_shape` and returns the per-device report (bytes).
 
-    The programs are the learner's: `step.prepare` (old and reference log-probs, advantages,
-    the critic's values), then `step.jit_update` with the config's resolved settings
-    (`config.resolve`) for the critic (rl.estimator="gae") and for the policy, on abstract
-    inputs of the step's shapes: data.prompts_per_step x sampling.num_samples rows, prompts
-    of data.max_prompt_len tokens, continuations of rollout.max_len tokens in the closed
-    loop (sampling.max_new_tokens otherwise). Each program's batch input is the previous
-    one's output, with the shardings it was compiled to. "step_peak" is the largest of the
-    programs' peaks plus what stays live beside it (the reference policy, the other model's
-    state), since they run one after another.
+    The programs are the learner's, in the order a step runs them: the sampler's prefill and
+    decode loop (`Sampler.compile`), `step.prepare`, then `step.jit_update` with the config's
+    resolved settings for the critic (rl.estimator="gae") and the policy, on abstract inputs
+    of the step's shapes (data.prompts_per_step x sampling.num_samples rows, prompts of
+    data.max_prompt_len tokens, continuations of rollout.max_len tokens in the closed loop,
+    sampling.max_new_tokens otherwise), each batch input the previous program's output. The
+    sampling call is a single-turn step's (the prompts, G samples each) or, in the closed
+    loop, a later turn's (every history, up to max_prompt_len + rollout.max_len tokens): the
+    largest cache. "step_peak" is the largest program peak plus what stays live beside it
+    (optimizer state, reference policy, the other model); "memory" names its parts.
     """
     from ptrain import learner as learner_lib  # the learner's model (hf_model or not)
+    from ptrain import sampler as sampler_lib
     config_lib.check(config)
     mesh = make_mesh(mesh_shape)
     config_lib.check_mesh(config, mesh.shape)
@@ -263,7 +269,8 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
     if resolved.critic is not None:
         critic = _abstract_state(lambda: critic_lib.Critic(mc, rngs=nnx.Rngs(0), mesh=mesh),
                                  mesh, step_lib.make_optimizer(config.critic.optim, **optim)[0])
-    ref = policy["params"] if config.kl.coef > 0 else None
+    ref = policy["params"] if config.kl.coef > 0 else None  # the learner's copy of params
+    critic_state = critic and (critic["params"], critic["opt_state"])
     rows = config.data.prompts_per_step * config.sampling.num_samples
     length = config.rollout.max_len if "rollout" in config else config.sampling.max_new_tokens
     batch = rl_batch(mesh, rows=rows, prompt_len=config.data.max_prompt_len, length=length,
@@ -272,6 +279,21 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
     kl = jax.ShapeDtypeStruct((), jnp.float32)
 
     programs, live = {}, {}
+    s = config.sampling
+    if "rollout" in config:  # a later turn: every episode's history so far, one sample each
+        call = dict(prompts=rows, num_samples=1, prompt_len=max(8, _next_pow2(
+            config.data.max_prompt_len + config.rollout.max_len)))
+    else:
+        call = dict(prompts=config.data.prompts_per_step, num_samples=s.num_samples,
+                    prompt_len=config.data.max_prompt_len)
+    sampler = sampler_lib.Sampler(nnx.merge(policy["graphdef"], policy["params"]))
+    sampling = sampler.compile(policy["params"], **call, max_new_tokens=s.max_new_tokens,
+                               temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                               stop_token_ids=tuple(s.stop_token_ids))
+    kv_cache = _outputs(sampling["sample_prefill"])["cache"]
+    for name, compiled in sampling.items():
+        programs[name] = _memory(compiled)
+        live[name] = [policy["opt_state"], ref, critic_state]
     prepare = step_lib.prepare.lower(
         policy["params"], ref, critic and critic["params"], batch, kl,
         graphdef=policy["graphdef"], critic_graphdef=critic and critic["graphdef"],
@@ -288,20 +310,39 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
         compiled = fn.lower(state["params"], state["opt_state"], prepared, kl).compile()
         programs[name] = _memory(compiled)
         live[name] = [ref, other and (other["params"], other["opt_state"])]
-    step_peak = max(programs[n]["peak"] + _device_bytes(live[n]) for n in programs)
+    peaks = {n: programs[n]["peak"] + _device_bytes(live[n]) for n in programs}
+    peak_program = max(peaks, key=peaks.get)
     report = {
         "mesh": {a: int(mesh.shape[a]) for a in sharding.MESH_AXES}, "devices": mesh.size,
         "rows": rows, "prompt_len": config.data.max_prompt_len, "length": length,
-        "programs": programs, "step_peak": step_peak,
+        "sampling_call": {**call, "max_new_tokens": s.max_new_tokens,
+                          "engine": bool(s.engine)},
+        "programs": programs, "step_peak": peaks[peak_program],
         "params_bytes": _device_bytes(policy["params"]),
         "opt_state_bytes": _device_bytes(policy["opt_state"]),
-        "critic_bytes": _device_bytes(critic and (critic["params"], critic["opt_state"])),
-        "batch_bytes": _device_bytes(batch), "compile_s": round(time.perf_counter() - t0, 1),
+        "reference_bytes": _device_bytes(ref),
+        "critic_bytes": _device_bytes(critic_state),
+        "kv_cache_bytes": _device_bytes(kv_cache),
+        "batch_bytes": _device_bytes(batch),
+        # What the peak is made of: the state that lives through the step, the cache if the
+        # peak is a sampling program, and the peak program's temporaries (activations and
+        # XLA's scratch); the rest is that program's other inputs and outputs.
+        "memory": {"peak_program": peak_program,
+                   "policy": _device_bytes(policy["params"]),
+                   "optimizer": _device_bytes(policy["opt_state"]),
+                   "reference": _device_bytes(ref), "critic": _device_bytes(critic_state),
+                   "kv_cache": _device_bytes(kv_cache) if peak_program in sampling else 0,
+                   "activations": programs[peak_program]["temporaries"]},
+        "compile_s": round(time.perf_counter() - t0, 1),
     }
     if budget_gib is not None:
         report["budget_bytes"] = int(budget_gib * GIB)
-        report["fits"] = step_peak <= report["budget_bytes"]
+        report["fits"] = report["step_peak"] <= report["budget_bytes"]
     return report
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
 
 
 def rl_batch(mesh, *, rows, prompt_len, length, routing=None) -> dict:
@@ -336,103 +377,6 @@ def _outputs(compiled):
     """A compiled program's outputs as ShapeDtypeStructs with the shardings it produces."""
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         compiled.out_info, compiled.output_shardings)
-
-
-# ================================================================= the analytic estimate
-
-
-@functools.lru_cache(maxsize=8)
-def _param_axes(mc):
-    """(shape, logical axes, dtype) of every parameter, found abstractly (no devices)."""
-    state = nnx.state(nnx.eval_shape(lambda: model_lib.Transformer(mc, rngs=nnx.Rngs(0))))
-    leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return tuple((tuple(x.shape), tuple(x.get_metadata()["axes"]), x.dtype) for x in leaves)
-
-
-def estimate(mc, mesh_shape, *, seq_len, batch, chunk) -> dict:
-    """Per-device bytes from a formula, to rank meshes before compiling (`search`).
-
-    state        parameters, gradients (parameter dtype) and Adam's two moments, each leaf
-                 sharded by `sharding.RULES` (exact);
-    stash        what the layer scan keeps for the backward pass, per layer and local token:
-                 remat full: the layer input (d); dots: also the matmul outputs
-                 (3d + (h + 2k)e/T + 2f/T); none: all intermediates (~5d + 3(h+2k)e/T + 3f/T);
-    layer        one layer's recomputed activations and their cotangents (2x the `none`
-                 stash) plus float32 norm temporaries (4d), for the layer being differentiated;
-    ring         key/value blocks in flight and their float32 gradients, and the float32
-                 scores of a (block_q x block_k) tile per local head;
-    weights      one layer's weights gathered (forward and backward, compute dtype) and its
-                 float32 gradient before the reduce-scatter; the embedding and unembedding
-                 gathered whole with float32 gradients;
-    logits       float32 logits, probabilities and their gradient for one chunk;
-    dispatch     MoE layers: each local token's k expert rows in and out (compute dtype),
-                 their SwiGLU hidden (k x 3 f_e / T), float32 router logits and
-                 probabilities; dropless over expert > 1 sends a worst-case buffer (n x k rows
-                 per destination, so x expert); the stash keeps the MoE layer's rows too.
-    T = tensor; local tokens = batch / (data x fsdp x expert) x seq_len / sequence (a
-    dimension that does not divide is replicated, as `sharding.spec` does; a batch
-    replicated over expert is split by the MoE layer itself, `ptrain.moe`).
-    """
-    sizes = {a: int(mesh_shape.get(a, 1)) for a in sharding.MESH_AXES}
-    mesh = AbstractMesh(tuple(sizes.values()), sharding.MESH_AXES)
-    c = mc
-    ep = sizes["expert"]
-    b_l = _local(batch, sizes["data"] * sizes["fsdp"] * ep)
-    t_l = _local(seq_len, sizes["sequence"])
-    tp = sizes["tensor"]
-    cb, pb = jnp.dtype(c.dtype).itemsize, jnp.dtype(c.param_dtype).itemsize
-    d, e, f, v, layers = c.d_model, c.head_dim, c.d_ff, c.vocab_size, c.n_layers
-    h, k = c.n_heads / tp, max(c.n_kv_heads / tp, 1)  # local heads; kv heads repeat up to T
-    f = f / tp
-    tokens = b_l * t_l
-
-    params = sum(_shard_elems(shape, sharding.spec(axes, shape, mesh), sizes)
-                 * jnp.dtype(dtype).itemsize for shape, axes, dtype in _param_axes(c))
-    n_moe = moe.n_moe_layers(c)
-    # A MoE layer's MLP width per token: k experts (and the shared ones) instead of d_ff.
-    f_moe = (c.n_experts_per_token * c.d_ff_expert + moe.d_ff_shared(c)) / tp
-    stash_none = 5 * d + 3 * (h + 2 * k) * e + 3 * f
-    stash_none_moe = 5 * d + 3 * (h + 2 * k) * e + 3 * f_moe + 2 * c.n_experts_per_token * d
-    stashes = [{"full": d, "dots": 3 * d + (h + 2 * k) * e + 2 * g, "none": none}[c.remat]
-               for g, none in ((f, stash_none), (f_moe, stash_none_moe))]
-    attn_params = d * e * (2 * c.n_heads + 2 * c.n_kv_heads)
-    layer_params = (attn_params + 3 * d * c.d_ff) / tp
-    if n_moe:  # one MoE layer's local experts, gathered over fsdp
-        experts_local = c.n_experts // ep if c.n_experts % ep == 0 else c.n_experts
-        layer_params = max(layer_params, (attn_params + 3 * d * (
-            experts_local * c.d_ff_expert + moe.d_ff_shared(c))) / tp + d * c.n_experts)
-    tables = (1 if c.tie_embeddings else 2) * v * d
-    moe_tokens = tokens / ep if ep > 1 and b_l == batch and batch % ep else tokens
-    sends = ep if c.moe_dispatch == "dropless" and ep > 1 else 1
-    dispatch = 0 if not n_moe else moe_tokens * (
-        c.n_experts_per_token * (2 * sends * d + 3 * c.d_ff_expert / tp) * cb * 2
-        + c.n_experts * 4 * 3)
-    out = {
-        "state": 4 * params,
-        "stash": tokens * ((layers - n_moe) * stashes[0] + n_moe * stashes[1]) * cb,
-        "layer": tokens * (2 * stash_none * cb + 4 * d * 4),
-        "ring": tokens * 2 * k * e * (2 * cb + 2 * 4) + b_l * h * c.attn_block_q
-        * c.attn_block_k * 4 * 3,
-        "weights": layer_params * (2 * cb + 4) + tables * (pb + 4),
-        "logits": b_l * min(chunk, t_l) * v * 4 * 3,
-        "dispatch": dispatch,
-    }
-    out = {name: int(x) for name, x in out.items()}
-    out["total"] = sum(out.values())
-    return out
-
-
-def _local(size, shards):
-    """Elements of a dimension per device: split if it divides, else replicated."""
-    return size // shards if size % shards == 0 else size
-
-
-def _shard_elems(shape, spec, sizes):
-    n = 1
-    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        axes = () if entry is None else ((entry,) if isinstance(entry, str) else entry)
-        n *= dim // math.prod(sizes[a] for a in axes)
-    return n
 
 
 # ============================================================================ the search
@@ -487,6 +431,73 @@ def search(mc, *, seq_len, batch, optim, chunk, layout, budget_gib, device_count
     if not ranked:
         raise ValueError(f"search: no mesh of {list(device_counts)} devices suits batch "
                          f"{batch}, seq_len {seq_len} ({layout}) and {mc.n_kv_heads} kv heads")
+    answer, smaller, compiled = _walk(ranked, lambda mesh: compile_plan(
+        mc, mesh, seq_len=seq_len, batch=batch, optim=optim, chunk=chunk, layout=layout,
+        budget_gib=budget_gib), budget=budget, confirm=confirm, peak=lambda r: r["memory"]["peak"])
+    return {
+        "model": model_lib.describe(mc), "seq_len": seq_len, "batch": batch, "layout": layout,
+        "budget_bytes": budget, "answer": answer, "smaller": smaller, "compiled": compiled,
+        "ranking": {str(n): [{"mesh": m, "estimate": e} for e, m in ranked[n]]
+                    for n in ranked},
+    }
+
+
+def search_rl_step(config, *, budget_gib, device_counts, confirm=2) -> dict:
+    """`search` for a learner config: the smallest device count with a mesh whose RL step
+    (`compile_rl_step`: the sampler's programs, step.prepare and step.update as
+    `learner.train` runs them) fits `budget_gib` per device.
+
+    Candidates are the meshes of `candidate_meshes` for the step's rows and tokens (prompt +
+    continuation) that the learner accepts (`config.check_mesh`: the microbatches divide),
+    ranked by `estimate` (the update's activations and state) plus the reference policy and
+    the critic; the walk and the compiles are `search`'s."""
+    from ptrain import learner as learner_lib
+    config_lib.check(config)
+    mc = learner_lib.model_config(config)
+    budget = int(budget_gib * GIB)
+    have = len(jax.devices())
+    if not device_counts or max(device_counts) > have:
+        raise ValueError(f"search: device_counts {list(device_counts)} must be given and go up "
+                         f"to at most the {have} devices JAX has; run launch/plan.py (it "
+                         "simulates them)")
+    rows = config.data.prompts_per_step * config.sampling.num_samples
+    length = config.rollout.max_len if "rollout" in config else config.sampling.max_new_tokens
+    tokens = config.data.max_prompt_len + length
+    extra = (1 if config.kl.coef > 0 else 0) + (3 if config.rl.estimator == "gae" else 0)
+    ranked = {}
+    for n in sorted(device_counts):
+        scored = []
+        for mesh in candidate_meshes(mc, n, seq_len=tokens, batch=rows, layout="contiguous"):
+            try:
+                config_lib.check_mesh(config, mesh)
+            except ValueError:
+                continue
+            e = estimate(mc, mesh, seq_len=tokens, batch=rows, chunk=config.rl.logprob_chunk)
+            scored.append((e["total"] + extra * e["state"] // 4, mesh))  # + ref, critic
+        if scored:
+            ranked[n] = sorted(scored, key=lambda x: (x[0], x[1]["tensor"]))
+    if not ranked:
+        raise ValueError(f"search: no mesh of {list(device_counts)} devices suits {rows} rows "
+                         f"(and the config's microbatches), {tokens} tokens and "
+                         f"{mc.n_kv_heads} kv heads")
+    answer, smaller, compiled = _walk(
+        ranked, lambda mesh: compile_rl_step(config, mesh, budget_gib=budget_gib),
+        budget=budget, confirm=confirm, peak=lambda r: r["step_peak"])
+    return {
+        "model": model_lib.describe(mc), "seq_len": tokens, "batch": rows,
+        "layout": "contiguous", "budget_bytes": budget, "answer": answer, "smaller": smaller,
+        "compiled": compiled,
+        "ranking": {str(n): [{"mesh": m, "estimate": e} for e, m in ranked[n]]
+                    for n in ranked},
+    }
+
+
+def _walk(ranked, compile_mesh, *, budget, confirm, peak):
+    """The walk of `search` over device counts (`ranked`: count -> [(estimate, mesh)], best
+    first): start one count below the first whose best estimate fits, go up until a compile
+    fits, then down while the smaller count fits too. Returns (the answer: the fitting
+    report with the lowest `peak`, or None; the reports of the next smaller count; every
+    report compiled)."""
     counts = list(ranked)
     compiled: dict[int, list[dict]] = {}
 
@@ -496,9 +507,7 @@ def search(mc, *, seq_len, batch, optim, chunk, layout, budget_gib, device_count
             compiled[n] = []
             for _, mesh in ranked[n][:confirm]:
                 logging.info("plan: compiling %s", mesh)
-                compiled[n].append(compile_plan(mc, mesh, seq_len=seq_len, batch=batch,
-                                                optim=optim, chunk=chunk, layout=layout,
-                                                budget_gib=budget_gib))
+                compiled[n].append(compile_mesh(mesh))
                 if compiled[n][-1]["fits"]:
                     break
         return any(r["fits"] for r in compiled[n])
@@ -511,28 +520,27 @@ def search(mc, *, seq_len, batch, optim, chunk, layout, budget_gib, device_count
         i -= 1
     answer = None
     if i < len(counts):
-        answer = min((r for r in compiled[counts[i]] if r["fits"]),
-                     key=lambda r: r["memory"]["peak"])
-    return {
-        "model": model_lib.describe(mc), "seq_len": seq_len, "batch": batch, "layout": layout,
-        "budget_bytes": budget, "answer": answer,
-        "smaller": compiled.get(counts[i - 1], []) if 0 < i <= len(counts) else [],
-        "compiled": [r for n in sorted(compiled) for r in compiled[n]],
-        "ranking": {str(n): [{"mesh": m, "estimate": e} for e, m in ranked[n]]
-                    for n in counts},
-    }
+        answer = min((r for r in compiled[counts[i]] if r["fits"]), key=peak)
+    smaller = compiled.get(counts[i - 1], []) if 0 < i <= len(counts) else []
+    return answer, smaller, [r for n in sorted(compiled) for r in compiled[n]]
 
 
 # ============================================================================ from a config
 
 
-def run(config, *, do_search=False) -> dict:
+def run(config, *, do_search=False, budget_gib=None, device_counts=None, confirm=None) -> dict:
     """The config's plan (its mesh compiled), or with do_search its mesh search. A learner
-    config (one with an `rl` section) plans its RL step on its mesh (`compile_rl_step`)."""
+    config (one with an `rl` section) plans its RL step: on its mesh (`compile_rl_step`), or
+    searched over `device_counts` against `budget_gib` (`search_rl_step`; a plan config
+    reads them and `confirm` from itself unless they are given)."""
     if "rl" in config:
         if do_search:
-            raise ValueError("the mesh search plans the packed step of a plan config "
-                             "(ptrain.config.plan_defaults); a learner config plans its mesh")
+            if budget_gib is None or not device_counts:
+                raise ValueError("a learner config's mesh search needs a budget and device "
+                                 "counts: launch/plan.py --search --budget_gib=80 "
+                                 "--device_counts=8,16,32")
+            return search_rl_step(config, budget_gib=budget_gib,
+                                  device_counts=tuple(device_counts), confirm=confirm or 2)
         sizes = dict(config.mesh)
         if min(sizes.values()) < 1:
             raise ValueError(f"a plan names its devices: config.mesh is {sizes}; give every "
@@ -544,10 +552,11 @@ def run(config, *, do_search=False) -> dict:
     mc = model_config(config)
     common = dict(seq_len=config.seq_len, batch=config.batch, optim=config.optim,
                   chunk=config.logprob_chunk, layout=config.layout,
-                  budget_gib=config.budget_gib)
+                  budget_gib=config.budget_gib if budget_gib is None else budget_gib)
     if do_search:
-        return search(mc, **common, device_counts=tuple(config.search.device_counts),
-                      confirm=config.search.confirm)
+        return search(mc, **common, device_counts=tuple(
+            device_counts or config.search.device_counts),
+            confirm=confirm or config.search.confirm)
     return {"model": model_lib.describe(mc),
             **compile_plan(mc, dict(config.mesh), **common)}
 
@@ -561,10 +570,12 @@ def summary(result) -> str:
         if "programs" in r:  # the RL step
             parts = ", ".join(f"{name} {gib(m['peak'])}" for name, m in r["programs"].items())
             return (f"{r['devices']:>5} devices ({mesh}): RL step peak {gib(r['step_peak'])} "
-                    f"GiB{fit} ({r['rows']} rows x {r['prompt_len']} + {r['length']} tokens; "
-                    f"program peaks: {parts}); params {gib(r['params_bytes'])}, optimizer "
-                    f"{gib(r['opt_state_bytes'])}, critic {gib(r['critic_bytes'])}; compiled "
-                    f"in {r['compile_s']} s")
+                    f"GiB{fit} in {r['memory']['peak_program']} ({r['rows']} rows x "
+                    f"{r['prompt_len']} + {r['length']} tokens; program peaks: {parts}); "
+                    f"params {gib(r['params_bytes'])}, optimizer {gib(r['opt_state_bytes'])}, "
+                    f"reference {gib(r['reference_bytes'])}, critic {gib(r['critic_bytes'])}, "
+                    f"sampler KV cache {gib(r['kv_cache_bytes'])}, activations "
+                    f"{gib(r['memory']['activations'])}; compiled in {r['compile_s']} s")
         m = r["memory"]
         return (f"{r['devices']:>5} devices ({mesh}): peak {gib(m['peak'])} GiB{fit} = "
                 f"arguments {gib(m['arguments'])} + outputs {gib(m['outputs'])} - aliased "

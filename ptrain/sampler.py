@@ -195,6 +195,39 @@ class Sampler:
                     carry["done_b"].sharding, done, carry["done_b"].shape)
         return self._finish(carry, rows, num_samples, cut, to_host)
 
+    def compile(self, params, *, prompts: int, prompt_len: int, max_new_tokens: int,
+                num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
+                top_p: float = 1.0, greedy: bool = False, stop_token_ids=(),
+                record_routing: bool | None = None) -> dict:
+        """The two programs `sample` runs for a call of `prompts` prompts padded to
+        `prompt_len` tokens, compiled without running them (`params` may be
+        ShapeDtypeStructs carrying their shardings): {"sample_prefill": ..., "sample_decode":
+        ...}, jax `Compiled` objects. The planner measures their memory (the KV cache is the
+        prefill's output and the decode loop's donated carry). Rows are padded to the mesh's
+        batch shards as `sample` pads them (one process)."""
+        settings = self._settings(temperature, top_k, top_p, greedy, stop_token_ids, (),
+                                  max_new_tokens, num_samples)
+        if record_routing is None:
+            record_routing = self.config.n_experts > 0
+        shards = _batch_shards(self.mesh)
+        rows = -(-prompts // shards) * shards
+
+        def arg(shape, dtype):
+            names = ("batch", "seq")[:len(shape)]
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=None if self.mesh is None
+                                        else sharding.named(self.mesh, names, shape))
+
+        prefill = _prefill.lower(
+            params, arg((rows, prompt_len), jnp.int32), arg((rows,), jnp.int32),
+            arg((rows,), jnp.bool_), graphdef=self.graphdef, num_samples=num_samples,
+            max_new_tokens=max_new_tokens, record_routing=bool(record_routing)).compile()
+        carry = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             prefill.out_info, prefill.output_shardings)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        decode = _decode.lower(params, carry, key, jax.ShapeDtypeStruct((), jnp.int32),
+                               graphdef=self.graphdef, settings=settings).compile()
+        return {"sample_prefill": prefill, "sample_decode": decode}
+
     def _settings(self, temperature, top_k, top_p, greedy, stop_token_ids, stop_strings,
                   max_new_tokens, num_samples) -> _Settings:
         v = self.config.vocab_size

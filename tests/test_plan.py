@@ -172,12 +172,16 @@ def test_step_on_a_sequence_mesh_equals_a_dense_step():
 
 
 
-def test_the_rl_step_plan_compiles_the_learners_own_programs(monkeypatch):
-    """A learner config plans its RL step: step.prepare and step.update (through
-    step.jit_update, as the learner calls it) with the config's settings; gae adds the
-    critic's update; the state's bytes halve when fsdp doubles."""
+def test_the_rl_step_plan_compiles_the_learners_own_programs_and_searches_meshes(monkeypatch):
+    """A learner config plans its RL step: the sampler's prefill and decode (its KV cache),
+    step.prepare and step.update (through step.jit_update, as the learner calls it) with the
+    config's settings; gae adds the critic's update, kl.coef > 0 the reference policy. The
+    mesh search compiles these same programs per candidate mesh (here PPO over 1 and 2
+    devices against a budget nothing meets, so the walk compiles the best-ranked mesh of each
+    count); the state's bytes halve when fsdp doubles."""
     from configs import grpo_toy, ppo_toy
     from ptrain import config as config_lib
+    from ptrain import model as model_lib
 
     seen = []
     update = step_lib.update
@@ -188,15 +192,22 @@ def test_the_rl_step_plan_compiles_the_learners_own_programs(monkeypatch):
 
     monkeypatch.setattr(step_lib, "update", watched)
     step_lib.jit_update.cache_clear()
-    config = grpo_toy.get_config()
     with pytest.raises(ValueError, match=r"a plan names its devices.*fsdp=8"):
-        plan.run(config)  # grpo_toy's mesh is fsdp=-1 (all devices)
-    config.mesh.fsdp = 1
-    one = plan.run(config)
-    two = plan.compile_rl_step(config, {"fsdp": 2})
-    assert "RL step peak" in plan.summary(one)
-    assert set(one["programs"]) == {"prepare", "update"}
-    assert seen == [config_lib.resolve(config).rl] * 2  # one compile per mesh
+        plan.run(grpo_toy.get_config())  # grpo_toy's mesh is fsdp=-1 (all devices)
+    with pytest.raises(ValueError, match="needs a budget and device counts"):
+        plan.run(grpo_toy.get_config(), do_search=True)
+    config = ppo_toy.get_config()
+    config.kl.coef = 0.01
+    result = plan.run(config, do_search=True, budget_gib=1e-9, device_counts=[1, 2], confirm=1)
+    assert result["answer"] is None and "nothing fits" in plan.summary(result)
+    assert "RL step peak" in plan.summary(result)
+    one, two = result["compiled"]
+    assert one["devices"] == 1 and two["mesh"] == result["ranking"]["2"][0]["mesh"]
+    assert result["smaller"] == [two] and not one["fits"] and not two["fits"]
+    assert list(one["programs"]) == ["sample_prefill", "sample_decode", "prepare",
+                                     "critic_update", "update"]
+    resolved = config_lib.resolve(config)
+    assert seen == [resolved.critic, resolved.rl] * 2  # one compile each per mesh
     assert one["rows"] == config.data.prompts_per_step * config.sampling.num_samples
     assert one["length"] == config.sampling.max_new_tokens
     m = one["programs"]["update"]
@@ -204,10 +215,24 @@ def test_the_rl_step_plan_compiles_the_learners_own_programs(monkeypatch):
     assert m["arguments"] >= one["params_bytes"] + one["opt_state_bytes"] + one["batch_bytes"]
     assert m["aliased"] >= one["params_bytes"] + one["opt_state_bytes"]
     assert one["step_peak"] >= max(p["peak"] for p in one["programs"].values())
-    assert two["devices"] == 2 and two["params_bytes"] < 0.6 * one["params_bytes"]
-
-    ppo = plan.compile_rl_step(ppo_toy.get_config(), {"fsdp": 1})
-    assert list(ppo["programs"]) == ["prepare", "critic_update", "update"]
-    assert ppo["critic_bytes"] > 0
-    assert [s.kind for s in seen[2:]] == ["critic", "rl"]
+    # The sampler's KV cache: keys and values of every layer for each sampled row's prompt and
+    # continuation (the config's compute dtype), the prefill's output and the decode's input.
+    mc = model_lib.ModelConfig(**config.model.to_dict())
+    slots = config.data.max_prompt_len + config.sampling.max_new_tokens
+    kv = 2 * mc.n_layers * one["rows"] * slots * mc.n_kv_heads * mc.head_dim * jnp.dtype(
+        mc.dtype).itemsize
+    assert kv <= one["kv_cache_bytes"] <= kv + 2 * one["rows"] * slots * 4 + 64
+    assert one["programs"]["sample_prefill"]["outputs"] >= one["kv_cache_bytes"]
+    assert one["programs"]["sample_decode"]["arguments"] >= one["kv_cache_bytes"]
+    # The reference policy (a copy of the parameters) goes into prepare beside the policy.
+    assert one["reference_bytes"] == one["params_bytes"] and one["critic_bytes"] > 0
+    assert one["programs"]["prepare"]["arguments"] >= 2 * one["params_bytes"]
+    parts = one["memory"]
+    assert (parts["policy"], parts["optimizer"], parts["reference"], parts["critic"]) == (
+        one["params_bytes"], one["opt_state_bytes"], one["reference_bytes"],
+        one["critic_bytes"])
+    assert parts["activations"] == one["programs"][parts["peak_program"]]["temporaries"]
+    assert two["mesh"]["fsdp"] == 2  # the estimate ranks fsdp first for this state
+    assert two["params_bytes"] < 0.6 * one["params_bytes"]
+    assert two["critic_bytes"] < 0.6 * one["critic_bytes"]
     step_lib.jit_update.cache_clear()
