@@ -466,8 +466,14 @@ class Tasks:
 
     def generate(self, params, records, key):
         """records: `ptrain.tasks.Task`s (the closed loop's prompt stream serves them), or
-        task records as a ptrain task file holds them (`tasks.from_record`)."""
-        tasks = [r if isinstance(r, Task) else tasks_lib.from_record(r) for r in records]
+        task records as a ptrain task file holds them (dicts, read by `tasks.from_record`:
+        the one conversion, for prompt sources that yield records, e.g. data.records_fn)."""
+        tasks = []
+        for r in records:
+            if not isinstance(r, (Task, dict)):
+                raise TypeError(f"rollout.Tasks.generate takes ptrain.tasks.Task objects (or "
+                                f"their records, dicts); got {type(r).__name__}: {r!r:.80}")
+            tasks.append(r if isinstance(r, Task) else tasks_lib.from_record(r))
         return generate(self.sampler, params, tasks, tokenizer=self.tokenizer, key=key,
                         config=self.rollout_config, fmt=self.fmt, pool=self.pool,
                         reward_config=self.reward_config)

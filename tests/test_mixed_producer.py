@@ -98,7 +98,10 @@ def test_each_producers_cap_counts_for_its_own_episodes():
                             answers=["answer: 42"], finish=finish)
         e.verdicts.append(rewards.verify(task, e.answers[0]))
         episodes.append(e)
-    task_rows = rollout.Tasks(None, WordTokenizer.for_tasks(), config, None).score(episodes)
+    producer = rollout.Tasks(None, WordTokenizer.for_tasks(), config, None)
+    task_rows = producer.score(episodes)
+    with pytest.raises(TypeError, match="takes ptrain.tasks.Task objects .* got str"):
+        producer.generate(None, ["arith: 6 * 7"], jax.random.key(0))  # neither Task nor record
     assert task_rows.max_len_b.tolist() == [72, 72]
     terminal_rows = learner.Episodes.from_rows(
         [[1, 2]] * 2, [[7] * 96, [7] * 88], [[1] * 96, [1] * 88], [[0.0] * 96, [0.0] * 88],
