@@ -228,20 +228,6 @@ def _env_pairs(rest: str) -> dict[str, str]:
 # The sandbox
 # ---------------------------------------------------------------------------------------------
 
-def cgroups_kill(cgroup) -> None:
-    """SIGKILL every process in `cgroup`'s run group, until none is left."""
-    for _ in range(100):
-        pids = cgroup.pids()
-        if not pids:
-            return
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.002)
-
-
 class _PtyStream:
     """The socket-like end of a pseudo-terminal (what `Shell` reads and writes)."""
 
@@ -384,7 +370,7 @@ class Box:
                 pipe.close()
         if self._cgroup is not None:
             if keep_cgroup:  # emptied: what pid 1's death left (an nsenter'd straggler)
-                cgroups_kill(self._cgroup)
+                self._cgroup.kill_run()
             else:
                 self._cgroup.remove()
                 self._cgroup = None
