@@ -18,7 +18,8 @@ in-place reset), hostfs.py (host-side file access that follows no symlink), shel
 persistent shell), verify.py (reward and feedback), host_pytest.py (the real pytest for
 images without it), episode.py (Harness, Episode), agents.py (oracle, nop), evaluate.py
 (results.jsonl, pass@k), report.py (the HTML report), bwrap.py and bwrap_plan.py (the
-bubblewrap backend, `Harness(backend="bwrap")`: tasks that need only files, no docker). What each guarantees: docs/terminal.md.
+bubblewrap backend, `Harness(backend="bwrap")`: tasks that need only files, no docker).
+What each guarantees: docs/terminal.md.
 """
 
 from sandbox.terminal import bwrap
