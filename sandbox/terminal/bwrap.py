@@ -145,7 +145,7 @@ class Box:
     def _argv(self, info_fd: int) -> list[str]:
         root, mb = self.plan.rootfs, self.limits.storage_mb or self.limits.memory_mb
         argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "0", "--gid", "0",
-                "--die-with-parent", "--new-session", "--hostname", "task",
+                "--die-with-parent", "--new-session", "--hostname", "task", "--disable-userns",
                 "--cap-drop", "ALL", *[a for c in _CAPS for a in ("--cap-add", f"CAP_{c}")],
                 "--size", str(mb << 20), "--tmpfs", "/", "--info-fd", str(info_fd)]
         if self.limits.network:
