@@ -19,6 +19,17 @@ last k steps (which have no batch t+k to generate) are left out.
 
     python bench/loop_bench.py [--steps 8 --warmup 2 --repeats 3 --sft_steps 0 --workers 2
                                 --staleness 0 1 2 4]
+
+`--processes N` measures the multi-process path instead: the learner's RL step (GRPO on
+grpo_toy's task, the default single-turn producer, configs/grpo_toy.py with a larger model
+and batch) in N processes x 8/N CPU devices joined by `jax.distributed` on a loopback
+coordinator (gloo collectives, tests/multiprocess.py) against 1 process x 8 devices, the same
+mesh (fsdp over all 8) and the same programs, run one after the other `--repeats` times; it
+prints the median step time of each (time/step_s after `--warmup` steps) and their ratio
+(the overhead of many processes: host gathers, agreed control flow, cross-process
+collectives):
+
+    python bench/loop_bench.py --processes 2 [--steps 8 --warmup 2 --repeats 2]
 """
 
 import argparse
@@ -84,6 +95,55 @@ def run_once(config, params, producer, staleness, steps, root, sources):
     return metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")), timed.times
 
 
+def processes_program(workdir, steps):
+    """One layout's run of `--processes` (called in every process): grpo_toy's RL step with
+    a larger model and batch for `steps` steps; returns process 0's metrics (else None)."""
+    from configs import grpo_toy
+    c = grpo_toy.get_config()
+    c.update_from_flattened_dict({"steps": steps, "checkpoint.every": steps,
+                                  "log.rollouts_every": 0, "model.d_model": 128,
+                                  "model.d_ff": 256, "data.prompts_per_step": 16,
+                                  "sampling.num_samples": 8, "sampling.max_new_tokens": 16,
+                                  "rl.microbatch_size": 32})
+    metrics_lib.MetricsWriter.plot = lambda self: None
+    learner_lib.train(c, workdir, mesh=sharding.make_mesh(fsdp=-1))
+    if jax.process_index():
+        return None
+    return metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+
+
+def processes_main(args):
+    """`--processes N`: see the module docstring."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    import multiprocess  # the tests' launcher: N workers, a loopback coordinator
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [os.path.join(REPO, "bench"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    n = args.processes
+    if 8 % n:
+        raise SystemExit(f"--processes {n} must divide the 8 devices")
+    total = args.warmup + args.steps
+    steps = {1: [], n: []}
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="loop_bench_mp_") as root:
+        cache = os.path.join(root, "xla_cache")  # each layout compiles once, then loads
+        for r in range(args.repeats):
+            for procs in (1, n):
+                workdir = os.path.join(root, f"{procs}x{8 // procs}_{r}")
+                out = multiprocess.run("loop_bench:processes_program", n=procs,
+                                       devices=8 // procs, timeout=3600, cache_dir=cache,
+                                       args={"workdir": workdir, "steps": total})
+                steps[procs] += [m["time/step_s"] for m in out[0][args.warmup:]]
+    one, many = float(np.median(steps[1])), float(np.median(steps[n]))
+    print(f"RL step (grpo_toy task, d_model 128, 16 prompts x 8 samples, 16 new tokens, fsdp "
+          f"over 8 CPU devices), jax {jax.__version__}; medians of {args.repeats} x "
+          f"{args.steps} steps per layout, {time.perf_counter() - start:.0f} s; load average "
+          f"{load:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(f"1 process x 8 devices: {one:.3f} s/step")
+    print(f"{n} processes x {8 // n} devices: {many:.3f} s/step")
+    print(f"{n} x {8 // n} / 1 x 8: {many / one:.2f}x (the multi-process overhead)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8, help="timed RL steps per run")
@@ -95,7 +155,12 @@ def main():
                         help="sandbox pool workers (0: the quickstart's)")
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4],
                         help="rl.staleness values to run (0, the serial baseline, always)")
+    parser.add_argument("--processes", type=int, default=0,
+                        help="N > 1: the RL step in N processes x 8/N devices against 1 x 8 "
+                             "(see the module docstring)")
     args = parser.parse_args()
+    if args.processes > 1:
+        return processes_main(args)
     modes = sorted({0, *args.staleness})
 
     with tempfile.TemporaryDirectory(prefix="loop_bench_") as root:

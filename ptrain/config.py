@@ -122,8 +122,11 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
     c.critic = dict(init="policy", clip_value=0.5,
                     optim=_optim(lr=1e-5, schedule="constant", weight_decay=0.01))
     # KL to the frozen initial policy: coef 0 turns it (and the reference model) off.
+    # ref_dtype: the dtype the reference model's parameters are held in ("bfloat16": half
+    # the memory of float32 ones; its log-probs are computed in model.dtype as before).
     c.kl = dict(coef=0.0, kind="k3", in_reward=False,
-                target=0.0, horizon=10000.0)  # target > 0: adaptive coefficient (in-reward)
+                target=0.0, horizon=10000.0,  # target > 0: adaptive coefficient (in-reward)
+                ref_dtype="float32")
     c.dapo = dict(
         overlong_buffer=0,  # > 0: soft overlong penalty over the last N tokens before the max
         overlong_penalty=1.0,
@@ -270,6 +273,8 @@ def _check_values(config):
         (rl.loss != "gspo" or rl.agg == "seq-mean-token-mean",
          "rl.loss='gspo' aggregates seq-mean-token-mean; set rl.agg to it"),
         (config.kl.kind in losses.KL_KINDS, f"kl.kind={config.kl.kind!r}; use {losses.KL_KINDS}"),
+        (config.kl.ref_dtype in ("float32", "bfloat16"),
+         f"kl.ref_dtype={config.kl.ref_dtype!r}; use 'float32' or 'bfloat16'"),
         (rl.tis_level in ("token", "sequence"), "rl.tis_level must be 'token' or 'sequence'"),
         (config.steps >= 0 and rl.ppo_epochs >= 1 and rl.num_minibatches >= 1,
          "steps must be >= 0, rl.ppo_epochs and rl.num_minibatches >= 1"),

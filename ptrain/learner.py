@@ -118,9 +118,10 @@ class Learner:
             self.critic_settings = resolved.critic
         self.sft_tx, self.sft_schedule = step_lib.make_optimizer(c.sft.optim,
                                                                  total_steps=c.sft.steps)
-        # The reference policy is a copy: the live parameters are donated to each update.
-        self.ref_params = (jax.tree.map(jnp.copy, self.initial_params) if c.kl.coef > 0
-                           else None)
+        # The reference policy is a copy (the live parameters are donated to each update),
+        # in kl.ref_dtype.
+        self.ref_params = (reference_params(self.initial_params, c.kl.ref_dtype)
+                           if c.kl.coef > 0 else None)
 
     # ------------------------------------------------------------------ state
 
@@ -192,6 +193,17 @@ class Learner:
         batch = sharding.from_process_local(episodes.arrays(), self.mesh,
                                             global_rows=len(episodes) * blocks)
         return fn(params, opt_state, batch, jnp.float32(0.0))
+
+
+def reference_params(params, dtype: str = "float32"):
+    """The frozen reference policy's parameters: a copy of `params` (sharded as they are),
+    their floating-point arrays in `dtype` (kl.ref_dtype; "bfloat16" halves the memory of
+    float32 ones)."""
+    def one(x):
+        if dtype != "float32" and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(dtype)
+        return jnp.copy(x)
+    return jax.tree.map(one, params)
 
 
 def _runtime_overrides(config) -> dict:
@@ -323,9 +335,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                 if step == start + 1:  # the first step of a run (or of a resumed run)
                     ahead.start(step, ahead_params)
                     ahead_params = None
-                scored = ahead.next(step, params)
-                stale_metrics = lookahead_lib.metrics(scored, step, k, ahead.waited_s)
-                collector.add(scored)
+                collector.add(ahead.next(step, params))
             else:
                 while collector.wants_more():
                     generated = producer.generate(params, next(batches),
@@ -333,6 +343,8 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                     collector.add(producer.score(generated))
                 data_state = batches.get_state()
             episodes, gen_metrics = collector.result()
+            if k:  # over the step's (global) batch: with many processes, every process's rows
+                stale_metrics = lookahead_lib.metrics(episodes, step, k, ahead.waited_s)
             t1 = time.perf_counter()
 
             # ------------------------------------------------------------ advantages, update

@@ -18,6 +18,8 @@ the generation of batch t + k and hands them over; update t then runs while batc
 generated (XLA releases the GIL: the two threads' device work overlaps), and donates the
 learner's parameters, not the copy. So at most one generation is in flight, it overlaps
 exactly one update, and what it generates depends on (version, records, key) only.
+With many processes (multi-controller JAX) generation runs in the learner's thread instead,
+before update t: every process must issue the same device programs in the same order.
 
 Exact resume: a checkpoint of step t holds the data state before batch t + 1 was drawn and
 the parameters each pending batch t + 1 .. t + k was generated from (`state()`); a resumed
@@ -87,8 +89,17 @@ class LookAhead:
         data_state = self.batches.get_state()
         records = next(self.batches)
         weights = jax.tree.map(jnp.copy, params)
-        generated = self.generator.submit(self.producer.generate, weights, records,
-                                          jax.random.fold_in(self.root_key, step))
+        key = jax.random.fold_in(self.root_key, step)
+        if jax.process_count() > 1:
+            # Many processes must issue the same device programs in the same order (their
+            # collectives pair up across processes); a generation thread would interleave
+            # its programs with the learner's differently on each process, and they hang.
+            # So with many processes batch t + k is generated here, before update t (scoring
+            # still runs in its thread: host work only).
+            generated = concurrent.futures.Future()
+            generated.set_result(self.producer.generate(weights, records, key))
+        else:
+            generated = self.generator.submit(self.producer.generate, weights, records, key)
         scored = self.scorer.submit(lambda: self.producer.score(generated.result()))
         self.generating = generated
         self.pending.append(Pending(step, version(step, self.k), scored, data_state,

@@ -157,108 +157,190 @@ def _copy(params):
     return jax.tree.map(jnp.copy, params)
 
 
-def learner_program(workdir: str, phases=("sft", "rl")) -> dict:
-    """The learner's phases on the mesh fsdp = all devices, each process its own rows:
-    sft: two SFT steps, then a third resumed from the step-2 checkpoint; rl: two GRPO steps
-    from SFT's parameters with DAPO dynamic sampling (groups kept and filled globally), then
-    a third resumed from the step-2 checkpoint; multiturn: `multiturn_program`. Returns each
-    phase's metrics (process 0's logs) and final parameters (whole)."""
-    import os
-
+def _on_mesh(host, mesh):
+    """Whole host parameters (numpy) placed as a fresh toy model's are on `mesh`."""
     from flax import nnx
 
     from ptrain import learner as L
-    mesh = sharding.make_mesh(fsdp=-1)
-    out = {}
-    if "sft" in phases or "rl" in phases:
-        params = nnx.state(L.build_model(_toy_config(), mesh))
-    if "sft" in phases:
-        c = _toy_config(**{"sft.records_fn": sft_records, "sft.steps": 2, "sft.batch_size": 16,
-                           "checkpoint.every": 2})
-        d = os.path.join(workdir, "sft")
-        L.sft(c, d, mesh=mesh, params=_copy(params))  # (its params are donated)
-        c.sft.steps = 3
-        params = L.sft(c, d, mesh=mesh, params=_copy(params))  # resumed at step 2
-        out["sft"] = {"metrics": _run_metrics(d), "params": sharding.to_host(params)}
-    if "rl" in phases:
-        c = _rl_config(steps=2)
-        d = os.path.join(workdir, "rl")
-        L.train(c, d, params=_copy(params), mesh=mesh)
-        c.steps = 3
-        params = L.train(c, d, params=_copy(params), mesh=mesh)  # resumed at step 2
-        out["rl"] = {"metrics": _run_metrics(d), "params": sharding.to_host(params)}
-    if "multiturn" in phases:
-        out["multiturn"] = multiturn_program(os.path.join(workdir, "multiturn"))
-    return out
+    from ptrain import model as M
+    like = sharding.abstract(lambda: M.Transformer(L.model_config(_toy_config()),
+                                                   rngs=nnx.Rngs(0), mesh=mesh), mesh)[1]
+    return jax.tree.map(lambda h, x: jax.make_array_from_callback(
+        x.shape, x.sharding, lambda index: h[index]), host, like)
+
+
+# The learner's phases, in order. Each RL phase starts from SFT's parameters.
+PHASES = ("sft", "grpo", "ppo")
+# Where a process may SIGKILL itself in a step (the step under way: updates finished + 1):
+# entering a producer.generate call, a reward (producer.score), the update, or the
+# checkpoint save (after the step's metrics are written). With rl.staleness=1 (the ppo
+# phase) batch t+1 is generated and scored in threads while update t runs, so "generate"
+# and "score" there are not tied to one step: only the other two points.
+KILL_POINTS = ("generate", "score", "update", "save")
+STALE_KILL_POINTS = ("update", "save")
 
 
 def _rl_config(steps):
-    """learner_program's RL phase: GRPO with DAPO dynamic sampling and KL, a checkpoint a step."""
+    """The grpo phase: GRPO with DAPO dynamic sampling and KL, a checkpoint a step."""
     return _toy_config(**{"steps": steps, "checkpoint.every": 1, "dapo.dynamic_sampling": True,
                           "dapo.max_gen_batches": 3, "kl.coef": 0.01, "sampling.num_samples": 4})
 
 
-KILL_POINTS = ("generate", "score", "update", "save")
+def _ppo_config(steps):
+    """The ppo phase: PPO's critic (GAE) with staleness 1 (batch t+1 generated and scored in
+    threads during step t) and KL, a checkpoint a step."""
+    return _toy_config(**{"steps": steps, "checkpoint.every": 1, "rl.estimator": "gae",
+                          "rl.staleness": 1, "critic.optim.lr": 1e-2,
+                          "critic.optim.weight_decay": 0.0, "kl.coef": 0.01,
+                          "sampling.num_samples": 4})
 
 
-def rl_killed_program(workdir: str, params, victim: int = -1, point: str = "") -> dict:
-    """learner_program's RL phase for 3 steps from `params` (whole, on the host), resuming
-    from the latest checkpoint in `workdir`. Process `victim` SIGKILLs itself in step 3, at
-    `point`: entering the generation, at its first reward, entering the update, or entering
-    the checkpoint save (after the step's metrics are written); it first writes
-    `<workdir>/killed<process>`. Returns the step the run resumed from, process 0's metrics
+class _Killer:
+    """Patches the RL loop's stages so that process `victim` SIGKILLs itself at `point` of
+    step `step`, first writing `marker` (so a test knows it died there); the run resumes
+    from step `start`."""
+
+    def __init__(self, victim, step, point, marker, start):
+        import os
+        import signal
+
+        from ptrain import checkpoint
+        from ptrain import learner as L
+        from ptrain import rollout
+        self.updates = start  # finished: the step under way is updates + 1
+        self.saved = (rollout.SingleTurn.generate, rollout.SingleTurn.score, L.Learner.update,
+                      checkpoint.Checkpointer.save)
+        generate, score, update, save = self.saved
+
+        def die(where, at):
+            if jax.process_index() == victim and where == point and at == step:
+                with open(marker, "w") as f:
+                    f.write(point)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def generate_(this, *args, **kwargs):
+            die("generate", self.updates + 1)
+            return generate(this, *args, **kwargs)
+
+        def score_(this, *args, **kwargs):
+            die("score", self.updates + 1)
+            return score(this, *args, **kwargs)
+
+        def update_(this, *args, **kwargs):
+            die("update", self.updates + 1)
+            out = update(this, *args, **kwargs)
+            self.updates += 1
+            return out
+
+        def save_(this, at, **kwargs):
+            die("save", at)
+            return save(this, at, **kwargs)
+
+        rollout.SingleTurn.generate, rollout.SingleTurn.score = generate_, score_
+        L.Learner.update, checkpoint.Checkpointer.save = update_, save_
+
+    def close(self):
+        from ptrain import checkpoint
+        from ptrain import learner as L
+        from ptrain import rollout
+        (rollout.SingleTurn.generate, rollout.SingleTurn.score, L.Learner.update,
+         checkpoint.Checkpointer.save) = self.saved
+
+
+def _rl_phase(config, workdir, params, mesh, kill, start):
+    """learner.train from `params` (resuming from workdir's latest checkpoint, step `start`),
+    armed with `kill` ((victim, step, point, marker) or None). Returns process 0's metrics
     and the final parameters (whole)."""
+    from ptrain import learner as L
+    killer = _Killer(*kill, start) if kill else None
+    try:
+        params = L.train(config, workdir, params=params, mesh=mesh)
+    finally:
+        if killer:
+            killer.close()
+    return {"metrics": _run_metrics(workdir), "params": sharding.to_host(params)}
+
+
+def learner_program(workdir: str, phases=PHASES, kills=None, split_sft=True) -> dict:
+    """The learner's phases on the mesh fsdp = all devices, each process its own rows:
+
+    sft   three SFT steps (with `split_sft`: two, then a third resumed from the step-2
+          checkpoint in a new `learner.sft` call);
+    grpo  three GRPO steps from SFT's parameters, DAPO dynamic sampling (groups kept and
+          filled globally), KL, a checkpoint each step;
+    ppo   three PPO steps from SFT's parameters: the critic (GAE), rl.staleness=1, KL;
+    multiturn  `multiturn_program`.
+
+    The program may be killed and run again in the same `workdir` (a restart of every
+    process): a phase that finished before is read back from <workdir>/<phase>.<process>.pkl
+    (written as it ends), an RL phase resumes from its latest checkpoint. `kills`:
+    {phase: [(victim, step, point), ...]}: that phase's run has process `victim` SIGKILL
+    itself at (step, point) (KILL_POINTS), the first kill of the list that has not happened
+    yet (<workdir>/killed-<phase>-<i> marks the ones that have). Returns {phase: the start
+    steps of its runs, process 0's metrics and the final parameters (whole)}."""
     import os
-    import signal
+    import pickle
 
     from flax import nnx
 
     from ptrain import checkpoint
     from ptrain import learner as L
-    from ptrain import rollout
+    from ptrain import metrics
+    metrics.MetricsWriter.plot = lambda self: None  # PNG curves: seconds, and not compared
     mesh = sharding.make_mesh(fsdp=-1)
-    c = _rl_config(steps=3)
-    like = nnx.state(L.build_model(_toy_config(), mesh))
-    params = jax.tree.map(lambda host, x: jax.make_array_from_callback(
-        x.shape, x.sharding, lambda index: host[index]), params, like)
-    updates = [0]  # updates finished: the step under way is updates[0] + 1
+    me, out = jax.process_index(), {}
 
-    def die(where, step):
-        if jax.process_index() == victim and where == point and step == 3:
-            with open(os.path.join(workdir, f"killed{victim}"), "w") as f:
-                f.write(point)
-            os.kill(os.getpid(), signal.SIGKILL)
+    def done(phase):
+        path = os.path.join(workdir, f"{phase}.{me}.pkl")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                out[phase] = pickle.load(f)
+        return phase in out
 
-    generate, update, save, reward = (rollout.SingleTurn.generate, L.Learner.update,
-                                      checkpoint.Checkpointer.save, c.reward_fn)
+    def finish(phase, result):
+        out[phase] = result
+        path = os.path.join(workdir, f"{phase}.{me}.pkl")
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(result, f)
+        os.replace(path + ".tmp", path)
 
-    def generate_(self, *args, **kwargs):
-        die("generate", updates[0] + 1)
-        return generate(self, *args, **kwargs)
+    def sft_params():
+        if "sft" in out:
+            return _on_mesh(out["sft"]["params"], mesh)
+        return nnx.state(L.build_model(_toy_config(), mesh))
 
-    def update_(self, *args, **kwargs):
-        die("update", updates[0] + 1)
-        out = update(self, *args, **kwargs)
-        updates[0] += 1
-        return out
-
-    def save_(self, step, **kwargs):
-        die("save", step)
-        return save(self, step, **kwargs)
-
-    def reward_(*args):
-        die("score", updates[0] + 1)
-        return reward(*args)
-
-    rollout.SingleTurn.generate, L.Learner.update = generate_, update_
-    checkpoint.Checkpointer.save = save_
-    c.reward_fn = reward_
-    os.makedirs(workdir, exist_ok=True)
-    with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
-        start = ckpt.latest_step() or 0
-    params = L.train(c, workdir, params=params, mesh=mesh)
-    return {"start": start, "metrics": _run_metrics(workdir),
-            "params": sharding.to_host(params)}
+    if "sft" in phases and not done("sft"):
+        params = nnx.state(L.build_model(_toy_config(), mesh))
+        c = _toy_config(**{"sft.records_fn": sft_records, "sft.steps": 3,
+                           "sft.batch_size": 16, "checkpoint.every": 2})
+        d = os.path.join(workdir, "sft")
+        if split_sft:
+            c.sft.steps = 2
+            L.sft(c, d, mesh=mesh, params=_copy(params))  # (its params are donated)
+            c.sft.steps = 3
+        params = L.sft(c, d, mesh=mesh, params=params)  # (split: resumed at step 2)
+        finish("sft", {"metrics": _run_metrics(d), "params": sharding.to_host(params)})
+    for phase, config in (("grpo", _rl_config), ("ppo", _ppo_config)):
+        if phase not in phases or done(phase):
+            continue
+        d = os.path.join(workdir, phase)
+        kill = None
+        for i, (victim, step, point) in enumerate((kills or {}).get(phase, ())):
+            marker = os.path.join(workdir, f"killed-{phase}-{i}")
+            if not os.path.exists(marker):
+                kill = (victim, step, point, marker)
+                break
+        os.makedirs(d, exist_ok=True)
+        with checkpoint.Checkpointer(os.path.join(d, "checkpoints")) as ckpt:
+            start = ckpt.latest_step() or 0
+        with open(os.path.join(workdir, f"{phase}.starts.{me}"), "a") as f:
+            f.write(f"{start}\n")  # before this run, which may be killed
+        result = _rl_phase(config(steps=3), d, sft_params(), mesh, kill, start)
+        with open(os.path.join(workdir, f"{phase}.starts.{me}")) as f:
+            finish(phase, {**result, "starts": [int(x) for x in f.read().split()]})
+    if "multiturn" in phases and not done("multiturn"):
+        finish("multiturn", multiturn_program(os.path.join(workdir, "multiturn")))
+    return out
 
 
 PATTERNS = ("[a-f]", "[0-9]", "[g-p]", "[q-z]", "[A-M]", "[:=]", "[N-Z]", "[(]")

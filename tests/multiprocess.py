@@ -129,11 +129,37 @@ def run(spec: str, n: int = 2, devices: int = 4, args: dict | None = None,
                           fast_compile=fast_compile), workdir, timeout)
 
 
+def _same_cache_key_on_every_process() -> bool:
+    """JAX's persistent-cache key of a CPU program hashes the topology fingerprint of the
+    process's own devices, so the same program over all processes' devices gets a different
+    key in each process: process 1 never reads what process 0 wrote (only process 0 writes),
+    it compiles every program again at every start, and compiles shared between processes
+    (jax_share_binary_between_hosts) wait on a key that is never sent. Here the devices are
+    hashed by kind and global id instead, the same on every process (GPU strips its device
+    assignment for the same reason). Returns whether it could (JAX's internals may differ)."""
+    from jax._src import cache_key
+    if not (hasattr(cache_key, "_hash_accelerator_config") and hasattr(cache_key, "_hash_string")):
+        return False
+
+    def by_global_id(hash_obj, devices):
+        for device in devices.flat:
+            cache_key._hash_string(hash_obj, f"{device.device_kind}:{device.id}")
+
+    cache_key._hash_accelerator_config = by_global_id
+    return True
+
+
 def _worker(spec: str, process_id: int, n: int, port: int, workdir: str) -> None:
     import importlib
+    sys.modules.setdefault("torch", None)  # tensorboardX imports torch if it can: 2 s a start
 
     import jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # A program over every process's devices is compiled by process 0 alone and sent to the
+    # others through the coordinator (with the persistent cache on: `cache_dir`), instead of
+    # compiled again by each process.
+    if _same_cache_key_on_every_process():
+        jax.config.update("jax_share_binary_between_hosts", True)
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n,
                                process_id=process_id, initialization_timeout=60)
     with open(os.path.join(workdir, "args.pkl"), "rb") as f:

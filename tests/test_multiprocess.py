@@ -1,5 +1,6 @@
 """Multi-controller JAX: 2 processes x 4 CPU devices (gloo) against 1 process x 8 devices."""
 
+import glob
 import os
 import random
 
@@ -89,30 +90,47 @@ def test_checkpoint_across_process_counts(tmp_path):
 
 # ------------------------------------------------- the learner: 2 x 4 equals 1 x 8, phase by phase
 
+# The kills of the 2 x 4 run, in order: each point of a step once, each RL phase killed twice
+# (in step 2, so the restart resumes from step 1's checkpoint, then in step 3, from step 2's),
+# the victim drawn from a seed. A kill at "save" leaves that step's checkpoint unwritten.
+_rng = random.Random(0)
+KILLS = {"grpo": [(_rng.randrange(2), 2, "generate"), (_rng.randrange(2), 3, "score")],
+         "ppo": [(_rng.randrange(2), 2, "update"), (_rng.randrange(2), 3, "save")]}
+assert {p for kills in KILLS.values() for _, _, p in kills} == set(mp_programs.KILL_POINTS)
+assert all(p in mp_programs.STALE_KILL_POINTS for _, _, p in KILLS["ppo"])
+
+
+def _learner(n, devices, cache, workdir, **args):
+    """mp_programs.learner_program in n processes x `devices` (compiled without LLVM's
+    optimisations, multiprocess.FAST_COMPILE, into the persistent compilation cache `cache`:
+    a restart loads what the run before compiled, process 0 compiles for both)."""
+    return multiprocess.run("mp_programs:learner_program", n=n, devices=devices, timeout=900,
+                            cache_dir=cache, fast_compile=True,
+                            args={"workdir": workdir, **args})
+
+
 @pytest.fixture(scope="module")
-def learner_cache(tmp_path_factory):
-    """One persistent compilation cache for this module's learner runs (compiled without
-    LLVM's optimisations: multiprocess.FAST_COMPILE)."""
-    return str(tmp_path_factory.mktemp("xla_cache"))
-
-
-def _learner_runs(tmp_path_factory, cache, phases):
-    """mp_programs.learner_program's `phases`, once in 2 processes x 4 devices and once in
-    1 x 8 (fresh processes sharing the compilation cache `cache`)."""
-    runs = {}
-    for n, devices in ((2, 4), (1, 8)):
-        workdir = str(tmp_path_factory.mktemp(f"learner_{n}x{devices}"))
-        runs[n] = multiprocess.run("mp_programs:learner_program", n=n, devices=devices,
-                                   timeout=900, cache_dir=cache, fast_compile=True,
-                                   args={"workdir": workdir, "phases": phases})
-    return runs[2], runs[1][0]
-
-
-@pytest.fixture(scope="module")
-def learner_runs(tmp_path_factory, learner_cache):
-    """SFT then RL on one toy model (one set of programs), each with a resume from its step-2
-    checkpoint: one process start per layout."""
-    return _learner_runs(tmp_path_factory, learner_cache, ("sft", "rl"))
+def learner_runs(tmp_path_factory):
+    """The learner's phases (mp_programs.PHASES: SFT, GRPO with dynamic sampling, PPO with
+    staleness 1) once uninterrupted in 1 process x 8 devices, and in 2 processes x 4 killed
+    at each of KILLS and restarted (every process) until it finishes: one process start per
+    layout and kill. Returns (the 2 x 4 results, the 1 x 8 result, the 2 x 4 work dir,
+    the exit codes of each killed run)."""
+    cache = str(tmp_path_factory.mktemp("xla_cache"))
+    one = _learner(1, 8, cache, str(tmp_path_factory.mktemp("learner_1x8")),
+                   split_sft=False)[0]
+    workdir = str(tmp_path_factory.mktemp("learner_2x4"))
+    killed = []
+    for i in range(sum(map(len, KILLS.values()))):
+        try:
+            _learner(2, 4, cache, workdir, kills=KILLS)
+            killed.append("finished")
+        except RuntimeError as e:  # "processes exited with [codes]": one killed itself
+            if len(glob.glob(os.path.join(workdir, "killed-*"))) != i + 1:
+                raise  # not (only) the kill: a failure
+            killed.append(str(e).splitlines()[0])
+    two = _learner(2, 4, cache, workdir, kills=KILLS)
+    return two, one, workdir, killed
 
 
 def _same_metrics(two, one, atol=None):
@@ -136,47 +154,61 @@ def _same_metrics(two, one, atol=None):
                 np.testing.assert_allclose(a, b, atol=atol)
 
 
-@pytest.mark.timeout(1800)
+def _killed_where_told(workdir, killed, phase):
+    """Each kill of `phase` happened at its point, and every process's runs of the phase
+    started from the checkpoint the kill before left: 0, then step 1 (killed in step 2), then
+    step 2 (killed in step 3, a save included: that step's checkpoint is never listed)."""
+    assert all(k.startswith("processes exited with") for k in killed), killed
+    for i, (_, step, point) in enumerate(KILLS[phase]):
+        with open(os.path.join(workdir, f"killed-{phase}-{i}")) as f:
+            assert f.read() == point
+    assert [s for _, s, _ in KILLS[phase]] == [2, 3]
+    with Checkpointer(os.path.join(workdir, phase, "checkpoints")) as ckpt:
+        assert ckpt.latest_step() == 3
+
+
+_LEARNER = pytest.mark.xdist_group("multiprocess_learner")  # one fixture, on one worker
+
+
+@_LEARNER
+@pytest.mark.timeout(2400)
 def test_sft_and_its_resume_equal_one_process(learner_runs):
-    """Two SFT steps, a third resumed from the step-2 checkpoint: bit for bit."""
-    two, one = learner_runs
+    """Two SFT steps, a third resumed from the step-2 checkpoint, on 2 x 4: bit for bit the
+    three uninterrupted steps of 1 x 8."""
+    two, one, _, _ = learner_runs
     _same_metrics([r["sft"] for r in two], one["sft"])
     assert [r["step"] for r in one["sft"]["metrics"]] == [1, 2, 3]
 
 
-@pytest.mark.timeout(1800)
-def test_rl_with_dynamic_sampling_and_resume_equal_one_process(learner_runs):
-    """Groups kept and filled over the global batch, KL, a resume from step 2: bit for bit."""
-    two, one = learner_runs
-    _same_metrics([r["rl"] for r in two], one["rl"])
-    assert [r["step"] for r in one["rl"]["metrics"]] == [1, 2, 3]
-    assert "dapo/gen_batches" in one["rl"]["metrics"][0]
+@_LEARNER
+@pytest.mark.timeout(2400)
+def test_rl_with_dynamic_sampling_killed_and_restarted_equals_one_process(learner_runs):
+    """GRPO with groups kept and filled over the global batch, KL; one process SIGKILLed
+    entering a generation in step 2, then (after a restart of both) one entering the scoring
+    of step 3; a restart of both resumes each time from the last checkpoint and the run ends
+    bit for bit as 1 x 8's uninterrupted one."""
+    two, one, workdir, killed = learner_runs
+    _killed_where_told(workdir, killed, "grpo")
+    assert [r["grpo"]["starts"] for r in two] == [[0, 1, 2]] * 2
+    _same_metrics([r["grpo"] for r in two], one["grpo"])
+    assert [r["step"] for r in one["grpo"]["metrics"]] == [1, 2, 3]
+    assert "dapo/gen_batches" in one["grpo"]["metrics"][0]
 
 
-@pytest.mark.timeout(1800)
-def test_killing_one_process_mid_step_then_restarting_both_resumes_exactly(
-        learner_runs, learner_cache, tmp_path):
-    """The RL phase on 2 x 4 from SFT's parameters; in step 3 one process SIGKILLs itself at
-    a seeded point (generation, scoring, update, checkpoint save). Step 2's checkpoint is
-    left intact, and a restart of both processes resumes from it and ends as the run that
-    was never killed (bit for bit)."""
-    two, one = learner_runs
-    rng = random.Random(0)  # process 1, entering the save of step 3 (metrics written)
-    victim, point = rng.randrange(2), rng.choice(mp_programs.KILL_POINTS)
-    workdir = str(tmp_path / "rl")
-    args = {"workdir": workdir, "params": two[0]["sft"]["params"]}
-    with pytest.raises(RuntimeError, match="processes exited with"):
-        multiprocess.run("mp_programs:rl_killed_program", n=2, devices=4, timeout=900,
-                         cache_dir=learner_cache, fast_compile=True,
-                         args={**args, "victim": victim, "point": point})
-    with open(os.path.join(workdir, f"killed{victim}")) as f:  # it died where it was told
-        assert f.read() == point
-    with Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
-        assert ckpt.latest_step() == 2
-    again = multiprocess.run("mp_programs:rl_killed_program", n=2, devices=4, timeout=900,
-                             cache_dir=learner_cache, fast_compile=True, args=args)
-    assert [r["start"] for r in again] == [2, 2]
-    _same_metrics(again, one["rl"])
+@_LEARNER
+@pytest.mark.timeout(2400)
+def test_ppo_critic_with_staleness_killed_and_restarted_equals_one_process(learner_runs):
+    """PPO's critic (GAE) with rl.staleness=1 (batch t+1 generated in step t from the
+    parameters a checkpoint keeps, scored in a thread), KL; one process SIGKILLed entering
+    the update of step 2, then one entering the save of step 3: bit for bit 1 x 8's
+    uninterrupted run."""
+    two, one, workdir, killed = learner_runs
+    _killed_where_told(workdir, killed, "ppo")
+    assert [r["ppo"]["starts"] for r in two] == [[0, 1, 2]] * 2
+    _same_metrics([r["ppo"] for r in two], one["ppo"])
+    metrics = one["ppo"]["metrics"]
+    assert [r["step"] for r in metrics] == [1, 2, 3]
+    assert "critic/vf_loss" in metrics[0] and metrics[2]["rollout/staleness"] > 0
 
 
 # The multi-turn phase builds a second model (the task tokenizer's vocabulary) and a sampler
@@ -186,11 +218,13 @@ def test_killing_one_process_mid_step_then_restarting_both_resumes_exactly(
                     reason="the 2x4-vs-1x8 multi-turn phase takes minutes; "
                            "set PTRAIN_MULTIPROCESS_LEARNER=1")
 @pytest.mark.timeout(3600)
-def test_multiturn_rl_and_eval_equal_one_process(tmp_path_factory, learner_cache):
+def test_multiturn_rl_and_eval_equal_one_process(tmp_path_factory):
     """Self-correction episodes (processes hold different numbers of live episodes per
     attempt), then the held-out evaluation, each process scoring its own block."""
-    two, one = _learner_runs(tmp_path_factory, learner_cache, ("multiturn",))
-    _same_metrics([r["multiturn"] for r in two], one["multiturn"], atol=1e-5)
+    cache = str(tmp_path_factory.mktemp("xla_cache_multiturn"))
+    one = _learner(1, 8, cache, str(tmp_path_factory.mktemp("mt_1x8")), phases=("multiturn",))
+    two = _learner(2, 4, cache, str(tmp_path_factory.mktemp("mt_2x4")), phases=("multiturn",))
+    _same_metrics([r["multiturn"] for r in two], one[0]["multiturn"], atol=1e-5)
     for r in two:
-        assert r["multiturn"]["eval"] == one["multiturn"]["eval"]
-    assert one["multiturn"]["eval"][0]["n"] == 6
+        assert r["multiturn"]["eval"] == one[0]["multiturn"]["eval"]
+    assert one[0]["multiturn"]["eval"][0]["n"] == 6
