@@ -22,7 +22,7 @@ system-deps:
 	-bash sandbox/setup_host.sh
 
 test: install-test system-deps
-	PTRAIN_VERL_SRC=$(VERL_DIR)/verl $(PYTHON) -m pytest -n 2 --dist loadgroup --durations=30 $(PYTEST_ARGS) tests
+	PTRAIN_VERL_SRC=$(VERL_DIR)/verl $(PYTHON) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=30 $(PYTEST_ARGS) tests
 
 quickstart: install
 	$(PYTHON) -m launch.train --config=configs/quickstart.py --workdir=$(WORKDIR)

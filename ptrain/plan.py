@@ -562,22 +562,22 @@ def run(config, *, do_search=False, budget_gib=None, device_counts=None, confirm
 
 
 def summary(result) -> str:
-    """A few readable lines (GiB) for a `run` result."""
+    """A few readable lines (GiB, or MiB below 0.01 GiB) for a `run` result."""
+    gib = lambda x: f"{x / GIB:.2f} GiB" if x >= GIB / 100 else f"{x / 2**20:.2f} MiB"  # noqa
     def one(r):
-        gib = lambda x: f"{x / GIB:.2f}"  # noqa: E731
         mesh = " x ".join(f"{a}={n}" for a, n in r["mesh"].items() if n > 1) or "1 device"
         fit = "" if "fits" not in r else (" fits" if r["fits"] else " does NOT fit")
         if "programs" in r:  # the RL step
             parts = ", ".join(f"{name} {gib(m['peak'])}" for name, m in r["programs"].items())
-            return (f"{r['devices']:>5} devices ({mesh}): RL step peak {gib(r['step_peak'])} "
-                    f"GiB{fit} in {r['memory']['peak_program']} ({r['rows']} rows x "
+            return (f"{r['devices']:>5} devices ({mesh}): RL step peak {gib(r['step_peak'])}"
+                    f"{fit} in {r['memory']['peak_program']} ({r['rows']} rows x "
                     f"{r['prompt_len']} + {r['length']} tokens; program peaks: {parts}); "
                     f"params {gib(r['params_bytes'])}, optimizer {gib(r['opt_state_bytes'])}, "
                     f"reference {gib(r['reference_bytes'])}, critic {gib(r['critic_bytes'])}, "
                     f"sampler KV cache {gib(r['kv_cache_bytes'])}, activations "
                     f"{gib(r['memory']['activations'])}; compiled in {r['compile_s']} s")
         m = r["memory"]
-        return (f"{r['devices']:>5} devices ({mesh}): peak {gib(m['peak'])} GiB{fit} = "
+        return (f"{r['devices']:>5} devices ({mesh}): peak {gib(m['peak'])}{fit} = "
                 f"arguments {gib(m['arguments'])} + outputs {gib(m['outputs'])} - aliased "
                 f"{gib(m['aliased'])} + temporaries {gib(m['temporaries'])}; params "
                 f"{gib(r['params_bytes'])}, optimizer {gib(r['opt_state_bytes'])}; estimate "
@@ -586,7 +586,7 @@ def summary(result) -> str:
 
     if "answer" not in result:
         return one(result)
-    lines = [f"budget {result['budget_bytes'] / GIB:.1f} GiB per device, {result['seq_len']} "
+    lines = [f"budget {gib(result['budget_bytes'])} per device, {result['seq_len']} "
              f"tokens x batch {result['batch']}:"]
     lines += ["  " + one(r) for r in result["compiled"]]
     answer = result["answer"]

@@ -160,6 +160,10 @@ class Cgroup:
             pass
         return 0
 
+    def kill_run(self) -> None:
+        """Kill every process of the run cgroup (the cgroups stay, for the next run)."""
+        _kill_all(os.path.dirname(self.procs_file()))
+
     def remove(self) -> None:
         """Kill whatever is left in any of the cgroups, then remove them."""
         for path in reversed(self.made):

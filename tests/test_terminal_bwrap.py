@@ -133,6 +133,9 @@ def test_limits_capabilities_and_storage(loaded, tmp_path):
         # The agent's root has docker's default capabilities, and nothing more.
         bounding = int(ep.run("grep CapBnd /proc/self/status | cut -f2").output, 16)
         assert bounding == sum(1 << c for c in (0, 1, 3, 4, 5, 6, 7, 8, 10, 18))
+        nested = ep.run("python3 -c \"import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
+                        "print(libc.unshare(0x10000000), ctypes.get_errno())\"").output.split()
+        assert nested[0] == "-1"  # no user namespace inside (bwrap --disable-userns)
         box = ep.container
         if box._cgroup is not None:  # memory and pids limits hold for the agent's processes
             ns = os.readlink(f"/proc/{box.pid}/ns/pid")

@@ -17,7 +17,9 @@ hash, never pulled), container.py (a task container: limits, exec, files), reset
 in-place reset), hostfs.py (host-side file access that follows no symlink), shell.py (the
 persistent shell), verify.py (reward and feedback), host_pytest.py (the real pytest for
 images without it), episode.py (Harness, Episode), agents.py (oracle, nop), evaluate.py
-(results.jsonl, pass@k), report.py (the HTML report). What each guarantees: docs/terminal.md.
+(results.jsonl, pass@k), report.py (the HTML report), bwrap.py and bwrap_plan.py (the
+bubblewrap backend, `Harness(backend="bwrap")`: tasks that need only files, no docker).
+What each guarantees: docs/terminal.md.
 """
 
 from sandbox.terminal import bwrap

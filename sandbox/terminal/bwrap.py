@@ -1,12 +1,10 @@
 """The bubblewrap backend: terminal tasks that need only files, without docker.
 
-A task qualifies when its Dockerfile only starts from a base whose root file system is on
-this machine as a directory (`bash sandbox/setup_host.sh` unpacks ptrain-term-base's, the
-same files the docker image is made of, into /var/lib/ptrain/rootfs) and otherwise only sets
-WORKDIR, ENV and COPYs files of its context (metadata such as LABEL, EXPOSE or CMD is
-ignored: nothing runs them). Anything else (RUN, ADD, USER, ARG, a second stage, a prebuilt
-`docker_image`) needs the image the Dockerfile builds: `plan` raises `NeedsImage` naming the
-line, never a silently different environment.
+A task qualifies when its Dockerfile only puts files on a base whose root file system is
+unpacked on this machine (bwrap_plan.py: `plan`, `NeedsImage`, re-exported here; `bash
+sandbox/setup_host.sh` unpacks ptrain-term-base's, the same files its docker image is made
+of). Anything else needs the image the Dockerfile builds: `plan` raises `NeedsImage` naming
+the line, never a silently different environment.
 
 `Box` is the `Container` of this backend (the same methods, so `Harness`, `Episode`, `Shell`
 and the verifier are the docker backend's code): one `bwrap` process per episode with
@@ -30,9 +28,7 @@ episode survives into the next.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
-import fnmatch
 import json
 import logging
 import os
@@ -45,14 +41,13 @@ import subprocess
 import threading
 import time
 
+from sandbox.terminal.bwrap_plan import ROOTFS_DIR, NeedsImage, Plan, bases, plan  # noqa: F401
 from sandbox.terminal.container import CappedBuffer, ExecResult, Limits
 from sandbox.terminal.hostfs import ConfinedRoot
-from sandbox.terminal.image import _context_files, _logical_lines, _mapped
 from sandbox.terminal.reset import _children, kill_tree
 
 log = logging.getLogger("sandbox.terminal")
 
-ROOTFS_DIR = os.environ.get("PTRAIN_TERM_ROOTFS_DIR", "/var/lib/ptrain/rootfs")
 _READ_ONLY = ("usr", "etc", "var")  # of the base's top level; the rest is made writable
 _CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "SETPCAP",
          "NET_BIND_SERVICE", "SYS_CHROOT")  # docker's defaults minus _CAP_DROP's four
@@ -72,12 +67,6 @@ if sys.argv[2] not in ("root", "0"):
     os.environ["HOME"] = u.pw_dir
 os.execvp(sys.argv[4], sys.argv[4:])
 """
-_METADATA = {"LABEL", "EXPOSE", "CMD", "ENTRYPOINT", "HEALTHCHECK", "MAINTAINER",
-             "STOPSIGNAL", "SHELL", "VOLUME", "ONBUILD"}
-
-
-class NeedsImage(RuntimeError):
-    """The task's environment is more than files on a known base: use the docker backend."""
 
 
 def unavailable() -> str | None:
@@ -98,149 +87,8 @@ def unavailable() -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# What a task's environment is, as files
-# ---------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """A task's environment for bwrap: the base's root, the work dir, the environment and
-    the files its Dockerfile copies in ((host path, sandbox path), in order)."""
-    image: str
-    rootfs: str
-    workdir: str
-    env: tuple[tuple[str, str], ...]
-    copies: tuple[tuple[str, str], ...]
-    dirs: tuple[str, ...]  # made empty (WORKDIR, COPY of an empty directory)
-
-
-def bases(rootfs_dir: str = ROOTFS_DIR) -> dict[str, dict]:
-    """{image name: its description (rootfs dir, env, workdir)} of the unpacked bases."""
-    out = {}
-    for name in sorted(os.listdir(rootfs_dir)) if os.path.isdir(rootfs_dir) else ():
-        if name.endswith(".json"):
-            with open(os.path.join(rootfs_dir, name)) as f:
-                meta = json.load(f)
-            meta["rootfs"] = os.path.join(rootfs_dir, name[:-len(".json")])
-            if os.path.isdir(meta["rootfs"]):
-                out[meta["image"]] = meta
-    return out
-
-
-def plan(task, *, image_map=None, rootfs_dir: str = ROOTFS_DIR) -> Plan:
-    """The task's environment as files on an unpacked base, or `NeedsImage` saying why not."""
-    image_map = dict(image_map or {})
-    if task.dockerfile is None:
-        raise NeedsImage(f"{task.name}: runs in the prebuilt image {task.docker_image!r}, "
-                         f"which bwrap cannot provide; use the docker backend")
-    known = bases(rootfs_dir)
-    with open(task.dockerfile, encoding="utf-8") as f:
-        text = f.read()
-    allowed = {rel: host for rel, host, _ in
-               _context_files(task.context_dir, task.context_exclude, task.dockerfile)}
-    where = os.path.relpath(task.dockerfile, task.path)
-    base, workdir, env, copies, dirs = None, None, {}, [], []
-
-    def refuse(line, why):
-        raise NeedsImage(f"{task.name}: {where} line {line}: {why}; it needs the image its "
-                         f"Dockerfile builds: use the docker backend")
-
-    for line, _, inst in _logical_lines(text):
-        word, _, rest = inst.partition(" ")
-        op, rest = word.upper(), rest.strip()
-        if op == "FROM":
-            if base is not None:
-                refuse(line, "a second FROM (a multi-stage build)")
-            tokens = [t for t in rest.split() if not t.startswith("--")]
-            name = _mapped(tokens[0], image_map) if tokens else ""
-            if name not in known and f"{name}:latest" in known:
-                name = f"{name}:latest"
-            if name not in known:
-                refuse(line, f"FROM {tokens[0] if tokens else ''}: no unpacked root file "
-                             f"system of {name!r} in {rootfs_dir} (bases there: "
-                             f"{sorted(known) or 'none'})")
-            base = known[name]
-            workdir, env = base.get("workdir") or "/", dict(base.get("env") or {})
-        elif base is None:
-            refuse(line, f"{op} before FROM")
-        elif op == "WORKDIR":
-            workdir = os.path.normpath(os.path.join(workdir, _expand(rest, env)))
-            dirs.append(workdir)
-        elif op == "ENV":
-            env.update(_env_pairs(rest))
-        elif op == "COPY":
-            args = rest.split()
-            if any(a.startswith("--") for a in args) or len(args) < 2:
-                refuse(line, f"COPY {rest} (only `COPY SRC... DEST` of context files)")
-            *srcs, dest = [_expand(a, env) for a in args]
-            dest = os.path.normpath(os.path.join(workdir, dest)) + ("/" if dest.endswith("/")
-                                                                   else "")
-            for src in srcs:
-                found = sorted(rel for rel in allowed
-                               if fnmatch.fnmatch(rel, os.path.normpath(src)))
-                if not found:
-                    refuse(line, f"COPY {src}: not in the build context")
-                into_dir = dest.endswith("/") or len(srcs) > 1 or any(
-                    ch in src for ch in "*?[")
-                for rel in found:
-                    host = allowed[rel]
-                    if os.path.isdir(host) and not os.path.islink(host):
-                        below = [r for r in allowed if r.startswith(rel + "/")]
-                        target = dest.rstrip("/")
-                        dirs.append(target)
-                        for r in below:
-                            h = allowed[r]
-                            path = os.path.join(target, os.path.relpath(r, rel))
-                            if os.path.isdir(h) and not os.path.islink(h):
-                                dirs.append(path)
-                            elif os.path.isfile(h) and not os.path.islink(h):
-                                copies.append((h, path))
-                            else:
-                                refuse(line, f"COPY {src}: {r} is not a regular file")
-                    elif os.path.isfile(host) and not os.path.islink(host):
-                        path = (os.path.join(dest, os.path.basename(rel)) if into_dir
-                                else dest.rstrip("/"))
-                        copies.append((host, path))
-                    else:
-                        refuse(line, f"COPY {src}: {rel} is not a regular file")
-        elif op not in _METADATA:
-            refuse(line, f"{op} {rest[:60]}")
-    if base is None:
-        raise NeedsImage(f"{task.name}: {where} has no FROM")
-    env.update(dict(task.env))
-    return Plan(name, base["rootfs"], workdir, tuple(env.items()), tuple(copies),
-                tuple(dict.fromkeys(dirs)))
-
-
-def _expand(word: str, env: dict) -> str:
-    from sandbox.terminal.image import _substitute
-    return _substitute(word.strip('"\''), env)
-
-
-def _env_pairs(rest: str) -> dict[str, str]:
-    import shlex
-    words = shlex.split(rest)
-    if words and "=" not in words[0]:  # the old form: ENV KEY VALUE...
-        return {words[0]: " ".join(words[1:])}
-    return dict(w.split("=", 1) for w in words)
-
-
-# ---------------------------------------------------------------------------------------------
 # The sandbox
 # ---------------------------------------------------------------------------------------------
-
-def cgroups_kill(cgroup) -> None:
-    """SIGKILL every process in `cgroup`'s run group, until none is left."""
-    for _ in range(100):
-        pids = cgroup.pids()
-        if not pids:
-            return
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.002)
-
 
 class _PtyStream:
     """The socket-like end of a pseudo-terminal (what `Shell` reads and writes)."""
@@ -297,7 +145,7 @@ class Box:
     def _argv(self, info_fd: int) -> list[str]:
         root, mb = self.plan.rootfs, self.limits.storage_mb or self.limits.memory_mb
         argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "0", "--gid", "0",
-                "--die-with-parent", "--new-session", "--hostname", "task",
+                "--die-with-parent", "--new-session", "--hostname", "task", "--disable-userns",
                 "--cap-drop", "ALL", *[a for c in _CAPS for a in ("--cap-add", f"CAP_{c}")],
                 "--size", str(mb << 20), "--tmpfs", "/", "--info-fd", str(info_fd)]
         if self.limits.network:
@@ -384,7 +232,7 @@ class Box:
                 pipe.close()
         if self._cgroup is not None:
             if keep_cgroup:  # emptied: what pid 1's death left (an nsenter'd straggler)
-                cgroups_kill(self._cgroup)
+                self._cgroup.kill_run()
             else:
                 self._cgroup.remove()
                 self._cgroup = None
