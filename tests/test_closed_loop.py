@@ -47,13 +47,47 @@ def _tiny_config(staleness, steps=4):
     return c
 
 
+class RoomProfile:
+    """Which rooms (files of ptrain/ and sandbox/) one thread's calls enter, and which are
+    re-entered: called while already on the thread's stack below another room (the old
+    closed_loop -> learner -> closed_loop -> rollout -> ... pattern). A `sys.setprofile`
+    hook; the stack is seeded with the frames live when it starts."""
+
+    PACKAGES = tuple(os.path.join(ROOT, d) + os.sep for d in ("ptrain", "sandbox"))
+
+    def __init__(self):
+        self.stack, self.entered, self.reentered = [], set(), []
+        frame = sys._getframe(1)
+        while frame is not None:
+            self.stack.insert(0, self._room(frame))
+            frame = frame.f_back
+
+    def _room(self, frame):
+        path = frame.f_code.co_filename
+        return os.path.relpath(path, ROOT) if path.startswith(self.PACKAGES) else None
+
+    def __call__(self, frame, event, arg):
+        if event == "call":
+            room = self._room(frame)
+            if room is not None:
+                self.entered.add(room)
+                top = next((r for r in reversed(self.stack) if r is not None), None)
+                if room != top and room in self.stack:
+                    self.reentered.append((room, [r for r in self.stack if r]))
+            self.stack.append(room)
+        elif event == "return" and self.stack:
+            self.stack.pop()
+
+
 class Watched(rollout.Tasks):
     """A real Tasks producer that records the order of its calls and the parameters each
     generate() got. With `hold`, score(i) waits (bounded) until generate(i+1) has started:
-    only an overlapped loop lets it through."""
+    only an overlapped loop lets it through. With `profile`, the learner's thread is
+    profiled from generate(2) to generate(3): one whole RL step (`RoomProfile`)."""
 
     hold = False
     steps = 0
+    profile = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -69,6 +103,11 @@ class Watched(rollout.Tasks):
     def generate(self, params, records, key):
         self.generated += 1
         i = self.generated
+        if self.profile is not None and i in (2, 3):
+            sys.setprofile(None)
+            if i == 2:
+                type(self).profile = RoomProfile()
+                sys.setprofile(self.profile)
         leaves = jax.tree.leaves(params)
         self.fingerprints.append(float(sum(np.abs(np.asarray(x)).sum() for x in leaves)))
         self._log(("generate", i))
@@ -89,9 +128,10 @@ class Watched(rollout.Tasks):
         return out
 
 
-def _run(tmp_path, monkeypatch, staleness, hold):
+def _run(tmp_path, monkeypatch, staleness, hold, profile=False):
     config = _tiny_config(staleness)
-    watched = type("W", (Watched,), {"hold": hold, "steps": config.steps})
+    watched = type("W", (Watched,), {"hold": hold, "steps": config.steps,
+                                     "profile": False if profile else None})
     instances = []
     monkeypatch.setattr(rollout, "Tasks",
                         lambda *a, **k: instances.append(watched(*a, **k)) or instances[-1])
@@ -127,7 +167,15 @@ def _untimed(rows):
 
 
 def test_staleness_zero_is_exactly_on_policy_and_equals_the_plain_loop(tmp_path, monkeypatch):
-    config, p, rows, evals = _run(tmp_path, monkeypatch, staleness=0, hold=False)
+    config, p, rows, evals = _run(tmp_path, monkeypatch, staleness=0, hold=False,
+                                  profile=True)
+    # One RL step (step 2, followed call by call in the learner's thread) enters each room
+    # once: no file of ptrain/ or sandbox/ is called while it is already on the stack.
+    step = type(p).profile
+    assert step.reentered == [], step.reentered[:3]
+    # (The jitted programs of step.py run from jax's cached C++ path: no Python frame.)
+    assert {"ptrain/learner.py", "ptrain/rollout.py", "ptrain/batch.py", "ptrain/rewards.py",
+            "ptrain/metrics.py", "sandbox/pool.py"} <= step.entered, sorted(step.entered)
     ev = p.events
     for i in range(1, config.steps):  # strictly serial: score(i) ends before generate(i+1)
         assert ev.index(("score_end", i)) < ev.index(("generate", i + 1)), ev
