@@ -1,10 +1,10 @@
 """The 1M-token plan: Llama-3.1-8B shapes trained on 1,048,576-token sequences (a dry run).
 
 Nothing is downloaded or run: `launch.plan` builds the model abstractly, compiles the
-long-context training step (`ptrain.step.packed_update`: ring attention over the `sequence`
-axis, zigzag layout, full remat per layer, chunked log-probs per sequence shard, AdamW with
-float32 parameters and moments, bfloat16 compute) for the mesh below on simulated CPU
-devices, and reports per-device memory and FLOPs.
+long-context training step (`ptrain.step.packed_update`, the step packed SFT runs: ring
+attention over the `sequence` axis, zigzag layout, full remat per layer, chunked log-probs
+per sequence shard, AdamW with float32 parameters and moments, bfloat16 compute) for the mesh
+below on simulated CPU devices, and reports per-device memory and FLOPs.
 
 Command:  python -m launch.plan --config=configs/long_context_1m.py --out=plan_1m.json
           python -m launch.plan --config=configs/long_context_1m.py --search --out=search.json

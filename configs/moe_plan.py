@@ -1,7 +1,7 @@
 """MoE memory plans (dry runs): Qwen3-30B-A3B at 32k tokens, and a Kimi-K2-class model.
 
 Nothing is downloaded or run: `launch.plan` builds the model abstractly and, with --search,
-compiles the packed training step (`ptrain.step.packed_update`: AdamW with float32
+compiles the packed training step (`ptrain.step.packed_update`, packed SFT's: AdamW, float32
 parameters and moments, bfloat16 compute, full remat) for the candidate meshes of each device
 count, the expert axis among them (`ptrain.plan.candidate_meshes`), on simulated CPU devices.
 Shapes from the public config.json files: Qwen/Qwen3-30B-A3B; moonshotai/Kimi-K2-Instruct

@@ -141,10 +141,16 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
     c.optim = _optim()
     # Supervised warm start (`learner.sft`): records hold prompt_ids + completion_ids (or
     # prompt + completion text with a tokenizer); the loss covers completion tokens only.
+    # packing: records back to back in batch_size rows of seq_len tokens (a record that does
+    # not fit waits for the next step), segment ids and positions restarting per record,
+    # `step.packed_update` (over mesh sequence > 1: model.attention_impl="ring", in `layout`,
+    # long_context.LAYOUTS); a record over seq_len is an error unless truncate (its first
+    # seq_len tokens). Unpacked, each record is a row of max_prompt_len + max_completion_len.
     c.sft = dict(sources=(), records_fn=None, steps=0, batch_size=8, max_prompt_len=64,
                  max_completion_len=64, microbatch_size=0,
                  checkpoint_every=0,  # 0: checkpoint.every (SFT steps are often much shorter)
-                 optim=_optim(lr=1e-3))
+                 optim=_optim(lr=1e-3),
+                 packing=False, seq_len=1024, truncate=False, layout="contiguous")
     c.log = dict(every=1, rollouts_every=10, num_rollouts=4)
     c.checkpoint = dict(every=10, keep=3, async_save=True)
     # What stops or warns (ptrain/alerts.py): actions "stop" | "warn" | "off", thresholds.
@@ -287,6 +293,18 @@ def _check_values(config):
         (config.sft.microbatch_size == 0
          or config.sft.batch_size % config.sft.microbatch_size == 0,
          "sft.microbatch_size must divide sft.batch_size"),
+        (not config.sft.packing or (config.sft.microbatch_size == 0 and config.sft.seq_len > 0
+                                    and config.sft.layout in ("contiguous", "zigzag")),
+         "sft.packing: sft.seq_len must be > 0, sft.microbatch_size 0 (one packed batch a "
+         "step) and sft.layout 'contiguous' or 'zigzag'"),
+        (not config.sft.packing or config.sft.layout == "contiguous"
+         or config.model.attention_impl == "ring",
+         f"sft.layout={config.sft.layout!r} balances ring attention: set "
+         "model.attention_impl='ring' or sft.layout='contiguous'"),
+        (not config.sft.packing or not config.model.n_experts or not (
+            config.model.router_aux_loss_coef or config.model.router_z_loss_coef),
+         "sft.packing does not add the MoE router's aux and z losses yet: set their "
+         "coefficients to 0 or sft.packing=False"),
         (rl.logprob_microbatch_size == 0 or (
             rl.logprob_microbatch_size % s.num_samples == 0
             and d.prompts_per_step * s.num_samples % rl.logprob_microbatch_size == 0),
@@ -431,6 +449,13 @@ def _check_mesh_sizes(config, sizes):
                        f"sft's microbatch of {sft_micro} rows (sft.microbatch_size or "
                        f"sft.batch_size) does not divide over mesh data x fsdp x expert "
                        f"= {rows_axes}"))
+    sc = config.sft
+    if sc.steps and sc.packing and seq > 1:
+        chunks = seq * (2 if sc.layout == "zigzag" else 1)
+        checks.append((sc.seq_len % chunks == 0 and config.model.attention_impl == "ring",
+                       f"packed SFT over mesh sequence={seq}: sft.seq_len={sc.seq_len} must "
+                       f"divide into {chunks} chunks ({sc.layout}) and model.attention_impl "
+                       "must be 'ring' (ring attention over the sequence axis)"))
     if seq > 1:
         length = config.rollout.max_len if "rollout" in config else s.max_new_tokens
         prompt = config.data.max_prompt_len

@@ -51,6 +51,7 @@ from ptrain import lookahead as lookahead_lib
 from ptrain import losses
 from ptrain import metrics as metrics_lib
 from ptrain import model as model_lib
+from ptrain import packing
 from ptrain import rollout as rollout_lib
 from ptrain import routing
 from ptrain import sharding
@@ -193,6 +194,17 @@ class Learner:
         batch = sharding.from_process_local(episodes.arrays(), self.mesh,
                                             global_rows=len(episodes) * blocks)
         return fn(params, opt_state, batch, jnp.float32(0.0))
+
+    def sft_packed_update(self, params, opt_state, batch):
+        """One supervised step on a packed batch (`packing.packed_batch`, this process's
+        rows): `step.jit_packed_update`, the program `ptrain.plan` compiles; the inputs are
+        donated. metrics["loss"] is the loss before the update."""
+        fn = step_lib.jit_packed_update(self.graphdef, self.sft_tx, self.mesh,
+                                        self.sft_settings.chunk)
+        blocks = sharding.row_block(self.mesh)[1]
+        rows = len(batch["tokens_bt"])
+        return fn(params, opt_state, sharding.from_process_local(batch, self.mesh,
+                                                                 global_rows=rows * blocks))
 
 
 def reference_params(params, dtype: str = "float32"):
@@ -448,9 +460,37 @@ def sft_episodes(learner: Learner, records, *, prompt_len, length) -> Batch:
                               pad_id=learner.pad_id)
 
 
+def sft_document(learner: Learner, record):
+    """A (prompt, completion) record as one packed document: (token ids, loss weights), the
+    weights 0 on the prompt, the record's completion_mask (default 1) on the completion."""
+    prompt = learner.encode(record, "prompt_ids", "prompt")
+    completion = learner.encode(record, "completion_ids", "completion")
+    mask = list(record.get("completion_mask", [1] * len(completion)))
+    return list(prompt) + list(completion), [0.0] * len(prompt) + [float(m) for m in mask]
+
+
+def _packed_sft(learner: Learner, records, state):
+    """sft.packing's stream and the function from its rows to a step's packed batch."""
+    sc, mesh = learner.config.sft, learner.mesh
+    packer = packing.Packer(records, lambda r: sft_document(learner, r), state=state,
+                            rows=sc.batch_size // sharding.row_block(mesh)[1],
+                            seq_len=sc.seq_len, truncate=sc.truncate)
+    shards = 1 if mesh is None else mesh.shape["sequence"]
+
+    def next_batch():
+        tokens_bt, seg_bt, weights_bt, docs = packer.next_rows()
+        batch = packing.packed_batch(tokens_bt, seg_bt, weights_bt, layout=sc.layout,
+                                     shards=shards)
+        return batch, {"sft/documents": docs, "sft/fill": float((seg_bt > 0).mean())}
+
+    return packer, next_batch
+
+
 def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
     """Supervised training on config.sft's (prompt, completion) records: token-mean negative
-    log-likelihood of the completion tokens. Resumes from `workdir`; returns the parameters."""
+    log-likelihood of the completion tokens. Resumes from `workdir`; returns the parameters.
+    With sft.packing, records go back to back in sft.batch_size rows of sft.seq_len tokens
+    (`ptrain.packing`) through `step.packed_update`, the long-context plans' step."""
     # ---------------------------------------------------------------- set-up
     c, sc = config, config.sft
     learner = Learner(c, mesh=mesh, params=params, tokenizer=tokenizer)
@@ -468,26 +508,37 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
         restored = ckpt.restore(params=params, opt_state=opt_state, rng=root_key)
         start, params, opt_state = restored.step, restored.params, restored.opt_state
         data_state = restored.data_state
-    batches = records.iterator(data_state)
+    if sc.packing:
+        batches, next_packed = _packed_sft(learner, records, data_state)
+    else:
+        batches = records.iterator(data_state)
     writer = metrics_lib.MetricsWriter(workdir, total_steps=sc.steps, start_step=start)
 
     monitor = alerts_lib.Monitor(alerts_lib.AlertConfig.from_config(c.alerts))
     for step in range(start + 1, sc.steps + 1):
         t0 = time.perf_counter()
-        try:
-            episodes = sft_episodes(learner, next(batches), prompt_len=sc.max_prompt_len,
-                                    length=sc.max_completion_len)
-        except ValueError as e:  # name the keys of the SFT section, not the RL ones
-            raise ValueError(f"SFT step {step}: {e} (prompt_len is sft.max_prompt_len="
-                             f"{sc.max_prompt_len}, the length sft.max_completion_len="
-                             f"{sc.max_completion_len})") from None
-        params, opt_state, metrics = learner.sft_update(params, opt_state, episodes)
-        metrics = sharding.to_host(metrics)
-        step_metrics = {"sft/loss": metrics["sft/loss"], "sft/entropy": metrics["sft/entropy"],
-                        "sft/grad_norm": metrics["optim/grad_norm"],
-                        **{k: v for k, v in metrics.items() if k.startswith("moe/")},
-                        "optim/lr": float(learner.sft_schedule(step - 1)),
-                        "time/step_s": time.perf_counter() - t0}
+        if sc.packing:
+            batch, step_metrics = next_packed()
+            params, opt_state, metrics = learner.sft_packed_update(params, opt_state, batch)
+            metrics = sharding.to_host(metrics)
+            step_metrics.update({"sft/loss": metrics["loss"],
+                                 "sft/grad_norm": metrics["grad_norm"]})
+        else:
+            try:
+                episodes = sft_episodes(learner, next(batches), prompt_len=sc.max_prompt_len,
+                                        length=sc.max_completion_len)
+            except ValueError as e:  # name the keys of the SFT section, not the RL ones
+                raise ValueError(f"SFT step {step}: {e} (prompt_len is sft.max_prompt_len="
+                                 f"{sc.max_prompt_len}, the length sft.max_completion_len="
+                                 f"{sc.max_completion_len})") from None
+            params, opt_state, metrics = learner.sft_update(params, opt_state, episodes)
+            metrics = sharding.to_host(metrics)
+            step_metrics = {"sft/loss": metrics["sft/loss"],
+                            "sft/entropy": metrics["sft/entropy"],
+                            "sft/grad_norm": metrics["optim/grad_norm"],
+                            **{k: v for k, v in metrics.items() if k.startswith("moe/")}}
+        step_metrics.update({"optim/lr": float(learner.sft_schedule(step - 1)),
+                             "time/step_s": time.perf_counter() - t0})
         fired = monitor.check(step, step_metrics)
         if step % c.log.every == 0 or step == sc.steps or fired:
             writer.write(step, {**step_metrics, **alerts_lib.as_metrics(fired)})

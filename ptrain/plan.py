@@ -9,9 +9,11 @@ compiles the functions of `ptrain.step` that the learner runs.
   compile_plan     `step.packed_update` (a plan config, `ptrain.config.plan_defaults`):
                    packed documents of `seq_len` tokens, ring attention over `sequence`,
                    token-mean next-token loss, AdamW from `step.make_optimizer`; FLOPs from
-                   `compiled.cost_analysis()`. The learner's RL and SFT updates run each
-                   prompt through a KV cache that is not sharded over time, so at long
-                   context (configs/long_context_1m.py) this is the step to plan.
+                   `compiled.cost_analysis()`. It is packed SFT's step (`learner.sft` with
+                   sft.packing), compiled through the same `step.jit_packed_update`; the
+                   batch is `packing.packed_batch`'s. The RL and unpacked SFT updates run
+                   each prompt through a KV cache that is not sharded over time, so at long
+                   context (configs/long_context_1m.py) packed SFT is the step to plan.
   compile_rl_step  the learner's own RL step for a learner config (`ptrain.config.defaults`,
                    e.g. configs/grpo_toy.py with its mesh sizes named): the sampler's
                    prefill and decode loop (`Sampler.compile`), `step.prepare`, then
@@ -31,7 +33,6 @@ inputs among them): for bfloat16 compute they are an upper bound. Keep headroom 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import json
 import logging
@@ -41,21 +42,19 @@ import time
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import long_context
 from ptrain import config as config_lib
 from ptrain import critic as critic_lib
 from ptrain import model as model_lib
 from ptrain import moe
+from ptrain import packing
 from ptrain import sharding
 from ptrain import step as step_lib
 from ptrain.plan_estimate import estimate
 
 GIB = 1 << 30
-BATCH_KEYS = ("tokens_bt", "positions_bt", "segment_ids_bt", "targets_bt", "loss_mask_bt")
 
 
 # ==================================================================================== config
@@ -107,33 +106,6 @@ def check_shapes(mc, mesh_shape, *, seq_len, batch, layout) -> None:
     long_context.layout_permutation(seq_len, layout, mesh_shape.get("sequence", 1))
 
 
-# ======================================================================= the packed batch
-
-
-def packed_batch(tokens_bt, segment_ids_bt, *, layout="contiguous", shards=1):
-    """The host batch of `step.packed_update` from packed documents (segment id 0: padding).
-
-    Positions restart at each document; the target of a token is the next token of its
-    document (the loss mask is 0 at a document's last token and on padding). The arrays are
-    then put in `layout` over `shards` sequence shards; positions travel with the tokens.
-    """
-    tokens_bt, seg_bt = np.asarray(tokens_bt, np.int32), np.asarray(segment_ids_bt, np.int32)
-    if tokens_bt.shape != seg_bt.shape or tokens_bt.ndim != 2:
-        raise ValueError(f"tokens {tokens_bt.shape} and segment ids {seg_bt.shape} must be "
-                         "the same [batch, time] shape")
-    t = tokens_bt.shape[1]
-    idx_bt = np.broadcast_to(np.arange(t), tokens_bt.shape)
-    new_doc_bt = np.ones(tokens_bt.shape, bool)
-    new_doc_bt[:, 1:] = seg_bt[:, 1:] != seg_bt[:, :-1]
-    positions_bt = idx_bt - np.maximum.accumulate(np.where(new_doc_bt, idx_bt, 0), axis=1)
-    same_next_bt = np.zeros(tokens_bt.shape, bool)
-    same_next_bt[:, :-1] = seg_bt[:, 1:] == seg_bt[:, :-1]
-    batch = {"tokens_bt": tokens_bt, "positions_bt": positions_bt.astype(np.int32),
-             "segment_ids_bt": seg_bt, "targets_bt": np.roll(tokens_bt, -1, axis=1),
-             "loss_mask_bt": ((seg_bt > 0) & same_next_bt).astype(np.float32)}
-    return {k: long_context.reorder(x, layout, shards, axis=1) for k, x in batch.items()}
-
-
 # ======================================================================== compiled plans
 
 
@@ -165,16 +137,8 @@ def abstract_inputs(mc, mesh, *, seq_len, batch, optim):
     bt = sharding.named(mesh, ("batch", "seq"), (batch, seq_len))
     batch = {k: jax.ShapeDtypeStruct((batch, seq_len),
                                      jnp.float32 if k == "loss_mask_bt" else jnp.int32,
-                                     sharding=bt) for k in BATCH_KEYS}
+                                     sharding=bt) for k in packing.BATCH_KEYS}
     return graphdef, params, opt_state, batch, tx
-
-
-def jit_step(graphdef, tx, mesh, params, opt_state, *, chunk):
-    """`step.packed_update` jitted with the state's shardings in and out, the state donated."""
-    shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
-    replicated = NamedSharding(mesh, P())
-    return jax.jit(functools.partial(step_lib.packed_update, graphdef=graphdef, tx=tx, chunk=chunk),
-                   out_shardings=(*shardings, replicated), donate_argnums=(0, 1))
 
 
 def compile_plan(mc, mesh_shape, *, seq_len, batch, optim, chunk, layout="contiguous",
@@ -185,7 +149,7 @@ def compile_plan(mc, mesh_shape, *, seq_len, batch, optim, chunk, layout="contig
     t0 = time.perf_counter()
     graphdef, params, opt_state, batch_in, tx = abstract_inputs(
         mc, mesh, seq_len=seq_len, batch=batch, optim=optim)
-    step = jit_step(graphdef, tx, mesh, params, opt_state, chunk=chunk)
+    step = step_lib.jit_packed_update(graphdef, tx, mesh, chunk)  # packed SFT's program
     compiled = step.lower(params, opt_state, batch_in).compile()
     seconds = time.perf_counter() - t0
     memory = _memory(compiled)

@@ -10,7 +10,8 @@
                   accumulated over microbatches), for the policy ("rl"), the critic
                   ("critic") or supervised training ("sft"): `jit_update`
   packed_update   one AdamW step on packed sequences (documents back to back, ring attention
-                  over `sequence`): the long-context step `ptrain.plan` compiles
+                  over `sequence`): packed SFT (`learner.sft` with sft.packing), and the
+                  long-context step `ptrain.plan` compiles, both through `jit_packed_update`
 
 The static settings of each program are a `ptrain.config.StepSettings` (`config.resolve`).
 Shapes are fixed by the config, so every program compiles once.
@@ -402,15 +403,20 @@ def update(params, opt_state, batch, kl_coef, *, graphdef, s: StepSettings, tx, 
 
     order = jnp.tile(jnp.arange(m), s.epochs)
     (params, opt_state), metrics = jax.lax.scan(minibatch, (params, opt_state), order)
-    if mesh is not None:
-        # Out as they came in (sharded by their `axes`): left to the partitioner, some come
-        # out sharded otherwise (norm scales over fsdp), and every program that takes them
-        # (sampler, prepare, this update) would compile a second time at step 2.
-        shardings = sharding.state_shardings(params, mesh)
-        params = jax.lax.with_sharding_constraint(params, shardings)
-        opt_state = jax.lax.with_sharding_constraint(
-            opt_state, opt_state_shardings(tx, params, shardings, mesh))
+    params, opt_state = _as_they_came(params, opt_state, tx, mesh)
     return params, opt_state, jax.tree.map(lambda v: v.mean(0), metrics)
+
+
+def _as_they_came(params, opt_state, tx, mesh):
+    """The updated state sharded by its `axes`, as it came in: left to the partitioner, some
+    leaves come out sharded otherwise (norm scales over fsdp), and every program that takes
+    them (sampler, prepare, the update) would compile a second time at step 2."""
+    if mesh is None:
+        return params, opt_state
+    shardings = sharding.state_shardings(params, mesh)
+    params = jax.lax.with_sharding_constraint(params, shardings)
+    return params, jax.lax.with_sharding_constraint(
+        opt_state, opt_state_shardings(tx, params, shardings, mesh))
 
 
 def _router_totals(params, mb, graphdef, s: StepSettings):
@@ -436,9 +442,10 @@ def jit_update(graphdef, settings, tx, mesh):
 # ============================================================================ packed update
 
 
-def packed_update(params, opt_state, batch, *, graphdef, tx, chunk):
-    """One AdamW step on packed sequences: token-mean negative log-likelihood of the
-    targets where loss_mask_bt is 1. Returns (params, opt_state, {"loss", "grad_norm"})."""
+def packed_update(params, opt_state, batch, *, graphdef, tx, chunk, mesh=None):
+    """One AdamW step on packed sequences (`ptrain.packing.packed_batch`): token-mean negative
+    log-likelihood of the targets where loss_mask_bt is 1. Returns (params, opt_state,
+    {"loss", "grad_norm"}); with a mesh the state comes out sharded as it came in."""
 
     def loss_fn(params):
         model = nnx.merge(graphdef, params)
@@ -451,5 +458,14 @@ def packed_update(params, opt_state, batch, *, graphdef, tx, chunk):
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
-    return optax.apply_updates(params, updates), opt_state, metrics
+    params, opt_state = _as_they_came(optax.apply_updates(params, updates), opt_state, tx, mesh)
+    return params, opt_state, metrics
 
+
+@functools.cache
+def jit_packed_update(graphdef, tx, mesh, chunk):
+    """`packed_update` jitted for these static arguments (cached), params and opt_state
+    donated: the one program packed SFT (`learner.sft` with sft.packing) runs and
+    `ptrain.plan.compile_plan` compiles."""
+    return jax.jit(functools.partial(packed_update, graphdef=graphdef, tx=tx, chunk=chunk,
+                                     mesh=mesh), donate_argnums=(0, 1))

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from ptrain import model as M
+from ptrain import packing
 from ptrain import plan
 from ptrain import sharding
 from ptrain import step as step_lib
@@ -28,6 +29,20 @@ pytestmark = pytest.mark.xdist_group("plan")  # the module fixture compiles once
 def by_sequence():
     """Plans of the tiny model over sequence = 1, 2, 4, 8 devices."""
     return {s: plan.compile_plan(TINY, {"sequence": s}, **COMMON) for s in (1, 2, 4, 8)}
+
+
+def test_the_plan_compiles_packed_sfts_own_program(monkeypatch):
+    """compile_plan's program is `step.jit_packed_update`'s, the one `learner.sft` runs with
+    sft.packing (tests/test_packing.py spies on the learner's side)."""
+    calls = []
+    real = step_lib.jit_packed_update
+    monkeypatch.setattr(step_lib, "jit_packed_update", lambda *a: calls.append(a) or real(*a))
+    plan.compile_plan(TINY, {"sequence": 2}, **{**COMMON, "seq_len": 256})
+    (graphdef, tx, mesh, chunk), = calls
+    assert chunk == COMMON["chunk"] and dict(mesh.shape)["sequence"] == 2
+    jitted = real(graphdef, tx, mesh, chunk)
+    assert jitted is real(graphdef, tx, mesh, chunk)  # cached: one program per settings
+    assert jitted.__wrapped__.func is step_lib.packed_update
 
 
 def test_report_accounts_for_the_state(by_sequence):
@@ -122,11 +137,11 @@ def test_bad_input_gives_clear_errors():
 def test_packed_batch_positions_targets_and_mask():
     tokens = np.arange(10, 20)[None]
     segments = np.array([[1, 1, 1, 2, 2, 2, 2, 0, 0, 0]])
-    batch = plan.packed_batch(tokens, segments)
+    batch = packing.packed_batch(tokens, segments)
     np.testing.assert_array_equal(batch["positions_bt"], [[0, 1, 2, 0, 1, 2, 3, 0, 1, 2]])
     np.testing.assert_array_equal(batch["targets_bt"][0, :6], [11, 12, 13, 14, 15, 16])
     np.testing.assert_array_equal(batch["loss_mask_bt"], [[1, 1, 0, 1, 1, 1, 0, 0, 0, 0]])
-    zigzag = plan.packed_batch(tokens[:, :8], segments[:, :8], layout="zigzag", shards=2)
+    zigzag = packing.packed_batch(tokens[:, :8], segments[:, :8], layout="zigzag", shards=2)
     np.testing.assert_array_equal(zigzag["tokens_bt"], [[10, 11, 16, 17, 12, 13, 14, 15]])
     np.testing.assert_array_equal(zigzag["positions_bt"], [[0, 1, 3, 0, 2, 0, 1, 2]])
 
@@ -151,7 +166,7 @@ def test_step_on_a_sequence_mesh_equals_a_dense_step():
         mask = batch["loss_mask_bt"]
         return -(logp * mask).sum() / mask.sum()
 
-    batch = plan.packed_batch(tokens, segments)
+    batch = packing.packed_batch(tokens, segments)
     graphdef = nnx.graphdef(M.init(config.replace(attention_impl="reference")))
     loss, grads = jax.value_and_grad(dense_loss)(params0, batch)
     updates, _ = tx.update(grads, tx.init(params0), params0)
@@ -162,8 +177,8 @@ def test_step_on_a_sequence_mesh_equals_a_dense_step():
                                                          optim=optim)
     params = jax.device_put(params0, jax.tree.map(lambda x: x.sharding, abstract_params))
     opt_state = jax.jit(tx.init, out_shardings=jax.tree.map(lambda x: x.sharding, opt))(params)
-    step = plan.jit_step(g, tx, mesh, abstract_params, opt, chunk=16)
-    zigzag = sharding.shard_batch(plan.packed_batch(tokens, segments, layout="zigzag",
+    step = step_lib.jit_packed_update(g, tx, mesh, 16)  # packed SFT's program
+    zigzag = sharding.shard_batch(packing.packed_batch(tokens, segments, layout="zigzag",
                                                     shards=2), mesh)
     new_params, _, metrics = jax.device_get(step(params, opt_state, zigzag))
     np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
