@@ -11,7 +11,7 @@ Command:  python -m launch.train --config=configs/sft_packed_toy.py --workdir=ru
           XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m launch.train \
             --config=configs/sft_packed_toy.py --config.mesh.sequence=2 --workdir=runs/sp2
             (ring attention over 2 sequence shards in the zigzag layout: the same losses)
-Hardware: any CPU (2 cores: about a minute, compilation included).
+Hardware: any CPU (2 cores: about 20 s, compilation included).
 Expected: <workdir>/sft/metrics.jsonl: sft/loss falls from 3.48 (about ln 32) to 2.26 at
           step 150, about 33 records per step (sft/documents), rows over 92% filled
           (sft/fill); with --config.mesh.sequence=2 the same losses to float32 tolerance
