@@ -175,9 +175,9 @@ def test_token_logprobs_sequence_parallel(initial_params):
                                          chunk=4)
             return (weights * logp).sum() + 0.1 * ent.sum(), (logp, ent)
 
-        fn = jax.jit(jax.value_and_grad(f, has_aux=True))
-        hlo = fn.lower(learner.initial_params).compile().as_text()
-        return jax.device_get(fn(learner.initial_params)), all_gather_shapes(hlo)
+        # One compile: the values come from the executable whose HLO is inspected.
+        fn = jax.jit(jax.value_and_grad(f, has_aux=True)).lower(learner.initial_params).compile()
+        return jax.device_get(fn(learner.initial_params)), all_gather_shapes(fn.as_text())
 
     expected, _ = run(None)
     got, gathered = run(sharding.make_mesh(fsdp=2, sequence=4))
