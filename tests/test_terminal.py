@@ -136,7 +136,10 @@ MANIFEST = (
     "find /dev -xdev -printf '%y %m %U %G %p -> %l\n' | LC_ALL=C sort && "
     "ls -A /dev/shm /dev/mqueue && stat -c '%n %f %t %T %u %g' /dev/* && "
     "cat /etc/hosts /etc/hostname /etc/resolv.conf /proc/sysvipc/shm /proc/sysvipc/msg && "
-    "ps -eo user,args --no-headers | sort")
+    # Every process but this shell and its children (ps, awk, sort: a child caught between
+    # fork and exec would show as a second copy of this shell).
+    "ps -eo pid=,ppid=,user=,args= | awk -v me=$$ '$1 != me && $2 != me {$1 = $2 = x; print}'"
+    " | LC_ALL=C sort")
 
 DIRTY = [
     "echo dirty > /tmp/dirty.txt; mkdir -p /opt/new/sub; echo y > /opt/new/sub/f",
