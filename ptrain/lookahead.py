@@ -88,9 +88,13 @@ class LookAhead:
             self._wait(self.generating)
         data_state = self.batches.get_state()
         records = next(self.batches)
-        weights = jax.tree.map(jnp.copy, params)
+        threaded = jax.process_count() == 1
+        keep = self._saves(now, step - 1)
+        # A copy where the generation outlives this call (its thread runs on while the update
+        # donates `params`) or a save may need these weights; otherwise `params` as they are.
+        weights = jax.tree.map(jnp.copy, params) if threaded or keep else params
         key = jax.random.fold_in(self.root_key, step)
-        if jax.process_count() > 1:
+        if not threaded:
             # Many processes must issue the same device programs in the same order (their
             # collectives pair up across processes); a generation thread would interleave
             # its programs with the learner's differently on each process, and they hang.
@@ -103,7 +107,7 @@ class LookAhead:
         scored = self.scorer.submit(lambda: self.producer.score(generated.result()))
         self.generating = generated
         self.pending.append(Pending(step, version(step, self.k), scored, data_state,
-                                    weights if self._saves(now, step - 1) else None))
+                                    weights if keep else None))
 
     def start(self, step: int, params_list) -> None:
         """At a run's first step (or a resumed run's): the batches of step .. step + k - 1,

@@ -172,14 +172,12 @@ class Cgroup:
         self.made = []
 
 
-def _kill_all(path: str, timeout_s: float = 5.0) -> None:
+def kill_until_gone(list_pids, timeout_s: float) -> None:
+    """SIGKILL every pid `list_pids()` returns, again, until it returns none or `timeout_s`
+    passes (a process may fork between a listing and its kill)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            with open(os.path.join(path, "cgroup.procs")) as f:
-                pids = [int(p) for p in f.read().split()]
-        except OSError:
-            return
+        pids = list_pids()
         if not pids:
             return
         for pid in pids:
@@ -188,6 +186,16 @@ def _kill_all(path: str, timeout_s: float = 5.0) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.001)
+
+
+def _kill_all(path: str, timeout_s: float = 5.0) -> None:
+    def procs():
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                return [int(p) for p in f.read().split()]
+        except OSError:
+            return []
+    kill_until_gone(procs, timeout_s)
 
 
 def _rmdir(path: str) -> None:

@@ -336,16 +336,8 @@ class Box:
 
     def kill_processes(self) -> None:
         """Every process in the sandbox but its pid 1 and sleep (the verifier's cut)."""
-        for _ in range(50):
-            pids = self._inside()
-            if not pids:
-                return
-            for p in pids:
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.002)
+        from sandbox import cgroups
+        cgroups.kill_until_gone(self._inside, timeout_s=0.5)
 
     # --- files (from the host, through its pid 1's root: no symlink followed) ------------------
 
