@@ -63,6 +63,9 @@ class Batch:
     experts_bnlk: np.ndarray | None = None  # int [b, n, MoE layers, k]: each token's experts
     prompt_experts_bplk: np.ndarray | None = None  # int [b, p, MoE layers, k]: the prompt's
     max_len_b: np.ndarray | None = None  # int32 [b]: the row's episode's cap (0: the config's)
+    # rl.interrupt: the policy version that sampled each continuation token, int32 [b, n]
+    # (ptrain.interrupt.UNSAMPLED on observations and padding); host-only
+    versions_bn: np.ndarray | None = None
 
     @classmethod
     def from_rows(cls, prompts, continuations, loss_masks, rollout_logps, rewards, group_ids,
@@ -143,7 +146,7 @@ class Batch:
 
 
 Episodes = Batch  # the former name, for a release
-HOST_ONLY = ("meta", "max_len_b")  # Batch fields that never go to the device
+HOST_ONLY = ("meta", "max_len_b", "versions_bn")  # Batch fields that never go to the device
 
 
 def gather(batch: Batch, mesh=None) -> Batch:

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ptrain import interrupt
 from ptrain import kv_slots
 from ptrain import model as model_lib
 from ptrain import sharding
@@ -81,6 +82,9 @@ class Trajectory:
     # MoE (record_routing): the experts [tokens run, MoE layers, k] of each token the model
     # ran, as it ran them (a final observation that was not run has none)
     experts: np.ndarray | None = None
+    # (position, version): tokens from that position on were sampled by that policy version
+    # (one pair unless the generation was interrupted, ptrain/interrupt.py)
+    versions: list = dataclasses.field(default_factory=list)
 
     def completion(self, turn: int = -1) -> list[int]:
         return self.turns[turn]
@@ -262,11 +266,13 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, params, requests: Sequence[Request]) -> list[Trajectory]:
+    def generate(self, params, requests: Sequence[Request], *,
+                 live: interrupt.Live | None = None) -> list[Trajectory]:
         """Runs every request to the end; trajectories come back request-major (request i's
-        samples at i*G ... in order)."""
+        samples at i*G ... in order). live: the version of `params` and a switch that may
+        bring newer ones mid-generation (ptrain/interrupt.py)."""
         params = self._params(params)
-        run = _Run(self, params, requests)
+        run = _Run(self, params, requests, live)
         return run.loop()
 
     def metrics(self) -> dict:
@@ -311,8 +317,10 @@ def _key_data(key) -> np.ndarray:
 class _Run:
     """One `generate` call: the host-side scheduler."""
 
-    def __init__(self, engine: Engine, params, requests):
+    def __init__(self, engine: Engine, params, requests, live=None):
         self.e, self.params = engine, params
+        self.version = live.version if live is not None else 0
+        self.switch, self.decodes = live and live.switch, 0  # decode rounds so far
         self.trajs, self.waiting = [], collections.deque()
         for i, req in enumerate(requests):
             prompt = [int(t) for t in req.prompt]
@@ -334,7 +342,8 @@ class _Run:
             for g in range(req.num_samples):
                 t = Trajectory(request=i, sample=g, prompt_len=len(prompt), tokens=list(prompt),
                                mask=[0] * len(prompt), logp=[0.0] * len(prompt),
-                               logp_t1=[0.0] * len(prompt))
+                               logp_t1=[0.0] * len(prompt),
+                               versions=[(len(prompt), self.version)])
                 group.append((t, np.asarray(jax.random.key_data(jax.random.fold_in(
                     jax.random.wrap_key_data(key), g)), np.uint32)))
                 self.trajs.append(t)
@@ -348,6 +357,9 @@ class _Run:
     def loop(self):
         e = self.e
         while self.waiting or self.live or self.tools or self.ready:
+            new = self.switch and self.switch.poll(self.version, self.decodes)
+            if new:  # a round boundary: the sequences go on with the new weights
+                interrupt.swap(self, *new)
             self._admit()
             self._collect_tools(block=not self.live and not self.ready)
             self._append_observations()
@@ -419,6 +431,9 @@ class _Run:
             max_steps = e.sync_every  # come back soon for the observations
         else:
             max_steps = e.max_new_tokens
+        if self.switch is not None:  # back soon enough for a new policy version
+            max_steps = min(max_steps, self.switch.every)
+        self.decodes += 1
         start = time.perf_counter()
         # Back to the host when enough slots are free for waiting requests (or a turn
         # ended and its tool can start), or when half the bucket would hold the live rows.

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from ptrain import chat
+from ptrain import interrupt
 from ptrain import model as model_lib
 from ptrain import rewards as rewards_lib
 from ptrain import routing
@@ -64,11 +65,12 @@ class EngineSampler:
         max_len is the most tokens a sequence may hold (its prompt included), the cache's
         length; prompts and observations are prefilled in buckets of powers of two."""
         _check(top_k, top_p)
+        params, live = interrupt.unwrap(params)
         engine = self.engine(max_len=max_len, max_new_tokens=max_new_tokens,
                              num_samples=max(r.num_samples for r in requests),
                              temperature=temperature, greedy=greedy,
                              stop_token_ids=stop_token_ids, stop_strings=stop_strings)
-        return engine.generate(params, requests)
+        return engine.generate(params, requests, live=live)
 
     def sample(self, params, prompts, *, max_new_tokens: int, num_samples: int = 1,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -77,6 +79,7 @@ class EngineSampler:
                record_routing: bool | None = None, shared: bool = False):
         del batch_size  # the engine's rows are its slots
         _check(top_k, top_p, shared=shared)
+        params, live = interrupt.unwrap(params)  # rl.interrupt: versions per token
         if record_routing and not self.model.config.n_experts:
             raise ValueError("EngineSampler: record_routing needs a model with experts "
                              "(n_experts > 0)")
@@ -93,7 +96,7 @@ class EngineSampler:
                              token_buckets=(prompt_len,))
         trajs = engine.generate(params, [
             Request(p, key=jax.random.fold_in(key, i), num_samples=num_samples)
-            for i, p in enumerate(prompts)])
+            for i, p in enumerate(prompts)], live=live)
         n = len(trajs)
         tokens = np.full((n, max_new_tokens), self.pad_id, np.int32)
         logp, logp_t1 = (np.zeros((n, max_new_tokens), np.float32) for _ in range(2))
@@ -101,13 +104,19 @@ class EngineSampler:
             k = len(t.turns[0])
             tokens[r, :k] = t.turns[0]
             logp[r, :k], logp_t1[r, :k] = t.logp[t.prompt_len:], t.logp_t1[t.prompt_len:]
+        versions = None
+        if live is not None:
+            versions = np.full((n, max_new_tokens), interrupt.UNSAMPLED, np.int32)
+            for r, t in enumerate(trajs):
+                versions[r, :len(t.turns[0])] = interrupt.token_versions(
+                    t, t.prompt_len, t.prompt_len + len(t.turns[0]))
         experts = prompt_experts = None
         if trajs and trajs[0].experts is not None and record_routing is not False:
             experts, prompt_experts = _routing(trajs, len(prompts), prompt_len, max_new_tokens)
         # Without top-k / top-p the sampled-from distribution is logits / temperature; greedy
         # rows have no temperature (as the static sampler's).
         return sampler_lib.Samples(
-            experts=experts, prompt_experts=prompt_experts,
+            experts=experts, prompt_experts=prompt_experts, versions=versions,
             tokens=tokens, logp=logp, logp_temp=logp_t1.copy() if greedy else logp.copy(),
             logp_t1=logp_t1, lengths=np.array([len(t.turns[0]) for t in trajs], np.int32),
             finish_reasons=["length" if t.finish_reasons[0] == "max_len" else

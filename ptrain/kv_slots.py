@@ -6,7 +6,7 @@ left-aligned, so a token's RoPE position is its cache position. Keys and values 
 slot-major and head-major, [layers, slots, kv heads, positions, head dim], the layout a
 one-token query reads without a transposed copy (the model's [l, b, s, k, e] cache costs
 XLA a transposed copy of every layer's cache per decode step).
-Four jitted programs act on it; each compiles once per shape, and the shapes come from a
+Five jitted programs act on it; each compiles once per shape, and the shapes come from a
 small fixed set (the engine's buckets), so a run compiles a bounded number of programs:
 
   extend(rows [r], tokens [r, t])  appends tokens to rows (a prompt after a reset, a tool
@@ -18,6 +18,8 @@ small fixed set (the engine's buckets), so a run compiles a bounded number of pr
                                    step's attention reads only the blocks of positions the
                                    longest live row needs, and writes in place
   truncate(rows [N])               moves rows back to a shorter length (stop strings)
+  recompute(rows [r], tokens [r, t]) rebuilds rows' cache from their whole sequences under
+                                   new weights, their turn state kept (an interruption)
 
 Row ids equal to N are padding: reads clip, writes drop. Decode gathers only the rows it
 runs (a bucket of the live ones), once per call, so slots waiting on a tool, and empty
@@ -169,6 +171,37 @@ def extend(params, state, rows_r, tokens_rt, lengths_r, reset_r, limit_r, key_r2
         limit_n=limit_r,
         live_n=real_r & (limit_r > 0),
         reason_n=jnp.zeros(r, jnp.int32))
+    return _put_rows(state, rows_r, sub)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
+def recompute(params, state, rows_r, tokens_rt, lengths_r, *, graphdef):
+    """Rebuilds rows rows_r's cache from their whole sequences tokens_rt[i, :lengths_r[i]]
+    under `params` (new weights at an interruption, ptrain/interrupt.py) and the logits after
+    the last token; the turn's state (key, counts, live, the turn's tokens) is kept, so a row
+    decoding mid-turn goes on where it was, now with these weights."""
+    TRACES["recompute"] += 1
+    model = nnx.merge(graphdef, params)
+    r, t = tokens_rt.shape
+    sub = _rows(state, rows_r)
+    s = sub["k_lnkse"].shape[3]
+    slots_rs = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (r, s))
+    zero_r = jnp.zeros(r, jnp.int32)
+    cache = model_lib.KVCache(sub["k_lnkse"].transpose(0, 1, 3, 2, 4),
+                              sub["v_lnkse"].transpose(0, 1, 3, 2, 4), slots_rs,
+                              jnp.zeros((r, s), jnp.int32), zero_r)
+    positions_rt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
+    seg_rt = (jnp.arange(t)[None, :] < lengths_r[:, None]).astype(jnp.int32)
+    h_rtd, cache, routing = model.forward(tokens_rt, positions_rt, seg_rt, cache)
+    h_rd = h_rtd[jnp.arange(r), jnp.maximum(lengths_r - 1, 0)]
+    if "experts_nslk" in sub:  # the new weights' routing of every position
+        at_rt = jnp.where(seg_rt > 0, positions_rt, s)
+        sub["experts_nslk"] = sub["experts_nslk"].at[jnp.arange(r)[:, None], at_rt].set(
+            jnp.moveaxis(routing.experts_lbtk, 0, 2).astype(ROUTING_DTYPE), mode="drop")
+    sub.update(k_lnkse=cache.k_lbske.transpose(0, 1, 3, 2, 4),
+               v_lnkse=cache.v_lbske.transpose(0, 1, 3, 2, 4), index_n=lengths_r,
+               logits_nv=jnp.einsum("rd,vd->rv", h_rd, model.unembedding_vd(),
+                                    preferred_element_type=jnp.float32))
     return _put_rows(state, rows_r, sub)
 
 

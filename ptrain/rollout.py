@@ -422,6 +422,7 @@ class SingleTurn:
                                                    for r, x in enumerate(completions)],
             rewards, out.prompt_index, prompt_len=c.data.max_prompt_len,
             length=c.sampling.max_new_tokens, meta=meta, pad_id=pad_id(self.tokenizer))
+        batch.versions_bn = out.versions  # rl.interrupt: each token's policy version
         if out.experts is not None:  # MoE: the sampler's routing, for replay and agreement
             batch.experts_bnlk = out.experts
             batch.prompt_experts_bplk = out.prompt_experts[out.prompt_index]

@@ -62,6 +62,9 @@ class Samples:
     # prompt_len, MoE layers, k] of each left-padded prompt (as `prompt_len` pads it).
     experts: np.ndarray | None = None
     prompt_experts: np.ndarray | None = None
+    # rl.interrupt (the engine): the policy version that sampled each token, int32 [rows,
+    # max_new_tokens] (ptrain.interrupt.UNSAMPLED after the row's length)
+    versions: np.ndarray | None = None
 
     def completions(self) -> list[list[int]]:
         return [row[:length].tolist() for row, length in zip(self.tokens, self.lengths)]

@@ -1,0 +1,212 @@
+"""Interruption of in-flight episodes at a weight update (rl.interrupt, AReaL's interruptible
+generation), on the rollout engine (sampling.engine=True) with rl.staleness = k >= 1.
+
+Without it a batch is generated from one policy version to its end (ptrain/lookahead.py:
+batch t + k from version t - 1, while update t runs). With it, when update t ends the learner
+publishes version t (`Switch.publish`, a copy of its parameters, which the next generation
+reuses), and the generation in flight switches to it at its next decode-round boundary
+(`Switch.poll`, called by the engine's scheduler before each round; rounds are at most
+`Switch.every` decode steps while a switch is attached): every sequence that holds a slot
+gets its cache recomputed under the new weights from its whole sequence so far (`swap`:
+`kv_slots.recompute`, one prefill per row, AReaL's choice: the KV of the old weights is not
+mixed with the new ones), keeps its turn state and sampling key, and goes on; requests not
+yet admitted start with the new weights. So an interrupted sequence's tokens before the
+swap are the old policy's and those after are the new policy's continuation of the same
+prefix (greedily, token for token; sampled, with the same per-token randomness).
+
+Each token keeps the log-probs it was sampled with, and its version: `Trajectory.versions`
+holds (position, version) pairs (tokens from that position on came from that version), and
+the batch a per-token array (`Batch.versions_bn`, -1 where the model did not sample). The
+loss's importance correction (rl.tis_cap; with rl.ppo_epochs > 1 AReaL's decoupled
+objective) is per token against those behaviour log-probs, so each token is corrected for
+its own version. Metrics: `rollout/interrupted` (rows whose tokens come from more than one
+version), `rollout/token_staleness` and its histogram over 0..k (`metrics`).
+
+Where the swap falls depends on the threads' timing (how far the generation got when the
+update ended). Exact resume holds anyway: a checkpoint holds the batches pending at it
+finished (the save waits for the generation in flight; `encode_batch`), with their
+per-token versions, and a resumed run trains on those instead of generating them again.
+A run that resumes is exact; a run generated again from scratch is not number for number
+(the swap rounds differ), unless the swap round is fixed (`Switch.at_round`, the tests').
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import threading
+
+import jax
+import numpy as np
+
+from ptrain import kv_slots
+
+UNSAMPLED = -1  # versions_bn where the model did not sample the token (padding, observations)
+
+
+class Switch:
+    """The policy versions published for one generation in flight.
+
+    every: decode steps per round while the switch is attached (how soon a swap can fall).
+    at_round (a test hook): the swap falls exactly after this many decode rounds, waiting
+    for the publication if it has not come yet (no swap at all if the generation ends
+    first), so it no longer depends on the threads' timing. The class attributes are the
+    defaults (a test program may set them)."""
+
+    every: int = 16
+    at_round: int | None = None
+    timeout_s: float = 600.0
+
+    def __init__(self, *, every: int | None = None, at_round: int | None = None):
+        self.every = int(every or type(self).every)
+        self.at_round = type(self).at_round if at_round is None else at_round
+        self._lock, self._published = threading.Lock(), threading.Event()
+        self._latest = None  # (version, params)
+
+    def publish(self, version: int, params) -> None:
+        with self._lock:
+            if self._latest is None or version > self._latest[0]:
+                self._latest = (int(version), params)
+        self._published.set()
+
+    def poll(self, version: int, rounds: int):
+        """(version, params) newer than `version` to switch to now, after `rounds` decode
+        rounds, or None."""
+        if self.at_round is not None:
+            if rounds != self.at_round:
+                return None
+            if not self._published.wait(self.timeout_s):
+                raise RuntimeError(f"interrupt: no policy version published within "
+                                   f"{self.timeout_s} s of round {rounds}")
+        with self._lock:
+            latest = self._latest
+        return latest if latest is not None and latest[0] > version else None
+
+
+@dataclasses.dataclass
+class Live:
+    """Parameters handed to a producer's generate under rl.interrupt: the weights it starts
+    from, their version, and the switch that may bring newer ones (None: not interruptible).
+    The engine sampler unwraps it (`unwrap`); another sampler cannot take it."""
+
+    params: object
+    version: int
+    switch: Switch | None = None
+
+
+def unwrap(params):
+    """(parameters, Live or None)."""
+    return (params.params, params) if isinstance(params, Live) else (params, None)
+
+
+# ------------------------------------------------------------------ the engine's side
+
+def mark(traj, position: int, version: int) -> None:
+    """Tokens of `traj` from `position` on come from `version`."""
+    if traj.versions and traj.versions[-1][0] >= position:
+        traj.versions[-1] = (position, version)
+    else:
+        traj.versions.append((position, version))
+
+
+def token_versions(traj, start: int, end: int) -> np.ndarray:
+    """The version of each of traj's tokens start..end-1 (from `traj.versions`)."""
+    out = np.full(end - start, traj.versions[0][1] if traj.versions else 0, np.int32)
+    for position, version in traj.versions:
+        out[max(0, position - start):] = version
+    return out
+
+
+def swap(run, version: int, params) -> None:
+    """Switches an engine generation (`engine._Run`) to `params` of `version` at a round
+    boundary: every sequence holding a slot (decoding, on a tool, or with an observation
+    to append) gets its cache recomputed from its whole sequence under the new weights;
+    waiting requests will be prefilled with them."""
+    e = run.e
+    if e.decode_dtype is not None:
+        e.sync_weights(params)
+        run.params = e.params
+    else:
+        run.params = e._params(params)
+    s = e.state
+    count, index, tokens_nm = jax.device_get((s["count_n"], s["index_n"], s["tokens_nm"]))
+    held = [(row, traj.tokens + tokens_nm[row, :int(count[row])].tolist(), traj)
+            for row, (traj, _, _) in run.live.items()]
+    held += [(row, list(traj.tokens), traj) for row, traj, _, _ in run.tools.values()]
+    held += [(row, list(traj.tokens), traj) for row, traj, _, _ in run.ready]
+    for row, seq, traj in held:
+        if int(index[row]) != len(seq):
+            raise RuntimeError(f"interrupt: slot {row} holds {int(index[row])} positions but "
+                               f"its sequence has {len(seq)} tokens")
+        mark(traj, len(seq), version)
+    for _, group in run.waiting:
+        for traj, _ in group:
+            mark(traj, len(traj.tokens), version)
+    from ptrain.engine import _prefill_chunks  # (the engine imports this module)
+    lengths = tuple(sorted({*e.token_buckets, e.max_len}))
+    for t, r, chunk in _prefill_chunks(held, lambda item: len(item[1]), lengths,
+                                       e.prefill_buckets):
+        rows, tokens, lens = np.full(r, e.slots), np.zeros((r, t), np.int32), np.ones(r)
+        for i, (row, seq, _) in enumerate(chunk):
+            rows[i], lens[i], tokens[i, :len(seq)] = row, len(seq), seq
+        e.state = kv_slots.recompute(run.params, e.state, np.asarray(rows, np.int32),
+                                     tokens, np.asarray(lens, np.int32), graphdef=e.graphdef)
+        e._metrics["recompute_tokens"] += int(sum(len(c[1]) for c in chunk))
+    run.version = version
+    e._metrics["interruptions"] += 1
+    e._metrics["interrupted_rows"] += len(held)
+
+
+# ------------------------------------------------------------------ the learner's side
+
+def metrics(batch, step: int, k: int) -> dict:
+    """Per-token staleness of a batch with `versions_bn`: the mean and histogram over 0..k
+    of the lags of its sampled tokens behind the learner (version step - 1), and the share
+    of rows whose tokens come from more than one version (`rollout/interrupted`)."""
+    v_bn = np.asarray(batch.versions_bn)
+    sampled = v_bn != UNSAMPLED
+    lags = (step - 1 - v_bn)[sampled]
+    if lags.size and not (0 <= lags.min() and lags.max() <= k):
+        raise RuntimeError(f"step {step}: a token's staleness is outside [0, {k}]: "
+                           f"{sorted(set(lags.tolist()))}")
+    hi = np.where(sampled, v_bn, np.iinfo(np.int32).min).max(-1)
+    lo = np.where(sampled, v_bn, np.iinfo(np.int32).max).min(-1)
+    return {"rollout/token_staleness": float(lags.mean()) if lags.size else 0.0,
+            "rollout/token_staleness_hist": np.bincount(lags, minlength=k + 1).tolist(),
+            "rollout/interrupted": float(np.mean(sampled.any(-1) & (hi > lo)))}
+
+
+def encode_batch(batch) -> dict:
+    """A finished Batch as JSON (arrays as base64 of their bytes: exact), for a checkpoint's
+    metadata. Its meta must be JSON (numpy scalars become numbers)."""
+    out = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, np.ndarray):
+            value = {"dtype": value.dtype.str, "shape": list(value.shape),
+                     "data": base64.b64encode(np.ascontiguousarray(value).tobytes()).decode()}
+        out[f.name] = value
+    try:
+        json.dumps(out["meta"], default=_number)
+    except TypeError as err:
+        raise ValueError(f"rl.interrupt saves the pending batches in the checkpoint: their "
+                         f"meta must be JSON ({err})") from None
+    return json.loads(json.dumps(out, default=_number))
+
+
+def decode_batch(data: dict):
+    from ptrain.batch import Batch
+    fields = {}
+    for name, value in data.items():
+        if isinstance(value, dict) and set(value) == {"dtype", "shape", "data"}:
+            value = np.frombuffer(base64.b64decode(value["data"]),
+                                  np.dtype(value["dtype"])).reshape(value["shape"]).copy()
+        fields[name] = value
+    return Batch(**fields)
+
+
+def _number(x):
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"{type(x).__name__} is not JSON")
