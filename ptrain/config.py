@@ -110,6 +110,11 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         # producer with separate generate/score (see `learner.train`), and tis_cap > 0 to
         # correct the lag (required from k = 2).
         staleness=0,
+        # With staleness >= 1 on the engine (sampling.engine=True, rollout.SingleTurn): the
+        # generation in flight switches to the learner's new version when an update ends,
+        # at a decode-round boundary, its sequences' caches recomputed under the new weights;
+        # each token keeps its behaviour log-prob and version (`ptrain.interrupt`).
+        interrupt=False,
         # MoE: train with the experts the sampler routed each token to (R3), not the
         # learner's own top-k; needs a producer that records routing (single-turn,
         # multi-turn Tasks, mixed; not the terminal producer or sampling.engine yet).
@@ -334,6 +339,14 @@ def _check_values(config):
         (rl.staleness < 2 or rl.tis_cap > 0,
          f"rl.staleness={rl.staleness} trains batches up to {rl.staleness} updates late: set "
          "rl.tis_cap > 0 (truncated importance weights against the sampler's log-probs)"),
+        (not rl.interrupt or rl.staleness >= 1,
+         "rl.interrupt switches a generation running ahead to the new weights: it needs "
+         "rl.staleness >= 1 (with 0 nothing is generated during an update)"),
+        (not rl.interrupt or config.sampling.engine,
+         "rl.interrupt runs on the rollout engine: set sampling.engine=True"),
+        (not rl.interrupt or not rl.router_replay,
+         "rl.interrupt with rl.router_replay is not supported (the recomputed cache routes "
+         "the prefix with the new weights): set one of them False"),
         (rl.staleness == 0 or not config.dapo.dynamic_sampling,
          "dynamic sampling needs the rewards before the next batch is drawn: set "
          "rl.staleness=0 or dapo.dynamic_sampling=False"),

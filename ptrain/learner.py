@@ -308,9 +308,10 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     k = c.rl.staleness
     aux = {"critic": critic} if critic else {}
     start, data_state, ahead_params = 0, None, [params] * min(k, c.steps)
+    ahead_batches = None  # rl.interrupt: a checkpoint's pending batches, finished
     monitor = alerts_lib.Monitor(alerts_lib.AlertConfig.from_config(c.alerts))
     if ckpt.latest_step() is not None:
-        if k:
+        if k and not c.rl.interrupt:
             aux["ahead_params"] = lookahead_lib.restore_template(params, k, ckpt.latest_step(),
                                                                  c.steps)
         restored = ckpt.restore(params=params, opt_state=opt_state, rng=root_key,
@@ -322,11 +323,13 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
         data_state = restored.data_state
         kl_ctl = dataclasses.replace(kl_ctl, value=restored.extra["kl_coef"])
         monitor.restore(restored.extra.get("alerts"))
+        ahead_batches = restored.extra.get("ahead_batches")
         logging.info("resumed from step %d", start)
     batches = prompts.iterator(data_state)
     writer = metrics_lib.MetricsWriter(workdir, total_steps=c.steps, start_step=start)
     ahead = (lookahead_lib.LookAhead(k, producer, batches, root_key, steps=c.steps,
-                                     save_every=c.checkpoint.every) if k else None)
+                                     save_every=c.checkpoint.every,
+                                     interrupt=c.rl.interrupt) if k else None)
 
     watchdog = alerts_lib.Watchdog(c.alerts.stall_minutes, c.alerts.stall).start()
     try:
@@ -345,8 +348,8 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                 # a thread); batch t+k is generated now from a copy of the current ones, in
                 # the generation thread, while this thread updates.
                 if step == start + 1:  # the first step of a run (or of a resumed run)
-                    ahead.start(step, ahead_params)
-                    ahead_params = None
+                    ahead.start(step, ahead_params, finished=ahead_batches)
+                    ahead_params = ahead_batches = None
                 collector.add(ahead.next(step, params))
             else:
                 while collector.wants_more():
@@ -369,6 +372,8 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                 critic = {"params": critic_params, "opt_state": critic_opt}
                 critic_metrics["critic/lr"] = learner.critic_schedule(step - 1)
             params, opt_state, upd_metrics = learner.update(params, opt_state, batch, kl_ctl.value)
+            if k:  # rl.interrupt: the generation in flight switches to version `step`
+                ahead.publish(step, params)
             prep_metrics, upd_metrics, critic_metrics = sharding.to_host(
                 (prep_metrics, upd_metrics, critic_metrics))
             if c.kl.coef > 0 and c.kl.in_reward:
@@ -393,13 +398,14 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
             alerts_lib.raise_on_stop(fired)  # before this step's checkpoint: the last is good
             watchdog.beat(step)
             if step % c.checkpoint.every == 0 or step == c.steps:
-                aux = {"critic": critic} if critic else {}
-                if k:
+                aux, saved = ({"critic": critic} if critic else {}), {}
+                if k:  # (rl.interrupt: the pending batches finished, in the metadata)
                     data_state, aux["ahead_params"] = ahead.state()
+                    saved = ahead.saved_batches()
                 aux = {n: v for n, v in aux.items() if v}
                 ckpt.save(step, params=params, opt_state=opt_state, rng=root_key,
                           data_state=data_state, aux_state=aux or None,
-                          extra={"kl_coef": kl_ctl.value, "alerts": monitor.state()})
+                          extra={"kl_coef": kl_ctl.value, "alerts": monitor.state(), **saved})
 
     finally:
         watchdog.close()

@@ -26,6 +26,16 @@ the parameters each pending batch t + 1 .. t + k was generated from (`state()`);
 run draws the same records and generates those batches again (`start`), with the same keys,
 so it trains on what the uninterrupted run did. Copies of the parameters are kept only while
 a checkpoint may need them.
+
+With `interrupt` (rl.interrupt, ptrain/interrupt.py) the generation in flight also takes the
+learner's new version when update t ends (`publish`: a copy of the parameters, which the
+generation of batch t + k + 1 then starts from, so no second copy): it switches at its next
+decode-round boundary, so batch t + k holds tokens of versions t - 1 and t. The batches of
+`start` are generated before any update and are not interrupted. Where the swap falls
+depends on the threads' timing, so a checkpoint cannot regenerate a pending batch: it holds
+the pending batches finished (`saved_batches`: a save waits for the generation in flight)
+with their per-token versions, and the data state after the last one was drawn; a resumed
+run trains on those (`start(..., finished=...)`).
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from ptrain import interrupt as interrupt_lib
+
 
 @dataclasses.dataclass
 class Pending:
@@ -46,6 +58,7 @@ class Pending:
     scored: concurrent.futures.Future  # its Batch
     data_state: object  # the data stream's state before its records were drawn
     params: object  # the copy of the parameters that generated it, while a save may need it
+    switch: object = None  # interrupt: where the next version is published to it
 
 
 def version(step: int, k: int) -> int:
@@ -61,8 +74,10 @@ def restore_template(params, k: int, latest: int, steps: int) -> dict:
 class LookAhead:
     """The pending batches of a run with staleness k (see the module docstring)."""
 
-    def __init__(self, k: int, producer, batches, root_key, *, steps: int, save_every: int):
+    def __init__(self, k: int, producer, batches, root_key, *, steps: int, save_every: int,
+                 interrupt: bool = False):
         self.k, self.producer, self.batches, self.root_key = k, producer, batches, root_key
+        self.interrupt, self.published = bool(interrupt), None  # (version, copy)
         self.steps, self.save_every = steps, save_every
         self.pending = collections.deque()
         # One worker each: batches are generated, then scored, in order (deterministic).
@@ -81,7 +96,7 @@ class LookAhead:
         finally:
             self.waited_s += time.perf_counter() - start
 
-    def _generate(self, now: int, step: int, params) -> None:
+    def _generate(self, now: int, step: int, params, *, interruptible: bool = True) -> None:
         """Starts generating (then scoring) the batch of `step` at step `now`, in the threads,
         from a copy of `params` (the learner donates its own to the update meanwhile)."""
         if self.generating is not None:  # the sync point: one generation in flight at most
@@ -89,11 +104,20 @@ class LookAhead:
         data_state = self.batches.get_state()
         records = next(self.batches)
         threaded = jax.process_count() == 1
-        keep = self._saves(now, step - 1)
+        keep = self._saves(now, step - 1) and not self.interrupt  # (which saves batches)
         # A copy where the generation outlives this call (its thread runs on while the update
         # donates `params`) or a save may need these weights; otherwise `params` as they are.
-        weights = jax.tree.map(jnp.copy, params) if threaded or keep else params
+        if self.published is not None and self.published[0] == version(step, self.k):
+            weights = self.published[1]  # interrupt: the copy published after the update
+        else:
+            weights = jax.tree.map(jnp.copy, params) if threaded or keep else params
         key = jax.random.fold_in(self.root_key, step)
+        switch = None
+        if self.interrupt:
+            if not threaded:
+                raise ValueError("rl.interrupt needs the generation thread: one process")
+            switch = interrupt_lib.Switch() if interruptible else None
+            weights = interrupt_lib.Live(weights, version(step, self.k), switch)
         if not threaded:
             # Many processes must issue the same device programs in the same order (their
             # collectives pair up across processes); a generation thread would interleave
@@ -107,14 +131,30 @@ class LookAhead:
         scored = self.scorer.submit(lambda: self.producer.score(generated.result()))
         self.generating = generated
         self.pending.append(Pending(step, version(step, self.k), scored, data_state,
-                                    weights if keep else None))
+                                    weights if keep else None, switch))
 
-    def start(self, step: int, params_list) -> None:
+    def start(self, step: int, params_list, finished=None) -> None:
         """At a run's first step (or a resumed run's): the batches of step .. step + k - 1,
-        from the initial parameters or those a checkpoint saved (oldest first)."""
+        from the initial parameters or those a checkpoint saved (oldest first), or, with
+        interrupt, the finished batches a checkpoint saved (`saved_batches`)."""
+        if finished:
+            for item in finished:
+                done = concurrent.futures.Future()
+                done.set_result(interrupt_lib.decode_batch(item["batch"]))
+                self.pending.append(Pending(item["step"], item["version"], done, None, None))
+            return
         for j, params in enumerate(params_list):
             if step + j <= self.steps:
-                self._generate(step, step + j, params)
+                self._generate(step, step + j, params, interruptible=False)
+
+    def publish(self, step: int, params) -> None:
+        """interrupt: after update `step`, its parameters (version `step`) for the generation
+        in flight to switch to (a copy: the learner donates its own to the next update)."""
+        if not self.interrupt:
+            return
+        self.published = (step, jax.tree.map(jnp.copy, params))
+        if self.pending and self.pending[-1].switch is not None:
+            self.pending[-1].switch.publish(*self.published)
 
     def next(self, step: int, params):
         """Starts generating batch step + k from `params` (version step - 1), then returns
@@ -129,15 +169,29 @@ class LookAhead:
         if item.step != step:
             raise RuntimeError(f"look-ahead holds batch {item.step}, step {step} wants its own")
         batch = self._wait(item.scored)
+        if self.interrupt and batch.versions_bn is None:
+            raise ValueError("rl.interrupt: the producer's batch has no per-token policy "
+                             "versions (Batch.versions_bn); rollout.SingleTurn on the engine "
+                             "(sampling.engine=True) records them")
         for meta in batch.meta:
-            meta["policy_version"] = item.version
+            meta["policy_version"] = item.version  # (the version its first tokens came from)
         return batch
 
     def state(self):
-        """(data state, ahead_params) for a checkpoint after the step just trained."""
-        if not self.pending:
+        """(data state, ahead_params) for a checkpoint after the step just trained (with
+        interrupt: the state after the pending batches were drawn, and no parameters)."""
+        if not self.pending or self.interrupt:
             return self.batches.get_state(), {}
         return self.pending[0].data_state, {str(j): p.params for j, p in enumerate(self.pending)}
+
+    def saved_batches(self) -> dict:
+        """interrupt: the pending batches, finished (this waits for the generation in flight
+        and the scoring), for the checkpoint's metadata; otherwise {}."""
+        if not self.interrupt:
+            return {}
+        return {"ahead_batches": [
+            {"step": p.step, "version": p.version,
+             "batch": interrupt_lib.encode_batch(self._wait(p.scored))} for p in self.pending]}
 
     def close(self) -> None:
         """Ends the threads (work not started is dropped: a finished run leaves none, a
@@ -153,6 +207,9 @@ def metrics(batch, step: int, k: int, waited_s: float = 0.0) -> dict:
     lags = [step - 1 - m["policy_version"] for m in batch.meta]
     if any(not 0 <= lag <= k for lag in lags):
         raise RuntimeError(f"step {step}: a row's staleness is outside [0, {k}]: {set(lags)}")
-    return {"rollout/staleness": sum(lags) / max(len(lags), 1),
-            "rollout/staleness_hist": [lags.count(j) for j in range(k + 1)],
-            "time/wait_rollout_s": waited_s}
+    out = {"rollout/staleness": sum(lags) / max(len(lags), 1),
+           "rollout/staleness_hist": [lags.count(j) for j in range(k + 1)],
+           "time/wait_rollout_s": waited_s}
+    if getattr(batch, "versions_bn", None) is not None:  # rl.interrupt: per token
+        out.update(interrupt_lib.metrics(batch, step, k))
+    return out

@@ -1,6 +1,7 @@
 """A tiny GRPO run SIGKILLed at points drawn from a seed and restarted, for test_resume.
 
-`python tests/resume_program.py ROOT STALENESS STEPS SEED KILLS` imports everything once, then
+`python tests/resume_program.py ROOT STALENESS STEPS SEED KILLS [INTERRUPT]` imports everything
+once, then
 forks one child per run (the parent never starts JAX, so forking is safe): the uninterrupted
 run in ROOT/reference, then one child per kill point in ROOT/killed, each resuming from what
 the one before left and SIGKILLing itself at its point, and a last child that finishes the
@@ -22,6 +23,11 @@ at its n-th call, scheduled at step max(s, s + n - k).
 
 The producer is the learner's default, `rollout.SingleTurn` (sample on the device, grpo_toy's
 reward on the host), which rl.staleness=k overlaps as the closed loop does.
+
+INTERRUPT=1: rl.interrupt on the engine (sampling.engine=True), the swap forced after the
+first decode round of 4 tokens (`interrupt.Switch.at_round`, so that it does not depend on
+the threads' timing); a resumed run trains on the finished batches its checkpoint saved,
+so its n-th generate (and score) call is batch s + k + n's, at step s + n.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from flax import nnx  # noqa: E402
 
 from configs import grpo_toy  # noqa: E402
 from ptrain import checkpoint as checkpoint_lib
+from ptrain import interrupt
 from ptrain import learner
 from ptrain import metrics
 from ptrain import model as model_lib
@@ -49,8 +56,14 @@ PHASES = ("generate", "score", "update", "write", "save")
 EVERY = 2  # checkpoint every 2 steps, keep 1: a kill during a save must not lose the last one
 
 
+INTERRUPT = False  # set by main (every child inherits it)
+
+
 def config(staleness: int, steps: int):
     c = grpo_toy.get_config()
+    if INTERRUPT:
+        c.sampling.update(engine=True, engine_slots=8)
+        c.rl.interrupt = True
     c.steps = steps
     c.rl.staleness = staleness
     if staleness > 1:
@@ -84,6 +97,7 @@ def _killing(workdir, phase, kill_step, staleness):
     latest = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints")).latest_step()
     now = {"step": (latest or 0) + 1}  # the step in progress
     first, calls = now["step"], {"generate": 0, "score": 0}
+    loaded = INTERRUPT and latest is not None  # its pending batches come finished
 
     def point(name, step=None):
         if name == phase and (now["step"] if step is None else step) == kill_step:
@@ -92,6 +106,8 @@ def _killing(workdir, phase, kill_step, staleness):
     def scheduled(name):
         """The step that scheduled this generate or score call (see the module docstring)."""
         n, calls[name] = calls[name], calls[name] + 1
+        if loaded:
+            return first + n
         return max(first, first + n - staleness) if staleness else None
 
     class Killing(rollout.SingleTurn):
@@ -157,7 +173,11 @@ def _in_child(fn):
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def main(root, staleness, steps, seed, kills):
+def main(root, staleness, steps, seed, kills, interrupted=0):
+    global INTERRUPT
+    if interrupted:
+        INTERRUPT = True
+        interrupt.Switch.at_round, interrupt.Switch.every = 1, 4
     metrics.MetricsWriter.plot = lambda self: None  # PNG curves: seconds, and not compared
     points = kill_points(seed, steps, kills, staleness)
     report = {"points": points, "reference": _in_child(
@@ -171,4 +191,4 @@ def main(root, staleness, steps, seed, kills):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *map(int, sys.argv[2:6]))
+    main(sys.argv[1], *map(int, sys.argv[2:7]))

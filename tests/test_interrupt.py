@@ -169,3 +169,102 @@ def test_token_metrics_and_checkpoint_encoding():
     batch.meta[0]["bad"] = object()
     with pytest.raises(ValueError, match="JSON"):
         interrupt.encode_batch(batch)
+
+
+class _Stream:
+    """A data stream whose n-th batch of records is [n]; its state is n."""
+
+    def __init__(self, n=0):
+        self.n = n
+
+    def get_state(self):
+        return self.n
+
+    def __next__(self):
+        self.n += 1
+        return [self.n - 1]
+
+
+class _RoundsProducer:
+    """generate(Live) "decodes" 3 rounds of one token each, polling its switch before each
+    round as the engine does; each token records the version of the weights it read."""
+
+    def generate(self, live, records, key):
+        from ptrain import interrupt as I
+        assert isinstance(live, I.Live)
+        version, w, tokens = live.version, float(live.params["w"]), []
+        for r in range(3):
+            new = live.switch and live.switch.poll(version, r)
+            if new:
+                version, w = new[0], float(new[1]["w"])
+            tokens.append(w)
+        return records[0] + 1, tokens
+
+    def score(self, generated):
+        from ptrain.batch import Batch
+        b, tokens = generated
+        batch = Batch.from_rows([[1]], [[1, 2, 3]], [[1, 1, 1]], [[0.0] * 3], [0.0], [0],
+                                prompt_len=1, length=3, meta=[{"b": b}])
+        batch.versions_bn = np.asarray([tokens], np.int32)  # w == its version here
+        return batch
+
+
+def test_lookahead_publishes_each_update_to_the_generation_in_flight(monkeypatch):
+    """k = 2, the swap forced after round 1: batch b (generated at step b - 2 from version
+    b - 3) takes version b - 2 when update b - 2 ends, for its last two tokens; the first k
+    batches (generated before any update) are not interrupted. Each update donates its
+    input, so a generation reading the learner's own arrays would fail. A checkpoint's
+    pending batches come back finished and equal."""
+    import jax.numpy as jnp
+    from ptrain import lookahead
+
+    monkeypatch.setattr(interrupt.Switch, "at_round", 1)
+    k, steps = 2, 6
+    ahead = lookahead.LookAhead(k, _RoundsProducer(), _Stream(), jax.random.key(0),
+                                steps=steps, save_every=100, interrupt=True)
+    params, seen, saved = {"w": jnp.zeros(())}, {}, None
+    try:
+        for step in range(1, steps + 1):
+            if step == 1:
+                ahead.start(step, [params] * k)
+            batch = ahead.next(step, params)
+            seen[step] = (batch.versions_bn[0].tolist(), lookahead.metrics(batch, step, k))
+            old, params = params, {"w": params["w"] + 1}
+            old["w"].delete()  # donated, as step.jit_update's input
+            ahead.publish(step, params)
+            if step == 3:
+                saved = ahead.saved_batches()
+                assert ahead.state() == (5, {})  # drawn through batch 5; no parameters kept
+    finally:
+        ahead.close()
+    for b in range(1, steps + 1):
+        versions, m = seen[b]
+        v0 = lookahead.version(b, k)
+        assert versions == ([v0] * 3 if b <= k else [v0, v0 + 1, v0 + 1])
+        assert m["rollout/interrupted"] == float(b > k)
+        assert m["rollout/token_staleness_hist"] == np.bincount(
+            [b - 1 - v for v in versions], minlength=k + 1).tolist()
+    assert [item["step"] for item in saved["ahead_batches"]] == [4, 5]
+    resumed = lookahead.LookAhead(k, _RoundsProducer(), _Stream(5), jax.random.key(0),
+                                  steps=steps, save_every=100, interrupt=True)
+    resumed.start(4, [], finished=saved["ahead_batches"])
+    try:
+        assert resumed.next(4, {"w": jnp.full((), 3.0)}).versions_bn[0].tolist() == seen[4][0]
+        resumed.publish(4, {"w": jnp.full((), 4.0)})  # (batch 6's generation waits for it)
+    finally:
+        resumed.close()
+
+
+def test_interrupt_config_errors():
+    from ptrain import config as config_lib
+    c = config_lib.defaults()
+    c.rl.interrupt = True
+    with pytest.raises(ValueError, match="rl.staleness >= 1"):
+        config_lib.check(c)
+    c.rl.staleness = 1
+    with pytest.raises(ValueError, match="sampling.engine=True"):
+        config_lib.check(c)
+    c.sampling.engine = True
+    c.reward_fn = lambda *a: 0.0
+    c.data.records_fn = lambda seed: []
+    config_lib.check(c)

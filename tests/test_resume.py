@@ -2,7 +2,8 @@
 scoring, the update, after the metrics, during an asynchronous checkpoint save) and restarted
 after each kill writes the same metrics.jsonl and rollouts.jsonl (timings aside) as the run
 never interrupted, with rl.staleness=0, 1 and 2 (batch t+k generated at step t, from the
-parameters before update t, each batch scored in a thread meanwhile). The runs are in
+parameters before update t, each batch scored in a thread meanwhile), and with 2 and
+rl.interrupt (the generation in flight switches to the new weights after its first round). The runs are in
 tests/resume_program.py."""
 
 import json
@@ -26,13 +27,15 @@ def _logs(workdir):
     return untimed, read_jsonl(os.path.join(workdir, "rollouts.jsonl"))
 
 
-@pytest.mark.parametrize("staleness,seed", [(0, 0), (1, 3), (2, 7)])
+@pytest.mark.parametrize("staleness,seed,interrupt", [(0, 0, 0), (1, 3, 0), (2, 7, 0),
+                                                      (2, 5, 1)])
 def test_sigkill_at_seeded_points_then_resume_equals_the_uninterrupted_run(
-        tmp_path, staleness, seed):
+        tmp_path, staleness, seed, interrupt):
     # (The runs read their programs from the test run's compilation cache, conftest.py.)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
     out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "resume_program.py"),
-                          str(tmp_path), str(staleness), str(STEPS), str(seed), str(KILLS)],
+                          str(tmp_path), str(staleness), str(STEPS), str(seed), str(KILLS),
+                          str(interrupt)],
                          env=env, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -53,3 +56,10 @@ def test_sigkill_at_seeded_points_then_resume_equals_the_uninterrupted_run(
             assert r["rollout/staleness_hist"] == [0] * lag + [16] + [0] * (staleness - lag)
         assert rollouts and all(r["policy_version"] == max(0, r["step"] - staleness - 1)
                                 for r in rollouts)
+    if interrupt:  # batches generated during an update took its version after 4 tokens
+        for r in metrics:
+            tokens = r["rollout/token_staleness_hist"]
+            assert (r["rollout/interrupted"] > 0) == (r["step"] > staleness), r
+            lag = min(r["step"] - 1, staleness)
+            assert sum(tokens[lag - 1:lag + 1] if r["step"] > staleness else tokens[lag:]) \
+                == sum(tokens), r
