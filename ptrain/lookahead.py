@@ -174,7 +174,7 @@ class LookAhead:
                              "versions (Batch.versions_bn); rollout.SingleTurn on the engine "
                              "(sampling.engine=True) records them")
         for meta in batch.meta:
-            meta["policy_version"] = item.version  # (the version its first tokens came from)
+            meta["policy_version"] = item.version  # (interrupt: the version it started from)
         return batch
 
     def state(self):
