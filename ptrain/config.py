@@ -306,10 +306,6 @@ def _check_values(config):
          or config.model.attention_impl == "ring",
          f"sft.layout={config.sft.layout!r} balances ring attention: set "
          "model.attention_impl='ring' or sft.layout='contiguous'"),
-        (not config.sft.packing or not config.model.n_experts or not (
-            config.model.router_aux_loss_coef or config.model.router_z_loss_coef),
-         "sft.packing does not add the MoE router's aux and z losses yet: set their "
-         "coefficients to 0 or sft.packing=False"),
         (rl.logprob_microbatch_size == 0 or (
             rl.logprob_microbatch_size % s.num_samples == 0
             and d.prompts_per_step * s.num_samples % rl.logprob_microbatch_size == 0),

@@ -528,7 +528,8 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
             params, opt_state, metrics = learner.sft_packed_update(params, opt_state, batch)
             metrics = sharding.to_host(metrics)
             step_metrics.update({"sft/loss": metrics["loss"],
-                                 "sft/grad_norm": metrics["grad_norm"]})
+                                 "sft/grad_norm": metrics["grad_norm"],
+                                 **{k: v for k, v in metrics.items() if k.startswith("moe/")}})
         else:
             try:
                 episodes = sft_episodes(learner, next(batches), prompt_len=sc.max_prompt_len,

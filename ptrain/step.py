@@ -444,20 +444,29 @@ def jit_update(graphdef, settings, tx, mesh):
 
 def packed_update(params, opt_state, batch, *, graphdef, tx, chunk, mesh=None):
     """One AdamW step on packed sequences (`ptrain.packing.packed_batch`): token-mean negative
-    log-likelihood of the targets where loss_mask_bt is 1. Returns (params, opt_state,
-    {"loss", "grad_norm"}); with a mesh the state comes out sharded as it came in."""
+    log-likelihood of the targets where loss_mask_bt is 1, plus for a MoE the router's aux
+    and z losses (`moe.router_loss`, the model config's coefficients) over every document
+    token (segment id > 0: padding is neither dispatched nor counted), pooled over the whole
+    packed batch as transformers' `load_balancing_loss_func` pools a batch under its
+    attention mask. Returns (params, opt_state, {"loss": the NLL, "grad_norm"}, and for a
+    MoE "optim/loss" (NLL + router losses) and the `moe/*` metrics of `moe.metrics`); with a
+    mesh the state comes out sharded as it came in."""
 
     def loss_fn(params):
         model = nnx.merge(graphdef, params)
-        h_btd, _ = model.hidden(batch["tokens_bt"], batch["positions_bt"],
-                                batch["segment_ids_bt"])
+        h_btd, _, routing = model.forward(batch["tokens_bt"], batch["positions_bt"],
+                                          batch["segment_ids_bt"])
         logp_bt = losses.chunked_logprobs(h_btd, model.unembedding_vd().T, batch["targets_bt"],
                                           chunk=chunk, mesh=model.mesh)
-        return -losses.masked_mean(logp_bt, batch["loss_mask_bt"])
+        nll = -losses.masked_mean(logp_bt, batch["loss_mask_bt"])
+        if routing is None:
+            return nll, {"loss": nll}
+        loss = nll + moe.router_loss(routing, model.config)
+        return loss, {"loss": nll, "optim/loss": loss, **moe.metrics(routing)}
 
-    loss, grads = jax.value_and_grad(loss_fn)(params)
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
     params, opt_state = _as_they_came(optax.apply_updates(params, updates), opt_state, tx, mesh)
     return params, opt_state, metrics
 

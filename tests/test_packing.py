@@ -206,3 +206,99 @@ def test_packed_sft_config_errors():
     config = _sft_config(**{"sft.seq_len": 31})
     with pytest.raises(ValueError, match=r"sft.seq_len=31 must divide into 2 chunks"):
         L.Learner(config, mesh=_mesh(fsdp=2, sequence=2))
+
+
+# ------------------------------------------------------------ MoE: the router's losses, packed
+
+def _hf_moe(path, **changes):
+    """transformers' tiny Qwen3-MoE (3 layers, the middle one dense), its weights perturbed
+    so that the router's choices differ from token to token, saved to `path`."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+        **changes)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+def test_packed_moe_step_adds_transformers_router_losses_over_the_documents(tmp_path):
+    """A MoE's packed step (documents back to back, rows padded at their ends): its NLL, aux
+    and z losses are transformers' over the same documents one per row, right-padded, under
+    the attention mask (padding counts for neither: `Qwen3MoeForCausalLM`'s own aux_loss,
+    `load_balancing_loss_func`; z = the mean of logsumexp(router logits)^2 over the
+    documents' tokens and the MoE layers), and its gradient is torch's of
+    NLL + aux_coef x aux + z_coef x z, on a fsdp=2 x expert=2 mesh (experts sharded, tokens
+    dispatched by all-to-all)."""
+    import torch
+    from ptrain import hf
+    aux_coef, z_coef = 0.01, 0.001
+    ref = _hf_moe(str(tmp_path / "hf"), router_aux_loss_coef=aux_coef)
+    docs = [(ids, w) for ids, w in _docs(1)]
+    tokens_bt, seg_bt, weights_bt, n = packing.pack(docs, rows=2, seq_len=SEQ)
+    assert n == len(docs) and seg_bt.max() > 1 and (seg_bt == 0).any()  # shared rows, padding
+    batch = packing.packed_batch(tokens_bt, seg_bt, weights_bt)
+
+    # transformers: each document alone in a right-padded row, labels where the weight is 1.
+    longest = max(len(ids) for ids, _ in docs)
+    ids_dt = torch.zeros((len(docs), longest), dtype=torch.long)
+    mask_dt = torch.zeros((len(docs), longest), dtype=torch.long)
+    labels_dt = torch.full((len(docs), longest), -100, dtype=torch.long)
+    for i, (ids, weights) in enumerate(docs):
+        ids_dt[i, :len(ids)], mask_dt[i, :len(ids)] = torch.tensor(ids), 1
+        labels_dt[i, :len(ids)] = torch.tensor([t if w else -100 for t, w in zip(ids, weights)])
+    out = ref(ids_dt, attention_mask=mask_dt, labels=labels_dt, output_router_logits=True)
+    valid = mask_dt.reshape(-1).bool()
+    lse = torch.cat([torch.logsumexp(r.float(), -1)[valid] for r in out.router_logits])
+    z = torch.mean(lse ** 2)
+    aux = out.aux_loss
+    nll = out.loss - aux_coef * aux
+    ref.zero_grad()
+    (out.loss + z_coef * z).backward()
+    with torch.no_grad():  # the gradient as a checkpoint: read into our layout by hf.load
+        for p in ref.parameters():
+            p.copy_(p.grad)
+    ref.save_pretrained(str(tmp_path / "grad"))
+    nll, aux, z, total = (float(v.detach()) for v in (nll, aux, z, out.loss + z_coef * z))
+
+    # Ours: the learner's packed program; SGD with lr 1 makes the update the gradient.
+    mesh = _mesh(fsdp=2, expert=2)
+    overrides = {"attention_impl": "ring", "attn_block_q": 8, "attn_block_k": 8,
+                 "router_aux_loss_coef": aux_coef, "router_z_loss_coef": z_coef}
+    model, _ = hf.load(str(tmp_path / "hf"), mesh=mesh, overrides=overrides)
+    graphdef, params = nnx.split(model)
+    params0 = jax.device_get(params)
+    tx = optax.sgd(1.0)
+    fn = step_lib.jit_packed_update(graphdef, tx, mesh, 8)
+    new_params, _, metrics = jax.device_get(fn(params, tx.init(params),
+                                               sharding.shard_batch(batch, mesh)))
+    np.testing.assert_allclose(metrics["loss"], nll, rtol=1e-5)
+    np.testing.assert_allclose(metrics["moe/aux_loss"], aux, rtol=2e-5)
+    np.testing.assert_allclose(metrics["moe/z_loss"], z, rtol=2e-5)
+    np.testing.assert_allclose(metrics["optim/loss"], total, rtol=1e-5)
+    assert abs(metrics["moe/load"].sum() - 1) < 1e-6 and metrics["moe/dropped_fraction"] == 0
+    want = jax.device_get(nnx.state(hf.load(str(tmp_path / "grad"))[0]))
+    grads = jax.tree.map(lambda a, b: a - b, params0, new_params)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def test_packed_sft_on_a_moe_logs_the_router_losses(tmp_path):
+    """sft.packing with the router's coefficients > 0 (refused before): each step's log has
+    the aux and z losses and the per-expert load."""
+    c = _sft_config(**{"model.n_experts": 8, "model.n_experts_per_token": 2,
+                       "model.d_ff_expert": 16, "model.dense_layers": (0,),
+                       "model.router_aux_loss_coef": 0.01, "model.router_z_loss_coef": 0.001})
+    L.sft(c, str(tmp_path), mesh=_mesh(fsdp=1))
+    records = read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["moe/aux_loss"] > 0 and r["moe/z_loss"] > 0 and r["moe/dropped_fraction"] == 0
+        assert len(r["moe/load"]) == 8 and abs(sum(r["moe/load"]) - 1) < 1e-5

@@ -6,10 +6,12 @@ sandbox sees of the network (its own loopback only: the host's listener is unrea
 a clean state each episode on a reused warm box, the tests hidden until verify, the read-only
 base, the storage bound, the agent's capabilities and its cgroup limits."""
 
+import concurrent.futures
 import os
 import shutil
 import socket
 import threading
+import time
 
 import pytest
 
@@ -164,3 +166,20 @@ def test_time_limits_cut_the_agent_and_a_hanging_verifier(harness, tmp_path):
         assert v.timed_out and v.reward == 0.0 and "time limit (2 s)" in v.error
         ps = ep.container.exec(["ps", "-eo", "args"], timeout_s=10).text
         assert "sleep 1000" not in ps  # the verifier's processes, even a setsid one
+
+
+def test_a_warm_box_outlives_the_thread_that_started_it(loaded, harness):
+    """bwrap's --die-with-parent fires when the thread that started bwrap ends, not the
+    process: boxes started and reset by a pool's threads (the terminal producer's, an
+    evaluation's) still run after that pool has shut down, and the next episode uses one."""
+    task = _task(loaded, "hello-file")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        boxes = list(pool.map(lambda _: harness.acquire(task), range(2)))
+        list(pool.map(lambda box: harness.release(task, box), boxes))  # reset: a new bwrap
+    deadline = time.monotonic() + 1.0  # (the kernel's SIGKILL came at once when it came)
+    while time.monotonic() < deadline:
+        assert [box.proc.poll() for box in boxes] == [None, None]
+        time.sleep(0.05)
+    with harness.episode(task) as ep:
+        assert ep.container in boxes
+        assert ep.run("echo alive").output.strip() == "alive"

@@ -28,6 +28,7 @@ episode survives into the next.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import logging
@@ -67,6 +68,28 @@ if sys.argv[2] not in ("root", "0"):
     os.environ["HOME"] = u.pw_dir
 os.execvp(sys.argv[4], sys.argv[4:])
 """
+
+
+# bwrap's --die-with-parent is PR_SET_PDEATHSIG, which fires when the *thread* that started
+# bwrap exits, not the process: a sandbox started from a pool thread (the terminal producer's,
+# an evaluation's) was SIGKILLed when that pool shut down, and its warm box, reused by the
+# next episode, was gone (ContainerGone; the episode scored 0). Every sandbox is started from
+# one thread instead, which lives as long as the process (it ends at interpreter exit, and
+# the sandboxes with it, as --die-with-parent means them to); one per process (a forked
+# child has none of its parent's threads).
+_spawner: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_spawner_lock = threading.Lock()
+
+
+def _spawn(argv, **kwargs) -> subprocess.Popen:
+    """subprocess.Popen(argv, **kwargs) on this process's spawner thread (see above)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or _spawner[0] != os.getpid():
+            _spawner = (os.getpid(), concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="bwrap-spawner"))
+        pool = _spawner[1]
+    return pool.submit(subprocess.Popen, argv, **kwargs).result()
 
 
 def unavailable() -> str | None:
@@ -176,9 +199,9 @@ class Box:
                 log.info("terminal (bwrap): no memory/pids cgroup here (%s): unbounded", e)
         r, w = os.pipe()
         try:
-            self.proc = subprocess.Popen(self._joined(self._argv(w)), pass_fds=(w,),
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE)
+            self.proc = _spawn(self._joined(self._argv(w)), pass_fds=(w,),
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
             os.close(w)
             w = -1
             info = b""
