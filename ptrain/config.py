@@ -116,8 +116,9 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         # each token keeps its behaviour log-prob and version (`ptrain.interrupt`).
         interrupt=False,
         # MoE: train with the experts the sampler routed each token to (R3), not the
-        # learner's own top-k; needs a producer that records routing (single-turn,
-        # multi-turn Tasks, mixed; not the terminal producer or sampling.engine yet).
+        # learner's own top-k; needs a producer that records routing (every one here does:
+        # single-turn, multi-turn Tasks, mixed, terminal, and on sampling.engine); rows
+        # without it are a clear error (`routing.check_replay`).
         router_replay=False,
     )
     # The value function of rl.estimator="gae" (PPO), ignored otherwise. init "policy": the
