@@ -183,3 +183,27 @@ def test_a_warm_box_outlives_the_thread_that_started_it(loaded, harness):
     with harness.episode(task) as ep:
         assert ep.container in boxes
         assert ep.run("echo alive").output.strip() == "alive"
+
+
+def test_commands_run_with_descriptors_past_select_s_limit(loaded, harness):
+    """A long-lived process (a test worker, a long run) holds many files: the shell's
+    terminal and a command's output pipe get descriptors >= 1024, which select() refuses;
+    the box waits on them with poll."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1030:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        with harness.episode(_task(loaded, "hello-file")) as ep:
+            assert ep.shell._sock.fd >= 1024
+            assert ep.run("echo far").output.strip() == "far"
+            r = ep.container.exec(["sh", "-c", "echo out"], timeout_s=30)
+            assert (r.text.strip(), r.exit_code) == ("out", 0)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

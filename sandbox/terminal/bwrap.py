@@ -32,6 +32,7 @@ import concurrent.futures
 import errno
 import json
 import logging
+import math
 import os
 import pty
 import select
@@ -113,6 +114,15 @@ def unavailable() -> str | None:
 # The sandbox
 # ---------------------------------------------------------------------------------------------
 
+def _readable(fd: int, timeout_s: float | None) -> bool:
+    """Whether `fd` has data (or its other end hung up) within `timeout_s` (None: wait).
+    poll, not select: select() refuses a descriptor >= FD_SETSIZE (1024), which a long-lived
+    process with many files open (a test worker, a long run) hands out."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout_s is None else max(0, math.ceil(timeout_s * 1000))))
+
+
 class _PtyStream:
     """The socket-like end of a pseudo-terminal (what `Shell` reads and writes)."""
 
@@ -128,8 +138,7 @@ class _PtyStream:
         self._timeout = timeout
 
     def recv(self, n: int) -> bytes:
-        ready, _, _ = select.select([self.fd], [], [], self._timeout)
-        if not ready:
+        if not _readable(self.fd, self._timeout):
             raise TimeoutError
         try:
             return os.read(self.fd, n)
@@ -327,8 +336,7 @@ class Box:
             if left <= 0:
                 timed_out = True
                 break
-            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
-            if ready:
+            if _readable(fd, min(left, 1.0)):
                 data = os.read(fd, 1 << 16)
                 if not data:
                     break
