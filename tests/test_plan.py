@@ -116,6 +116,19 @@ def test_the_search_covers_the_expert_axis_of_a_moe():
     assert report["model_flops"] == plan.model_flops(MOE, seq_len=SEQ, batch=1)
 
 
+def test_the_moe_plans_have_the_public_models_sizes():
+    """configs/moe_plan.py's models are the public configs' sizes: Qwen3-30B-A3B 30.5B
+    parameters, 3.3B active (its model card); the Kimi-K2-class one 1.03T, 34.8B active
+    (Kimi K2: 1.04T, 32B; its MLA attention replaced by grouped-query attention of about the
+    same size), 384 experts, 8 per token, 61 layers."""
+    from configs import moe_plan
+    qwen = plan.model_config(moe_plan.get_config("qwen3-30b-a3b"))
+    assert 30.4e9 < qwen.n_params < 30.6e9 and 3.2e9 < qwen.n_active_params < 3.4e9
+    kimi = plan.model_config(moe_plan.get_config("kimi-k2"))
+    assert 1.0e12 < kimi.n_params < 1.06e12 and 30e9 < kimi.n_active_params < 36e9
+    assert (kimi.n_experts, kimi.n_experts_per_token, kimi.n_layers) == (384, 8, 61)
+
+
 def test_bad_input_gives_clear_errors():
     with pytest.raises(ValueError, match="needs 16 devices but JAX has 8"):
         plan.compile_plan(TINY, {"sequence": 16}, **COMMON)
