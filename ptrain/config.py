@@ -80,10 +80,13 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
     # reward_fn(record, completion_ids, completion_text) -> reward, or (reward, feedback text).
     c.reward_fn = None
     # engine: the producers sample through the rollout engine (ptrain/engine.py, continuous
-    # batching over engine_slots decode slots) instead of the static sampler.
+    # batching over engine_slots decode slots) instead of the static sampler. decode_dtype
+    # (engine only): "" decodes the learner's weights as they are; "bfloat16" (or "float32")
+    # a copy in that dtype resharded for decoding (heads over tensor, no FSDP gathers per
+    # token), refreshed after each update (`ptrain.decode_weights`; time/weight_sync_s).
     c.sampling = dict(num_samples=8, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,
                       stop_token_ids=(), stop_strings=(), stop_check_every=16, engine=False,
-                      engine_slots=32)
+                      engine_slots=32, decode_dtype="")
     c.rl = dict(
         estimator="grpo",  # ESTIMATORS
         loss="ppo",  # POLICY_LOSSES
@@ -288,6 +291,12 @@ def _check_values(config):
         (config.kl.ref_dtype in ("float32", "bfloat16"),
          f"kl.ref_dtype={config.kl.ref_dtype!r}; use 'float32' or 'bfloat16'"),
         (rl.tis_level in ("token", "sequence"), "rl.tis_level must be 'token' or 'sequence'"),
+        (s.decode_dtype in ("", "float32", "bfloat16"),
+         f"sampling.decode_dtype={s.decode_dtype!r}; use '' (the learner's weights as they "
+         "are), 'float32' or 'bfloat16'"),
+        (not s.decode_dtype or s.engine,
+         f"sampling.decode_dtype={s.decode_dtype!r} is the rollout engine's decode copy: set "
+         "sampling.engine=True (or decode_dtype='')"),
         (config.steps >= 0 and rl.ppo_epochs >= 1 and rl.num_minibatches >= 1,
          "steps must be >= 0, rl.ppo_epochs and rl.num_minibatches >= 1"),
         (d.prompts_per_step % rl.num_minibatches == 0,

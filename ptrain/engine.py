@@ -45,7 +45,7 @@ from flax import nnx
 from ptrain import interrupt
 from ptrain import kv_slots
 from ptrain import model as model_lib
-from ptrain import sharding
+from ptrain.decode_weights import decode_copy, decode_shardings, mesh_of  # noqa: F401
 
 FINISH = {kv_slots.STOP: "stop", kv_slots.LENGTH: "length"}  # and "max_len": the cache is full
 
@@ -188,6 +188,7 @@ class Engine:
             max_workers=tool_threads or max(16, self.slots))
         self._metrics = collections.Counter()
         self._queue_max = collections.Counter()
+        self._queue_peak = collections.Counter()  # since the last counters()
         self._last_queues = {}
 
     # ------------------------------------------------------------------ weights
@@ -195,13 +196,9 @@ class Engine:
     def sync_weights(self, params) -> float:
         """Refreshes the decode copy from the learner's parameters; returns its seconds."""
         start = time.perf_counter()
-        params = nnx.state(params) if isinstance(params, nnx.Module) else params
-        dtype = jnp.dtype(self.decode_dtype or "float32")
-        cast = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                            else x, params)
-        if self.mesh is not None:
-            cast = jax.device_put(cast, decode_shardings(cast, self.mesh))
-        self.params = jax.block_until_ready(cast)
+        mesh = self.mesh or mesh_of(nnx.state(params) if isinstance(params, nnx.Module)
+                                    else params)  # default: the parameters' own
+        self.params = decode_copy(params, self.decode_dtype or "float32", mesh)
         seconds = time.perf_counter() - start
         self._metrics["weight_sync_s"] += seconds
         self._metrics["weight_syncs"] += 1
@@ -293,19 +290,20 @@ class Engine:
         self._metrics.clear()
         self._queue_max.clear()
 
+    def counters(self) -> tuple[dict, dict]:
+        """(totals, peaks): the raw counts `metrics()` derives its rates from (since the
+        engine was made or reset), `slot_steps` (decode steps x slots) among them, and the
+        largest queue lengths since the last call (which resets them). Safe to call while
+        another thread generates (the copy is one C-level dict copy)."""
+        totals = dict(self._metrics)
+        totals["slot_steps"] = totals.get("decode_steps", 0) * self.slots
+        peaks, self._queue_peak = self._queue_peak, collections.Counter()
+        return totals, dict(peaks)
+
     def queues(self) -> dict:
         """Queue lengths at the last scheduling round: sequences waiting for a slot, live
         (decoding) and on tools."""
         return dict(self._last_queues)
-
-
-def decode_shardings(params, mesh):
-    """Shardings for decoding: like the model's, but the model dim whole on every device
-    (heads, MLP and vocab over `tensor`), so a decode step gathers no weights."""
-    def one(var):
-        axes = tuple(None if a == "embed" else a for a in var.get_metadata()["axes"])
-        return var.replace(sharding.named(mesh, axes, var.shape))
-    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _key_data(key) -> np.ndarray:
@@ -369,6 +367,7 @@ class _Run:
             for name, value in e._last_queues.items():
                 e._metrics[f"queue_{name}_sum"] += value
                 e._queue_max[name] = max(e._queue_max[name], value)
+                e._queue_peak[name] = max(e._queue_peak[name], value)
             if self.live:
                 self._decode_round()
         e._last_queues = dict(waiting=0, live=0, on_tools=0)

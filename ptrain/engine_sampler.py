@@ -7,10 +7,16 @@ each with an `on_turn` callback, and `run_episodes` is the multi-turn producer's
 turns (an observation is a prefill of its own tokens only), the G samples of a task share
 its prompt's prefill, and each episode goes on as soon as its tools return, whatever the
 others do.
+
+With `decode_dtype` ("bfloat16", sampling.decode_dtype) the engines decode one copy of the
+policy, cast and resharded for decoding (`ptrain.decode_weights`), shared by all of them and
+refreshed whenever a call brings other parameters than the copy's (after each update: the
+weight sync). `take_counters` / `step_metrics` give the learner each step's engine metrics.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Sequence
 
@@ -18,11 +24,13 @@ import jax
 import numpy as np
 
 from ptrain import chat
+from ptrain import decode_weights
 from ptrain import interrupt
 from ptrain import model as model_lib
 from ptrain import rewards as rewards_lib
 from ptrain import routing
 from ptrain import sampler as sampler_lib
+from ptrain import sharding
 from ptrain import turns
 from ptrain.engine import Engine, Request, Trajectory, buckets
 
@@ -33,14 +41,23 @@ class EngineSampler:
     equal the static sampler's, sampled ones come from other (per-request) randomness.
     top-k / top-p are not supported yet (the engine records the log-prob at the sampling
     temperature only without them). An MoE model's routing is recorded as the engine ran
-    each token (`Samples.experts`, `prompt_experts`; `Trajectory.experts`)."""
+    each token (`Samples.experts`, `prompt_experts`; `Trajectory.experts`).
+
+    decode_dtype: None (or ""), the engines decode the parameters each call brings, as they
+    are; "bfloat16" (or "float32"), a decode copy (see the module docstring) on `mesh`
+    (default: the parameters' own)."""
 
     def __init__(self, model: model_lib.Transformer, *, slots: int = 32, seed: int = 0,
-                 pad_id: int = 0, decode: Callable | None = None, stop_check_every: int = 16):
+                 pad_id: int = 0, decode: Callable | None = None, stop_check_every: int = 16,
+                 decode_dtype: str | None = None, mesh=None):
         self.model, self.slots, self.pad_id = model, int(slots), int(pad_id)
         self.decode, self.stop_check_every = decode, int(stop_check_every)
         self.key = jax.random.key(seed)
         self.engines = {}
+        self.decode_dtype = decode_dtype or None
+        self.weights = (decode_weights.DecodeWeights(self.decode_dtype, mesh)
+                        if self.decode_dtype else None)
+        self._taken = collections.Counter()  # totals at the last take_counters
 
     def engine(self, *, max_len: int, max_new_tokens: int, num_samples: int = 1,
                temperature: float = 1.0, greedy: bool = False, stop_token_ids=(),
@@ -55,8 +72,40 @@ class EngineSampler:
                 temperature=temperature, greedy=greedy, stop_token_ids=stop_token_ids,
                 stop_strings=stop_strings, decode=self.decode,
                 stop_check_every=self.stop_check_every, pad_id=self.pad_id,
-                token_buckets=settings[7], record_routing=self.model.config.n_experts > 0)
+                token_buckets=settings[7], record_routing=self.model.config.n_experts > 0,
+                decode_dtype=self.decode_dtype)
         return self.engines[settings]
+
+    def sync_weights(self, params) -> float:
+        """Refreshes the decode copy from `params` now (a call with other parameters than
+        the copy's does it anyway); returns its seconds. Without decode_dtype: 0."""
+        return 0.0 if self.weights is None else self.weights.sync(params)
+
+    def _generate(self, engine: Engine, params, requests, live=None) -> list[Trajectory]:
+        if self.weights is None:
+            return engine.generate(params, requests, live=live)
+        engine.params = self.weights.get(params)  # synced if params are new
+        try:  # (an interruption syncs the engine's own copy: Engine.sync_weights)
+            return engine.generate(None, requests, live=live)
+        finally:
+            engine.params = None  # the copy is held once (a sync drops it before the next)
+
+    def take_counters(self) -> tuple[dict, dict]:
+        """(counts, peaks) since the last call, summed over the engines: tokens, decode
+        seconds and steps, row steps, prefill tokens, tool waits, queue sums (`Engine.
+        counters`), and the weight syncs with their seconds; peaks: the largest queue
+        lengths. Safe while a generation runs in another thread (rl.staleness)."""
+        totals, peaks = collections.Counter(), collections.Counter()
+        for engine in list(self.engines.values()):
+            t, p = engine.counters()
+            totals.update(t)
+            for name, value in p.items():
+                peaks[name] = max(peaks[name], value)
+        if self.weights is not None:
+            totals.update(weight_syncs=self.weights.syncs, weight_sync_s=self.weights.sync_s)
+        counts = {k: v - self._taken[k] for k, v in totals.items()}
+        self._taken = totals
+        return counts, dict(peaks)
 
     def run(self, params, requests: Sequence[Request], *, max_len: int, max_new_tokens: int,
             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -70,7 +119,7 @@ class EngineSampler:
                              num_samples=max(r.num_samples for r in requests),
                              temperature=temperature, greedy=greedy,
                              stop_token_ids=stop_token_ids, stop_strings=stop_strings)
-        return engine.generate(params, requests, live=live)
+        return self._generate(engine, params, requests, live=live)
 
     def sample(self, params, prompts, *, max_new_tokens: int, num_samples: int = 1,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -94,7 +143,7 @@ class EngineSampler:
                              num_samples=num_samples, temperature=temperature, greedy=greedy,
                              stop_token_ids=stop_token_ids, stop_strings=stop_strings,
                              token_buckets=(prompt_len,))
-        trajs = engine.generate(params, [
+        trajs = self._generate(engine, params, [
             Request(p, key=jax.random.fold_in(key, i), num_samples=num_samples)
             for i, p in enumerate(prompts)], live=live)
         n = len(trajs)
@@ -122,6 +171,61 @@ class EngineSampler:
             finish_reasons=["length" if t.finish_reasons[0] == "max_len" else
                             t.finish_reasons[0] for t in trajs],
             prompt_index=np.array([t.request for t in trajs], np.int32))
+
+
+QUEUES = ("waiting", "live", "on_tools")  # Engine.queues()
+COUNTS = ("tokens", "decode_s", "decode_steps", "busy_row_steps", "bucket_row_steps",
+          "slot_steps", "rounds", "prefill_tokens", "tool_wait_s", "weight_syncs",
+          "weight_sync_s", *(f"queue_{q}_sum" for q in QUEUES))
+
+
+def find(producer) -> list[EngineSampler]:
+    """The EngineSamplers a producer samples through, each once: its `sampler` and those of
+    the producers it holds (`producers`, MixedProducer's), which may share one."""
+    found, todo = {}, [producer]
+    while todo:
+        p = todo.pop()
+        sampler = getattr(p, "sampler", None)
+        if isinstance(sampler, EngineSampler):
+            found[id(sampler)] = sampler
+        todo += list(getattr(p, "producers", {}).values())
+    return list(found.values())
+
+
+def step_metrics(samplers: Sequence[EngineSampler]) -> dict:
+    """What the engines did since the last call (the learner calls it once a step): tokens
+    decoded and their rate over the decode time (`engine/tokens_per_s`), slot occupancy (busy
+    rows over slots x decode steps; `bucket_occupancy` over the rows the decode calls ran),
+    prefill tokens, queue lengths per scheduling round (mean, max), the seconds the device had
+    nothing to do but wait on tools (`time/tool_wait_s`) and the weight syncs
+    (`time/weight_sync_s`: 0 without a decode copy). Counts are summed over processes (and
+    queue maxima maxed: `sharding.agree`), so every process logs the same numbers. With
+    rl.staleness > 0 a step's window holds parts of the generations that overlap it."""
+    if not samplers:
+        return {}
+    counts, peaks = collections.Counter(), collections.Counter()
+    for sampler in samplers:
+        c, p = sampler.take_counters()
+        counts.update(c)
+        for q in QUEUES:
+            peaks[q] = max(peaks[q], p.get(q, 0))
+    total = dict(zip(COUNTS, sharding.agree(
+        np.array([counts.get(k, 0) for k in COUNTS], np.float64), "sum").tolist()))
+    top = dict(zip(QUEUES, sharding.agree(
+        np.array([peaks[q] for q in QUEUES], np.float64), "max").tolist()))
+    out = {"engine/tokens": total["tokens"], "engine/prefill_tokens": total["prefill_tokens"],
+           "engine/decode_s": total["decode_s"], "engine/weight_syncs": total["weight_syncs"],
+           "time/weight_sync_s": total["weight_sync_s"], "time/tool_wait_s": total["tool_wait_s"]}
+    if total["decode_s"]:
+        out["engine/tokens_per_s"] = total["tokens"] / total["decode_s"]
+    if total["slot_steps"]:
+        out["engine/slot_occupancy"] = total["busy_row_steps"] / total["slot_steps"]
+        out["engine/bucket_occupancy"] = total["busy_row_steps"] / total["bucket_row_steps"]
+    for q in QUEUES:
+        if total["rounds"]:
+            out[f"engine/queue_{q}_mean"] = total[f"queue_{q}_sum"] / total["rounds"]
+        out[f"engine/queue_{q}_max"] = top[q]
+    return out
 
 
 def _routing(trajs, n_prompts, prompt_len, max_new_tokens):

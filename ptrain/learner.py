@@ -46,6 +46,7 @@ from ptrain import checkpoint as checkpoint_lib
 from ptrain import config as config_lib
 from ptrain import critic as critic_lib
 from ptrain import data as data_lib
+from ptrain import engine_sampler
 from ptrain import jsonl
 from ptrain import lookahead as lookahead_lib
 from ptrain import losses
@@ -284,6 +285,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
         producer = rollout_lib.SingleTurn(c, rollout_lib.make_sampler(
             nnx.merge(learner.graphdef, learner.initial_params), c, learner.tokenizer),
             tokenizer=learner.tokenizer)
+    engines = engine_sampler.find(producer)  # sampling.engine: their metrics each step
     os.makedirs(workdir, exist_ok=True)
     prompts = _prompt_stream(c.data, c.data.prompts_per_step, c.seed, workdir, "prompts",
                              on_error=c.data.on_error, mesh=learner.mesh,
@@ -383,6 +385,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
             # ------------------------------------------------------------ log
             step_metrics = {
                 **gen_metrics, **stale_metrics, **prep_metrics, **critic_metrics, **upd_metrics,
+                **engine_sampler.step_metrics(engines),
                 "optim/lr": float(learner.schedule(step - 1)), "kl/coef": kl_ctl.value,
                 "time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/step_s": t2 - t0,
             }

@@ -356,12 +356,14 @@ class Producer(Protocol):
 def make_sampler(model, config, tokenizer=None):
     """A sampler for `model` (concrete or abstract: parameters come with each call), with the
     tokenizer's pad id and decode (stop strings) and config.sampling.stop_check_every; with
-    config.sampling.engine the rollout engine behind the same `sample` interface."""
+    config.sampling.engine the rollout engine behind the same `sample` interface (with
+    sampling.decode_dtype, decoding its own copy of the weights, `ptrain.decode_weights`)."""
     common = dict(seed=config.seed, pad_id=pad_id(tokenizer),
                   decode=tokenizer.decode if tokenizer is not None else None,
                   stop_check_every=config.sampling.stop_check_every)
     if config.sampling.engine:
-        return engine_sampler.EngineSampler(model, slots=config.sampling.engine_slots, **common)
+        return engine_sampler.EngineSampler(model, slots=config.sampling.engine_slots,
+                                            decode_dtype=config.sampling.decode_dtype, **common)
     return Sampler(model, **common)
 
 
