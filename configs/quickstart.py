@@ -24,8 +24,9 @@ from ptrain import config as config_lib
 
 
 def get_config(arg: str = ""):
-    """arg "short": a shortened run for tests (fewer tasks and steps). The closed loop's
-    defaults (ptrain.config.defaults(closed_loop=True)) with what this experiment changes."""
+    """arg "short": a shortened run for tests (fewer tasks and steps, SFT rows no longer than
+    the demonstrations). The closed loop's defaults (ptrain.config.defaults(closed_loop=True))
+    with what this experiment changes."""
     short = arg == "short"
     c = config_lib.defaults(closed_loop=True)
     c.lock()  # a key that defaults() lacks is an error here
@@ -38,8 +39,11 @@ def get_config(arg: str = ""):
     c.sampling.max_new_tokens = 48
     c.rl.update(clip_high=0.28, num_minibatches=2, tis_cap=2.0, staleness=1)
     c.optim.update(lr=1e-4, schedule="constant")
-    c.sft.update(steps=400 if short else 1000, batch_size=64, max_prompt_len=24,
-                 max_completion_len=56, checkpoint_every=250)
+    # The short run's SFT rows are the demonstrations' longest prompt and completion (19 and
+    # 50 tokens; make_tasks checks every one fits): the same loss, less padding to compute.
+    c.sft.update(steps=400 if short else 1000, batch_size=64,
+                 max_prompt_len=19 if short else 24, max_completion_len=50 if short else 56,
+                 checkpoint_every=250)
     c.sft.optim.update(lr=3e-3, warmup_steps=20)
     c.log.num_rollouts = 8
     c.checkpoint.update(every=20, keep=2)
