@@ -113,7 +113,7 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         # producer with separate generate/score (see `learner.train`), and tis_cap > 0 to
         # correct the lag (required from k = 2).
         staleness=0,
-        # With staleness >= 1 on the engine (sampling.engine=True, rollout.SingleTurn): the
+        # With staleness >= 1 on the engine (sampling.engine=True; SingleTurn, Tasks): the
         # generation in flight switches to the learner's new version when an update ends,
         # at a decode-round boundary, its sequences' caches recomputed under the new weights;
         # each token keeps its behaviour log-prob and version (`ptrain.interrupt`).

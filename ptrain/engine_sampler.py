@@ -301,8 +301,12 @@ def run_episodes(sampler: EngineSampler, params, episodes, prompts, key, tokeniz
                         top_k=c.top_k, top_p=c.top_p, greedy=c.greedy,
                         stop_token_ids=stop_ids, stop_strings=stop_strings)
     for traj in trajs:  # MoE: each token's experts as the engine ran it (`routing.pack`)
+        e = episodes[traj.request * c.num_samples + traj.sample]
         if traj.experts is not None:
-            episodes[traj.request * c.num_samples + traj.sample].routing = [traj.experts]
+            e.routing = [traj.experts]
+        if isinstance(params, interrupt.Live):  # each model token's policy version
+            e.versions = np.where(np.asarray(e.mask, bool), interrupt.token_versions(
+                traj, 0, len(e.tokens)), interrupt.UNSAMPLED).tolist()
 
 
 def logp_temp(traj: Trajectory, greedy: bool) -> list[float]:

@@ -1,5 +1,6 @@
 """Interruption of in-flight episodes at a weight update (rl.interrupt, AReaL's interruptible
-generation), on the rollout engine (sampling.engine=True) with rl.staleness = k >= 1.
+generation), on the rollout engine (sampling.engine=True) with rl.staleness = k >= 1, for
+the producers that record per-token versions (rollout.SingleTurn, rollout.Tasks).
 
 Without it a batch is generated from one policy version to its end (ptrain/lookahead.py:
 batch t + k from version t - 1, while update t runs). With it, when update t ends the learner

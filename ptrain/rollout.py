@@ -114,6 +114,9 @@ class Episode:
     closed: bool = True  # the last model turn ended with its sampled end-of-turn token
     # MoE: the experts the sampler routed the first tokens to (`ptrain.routing.record`)
     routing: list = dataclasses.field(default_factory=list)
+    # rl.interrupt (the engine): the policy version of each token (aligned with `tokens`;
+    # ptrain.interrupt.UNSAMPLED where mask is 0), or None
+    versions: list | None = None
 
     @property
     def attempts(self) -> int:
@@ -339,6 +342,11 @@ def to_batch(episodes: Sequence[Episode], config: RolloutConfig, *, prompt_len: 
         prompt_lens=[e.prompt_len for e in episodes], prompt_len=prompt_len, length=length,
         meta=meta, pad_id=pad_id, max_len=max_len)
     routing_lib.pack(batch, [(e.routing, len(e.tokens), e.prompt_len) for e in episodes])
+    if episodes and all(e.versions is not None for e in episodes):  # rl.interrupt
+        batch.versions_bn = np.full(batch.tokens_bn.shape, -1, np.int32)
+        for i, e in enumerate(episodes):
+            v = e.versions[e.prompt_len:]
+            batch.versions_bn[i, :len(v)] = v
     return batch
 
 

@@ -148,3 +148,31 @@ def test_top_k_is_refused_on_the_engine(model):
     with pytest.raises(ValueError, match="top_k"):
         _generate(engine, model, top_k=5)
 
+
+
+def test_interrupted_episodes_record_each_tokens_version(model):
+    """rl.interrupt through rollout.Tasks: the swap forced after round 1 (4 decode steps;
+    the same weights published as version 4, so the episodes are those of an uninterrupted
+    run): every model token of the batch has a version, 3 before its row's swap and 4
+    after, and nothing else has one."""
+    from ptrain import interrupt
+    config = config_lib.defaults(closed_loop=True)
+    config.sampling.update(engine=True, engine_slots=4, num_samples=2, max_new_tokens=8,
+                           stop_token_ids=(EOS,))
+    config.rollout.update(max_turns=3, max_len=120)
+    sampler = rollout.make_sampler(model, config, TOK)
+    producer = rollout.Tasks(sampler, TOK, config, pool=None)
+    records = [tasks.to_record(t) for t in TASKS]
+    plain = producer.score(producer.generate(model, records, jax.random.key(1)))
+    switch = interrupt.Switch(every=4, at_round=1)
+    switch.publish(4, model)
+    batch = producer.score(producer.generate(interrupt.Live(model, 3, switch), records,
+                                             jax.random.key(1)))
+    np.testing.assert_array_equal(batch.tokens_bn, plain.tokens_bn)
+    v_bn = batch.versions_bn
+    np.testing.assert_array_equal(v_bn != interrupt.UNSAMPLED, batch.loss_mask_bn > 0)
+    assert set(np.unique(v_bn[batch.loss_mask_bn > 0]).tolist()) == {3, 4}
+    for row in v_bn:  # 3s, then 4s
+        sampled = row[row != interrupt.UNSAMPLED].tolist()
+        assert sampled == sorted(sampled)
+    assert plain.versions_bn is None

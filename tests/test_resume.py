@@ -3,8 +3,8 @@ scoring, the update, after the metrics, during an asynchronous checkpoint save) 
 after each kill writes the same metrics.jsonl and rollouts.jsonl (timings aside) as the run
 never interrupted, with rl.staleness=0, 1 and 2 (batch t+k generated at step t, from the
 parameters before update t, each batch scored in a thread meanwhile), and with 2 and
-rl.interrupt (the generation in flight switches to the new weights after its first round). The runs are in
-tests/resume_program.py."""
+rl.interrupt (the generation in flight switches to the new weights after its first
+round). The runs are in tests/resume_program.py."""
 
 import json
 import os
