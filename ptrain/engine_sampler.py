@@ -176,7 +176,8 @@ class EngineSampler:
 QUEUES = ("waiting", "live", "on_tools")  # Engine.queues()
 COUNTS = ("tokens", "decode_s", "decode_steps", "busy_row_steps", "bucket_row_steps",
           "slot_steps", "rounds", "prefill_tokens", "tool_wait_s", "weight_syncs",
-          "weight_sync_s", *(f"queue_{q}_sum" for q in QUEUES))
+          "weight_sync_s", "interruptions", "interrupted_rows", "recompute_tokens",
+          *(f"queue_{q}_sum" for q in QUEUES))
 
 
 def find(producer) -> list[EngineSampler]:
@@ -198,9 +199,11 @@ def step_metrics(samplers: Sequence[EngineSampler]) -> dict:
     rows over slots x decode steps; `bucket_occupancy` over the rows the decode calls ran),
     prefill tokens, queue lengths per scheduling round (mean, max), the seconds the device had
     nothing to do but wait on tools (`time/tool_wait_s`) and the weight syncs
-    (`time/weight_sync_s`: 0 without a decode copy). Counts are summed over processes (and
-    queue maxima maxed: `sharding.agree`), so every process logs the same numbers. With
-    rl.staleness > 0 a step's window holds parts of the generations that overlap it."""
+    (`time/weight_sync_s`: 0 without a decode copy); with rl.interrupt the swaps
+    (`engine/interruptions`, `interrupted_rows`, `recompute_tokens`). Counts are summed over
+    processes (and queue maxima maxed: `sharding.agree`), so every process logs the same
+    numbers. With rl.staleness > 0 a step's window holds parts of the generations that
+    overlap it."""
     if not samplers:
         return {}
     counts, peaks = collections.Counter(), collections.Counter()
@@ -218,6 +221,9 @@ def step_metrics(samplers: Sequence[EngineSampler]) -> dict:
            "time/weight_sync_s": total["weight_sync_s"], "time/tool_wait_s": total["tool_wait_s"]}
     if total["decode_s"]:
         out["engine/tokens_per_s"] = total["tokens"] / total["decode_s"]
+    if total["interruptions"]:  # rl.interrupt: swaps, the rows they caught, their prefill
+        for name in ("interruptions", "interrupted_rows", "recompute_tokens"):
+            out[f"engine/{name}"] = total[name]
     if total["slot_steps"]:
         out["engine/slot_occupancy"] = total["busy_row_steps"] / total["slot_steps"]
         out["engine/bucket_occupancy"] = total["busy_row_steps"] / total["bucket_row_steps"]

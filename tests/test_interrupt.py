@@ -268,3 +268,24 @@ def test_interrupt_config_errors():
     c.reward_fn = lambda *a: 0.0
     c.data.records_fn = lambda seed: []
     config_lib.check(c)
+
+
+def test_a_swap_refreshes_the_engines_decode_copy(models):
+    """sampling.decode_dtype: the engine decodes its own copy (float32 here, so that the
+    tokens compare exactly); a swap syncs the copy from the new weights: the same tokens
+    as the swap on the learner's weights, and the learner's metrics count it."""
+    from ptrain import engine_sampler
+    old, new = models
+    requests = [E.Request(p) for p in PROMPTS]
+    reference, _ = _swapped(old, new, requests, greedy=True)
+    sampler = engine_sampler.EngineSampler(old, slots=2, decode_dtype="float32")
+    switch = interrupt.Switch(every=EVERY, at_round=1)
+    switch.publish(1, new)
+    out = sampler.sample(interrupt.Live(old, 0, switch), PROMPTS, max_new_tokens=10,
+                         greedy=True, prompt_len=16)
+    assert out.completions() == [t.turns[0] for t in reference]
+    np.testing.assert_array_equal(out.versions[:2], [[0] * EVERY + [1] * 6] * 2)
+    np.testing.assert_array_equal(out.versions[2:], [[1] * 10] * 2)
+    m = engine_sampler.step_metrics([sampler])
+    assert m["engine/interruptions"] == 1 and m["engine/interrupted_rows"] == 2
+    assert m["engine/weight_syncs"] == 2  # the copy of the old weights, then of the new
