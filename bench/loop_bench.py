@@ -18,7 +18,11 @@ on which overlapping cannot gain. Per run, the first `--warmup` steps (compilati
 last k steps (which have no batch t+k to generate) are left out.
 
     python bench/loop_bench.py [--steps 8 --warmup 2 --repeats 3 --sft_steps 0 --workers 2
-                                --staleness 0 1 2 4]
+                                --staleness 0 1 2 4 --engine --decode_dtype bfloat16]
+
+`--engine` samples through the rollout engine (sampling.engine=True); `--decode_dtype
+bfloat16` with it decodes the engine's bfloat16 copy of the weights, synced once a step:
+the median per-step sync (time/weight_sync_s) and the engine's tokens/s are printed per mode.
 
 `--processes N` measures the multi-process path instead: the learner's RL step (GRPO on
 grpo_toy's task, the default single-turn producer, configs/grpo_toy.py with a larger model
@@ -155,6 +159,9 @@ def main():
                         help="sandbox pool workers (0: the quickstart's)")
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4],
                         help="rl.staleness values to run (0, the serial baseline, always)")
+    parser.add_argument("--engine", action="store_true", help="sampling.engine=True")
+    parser.add_argument("--decode_dtype", default="", choices=["", "float32", "bfloat16"],
+                        help="sampling.decode_dtype (with --engine)")
     parser.add_argument("--processes", type=int, default=0,
                         help="N > 1: the RL step in N processes x 8/N devices against 1 x 8 "
                              "(see the module docstring)")
@@ -165,6 +172,7 @@ def main():
 
     with tempfile.TemporaryDirectory(prefix="loop_bench_") as root:
         config = quickstart.get_config("short")
+        config.sampling.update(engine=args.engine, decode_dtype=args.decode_dtype)
         if args.workers:
             config.sandbox.workers = args.workers
         tokenizer = closed_loop.make_tokenizer(config)
@@ -218,6 +226,13 @@ def main():
         print(f"{name:<30}" + "".join(f"{median(s, k):9.3f}" for k in keys)
               + f"{np.median(busy[s]):11.2f}")
     print(f"{'ideal max(gen, score, upd)':<30}{ideal:9.3f}  (parts from the serial runs)")
+    for s in modes:  # sampling.engine: the weight sync a step and the decode rate
+        if lines[s] and "time/weight_sync_s" in lines[s][0]:
+            sync = np.median([r["time/weight_sync_s"] for r in lines[s]])
+            rate = np.median([r.get("engine/tokens_per_s", np.nan) for r in lines[s]])
+            print(f"rl.staleness={s}: weight sync {sync * 1e3:.1f} ms/step "
+                  f"({sync / median(s, 'step'):.1%} of the step; decode copy "
+                  f"{c.sampling.decode_dtype or 'none'}), engine {rate:.0f} tokens/s")
     for s in modes[1:]:
         print(f"rl.staleness={s}: serial / it {serial / median(s, 'step'):.2f}x (speed-up), "
               f"it / ideal {median(s, 'step') / ideal:.2f}x (target <= 1.15x)")

@@ -21,6 +21,11 @@ Two workloads (bench/rl_bench.py's model and checkpoint, float32):
               attempt; `sampling.engine`'s EngineSampler keeps each episode in its slot. Both
               produce the same episodes (asserted), so the ratio is of the same work.
 
+`--decode-dtype bfloat16` (sampling.decode_dtype): the engines decode their own bfloat16
+copy of the weights (ptrain/decode_weights.py), synced at the start of every timed run as
+the learner syncs it once a step; the sync's seconds per run are printed (and are inside
+the run's time). The static and Tunix samplers decode the float32 weights as before.
+
 Tunix runs in its own venv (see bench/rl_bench.py's docstring) in a subprocess; without
 it, `--no-tunix`. `--rounds` alternates the implementations (a shared machine's load
 drifts); the best (min) and typical (median) times are reported, and the ratios round by
@@ -69,17 +74,27 @@ def long_tail_workload(args):
 def engine_long_tail(model, prompts, lengths, args, slots):
     engine = engine_lib.Engine(model, slots=slots, max_len=32 + args.max_len,
                                max_new_tokens=args.max_len, temperature=1.0,
-                               token_buckets=(32, 32 + args.max_len))
-    engine.warm_up(model)
+                               token_buckets=(32, 32 + args.max_len),
+                               decode_dtype=args.decode_dtype or None)
+    engine.warm_up(_synced(engine, model))
     requests = [engine_lib.Request(p, key=i, max_new_tokens=n)
                 for i, (p, n) in enumerate(zip(prompts, lengths))]
 
     def run():
         engine.reset_metrics()
-        trajs = engine.generate(model, requests)
+        trajs = engine.generate(_synced(engine, model), requests)
         assert [len(t.turns[0]) for t in trajs] == lengths
     times = rl_bench._time(run, args.repeats)
     return times, engine.metrics()
+
+
+def _synced(engine, model):
+    """What engine.generate takes: the model, or (with a decode copy) None after a weight
+    sync from it, as the learner does once a step."""
+    if engine.decode_dtype is None:
+        return model
+    engine.sync_weights(model)
+    return None
 
 
 def static_long_tail(model, prompts, lengths, args):
@@ -152,8 +167,9 @@ def reprefill_multi_turn(model, prompts, args, threads):
 def engine_multi_turn(model, prompts, args, slots):
     n_len = 32 + args.turns * (args.turn_tokens + args.obs_tokens)
     engine = engine_lib.Engine(model, slots=slots, max_len=n_len, max_new_tokens=args.turn_tokens,
-                               temperature=1.0, token_buckets=(32, n_len))
-    engine.warm_up(model)
+                               temperature=1.0, token_buckets=(32, n_len),
+                               decode_dtype=args.decode_dtype or None)
+    engine.warm_up(_synced(engine, model))
 
     def on_turn(traj):
         return _tool(traj.turns[-1], args) if len(traj.turns) < args.turns else None
@@ -163,7 +179,7 @@ def engine_multi_turn(model, prompts, args, slots):
 
     def run():
         engine.reset_metrics()
-        trajs = engine.generate(model, requests)
+        trajs = engine.generate(_synced(engine, model), requests)
         assert all(len(t.turns) == args.turns for t in trajs)
     times = rl_bench._time(run, args.repeats)
     return times, engine.metrics()
@@ -193,13 +209,20 @@ def producer_multi_turn(model, task_list, args, sampler):
     def run():
         for engine in getattr(sampler, "engines", {}).values():
             engine.reset_metrics()  # the metrics printed are the last run's
+        if getattr(sampler, "weights", None) is not None:
+            sampler.sync_weights(model)  # once a step, as the learner's first call does
         episodes = rollout.generate(sampler, model, task_list, tokenizer=WORDS,
                                     key=jax.random.key(0), config=config)
         assert all(e.attempts == args.turns for e in episodes), [e.attempts for e in episodes]
         return episodes
     run()
     for engine in getattr(sampler, "engines", {}).values():
-        engine.warm_up(model)  # every shape a run can use (the first run compiled some)
+        if engine.decode_dtype is None:  # every shape a run can use (the first run compiled
+            engine.warm_up(model)        # some)
+        else:
+            engine.params = sampler.weights.get(model)
+            engine.warm_up()
+            engine.params = None
     return rl_bench._time(run, args.repeats), run()
 
 
@@ -218,6 +241,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-tunix", action="store_true")
+    parser.add_argument("--decode-dtype", default="", choices=["", "float32", "bfloat16"],
+                        help="the engines' decode copy (sampling.decode_dtype); '' none")
     parser.add_argument("--workloads", nargs="+",
                         default=["long-tail", "multi-turn", "producer"],
                         choices=["long-tail", "multi-turn", "producer"])
@@ -270,20 +295,24 @@ def main():
                                                                  decode=WORDS.decode))
                 add("re-prefill producer", t)
                 for slots in args.slots:
-                    sampler = engine_sampler.EngineSampler(word_model, slots=slots,
-                                                           decode=WORDS.decode)
+                    sampler = engine_sampler.EngineSampler(
+                        word_model, slots=slots, decode=WORDS.decode,
+                        decode_dtype=args.decode_dtype or None)
                     t, got = producer_multi_turn(word_model, tasks, args, sampler)
                     assert [e.tokens for e in got] == [e.tokens for e in want]
                     add(f"engine producer, {slots} slots", t)
                     [engine] = sampler.engines.values()
-                    engine_metrics[f"producer, {slots} slots"] = engine.metrics()
+                    engine_metrics[f"producer, {slots} slots"] = dict(
+                        engine.metrics(), **({} if sampler.weights is None else {
+                            "weight_sync_s": sampler.weights.sync_s / sampler.weights.syncs}))
             print(f"round {r}: " + ", ".join(f"{k} {v[-1][0] * 1e3:.0f} ms"
                                              for k, v in runs.items()), flush=True)
     best = {k: min(v[0] for v in vs) for k, vs in runs.items()}
     typical = {k: float(np.median([v[1] for v in vs])) for k, vs in runs.items()}
     tokens = sum(lengths)
     episodes = args.prompts * args.samples
-    print(f"model: Qwen3-style, {config.n_params / 1e6:.2f}M params, float32, "
+    print(f"model: Qwen3-style, {config.n_params / 1e6:.2f}M params, float32, engines' "
+          f"decode copy: {args.decode_dtype or 'none'}, "
           f"{jax.default_backend()}; jax {jax.__version__}; {os.cpu_count()} cores; "
           f"{args.rounds} rounds x {args.repeats} repeats")
     if "long-tail" in args.workloads:
@@ -336,7 +365,8 @@ def main():
     print("engine metrics (last run of each):")
     for name, m in engine_metrics.items():
         keys = ("tokens_per_s", "slot_occupancy", "bucket_occupancy", "decode_calls",
-                "prefill_tokens", "tool_wait_s", "queue_waiting_max", "queue_on_tools_mean")
+                "prefill_tokens", "tool_wait_s", "queue_waiting_max", "queue_on_tools_mean",
+                "weight_sync_s")
         print(f"  {name}: " + ", ".join(f"{k} {m[k]:.3g}" for k in keys if k in m))
 
 
