@@ -275,9 +275,7 @@ def run(config, workdir, *, mesh=None):
                 box.cluster, workers=box.workers, backend=box.backend, address=box.address))
             producers["tasks"] = rollout_lib.Tasks(sampler, tokenizer, config, pool)
         if TERMINAL in domains:
-            if jax.process_count() > 1:
-                raise ValueError("the terminal domain runs on one process; drop it from "
-                                 "tasks.domains for a multi-process run")
+            terminal_domain.terminal_rollout.check_one_process()  # (before any container)
             terminal = producers[TERMINAL] = stack.enter_context(
                 terminal_domain.producer(config, sampler, tokenizer, heldout[TERMINAL]))
         producer = (next(iter(producers.values())) if len(producers) == 1 else

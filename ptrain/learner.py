@@ -197,15 +197,13 @@ class Learner:
         return fn(params, opt_state, batch, jnp.float32(0.0))
 
     def sft_packed_update(self, params, opt_state, batch):
-        """One supervised step on a packed batch (`packing.packed_batch`, this process's
-        rows): `step.jit_packed_update`, the program `ptrain.plan` compiles; the inputs are
-        donated. metrics["loss"] is the loss before the update."""
+        """One supervised step on a packed batch (`packing.packed_batch`: the global batch,
+        the same on every process, which places its devices' rows): `step.jit_packed_update`,
+        the program `ptrain.plan` compiles; the inputs are donated. metrics["loss"] is the
+        loss before the update."""
         fn = step_lib.jit_packed_update(self.graphdef, self.sft_tx, self.mesh,
                                         self.sft_settings.chunk)
-        blocks = sharding.row_block(self.mesh)[1]
-        rows = len(batch["tokens_bt"])
-        return fn(params, opt_state, sharding.from_process_local(batch, self.mesh,
-                                                                 global_rows=rows * blocks))
+        return fn(params, opt_state, sharding.shard_batch(batch, self.mesh))
 
 
 def reference_params(params, dtype: str = "float32"):
@@ -479,11 +477,13 @@ def sft_document(learner: Learner, record):
 
 
 def _packed_sft(learner: Learner, records, state):
-    """sft.packing's stream and the function from its rows to a step's packed batch."""
+    """sft.packing's stream and the function from its rows to a step's packed batch: the
+    global one (sft.batch_size rows), packed alike on every process from the whole record
+    stream, since where a record lands depends on every record before it (so N processes
+    train on the rows one process would)."""
     sc, mesh = learner.config.sft, learner.mesh
     packer = packing.Packer(records, lambda r: sft_document(learner, r), state=state,
-                            rows=sc.batch_size // sharding.row_block(mesh)[1],
-                            seq_len=sc.seq_len, truncate=sc.truncate)
+                            rows=sc.batch_size, seq_len=sc.seq_len, truncate=sc.truncate)
     shards = 1 if mesh is None else mesh.shape["sequence"]
 
     def next_batch():
@@ -504,8 +504,9 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
     c, sc = config, config.sft
     learner = Learner(c, mesh=mesh, params=params, tokenizer=tokenizer)
     os.makedirs(workdir, exist_ok=True)
+    # (Packed: every process reads the whole stream, `_packed_sft`; else its block.)
     records = _prompt_stream(sc, sc.batch_size, c.seed, workdir, "sft", on_error="raise",
-                             mesh=learner.mesh)
+                             mesh=None if sc.packing else learner.mesh)
     # ---------------------------------------------------------------- restore or start
     params = learner.initial_params
     opt_state = learner.init_opt_state(params, learner.sft_tx)

@@ -226,12 +226,27 @@ def to_batch(rollouts: list[Rollout], *, tokenizer, prompt_len: int, length: int
     return out
 
 
+def check_one_process() -> None:
+    """The terminal domain runs on one process: its turn loop (which episodes are still
+    going, one sampler call per turn over this process's episodes) and its evaluation (every
+    held-out task) are not agreed across processes, so N processes would issue different
+    device programs and hang. Raises a ValueError saying what to do instead."""
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"the terminal domain runs on one process, and this run has "
+            f"{jax.process_count()} (jax.distributed): its episodes' turns are not agreed "
+            "across processes. Run it on one host (one process drives all its local "
+            "devices), or drop 'terminal' from tasks.domains for a multi-process run")
+
+
 class TerminalProducer:
     """The learner's producer on terminal task records ({"task_dir": PATH}): `generate` on
-    the device and in the containers, `score` by the verifiers (see the module docstring)."""
+    the device and in the containers, `score` by the verifiers (see the module docstring).
+    One process only (`check_one_process`)."""
 
     def __init__(self, sampler, tokenizer, *, harness, fmt: chat.ChatFormat, stop_ids,
                  config: TerminalRolloutConfig, prompt_len: int, pad_id: int = 0):
+        check_one_process()
         self.sampler, self.tokenizer, self.harness = sampler, tokenizer, harness
         self.config, self.prompt_len, self.pad_id = config, prompt_len, pad_id
         self.agent = terminal_agent.ShellAgent(

@@ -45,6 +45,12 @@ def helpers(rows: int = 16) -> dict:
         out["equal_error"] = None
     except ValueError as e:
         out["equal_error"] = str(e)
+    from ptrain import terminal_rollout  # the terminal domain: one process, a clear error
+    try:
+        terminal_rollout.check_one_process()
+        out["terminal_error"] = None
+    except ValueError as e:
+        out["terminal_error"] = str(e)
     return out
 
 
@@ -169,8 +175,9 @@ def _on_mesh(host, mesh):
         x.shape, x.sharding, lambda index: h[index]), host, like)
 
 
-# The learner's phases, in order. Each RL phase starts from SFT's parameters.
-PHASES = ("sft", "grpo", "ppo")
+# The learner's phases, in order. Each RL phase but multiturn (another vocabulary) starts
+# from SFT's parameters.
+PHASES = ("sft", "sft_packed", "grpo", "ppo", "multiturn")
 # Where a process may SIGKILL itself in a step (the step under way: updates finished + 1):
 # entering a producer.generate call, a reward (producer.score), the update, or the
 # checkpoint save (after the step's metrics are written). With rl.staleness=1 (the ppo
@@ -266,6 +273,7 @@ def learner_program(workdir: str, phases=PHASES, kills=None, split_sft=True) -> 
 
     sft   three SFT steps (with `split_sft`: two, then a third resumed from the step-2
           checkpoint in a new `learner.sft` call);
+    sft_packed  the same with sft.packing (records back to back in 8 rows of 32 tokens);
     grpo  three GRPO steps from SFT's parameters, DAPO dynamic sampling (groups kept and
           filled globally), KL, a checkpoint each step;
     ppo   three PPO steps from SFT's parameters: the critic (GAE), rl.staleness=1, KL;
@@ -309,17 +317,21 @@ def learner_program(workdir: str, phases=PHASES, kills=None, split_sft=True) -> 
             return _on_mesh(out["sft"]["params"], mesh)
         return nnx.state(L.build_model(_toy_config(), mesh))
 
-    if "sft" in phases and not done("sft"):
+    sft_configs = {"sft": {"sft.batch_size": 16},
+                   "sft_packed": {"sft.batch_size": 8, "sft.packing": True, "sft.seq_len": 32}}
+    for phase, changes in sft_configs.items():
+        if phase not in phases or done(phase):
+            continue
         params = nnx.state(L.build_model(_toy_config(), mesh))
         c = _toy_config(**{"sft.records_fn": sft_records, "sft.steps": 3,
-                           "sft.batch_size": 16, "checkpoint.every": 2})
-        d = os.path.join(workdir, "sft")
+                           "checkpoint.every": 2, **changes})
+        d = os.path.join(workdir, phase)
         if split_sft:
             c.sft.steps = 2
             L.sft(c, d, mesh=mesh, params=_copy(params))  # (its params are donated)
             c.sft.steps = 3
         params = L.sft(c, d, mesh=mesh, params=params)  # (split: resumed at step 2)
-        finish("sft", {"metrics": _run_metrics(d), "params": sharding.to_host(params)})
+        finish(phase, {"metrics": _run_metrics(d), "params": sharding.to_host(params)})
     for phase, config in (("grpo", _rl_config), ("ppo", _ppo_config)):
         if phase not in phases or done(phase):
             continue
@@ -339,49 +351,78 @@ def learner_program(workdir: str, phases=PHASES, kills=None, split_sft=True) -> 
         with open(os.path.join(workdir, f"{phase}.starts.{me}")) as f:
             finish(phase, {**result, "starts": [int(x) for x in f.read().split()]})
     if "multiturn" in phases and not done("multiturn"):
-        finish("multiturn", multiturn_program(os.path.join(workdir, "multiturn")))
+        finish("multiturn", multiturn_program(os.path.join(workdir, "multiturn"), mesh))
     return out
 
 
 PATTERNS = ("[a-f]", "[0-9]", "[g-p]", "[q-z]", "[A-M]", "[:=]", "[N-Z]", "[(]")
+CALLS = 24  # whole python tool calls in the multi-turn vocabulary (`tool_tokenizer`)
+
+
+def tool_tokenizer():
+    """The task vocabulary plus CALLS pieces that are each a whole python tool call
+    (print(k)): a random model writes one about every tenth token, so the episodes really
+    call their tool (and sometimes a malformed one, from the vocabulary's own <tool_call>);
+    and the Format verifier's feedback sentence as one piece (short retries: fewer shapes
+    to compile)."""
+    import re
+
+    from ptrain import chat
+    from ptrain import rewards
+    from ptrain import tasks as T
+    from ptrain.synthetic_tasks import WordTokenizer
+    calls = [chat.format_turn(chat.PLAIN, "", [chat.ToolCall("python", {"code": f"print({k})"})])
+             for k in range(CALLS)]
+    feedback = rewards.check_format(T.Format("^$"), "x").feedback
+
+    class Tokenizer(WordTokenizer):
+        def encode(self, text, add_special_tokens=False):
+            parts = re.split(f"({re.escape(feedback)})", text)
+            return [i for part in parts if part for i in (
+                [self.ids[part]] if part == feedback else WordTokenizer.encode(self, part))]
+
+    return Tokenizer(WordTokenizer.for_tasks().pieces + calls + [feedback])
 
 
 def format_tasks(seed, n=16):
     """Task records judged by a Format pattern that random text often matches (so some
-    episodes pass at their first attempt and others try again)."""
+    episodes pass at their first attempt and others try again), with the python tool."""
     from ptrain import tasks as T
     return [T.to_record(T.Task(f"t{i}", "fmt", T.Format(PATTERNS[(i + seed) % 8]),
-                               prompt=f"arith: what is {i} plus {seed}")) for i in range(n)]
+                               prompt=f"arith: what is {i} plus {seed}", tools=("python",)))
+            for i in range(n)]
 
 
-def multiturn_program(workdir: str) -> dict:
-    """Multi-turn RL (self-correction: a failed first answer gets its feedback and a second
-    attempt, so processes hold different numbers of live episodes) through closed_loop's
-    Tasks producer for two GRPO steps, then the held-out greedy evaluation. Returns process
-    0's metrics, the eval lines and the final parameters."""
+def multiturn_program(workdir: str, mesh=None) -> dict:
+    """One multi-turn RL step: two model turns per attempt with the python tool (run in the
+    process sandbox), and self-correction (a failed answer gets its feedback and a second
+    attempt), so processes hold different numbers of live episodes each turn; through
+    closed_loop's Tasks producer, then the held-out greedy evaluation. Returns process 0's
+    metrics, the eval lines and the final parameters."""
     import os
 
     from ptrain import closed_loop as CL
     from ptrain import learner as L
     from ptrain import rollout
-    from ptrain.synthetic_tasks import WordTokenizer
-    tok = WordTokenizer.for_tasks()
+    tok = tool_tokenizer()
     c = CL.defaults()
-    c.steps = 2
+    c.steps = 1
     c.model.update(vocab_size=tok.vocab_size, d_model=32, d_ff=64)
     c.data.update(records_fn=format_tasks, max_prompt_len=16, prompts_per_step=8)
     c.sampling.update(num_samples=2, max_new_tokens=6, stop_token_ids=(tok.eos_token_id,))
     c.rl.update(num_minibatches=2)
-    c.rollout.update(max_turns=1, max_attempts=2, attempt_reward="mean", max_len=128)
+    c.rollout.update(max_turns=2, max_attempts=2, attempt_reward="mean", max_len=56,
+                     tool_timeout_s=120.0)  # (a timeout would differ between the runs)
+    c.sandbox.backend = "process"
     c.optim.update(lr=1e-2, schedule="constant")
     c.checkpoint.async_save = False
-    c.eval.n = 6  # 3 a process
-    mesh = sharding.make_mesh(fsdp=-1)
+    c.eval.n = 4  # 2 a process
+    mesh = sharding.make_mesh(fsdp=-1) if mesh is None else mesh
     sampler = CL.make_sampler(c, mesh, tok)
     producer = rollout.Tasks(sampler, tok, c, pool=None)
     params = L.train(c, workdir, producer=producer, mesh=mesh, tokenizer=tok)
-    heldout = {"fmt": [CL.tasks_lib.from_record(r) for r in format_tasks(5, n=6)]}
+    heldout = {"fmt": [CL.tasks_lib.from_record(r) for r in format_tasks(5, n=4)]}
     lines = CL.evaluate(sampler, params, heldout, tokenizer=tok, config=c, pool=None,
-                        stage="rl", step=2)
+                        stage="rl", step=1)
     return {"metrics": _run_metrics(workdir), "eval": lines,
             "params": sharding.to_host(params)}

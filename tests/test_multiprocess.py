@@ -45,6 +45,15 @@ def test_agree(helpers_2x4):
         assert "disagree" in r["equal_error"] and "[3, 7]" in r["equal_error"]
 
 
+def test_the_terminal_domain_refuses_many_processes(helpers_2x4):
+    """The terminal producer's turns are not agreed across processes: with two it is a clear
+    error (the closed loop checks before any container starts), with one it runs."""
+    assert mp_programs.helpers()["terminal_error"] is None
+    for r in helpers_2x4:
+        assert "2 (jax.distributed)" in r["terminal_error"]
+        assert "drop 'terminal' from tasks.domains" in r["terminal_error"]
+
+
 def test_worker_failure_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         multiprocess.run("mp_programs:fails_on_one", n=2, devices=1, timeout=60)
@@ -111,8 +120,10 @@ def _learner(n, devices, cache, workdir, **args):
 
 @pytest.fixture(scope="module")
 def learner_runs(tmp_path_factory):
-    """The learner's phases (mp_programs.PHASES: SFT, GRPO with dynamic sampling, PPO with
-    staleness 1) once uninterrupted in 1 process x 8 devices, and in 2 processes x 4 killed
+    """The learner's phases (mp_programs.PHASES: SFT, packed SFT, GRPO with dynamic
+    sampling, PPO with staleness 1, a multi-turn step with tools and self-correction, and
+    the held-out evaluation) once uninterrupted in 1 process x 8 devices, and in 2 processes
+    x 4 killed
     at each of KILLS and restarted (every process) until it finishes: one process start per
     layout and kill. Returns (the 2 x 4 results, the 1 x 8 result, the 2 x 4 work dir,
     the exit codes of each killed run)."""
@@ -182,6 +193,18 @@ def test_sft_and_its_resume_equal_one_process(learner_runs):
 
 @_LEARNER
 @pytest.mark.timeout(2400)
+def test_packed_sft_and_its_resume_equal_one_process(learner_runs):
+    """sft.packing on 2 x 4 (every process packs the global rows from the whole record
+    stream and places its devices' rows), two steps and a third resumed: 1 x 8's three."""
+    two, one, _, _ = learner_runs
+    _same_metrics([r["sft_packed"] for r in two], one["sft_packed"])
+    metrics = one["sft_packed"]["metrics"]
+    assert [r["step"] for r in metrics] == [1, 2, 3]
+    assert all(r["sft/documents"] > 8 and r["sft/fill"] > 0.5 for r in metrics)  # packed
+
+
+@_LEARNER
+@pytest.mark.timeout(2400)
 def test_rl_with_dynamic_sampling_killed_and_restarted_equals_one_process(learner_runs):
     """GRPO with groups kept and filled over the global batch, KL; one process SIGKILLed
     entering a generation in step 2, then (after a restart of both) one entering the scoring
@@ -211,20 +234,18 @@ def test_ppo_critic_with_staleness_killed_and_restarted_equals_one_process(learn
     assert "critic/vf_loss" in metrics[0] and metrics[2]["rollout/staleness"] > 0
 
 
-# The multi-turn phase builds a second model (the task tokenizer's vocabulary) and a sampler
-# loop with stop checks: every program compiled again, minutes on 2 shared cores, so it runs
-# on request.
-@pytest.mark.skipif(not os.environ.get("PTRAIN_MULTIPROCESS_LEARNER"),
-                    reason="the 2x4-vs-1x8 multi-turn phase takes minutes; "
-                           "set PTRAIN_MULTIPROCESS_LEARNER=1")
-@pytest.mark.timeout(3600)
-def test_multiturn_rl_and_eval_equal_one_process(tmp_path_factory):
-    """Self-correction episodes (processes hold different numbers of live episodes per
-    attempt), then the held-out evaluation, each process scoring its own block."""
-    cache = str(tmp_path_factory.mktemp("xla_cache_multiturn"))
-    one = _learner(1, 8, cache, str(tmp_path_factory.mktemp("mt_1x8")), phases=("multiturn",))
-    two = _learner(2, 4, cache, str(tmp_path_factory.mktemp("mt_2x4")), phases=("multiturn",))
-    _same_metrics([r["multiturn"] for r in two], one[0]["multiturn"], atol=1e-5)
+@_LEARNER
+@pytest.mark.timeout(2400)
+def test_multiturn_rl_with_tools_and_eval_equal_one_process(learner_runs):
+    """A multi-turn step (python tool calls in the process sandbox, then self-correction:
+    processes hold different numbers of live episodes each turn), then the held-out
+    evaluation, each process scoring its own block of the tasks: 1 x 8's to float
+    tolerance (its own model: the task vocabulary)."""
+    two, one, _, _ = learner_runs
+    _same_metrics([r["multiturn"] for r in two], one["multiturn"], atol=1e-5)
+    metrics = one["multiturn"]["metrics"]
+    assert [r["step"] for r in metrics] == [1]
+    assert metrics[0]["episode/fmt/tool_calls"] > 0 and metrics[0]["episode/fmt/attempts"] > 1
     for r in two:
-        assert r["multiturn"]["eval"] == one[0]["multiturn"]["eval"]
-    assert one[0]["multiturn"]["eval"][0]["n"] == 6
+        assert r["multiturn"]["eval"] == one["multiturn"]["eval"]
+    assert one["multiturn"]["eval"][0]["n"] == 4
