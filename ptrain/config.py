@@ -133,9 +133,11 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
     # KL to the frozen initial policy: coef 0 turns it (and the reference model) off.
     # ref_dtype: the dtype the reference model's parameters are held in ("bfloat16": half
     # the memory of float32 ones; its log-probs are computed in model.dtype as before).
+    # ref_offload: held in host memory (jax memory kind "pinned_host") between uses, copied
+    # to the devices for each step's prepare pass only.
     c.kl = dict(coef=0.0, kind="k3", in_reward=False,
                 target=0.0, horizon=10000.0,  # target > 0: adaptive coefficient (in-reward)
-                ref_dtype="float32")
+                ref_dtype="float32", ref_offload=False)
     c.dapo = dict(
         overlong_buffer=0,  # > 0: soft overlong penalty over the last N tokens before the max
         overlong_penalty=1.0,

@@ -121,9 +121,11 @@ class Learner:
         self.sft_tx, self.sft_schedule = step_lib.make_optimizer(c.sft.optim,
                                                                  total_steps=c.sft.steps)
         # The reference policy is a copy (the live parameters are donated to each update),
-        # in kl.ref_dtype.
+        # in kl.ref_dtype; with kl.ref_offload in host memory between prepare passes.
         self.ref_params = (reference_params(self.initial_params, c.kl.ref_dtype)
                            if c.kl.coef > 0 else None)
+        if self.ref_params is not None and c.kl.ref_offload:
+            self.ref_params = sharding.to_memory(self.ref_params, "pinned_host")
 
     # ------------------------------------------------------------------ state
 
@@ -168,7 +170,10 @@ class Learner:
         if self.settings.router_replay:
             routing.check_replay(episodes)
         batch = sharding.shard_batch(episodes.arrays(), self.mesh)
-        return step_lib.prepare(params, self.ref_params, critic_params, batch,
+        ref = self.ref_params  # (kl.ref_offload: on the devices for this pass only)
+        if ref is not None and self.config.kl.ref_offload:
+            ref = sharding.to_memory(ref, "device")
+        return step_lib.prepare(params, ref, critic_params, batch,
                                 jnp.float32(kl_coef), graphdef=self.graphdef,
                                 critic_graphdef=self.critic_graphdef, s=self.settings)
 

@@ -234,6 +234,7 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
         critic = _abstract_state(lambda: critic_lib.Critic(mc, rngs=nnx.Rngs(0), mesh=mesh),
                                  mesh, step_lib.make_optimizer(config.critic.optim, **optim)[0])
     ref = policy["params"] if config.kl.coef > 0 else None  # the learner's copy of params
+    held_ref = None if config.kl.ref_offload else ref  # offloaded: on the host between uses
     critic_state = critic and (critic["params"], critic["opt_state"])
     rows = config.data.prompts_per_step * config.sampling.num_samples
     length = config.rollout.max_len if "rollout" in config else config.sampling.max_new_tokens
@@ -257,7 +258,7 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
     kv_cache = _outputs(sampling["sample_prefill"])["cache"]
     for name, compiled in sampling.items():
         programs[name] = _memory(compiled)
-        live[name] = [policy["opt_state"], ref, critic_state]
+        live[name] = [policy["opt_state"], held_ref, critic_state]
     prepare = step_lib.prepare.lower(
         policy["params"], ref, critic and critic["params"], batch, kl,
         graphdef=policy["graphdef"], critic_graphdef=critic and critic["graphdef"],
@@ -273,7 +274,7 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
         fn = step_lib.jit_update(state["graphdef"], settings, state["tx"], mesh)
         compiled = fn.lower(state["params"], state["opt_state"], prepared, kl).compile()
         programs[name] = _memory(compiled)
-        live[name] = [ref, other and (other["params"], other["opt_state"])]
+        live[name] = [held_ref, other and (other["params"], other["opt_state"])]
     peaks = {n: programs[n]["peak"] + _device_bytes(live[n]) for n in programs}
     peak_program = max(peaks, key=peaks.get)
     report = {
@@ -294,7 +295,8 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
         "memory": {"peak_program": peak_program,
                    "policy": _device_bytes(policy["params"]),
                    "optimizer": _device_bytes(policy["opt_state"]),
-                   "reference": _device_bytes(ref), "critic": _device_bytes(critic_state),
+                   "reference": _device_bytes(ref if peak_program == "prepare" else held_ref),
+                   "critic": _device_bytes(critic_state),
                    "kv_cache": _device_bytes(kv_cache) if peak_program in sampling else 0,
                    "activations": programs[peak_program]["temporaries"]},
         "compile_s": round(time.perf_counter() - t0, 1),

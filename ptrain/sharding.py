@@ -316,6 +316,17 @@ def gather_blocks(value, mesh: Mesh | None, axis: str = "batch") -> list:
     return [out[i] for i in sorted(out)]
 
 
+def to_memory(tree, kind: str):
+    """Every array of `tree` in memory `kind` of the devices it is on, sharded as it is:
+    "device", or "pinned_host" (host memory the devices copy from directly; e.g. a frozen
+    model between uses). Raises, naming the kinds there are, where the devices have none."""
+    kinds = [m.kind for m in jax.local_devices()[0].addressable_memories()]
+    if kind not in kinds:
+        raise ValueError(f"memory kind {kind!r} is not on this backend's devices "
+                         f"({jax.default_backend()}: {kinds})")
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), tree)
+
+
 def to_host(tree):
     """Device arrays -> numpy, whole on every process (an all-gather across processes)."""
     if jax.process_count() == 1:

@@ -25,9 +25,14 @@ def helpers(rows: int = 16) -> dict:
         x, lengths = sharding.from_process_local((x_bt[rs], lengths_b[rs]), mesh,
                                                  global_rows=rows)
         y = jax.jit(lambda a, n: a * 2.0 + a.sum() + n[:, None])(x, lengths)
+        host = sharding.to_memory(y, "pinned_host")  # (kl.ref_offload's round trip)
+        back = sharding.to_memory(host, "device")
         out[name] = {"rows": (rs.start, rs.stop), "whole": sharding.to_host(y),
                      "local": sharding.to_host_local(y),
-                     "sum": float(sharding.to_host(jnp.sum(y)))}
+                     "sum": float(sharding.to_host(jnp.sum(y))),
+                     "memory": (host.sharding.memory_kind, back.sharding.memory_kind,
+                                back.sharding == y.sharding),
+                     "back": sharding.to_host(back)}
         # Without global_rows: inferred from how many processes hold different rows.
         again = sharding.from_process_local(x_bt[rs], mesh, axes=("batch", None))
         out[name]["inferred_shape"] = tuple(again.shape)
@@ -187,10 +192,12 @@ KILL_POINTS = ("generate", "score", "update", "save")
 STALE_KILL_POINTS = ("update", "save")
 
 
-def _rl_config(steps):
-    """The grpo phase: GRPO with DAPO dynamic sampling and KL, a checkpoint a step."""
+def _rl_config(steps, ref_offload=False):
+    """The grpo phase: GRPO with DAPO dynamic sampling and KL (the reference in host memory
+    between steps with `ref_offload`), a checkpoint a step."""
     return _toy_config(**{"steps": steps, "checkpoint.every": 1, "dapo.dynamic_sampling": True,
-                          "dapo.max_gen_batches": 3, "kl.coef": 0.01, "sampling.num_samples": 4})
+                          "dapo.max_gen_batches": 3, "kl.coef": 0.01, "sampling.num_samples": 4,
+                          "kl.ref_offload": ref_offload})
 
 
 def _ppo_config(steps):
@@ -268,14 +275,15 @@ def _rl_phase(config, workdir, params, mesh, kill, start):
     return {"metrics": _run_metrics(workdir), "params": sharding.to_host(params)}
 
 
-def learner_program(workdir: str, phases=PHASES, kills=None, split_sft=True) -> dict:
+def learner_program(workdir: str, phases=PHASES, kills=None, split_sft=True,
+                    ref_offload=False) -> dict:
     """The learner's phases on the mesh fsdp = all devices, each process its own rows:
 
     sft   three SFT steps (with `split_sft`: two, then a third resumed from the step-2
           checkpoint in a new `learner.sft` call);
     sft_packed  the same with sft.packing (records back to back in 8 rows of 32 tokens);
     grpo  three GRPO steps from SFT's parameters, DAPO dynamic sampling (groups kept and
-          filled globally), KL, a checkpoint each step;
+          filled globally), KL (with `ref_offload`, kl.ref_offload), a checkpoint each step;
     ppo   three PPO steps from SFT's parameters: the critic (GAE), rl.staleness=1, KL;
     multiturn  `multiturn_program`.
 
@@ -347,7 +355,8 @@ def learner_program(workdir: str, phases=PHASES, kills=None, split_sft=True) -> 
             start = ckpt.latest_step() or 0
         with open(os.path.join(workdir, f"{phase}.starts.{me}"), "a") as f:
             f.write(f"{start}\n")  # before this run, which may be killed
-        result = _rl_phase(config(steps=3), d, sft_params(), mesh, kill, start)
+        c = config(steps=3, **({"ref_offload": ref_offload} if phase == "grpo" else {}))
+        result = _rl_phase(c, d, sft_params(), mesh, kill, start)
         with open(os.path.join(workdir, f"{phase}.starts.{me}")) as f:
             finish(phase, {**result, "starts": [int(x) for x in f.read().split()]})
     if "multiturn" in phases and not done("multiturn"):

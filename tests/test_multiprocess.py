@@ -31,6 +31,8 @@ def test_helpers_match_one_process(helpers_2x4):
             np.testing.assert_array_equal(r[name]["local"], one[name]["whole"][lo:hi])
             assert r[name]["sum"] == one[name]["sum"]
             assert r[name]["inferred_shape"] == (16, 3)
+            assert r[name]["memory"] == ("pinned_host", "device", True)
+            np.testing.assert_array_equal(r[name]["back"], one[name]["whole"])
         np.testing.assert_array_equal(one[name]["local"], one[name]["whole"])
 
 
@@ -134,13 +136,13 @@ def learner_runs(tmp_path_factory):
     killed = []
     for i in range(sum(map(len, KILLS.values()))):
         try:
-            _learner(2, 4, cache, workdir, kills=KILLS)
+            _learner(2, 4, cache, workdir, kills=KILLS, ref_offload=True)
             killed.append("finished")
         except RuntimeError as e:  # "processes exited with [codes]": one killed itself
             if len(glob.glob(os.path.join(workdir, "killed-*"))) != i + 1:
                 raise  # not (only) the kill: a failure
             killed.append(str(e).splitlines()[0])
-    two = _learner(2, 4, cache, workdir, kills=KILLS)
+    two = _learner(2, 4, cache, workdir, kills=KILLS, ref_offload=True)
     return two, one, workdir, killed
 
 
@@ -206,7 +208,8 @@ def test_packed_sft_and_its_resume_equal_one_process(learner_runs):
 @_LEARNER
 @pytest.mark.timeout(2400)
 def test_rl_with_dynamic_sampling_killed_and_restarted_equals_one_process(learner_runs):
-    """GRPO with groups kept and filled over the global batch, KL; one process SIGKILLed
+    """GRPO with groups kept and filled over the global batch, KL (2 x 4 holds the reference
+    in host memory between steps, kl.ref_offload; 1 x 8 on the devices); one process SIGKILLed
     entering a generation in step 2, then (after a restart of both) one entering the scoring
     of step 3; a restart of both resumes each time from the last checkpoint and the run ends
     bit for bit as 1 x 8's uninterrupted one."""
