@@ -35,7 +35,7 @@ def test_byo_config_runs_end_to_end_on_a_hugging_face_directory(hf_dir, tmp_path
                             "answer": "2 + 5 = 7\n#### 7"}) + "\n")
     workdir = str(tmp_path / "run")
     overrides = {
-        "steps": 2, "data.prompts_per_step": 2, "data.max_prompt_len": 1024,
+        "steps": 2, "data.prompts_per_step": 2, "data.max_prompt_len": 768,  # longest: 704
         "sampling.num_samples": 2, "sampling.max_new_tokens": 12, "rollout.max_len": 40,
         "rollout.max_turns": 2, "rl.num_minibatches": 1, "rl.microbatch_size": 0,
         "model.remat": "none", "mesh.fsdp": 1,
@@ -119,7 +119,7 @@ def test_llama3_run_through_the_launcher_scripted_correct_answers_get_reward_1(h
 
     workdir = str(tmp_path / "run")
     overrides = {
-        "steps": 2, "data.prompts_per_step": 2, "data.max_prompt_len": 768,
+        "steps": 2, "data.prompts_per_step": 2, "data.max_prompt_len": 640,  # longest: 635
         "sampling.num_samples": 2, "sampling.max_new_tokens": 128, "rollout.max_len": 192,
         "rollout.max_turns": 2, "rollout.chat_format": "llama3", "rl.num_minibatches": 1,
         "rl.microbatch_size": 0, "model.remat": "none", "mesh.fsdp": 1, "eval.n": 2,
