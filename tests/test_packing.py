@@ -19,6 +19,7 @@ from ptrain import packing
 from ptrain import sharding
 from ptrain import step as step_lib
 from ptrain.metrics import read_jsonl
+from tests import hf_fixtures
 
 pytestmark = pytest.mark.xdist_group("packing")
 
@@ -211,22 +212,9 @@ def test_packed_sft_config_errors():
 # ------------------------------------------------------------ MoE: the router's losses, packed
 
 def _hf_moe(path, **changes):
-    """transformers' tiny Qwen3-MoE (3 layers, the middle one dense), its weights perturbed
-    so that the router's choices differ from token to token, saved to `path`."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
-        **changes)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return model
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return hf_fixtures.tiny_qwen3_moe(path, **changes)
 
 
 def test_packed_moe_step_adds_transformers_router_losses_over_the_documents(tmp_path):
