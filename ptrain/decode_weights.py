@@ -54,8 +54,9 @@ def decode_shardings(params, mesh):
 
 
 def mesh_of(params):
-    """The mesh the parameters are placed on (their first NamedSharding's), or None."""
-    for x in jax.tree.leaves(params):
+    """The mesh the parameters (a Module or its state) are placed on (their first
+    NamedSharding's), or None."""
+    for x in jax.tree.leaves(_state(params)):
         if isinstance(getattr(x, "sharding", None), NamedSharding):
             return x.sharding.mesh
     return None

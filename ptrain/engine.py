@@ -196,9 +196,8 @@ class Engine:
     def sync_weights(self, params) -> float:
         """Refreshes the decode copy from the learner's parameters; returns its seconds."""
         start = time.perf_counter()
-        mesh = self.mesh or mesh_of(nnx.state(params) if isinstance(params, nnx.Module)
-                                    else params)  # default: the parameters' own
-        self.params = decode_copy(params, self.decode_dtype or "float32", mesh)
+        self.params = decode_copy(params, self.decode_dtype or "float32",
+                                  self.mesh or mesh_of(params))  # default: the params' own
         seconds = time.perf_counter() - start
         self._metrics["weight_sync_s"] += seconds
         self._metrics["weight_syncs"] += 1

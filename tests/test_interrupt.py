@@ -10,6 +10,7 @@ from flax import nnx
 from ptrain import engine as E
 from ptrain import interrupt
 from ptrain import model as M
+from tests.test_lookahead import Stream
 
 CONFIG = M.ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                        qkv_bias=True, attention_impl="reference")
@@ -171,20 +172,6 @@ def test_token_metrics_and_checkpoint_encoding():
         interrupt.encode_batch(batch)
 
 
-class _Stream:
-    """A data stream whose n-th batch of records is [n]; its state is n."""
-
-    def __init__(self, n=0):
-        self.n = n
-
-    def get_state(self):
-        return self.n
-
-    def __next__(self):
-        self.n += 1
-        return [self.n - 1]
-
-
 class _RoundsProducer:
     """generate(Live) "decodes" 3 rounds of one token each, polling its switch before each
     round as the engine does; each token records the version of the weights it read."""
@@ -220,7 +207,7 @@ def test_lookahead_publishes_each_update_to_the_generation_in_flight(monkeypatch
 
     monkeypatch.setattr(interrupt.Switch, "at_round", 1)
     k, steps = 2, 6
-    ahead = lookahead.LookAhead(k, _RoundsProducer(), _Stream(), jax.random.key(0),
+    ahead = lookahead.LookAhead(k, _RoundsProducer(), Stream(), jax.random.key(0),
                                 steps=steps, save_every=100, interrupt=True)
     params, seen, saved = {"w": jnp.zeros(())}, {}, None
     try:
@@ -245,7 +232,7 @@ def test_lookahead_publishes_each_update_to_the_generation_in_flight(monkeypatch
         assert m["rollout/token_staleness_hist"] == np.bincount(
             [b - 1 - v for v in versions], minlength=k + 1).tolist()
     assert [item["step"] for item in saved["ahead_batches"]] == [4, 5]
-    resumed = lookahead.LookAhead(k, _RoundsProducer(), _Stream(5), jax.random.key(0),
+    resumed = lookahead.LookAhead(k, _RoundsProducer(), Stream(5), jax.random.key(0),
                                   steps=steps, save_every=100, interrupt=True)
     resumed.start(4, [], finished=saved["ahead_batches"])
     try:

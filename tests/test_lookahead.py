@@ -19,8 +19,8 @@ WAIT_S = 60.0  # generous: only a generation that does not overlap the update wa
 class Stream:
     """A data stream whose n-th batch of records is [n]; its state is n."""
 
-    def __init__(self):
-        self.n = 0
+    def __init__(self, n=0):
+        self.n = n
 
     def get_state(self):
         return self.n
