@@ -45,7 +45,7 @@ from flax import nnx
 from ptrain import interrupt
 from ptrain import kv_slots
 from ptrain import model as model_lib
-from ptrain.decode_weights import decode_copy, decode_shardings, mesh_of  # noqa: F401
+from ptrain.decode_weights import decode_copy, mesh_of
 
 FINISH = {kv_slots.STOP: "stop", kv_slots.LENGTH: "length"}  # and "max_len": the cache is full
 
