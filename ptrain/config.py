@@ -113,10 +113,11 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         # producer with separate generate/score (see `learner.train`), and tis_cap > 0 to
         # correct the lag (required from k = 2).
         staleness=0,
-        # With staleness >= 1 on the engine (sampling.engine=True; SingleTurn, Tasks): the
-        # generation in flight switches to the learner's new version when an update ends,
-        # at a decode-round boundary, its sequences' caches recomputed under the new weights;
-        # each token keeps its behaviour log-prob and version (`ptrain.interrupt`).
+        # With staleness >= 1 on the engine (sampling.engine=True; SingleTurn, Tasks, terminal,
+        # a mix of them): the generation in flight switches to the learner's new version when
+        # an update ends, at a decode-round boundary, its sequences' caches recomputed under
+        # the new weights; each token keeps its behaviour log-prob and version
+        # (`ptrain.interrupt`).
         interrupt=False,
         # MoE: train with the experts the sampler routed each token to (R3), not the
         # learner's own top-k; needs a producer that records routing (every one here does:

@@ -317,6 +317,7 @@ class _Run:
     def __init__(self, engine: Engine, params, requests, live=None):
         self.e, self.params = engine, params
         self.version = live.version if live is not None else 0
+        self.live_params = live  # (a swap advances it: the producer's next call starts there)
         self.switch, self.decodes = live and live.switch, 0  # decode rounds so far
         self.trajs, self.waiting = [], collections.deque()
         for i, req in enumerate(requests):

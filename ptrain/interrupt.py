@@ -1,6 +1,7 @@
 """Interruption of in-flight episodes at a weight update (rl.interrupt, AReaL's interruptible
 generation), on the rollout engine (sampling.engine=True) with rl.staleness = k >= 1, for
-the producers that record per-token versions (rollout.SingleTurn, rollout.Tasks).
+the producers that record per-token versions (rollout.SingleTurn, rollout.Tasks, the
+terminal producer, and the mixed producer of them: `Live.advance`).
 
 Without it a batch is generated from one policy version to its end (ptrain/lookahead.py:
 batch t + k from version t - 1, while update t runs). With it, when update t ends the learner
@@ -50,10 +51,13 @@ class Switch:
     """The policy versions published for one generation in flight.
 
     every: decode steps per round while the switch is attached (how soon a swap can fall).
-    at_round (a test hook): the swap falls exactly after this many decode rounds, waiting
-    for the publication if it has not come yet (no swap at all if the generation ends
-    first), so it no longer depends on the threads' timing. The class attributes are the
-    defaults (a test program may set them)."""
+    at_round (a test hook): the swap falls once, exactly after this many decode rounds of
+    the first sampler call of the generation that gets that far, waiting for the
+    publication if it has not come yet (no swap at all if the generation ends first), and
+    never again in that generation (a producer that makes several calls, the mixed one's
+    parts or the terminal one's turns, goes on with the version it took), so it no longer
+    depends on the threads' timing. The class attributes are the defaults (a test program
+    may set them)."""
 
     every: int = 16
     at_round: int | None = None
@@ -64,6 +68,7 @@ class Switch:
         self.at_round = type(self).at_round if at_round is None else at_round
         self._lock, self._published = threading.Lock(), threading.Event()
         self._latest = None  # (version, params)
+        self._fired = False  # at_round: the one swap was decided
 
     def publish(self, version: int, params) -> None:
         with self._lock:
@@ -75,11 +80,12 @@ class Switch:
         """(version, params) newer than `version` to switch to now, after `rounds` decode
         rounds, or None."""
         if self.at_round is not None:
-            if rounds != self.at_round:
+            if rounds != self.at_round or self._fired:
                 return None
             if not self._published.wait(self.timeout_s):
                 raise RuntimeError(f"interrupt: no policy version published within "
                                    f"{self.timeout_s} s of round {rounds}")
+            self._fired = True
         with self._lock:
             latest = self._latest
         return latest if latest is not None and latest[0] > version else None
@@ -89,11 +95,18 @@ class Switch:
 class Live:
     """Parameters handed to a producer's generate under rl.interrupt: the weights it starts
     from, their version, and the switch that may bring newer ones (None: not interruptible).
-    The engine sampler unwraps it (`unwrap`); another sampler cannot take it."""
+    The engine sampler unwraps it (`unwrap`); another sampler cannot take it. A swap
+    advances it to the new (params, version), so a producer that makes several sampler calls
+    with it (the terminal producer's turns, the mixed producer's parts) never goes back to
+    an older version: each call starts from the newest one its generation has taken."""
 
     params: object
     version: int
     switch: Switch | None = None
+
+    def advance(self, version: int, params) -> None:
+        """A sampler call of this generation switched to `params` of `version`."""
+        self.params, self.version = params, int(version)
 
 
 def unwrap(params):
@@ -155,6 +168,8 @@ def swap(run, version: int, params) -> None:
                                      tokens, np.asarray(lens, np.int32), graphdef=e.graphdef)
         e._metrics["recompute_tokens"] += int(sum(len(c[1]) for c in chunk))
     run.version = version
+    if run.live_params is not None:  # a producer's later calls (turns, parts) go on from here
+        run.live_params.advance(version, params)
     e._metrics["interruptions"] += 1
     e._metrics["interrupted_rows"] += len(held)
 

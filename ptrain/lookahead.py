@@ -171,8 +171,9 @@ class LookAhead:
         batch = self._wait(item.scored)
         if self.interrupt and batch.versions_bn is None:
             raise ValueError("rl.interrupt: the producer's batch has no per-token policy "
-                             "versions (Batch.versions_bn); rollout.SingleTurn and "
-                             "rollout.Tasks on the engine (sampling.engine=True) record them")
+                             "versions (Batch.versions_bn); rollout.SingleTurn, rollout.Tasks, "
+                             "the terminal producer and a mix of them on the engine "
+                             "(sampling.engine=True) record them")
         for meta in batch.meta:
             meta["policy_version"] = item.version  # (interrupt: the version it started from)
         return batch

@@ -11,8 +11,13 @@ return into one `batch.Batch`: rows padded to the widest continuation, group ids
 unique (each producer numbers its groups from 0), the meta (with each row's domain, for the
 per-domain metrics), the recorded MoE routing (`routing.concat`) and each row's cap
 (`Batch.max_len_b`: the DAPO overlong penalty measures a terminal episode against
-terminal.max_len and a task's against rollout.max_len) kept. GRPO groups stay whole: a
-producer returns its records' groups as consecutive rows.
+terminal.max_len and a task's against rollout.max_len) kept, and with rl.interrupt each
+token's policy version (`Batch.versions_bn`, UNSAMPLED on the padding). GRPO groups stay
+whole: a producer returns its records' groups as consecutive rows.
+
+With rl.interrupt `generate` hands every producer the same `interrupt.Live`: the parts are
+generated one after the other, and a part starts from the newest version the ones before it
+switched to (a swap advances the Live), so the batch's versions never go back.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import jax
 import numpy as np
 
 from ptrain import batch as batch_lib
+from ptrain import interrupt
 from ptrain import routing
 
 
@@ -81,4 +87,19 @@ def concat(parts, *, pad_id: int = 0) -> batch_lib.Batch:
         meta=[m for e in parts for m in (e.meta or [{} for _ in range(len(e))])],
         max_len_b=np.concatenate([np.zeros(len(e), np.int32) if e.max_len_b is None
                                   else e.max_len_b for e in parts]) if capped else None,
-        **routing.concat(parts, n))
+        versions_bn=_versions(parts, widen), **routing.concat(parts, n))
+
+
+def _versions(parts, widen):
+    """rl.interrupt: the parts' per-token versions in one array (None when no part has
+    them; a part without them among parts with them is an error: its tokens' versions are
+    unknown, and the look-ahead would train them as if they were of the batch's start)."""
+    have = [e.versions_bn is not None for e in parts]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(f"rl.interrupt: parts {[i for i, h in enumerate(have) if not h]} of "
+                         "the mixed batch carry no per-token policy versions "
+                         "(Batch.versions_bn); their producers must record them")
+    return np.concatenate([widen(np.asarray(e.versions_bn, np.int32), interrupt.UNSAMPLED)
+                           for e in parts])

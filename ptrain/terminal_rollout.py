@@ -17,6 +17,15 @@ domain ("terminal"), pass, turns, tool calls and how the episode ended (per-doma
 `batch.domain_metrics`). A record names its task by directory: {"task_dir": PATH}; rows of
 task i form group `first_group_id + i`.
 
+With rl.interrupt (`params` an `interrupt.Live`, on the rollout engine) every turn's call
+gets the same Live: a weight update published while a turn decodes switches it at its next
+decode round (the engine recomputes the rows' caches), one published while the episodes'
+tools run switches the next turn before its prefill, and a swap advances the Live, so each
+turn starts from the newest version the generation took (never an older one; each turn
+prefills its whole history under the weights it samples with, so no cache mixes versions).
+Each token keeps the log-prob it was sampled with and its version (`Rollout.versions`,
+`Batch.versions_bn`; UNSAMPLED on the prompt and the tool results).
+
 The learner's producer interface (`generate(params, records, key)`, `score(generated) ->
 Batch`) is all this module needs of the training loop.
 """
@@ -28,9 +37,11 @@ import dataclasses
 import threading
 
 import jax
+import numpy as np
 
 from ptrain import batch as batch_lib
 from ptrain import chat
+from ptrain import interrupt
 from ptrain import rewards
 from ptrain import routing
 from ptrain import terminal_agent
@@ -71,6 +82,9 @@ class Rollout:
     tool_calls: int = 0
     # MoE: the experts the sampler routed the first tokens to (`ptrain.routing.record`)
     routing: list = dataclasses.field(default_factory=list)
+    # rl.interrupt: the policy version of each token (aligned with tokens.ids;
+    # interrupt.UNSAMPLED where the model did not sample it), or None
+    versions: list | None = None
 
 
 class _Tasks:
@@ -113,6 +127,8 @@ def generate(sampler, params, tasks, *, harness, agent: terminal_agent.ShellAgen
                                                    r.task.instruction, agent.system)
                 r.tokens = terminal_agent.Tokens(ids, [0] * len(ids), [0.0] * len(ids),
                                                  len(ids), finish="error")
+            if isinstance(params, interrupt.Live):  # rl.interrupt: each token's version
+                r.versions = [interrupt.UNSAMPLED] * len(r.tokens.ids)
         for turn in range(c.max_turns):
             active = [r for r in rollouts if not r.done]
             if not active:
@@ -122,6 +138,10 @@ def generate(sampler, params, tasks, *, harness, agent: terminal_agent.ShellAgen
                                      temperature=c.temperature, greedy=c.greedy,
                                      stop_token_ids=agent.stop_ids,
                                      key=jax.random.fold_in(key, turn))
+            if isinstance(params, interrupt.Live) and samples.versions is None:
+                raise ValueError("rl.interrupt: the terminal producer's sampler recorded no "
+                                 "per-token policy versions; sample on the rollout engine "
+                                 "(sampling.engine=True)")
 
             def step(row):
                 r = active[row]
@@ -131,6 +151,10 @@ def generate(sampler, params, tasks, *, harness, agent: terminal_agent.ShellAgen
                 routing.record(r.routing, samples, row, before, max(kept, 0))
                 r.done = agent.step(r.episode, r.tokens, samples.tokens[row, :n].tolist(),
                                     samples.logp_temp[row, :n].tolist())
+                if r.versions is not None:  # the turn's kept tokens, then its observation
+                    sampled = sum(r.tokens.mask[before:])
+                    r.versions += samples.versions[row, :sampled].tolist() + [
+                        interrupt.UNSAMPLED] * (len(r.tokens.ids) - before - sampled)
             list(pool.map(step, range(len(active))))
         for r in rollouts:
             if not r.done:
@@ -223,6 +247,11 @@ def to_batch(rollouts: list[Rollout], *, tokenizer, prompt_len: int, length: int
         [r.group_id for r in rollouts], prompt_lens=[r.tokens.prompt_len for r in rollouts],
         prompt_len=prompt_len, length=length, meta=meta, pad_id=pad_id, max_len=max_len)
     routing.pack(out, [(r.routing, len(r.tokens.ids), r.tokens.prompt_len) for r in rollouts])
+    if rollouts and all(r.versions is not None for r in rollouts):  # rl.interrupt
+        out.versions_bn = np.full(out.tokens_bn.shape, interrupt.UNSAMPLED, np.int32)
+        for i, r in enumerate(rollouts):
+            v = r.versions[r.tokens.prompt_len:][:length]
+            out.versions_bn[i, :len(v)] = v
     return out
 
 

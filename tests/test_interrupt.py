@@ -276,3 +276,195 @@ def test_a_swap_refreshes_the_engines_decode_copy(models):
     m = engine_sampler.step_metrics([sampler])
     assert m["engine/interruptions"] == 1 and m["engine/interrupted_rows"] == 2
     assert m["engine/weight_syncs"] == 2  # the copy of the old weights, then of the new
+    # The swap advanced the Live: a later call of the same generation (a terminal episode's
+    # next turn, a mixed batch's next part) starts from the new weights, never the old ones.
+    switch = interrupt.Switch(every=EVERY, at_round=1)
+    switch.publish(1, new)
+    live = interrupt.Live(old, 0, switch)
+    sampler.sample(live, PROMPTS[:1], max_new_tokens=10, greedy=True, prompt_len=16)
+    assert live.version == 1 and live.params is new
+    again = sampler.sample(live, PROMPTS, max_new_tokens=10, greedy=True, prompt_len=16)
+    assert again.completions() == [_greedy(new, p, 10) for p in PROMPTS]
+    np.testing.assert_array_equal(again.versions, [[1] * 10] * 4)
+
+
+# ------------------------------------------------------------------ the mixed producer
+
+MIX_STEPS, MIX_K = 5, 2
+
+
+def _mixed_run(workdir, weights=None, scored=None):
+    """grpo_toy at k = 2 with rl.interrupt on the engine (the swap forced after the first
+    round of 4 decode steps, as tests/resume_program.py does), its records split between two
+    rollout.SingleTurn producers by prompt length through a MixedProducer (two parts, one
+    engine: each batch is two generations one after the other, under one Live). weights:
+    version -> the learner's parameters of that version (copies on the host); scored: the
+    mixed batches, in the order they were scored."""
+    import os
+    from configs import grpo_toy
+    from ptrain import learner, lookahead, mixed_producer, rollout, sharding
+    c = grpo_toy.get_config()
+    c.sampling.update(engine=True, engine_slots=8, num_samples=4)
+    c.rl.update(staleness=MIX_K, interrupt=True, tis_cap=2.0, num_minibatches=1,
+                microbatch_size=0)
+    c.data.prompts_per_step = 4
+    c.checkpoint.update(every=2, keep=3)  # (the test resumes from step 2's)
+    c.log.rollouts_every = 1
+    c.steps = MIX_STEPS
+    mesh = sharding.make_mesh(fsdp=1, devices=jax.devices()[:1])
+    model = nnx.eval_shape(lambda: M.Transformer(learner.model_config(c), rngs=nnx.Rngs(0),
+                                                 mesh=mesh))
+    sampler = rollout.make_sampler(model, c)
+
+    class Mixed(mixed_producer.MixedProducer):
+        def score(self, generated):
+            batch = super().score(generated)
+            if scored is not None:
+                scored.append(batch)
+            return batch
+
+    producer = Mixed({"odd": rollout.SingleTurn(c, sampler), "even": rollout.SingleTurn(
+        c, sampler)}, route=lambda r: "odd" if len(r["prompt_ids"]) % 2 else "even")
+    original = lookahead.LookAhead.next
+
+    def next_(self, step, params):  # (the learner's parameters of version step - 1)
+        if weights is not None:
+            weights[step - 1] = jax.device_get(params)
+        return original(self, step, params)
+
+    lookahead.LookAhead.next = next_
+    try:
+        learner.train(c, str(workdir), producer=producer, mesh=mesh)
+    finally:
+        lookahead.LookAhead.next = original
+    return nnx.split(model)[0], os.path.join(str(workdir), "checkpoints")
+
+
+def _untimed(workdir):
+    import os
+    from ptrain.metrics import read_jsonl
+    return ([{k: v for k, v in r.items() if not k.startswith(("time/", "engine/"))}
+             for r in read_jsonl(os.path.join(str(workdir), "metrics.jsonl"))],
+            read_jsonl(os.path.join(str(workdir), "rollouts.jsonl")))
+
+
+def test_a_mixed_run_keeps_each_tokens_version_and_resumes_exactly(tmp_path, monkeypatch):
+    """A mixed batch's tokens keep the versions the engine recorded in each part: within k
+    of the learner's, tokens from the first round of a batch generated during update t of
+    version t - 1 and the rest of version t (the second part starts where the first left
+    off), every token's behaviour log-prob (what the loss corrects against) that of its
+    recorded version's weights, teacher-forced, to 1e-5; a run resumed from the step-2
+    checkpoint (its pending batches finished) logs what the uninterrupted one did."""
+    import shutil
+    from ptrain import lookahead
+    monkeypatch.setattr(interrupt.Switch, "at_round", 1)
+    monkeypatch.setattr(interrupt.Switch, "every", 4)
+    weights, scored = {}, []
+    graphdef, checkpoints = _mixed_run(tmp_path / "reference", weights, scored)
+    assert len(scored) == MIX_STEPS
+    interrupted = 0
+    for b, batch in enumerate(scored, start=1):  # scored in order: batch b trains at step b
+        v_bn, mask_bn = np.asarray(batch.versions_bn), batch.loss_mask_bn > 0
+        np.testing.assert_array_equal(v_bn != interrupt.UNSAMPLED, mask_bn)
+        v0 = lookahead.version(b, MIX_K)
+        sampled = v_bn[mask_bn]
+        assert set(sampled.tolist()) <= ({v0} if b <= MIX_K else {v0, v0 + 1}), b
+        assert (b - 1 - sampled).max() <= MIX_K
+        rows = [row[m].tolist() for row, m in zip(v_bn, mask_bn)]
+        assert all(r == sorted(r) for r in rows)  # a row never goes back to an older version
+        if b > MIX_K:  # the first round's tokens are the old version's, the rest the new's
+            interrupted += sum(len(set(r)) == 2 for r in rows)
+            assert all(r[:4] == [v0] * min(4, len(r)) for r in rows if len(set(r)) == 2)
+        # Each token's behaviour log-prob is its version's (teacher-forced over the row).
+        p = batch.prompt_bp.shape[1]
+        for i in range(len(batch)):
+            n, pl = int(batch.lengths_b[i]), int(batch.prompt_lens_b[i])
+            seq = batch.prompt_bp[i, p - pl:].tolist() + batch.tokens_bn[i, :n].tolist()
+            for version in set(rows[i]):
+                ref = _teacher_forced(nnx.merge(graphdef, weights[version]), seq)[pl - 1:]
+                at = v_bn[i, :n] == version
+                np.testing.assert_allclose(batch.rollout_logp_bn[i, :n][at], ref[at],
+                                           atol=1e-5)
+    assert interrupted > 0
+    metrics, rollouts = _untimed(tmp_path / "reference")
+    for r in metrics:
+        hist, lag = r["rollout/token_staleness_hist"], min(r["step"] - 1, MIX_K)
+        assert len(hist) == MIX_K + 1 and sum(hist[lag - 1:lag + 1] if r["step"] > MIX_K
+                                              else hist[lag:]) == sum(hist), r
+    resumed = tmp_path / "resumed"
+    shutil.copytree(f"{checkpoints}/2", resumed / "checkpoints" / "2")
+    _mixed_run(resumed)
+    again = _untimed(resumed)
+    assert [r["step"] for r in again[0]] == list(range(3, MIX_STEPS + 1))
+    assert again[0] == metrics[2:]
+    assert again[1] == [r for r in rollouts if r["step"] > 2]
+
+
+# ------------------------------------------------------------------ the terminal producer
+
+def test_a_terminal_episode_goes_on_with_the_new_weights_at_its_next_turn(tmp_path):
+    """rl.interrupt through the terminal producer (bwrap sandboxes, the scripted turns of
+    tests/test_terminal_rollout.py: a tool call, then "done"): a sampler that does what the
+    engine does with a Live (a swap after its first round of 4 tokens when a newer version
+    is published, advancing the Live) gets the same Live every turn, so version 4, published
+    before the first turn, takes over after its 4th token and the second turn (after the
+    tool ran) is version 4's throughout; each model token's version and behaviour log-prob
+    are kept in the batch, the prompt and the tool's output UNSAMPLED, and the token
+    staleness metrics read them."""
+    import dataclasses
+    from ptrain import chat, terminal_rollout, terminal_tasks
+    from sandbox import terminal
+    from sandbox.terminal import bwrap
+    from tests.test_terminal_rollout import ScriptedSampler
+    if bwrap.unavailable() is not None:
+        pytest.skip(bwrap.unavailable())
+    train = terminal_tasks.generate(str(tmp_path), 2, seed=0, split="train")
+    tok = terminal_tasks.tokenizer()
+
+    class LiveScripted(ScriptedSampler):
+        def sample(self, params, prompts, **kw):
+            out = super().sample(params, prompts, **kw)
+            first = params.version
+            new = params.switch.poll(params.version, 1)  # at the first round boundary
+            if new:
+                params.advance(*new)
+            rows, n = out.tokens.shape
+            versions = np.where(np.arange(n) < EVERY, first, params.version).astype(np.int32)
+            versions = np.broadcast_to(versions, (rows, n))
+            return dataclasses.replace(out, versions=versions,  # a log-prob per version
+                                       logp_temp=out.logp_temp + 0.25 * (versions - 3))
+    sampler = LiveScripted(tok, {g.instruction: g for g in train})
+    config = terminal_rollout.TerminalRolloutConfig(num_samples=2, max_new_tokens=56,
+                                                    max_turns=2, max_len=96, threads=4,
+                                                    system="")
+    switch = interrupt.Switch(every=EVERY)
+    switch.publish(4, "the weights of version 4")
+    live = interrupt.Live("the weights of version 3", 3, switch)
+    with terminal.Harness(backend="bwrap", max_idle=4) as h:
+        producer = terminal_rollout.TerminalProducer(
+            sampler, tok, harness=h, fmt=chat.PLAIN, stop_ids=(tok.eos_token_id,),
+            config=config, prompt_len=24)
+        try:
+            records = [{"task_dir": g.task_dir} for g in train]
+            batch = producer.score(producer.generate(live, records, jax.random.key(0)))
+        finally:
+            producer.close()
+    assert sampler.calls == [4, 4] and live.version == 4
+    assert live.params == "the weights of version 4"
+    u = interrupt.UNSAMPLED
+    v_bn, mask_bn = batch.versions_bn, batch.loss_mask_bn > 0
+    np.testing.assert_array_equal(v_bn != u, mask_bn)
+    for i in range(len(batch)):
+        n = int(batch.lengths_b[i])
+        mask = mask_bn[i, :n]
+        assert batch.meta[i]["turns"] == 2 and mask[0] and not mask.all()
+        first = int(np.argmin(mask))  # the first turn ends where the tool's output begins
+        second = n - int(np.argmin(mask[::-1]))  # the second turn begins after it
+        assert v_bn[i, :first].tolist() == [3] * EVERY + [4] * (first - EVERY)
+        assert v_bn[i, first:second].tolist() == [u] * (second - first)
+        assert v_bn[i, second:n].tolist() == [4] * (n - second)
+        np.testing.assert_allclose(batch.rollout_logp_bn[i, :n][mask],
+                                   -0.5 + 0.25 * (v_bn[i, :n][mask] - 3))
+    m = interrupt.metrics(batch, step=5, k=1)  # the learner holds version 4
+    assert m["rollout/interrupted"] == 1.0
+    assert m["rollout/token_staleness_hist"] == [int((v_bn == 4).sum()), EVERY * len(batch)]

@@ -132,3 +132,23 @@ def test_each_producers_cap_counts_for_its_own_episodes():
     with pytest.raises(ValueError, match="more than its cap max_len=8"):
         learner.Episodes.from_rows([[1]], [[2] * 9], [[1] * 9], [[0.0] * 9], [0.0], [0],
                                    prompt_len=4, length=16, max_len=8)
+
+
+def test_each_parts_token_versions_are_kept_and_widened():
+    """rl.interrupt: the per-token versions of each part, padded as UNSAMPLED where a
+    narrower part's rows are widened; a part without versions among parts with them is an
+    error (its tokens' versions are unknown), none at all is no versions."""
+    from ptrain import interrupt
+    u = interrupt.UNSAMPLED
+    wide, narrow = Fake("terminal", 4).score([{"i": 0}]), Fake("code", 2).score([{"i": 1}])
+    wide.versions_bn = np.array([[3, 3, 4, 4], [3, 4, 4, u]], np.int32)
+    narrow.versions_bn = np.array([[4, 4], [4, u]], np.int32)
+    mixed = mixed_producer.concat([wide, narrow])
+    np.testing.assert_array_equal(mixed.versions_bn, [[3, 3, 4, 4], [3, 4, 4, u],
+                                                      [4, 4, u, u], [4, u, u, u]])
+    np.testing.assert_array_equal(mixed.versions_bn != u, mixed.loss_mask_bn > 0)
+    assert "versions_bn" not in mixed.arrays()  # host-only
+    plain = Fake("code", 2).score([{"i": 2}])
+    with pytest.raises(ValueError, match=r"parts \[1\] .* no per-token policy versions"):
+        mixed_producer.concat([wide, plain])
+    assert mixed_producer.concat([plain, Fake("code", 3).score([{"i": 3}])]).versions_bn is None
