@@ -118,6 +118,7 @@ def generate(sampler, params, tasks, *, harness, agent: terminal_agent.ShellAgen
             return Rollout(task, group, None, done=True, error=f"{type(e).__name__}: {e}")
 
     rollouts = list(pool.map(open_one, specs))
+    interruptible = isinstance(params, interrupt.Live)  # rl.interrupt: each token's version
     try:
         for r in rollouts:
             if r.episode is not None:
@@ -127,7 +128,7 @@ def generate(sampler, params, tasks, *, harness, agent: terminal_agent.ShellAgen
                                                    r.task.instruction, agent.system)
                 r.tokens = terminal_agent.Tokens(ids, [0] * len(ids), [0.0] * len(ids),
                                                  len(ids), finish="error")
-            if isinstance(params, interrupt.Live):  # rl.interrupt: each token's version
+            if interruptible:
                 r.versions = [interrupt.UNSAMPLED] * len(r.tokens.ids)
         for turn in range(c.max_turns):
             active = [r for r in rollouts if not r.done]
@@ -138,7 +139,7 @@ def generate(sampler, params, tasks, *, harness, agent: terminal_agent.ShellAgen
                                      temperature=c.temperature, greedy=c.greedy,
                                      stop_token_ids=agent.stop_ids,
                                      key=jax.random.fold_in(key, turn))
-            if isinstance(params, interrupt.Live) and samples.versions is None:
+            if interruptible and samples.versions is None:
                 raise ValueError("rl.interrupt: the terminal producer's sampler recorded no "
                                  "per-token policy versions; sample on the rollout engine "
                                  "(sampling.engine=True)")
