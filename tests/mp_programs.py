@@ -66,6 +66,26 @@ def fails_on_one() -> None:
     sharding.agree(1, "max")  # process 0 waits here for process 1, which is gone
 
 
+def sleeps(marker: str) -> None:
+    """Writes `marker` (this worker runs), then sleeps until it is killed."""
+    import os
+    import time
+    with open(marker + f".{jax.process_index()}.tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(marker + f".{jax.process_index()}.tmp", marker + f".{jax.process_index()}")
+    while True:
+        time.sleep(1)
+
+
+def holds(mb: int) -> None:
+    """Holds `mb` MiB of (touched) memory until it is killed."""
+    import time
+    held = np.ones(mb * 2**20 // 8)
+    while True:
+        time.sleep(1)
+        held[0] += 1
+
+
 SAMPLER_PROMPTS = [[1, 5, 9, 33, 2], [1, 7], [1, 40, 41, 12, 3, 3, 18, 30, 22, 9, 11], [4],
                    [1, 2, 3], [9, 9, 9, 9], [1, 30], [17, 2, 5, 6, 7, 8]]
 

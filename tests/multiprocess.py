@@ -8,7 +8,16 @@ collectives, calls `jax.distributed.initialize` on a free 127.0.0.1 port, import
 call returned (pickled), in process order. A process that fails, or a run past `timeout`,
 raises with every process's output; all processes are killed on the way out.
 
-Run as a script it is the worker: `python tests/multiprocess.py SPEC ID N PORT OUT`.
+No worker outlives the test that started it: each is killed (its whole process group) when
+`wait` returns or raises (a failure, `timeout`, pytest-timeout's signal), and a worker whose
+parent dies without that (the pytest worker SIGKILLed, the OOM killer) dies with it: it asks
+the kernel for SIGKILL when its parent goes (PR_SET_PDEATHSIG) and watches its parent's pid.
+A worker's resident memory is bounded (`MAX_RSS_MB`): past it the run is killed with a clear
+error, and under memory pressure the kernel's OOM killer picks a worker before the pytest
+process that started it (oom_score_adj), so the harness reports it instead of a crashed
+pytest (xdist's "node down").
+
+Run as a script it is the worker: `python tests/multiprocess.py SPEC ID N PORT OUT PARENT`.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,6 +45,14 @@ def free_port() -> int:
 # XLA:CPU compiles without LLVM's optimisations: programs of tiny models compile several times
 # faster (and run a little slower); for runs compared with each other, both built so.
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+
+
+# The most resident memory (MiB) one worker may hold; `wait` kills the run past it. Two workers
+# x 4 devices, or one x 8, of the tests' toy programs peak well below it (measured: see
+# docs/benchmarks.md); the bound keeps a run that goes wrong from taking the (shared) machine.
+MAX_RSS_MB = int(os.environ.get("PTRAIN_MP_MAX_RSS_MB", "3072"))
+# The last `wait`'s peak resident memory of each worker, MiB (sampled every half second).
+peak_rss_mb: list[int] = []
 
 
 def env_for(devices: int, cache_dir: str | None = None, fast_compile: bool = False) -> dict:
@@ -63,26 +81,46 @@ def start(spec: str, n: int, devices: int, args: dict, workdir: str,
     port = port or free_port()
     with open(os.path.join(workdir, "args.pkl"), "wb") as f:
         pickle.dump(args, f)
+    env = env_for(devices, cache_dir, fast_compile)
     procs = []
-    for i in range(n):
-        log = open(os.path.join(workdir, f"log{i}.txt"), "wb")
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), spec, str(i), str(n), str(port), workdir],
-            env=env_for(devices, cache_dir, fast_compile), stdout=log, stderr=subprocess.STDOUT, cwd=_ROOT,
-            start_new_session=True))
-        log.close()
+    try:
+        for i in range(n):
+            with open(os.path.join(workdir, f"log{i}.txt"), "wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), spec, str(i), str(n), str(port),
+                     workdir, str(os.getpid())],
+                    env=env, stdout=log, stderr=subprocess.STDOUT, cwd=_ROOT,
+                    start_new_session=True))
+    except BaseException:
+        kill(procs)  # the ones started before the failure
+        raise
     return procs
 
 
-def kill(procs: list[subprocess.Popen]) -> None:
+def kill(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    """SIGKILL each worker's process group (a worker is its group's leader), and reap them:
+    a bounded wait (a process stuck in the kernel is left to init, not waited on forever)."""
     for p in procs:
         if p.poll() is None:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    deadline = time.monotonic() + timeout
     for p in procs:
-        p.wait()
+        try:
+            p.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _rss_mb(pid: int) -> int:
+    """`pid`'s resident memory in MiB (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 2**20
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def logs(workdir: str, n: int) -> str:
@@ -94,8 +132,15 @@ def logs(workdir: str, n: int) -> str:
     return "\n".join(out)
 
 
-def wait(procs: list[subprocess.Popen], workdir: str, timeout: float) -> list:
+def wait(procs: list[subprocess.Popen], workdir: str, timeout: float,
+         max_rss_mb: int | None = None) -> list:
+    """What each worker returned, in process order; every worker is killed on the way out. A
+    worker that fails, a run past `timeout` seconds, or a worker holding more than
+    `max_rss_mb` (default MAX_RSS_MB) raises, with every process's output."""
+    limit = MAX_RSS_MB if max_rss_mb is None else max_rss_mb
     deadline = time.monotonic() + timeout
+    peak_rss_mb[:] = [0] * len(procs)
+    next_sample = 0.0
     try:
         while True:
             codes = [p.poll() for p in procs]  # every one polled (no short-circuit)
@@ -103,8 +148,16 @@ def wait(procs: list[subprocess.Popen], workdir: str, timeout: float) -> list:
                 break
             if any(c not in (None, 0) for c in codes):
                 break  # one failed: the others would wait on it forever
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"processes ran past {timeout}s\n{logs(workdir, len(procs))}")
+            if now >= next_sample:
+                next_sample = now + 0.5
+                for i, p in enumerate(procs):
+                    peak_rss_mb[i] = max(peak_rss_mb[i], rss := _rss_mb(p.pid))
+                    if rss > limit:
+                        raise MemoryError(f"process {i} holds {rss} MiB, over the {limit} MiB "
+                                          f"bound (MAX_RSS_MB)\n{logs(workdir, len(procs))}")
             time.sleep(0.05)
     finally:
         kill(procs)
@@ -120,13 +173,42 @@ def wait(procs: list[subprocess.Popen], workdir: str, timeout: float) -> list:
 
 def run(spec: str, n: int = 2, devices: int = 4, args: dict | None = None,
         timeout: float = 120.0, workdir: str | None = None,
-        cache_dir: str | None = None, fast_compile: bool = False) -> list:
+        cache_dir: str | None = None, fast_compile: bool = False,
+        max_rss_mb: int | None = None) -> list:
     """What `module:function(**args)` returned in each of the N processes (`cache_dir`,
-    `fast_compile`: see `env_for`)."""
+    `fast_compile`: see `env_for`; `timeout`, `max_rss_mb`: see `wait`). Call it from the
+    thread that waits for it (the workers die when the thread that started them ends)."""
     with tempfile.TemporaryDirectory(prefix="mp_") as tmp:
         workdir = workdir or tmp
         return wait(start(spec, n, devices, args or {}, workdir, cache_dir=cache_dir,
-                          fast_compile=fast_compile), workdir, timeout)
+                          fast_compile=fast_compile), workdir, timeout, max_rss_mb)
+
+
+def _die_with_parent(parent: int) -> None:
+    """This worker dies when `parent` (the process that started it) does, even if that one
+    is SIGKILLed and runs no clean-up: the kernel's PR_SET_PDEATHSIG (it fires when the
+    parent's starting thread ends), and, where that is missing, a thread that checks the
+    parent's pid every second and kills this process group. A parent already gone before
+    this ran: exit now. Also offers this process to the OOM killer first."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - the watchdog below still stops it
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+    def watchdog():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watchdog, name="die-with-parent", daemon=True).start()
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("800")  # raising it needs no privilege
+    except OSError:
+        pass
 
 
 def _same_cache_key_on_every_process() -> bool:
@@ -174,7 +256,8 @@ def _worker(spec: str, process_id: int, n: int, port: int, workdir: str) -> None
 
 
 if __name__ == "__main__":
-    spec_, pid_, n_, port_, dir_ = sys.argv[1:6]
+    spec_, pid_, n_, port_, dir_, parent_ = sys.argv[1:7]
+    _die_with_parent(int(parent_))
     try:
         _worker(spec_, int(pid_), int(n_), int(port_), dir_)
     except BaseException:

@@ -61,6 +61,60 @@ def test_worker_failure_is_reported(tmp_path):
         multiprocess.run("mp_programs:fails_on_one", n=2, devices=1, timeout=60)
 
 
+def test_memory_bound_kills_the_run():
+    """A worker past max_rss_mb is killed with a clear error (not the machine's OOM killer)."""
+    with pytest.raises(MemoryError, match="over the 800 MiB bound"):
+        multiprocess.run("mp_programs:holds", n=1, devices=1, timeout=120, max_rss_mb=800,
+                         args={"mb": 1200})
+
+
+_ORPHAN_PARENT = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import multiprocess
+procs = multiprocess.start("mp_programs:sleeps", 2, 1, {"marker": sys.argv[2]}, sys.argv[3])
+time.sleep(600)
+"""
+
+
+def test_workers_die_with_their_parent(tmp_path):
+    """A parent SIGKILLed (no finally runs: the pytest worker killed, the OOM killer) takes
+    its workers with it: none is left running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    marker, pids = str(tmp_path / "running"), []
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT, os.path.dirname(__file__),
+                               marker, str(tmp_path)], env=multiprocess.env_for(1),
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(f"{marker}.{i}") for i in range(2)):
+            assert parent.poll() is None and time.monotonic() < deadline, "workers never ran"
+            time.sleep(0.2)
+        pids += [int(open(f"{marker}.{i}").read()) for i in range(2)]
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(30)
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in pids), pids
+    finally:
+        if parent.poll() is None:
+            os.killpg(parent.pid, signal.SIGKILL)
+            parent.wait(30)
+        for pid in filter(alive, pids):  # (only if the test failed)
+            os.killpg(pid, signal.SIGKILL)
+
+
 def test_sampler_rows_where_their_prompts_live():
     """Each process samples its own prompts; together they equal one process with all."""
     one = mp_programs.sampler_program()
