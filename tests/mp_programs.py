@@ -156,6 +156,15 @@ def checkpoint_program(directory: str, save: bool) -> dict:
     return out
 
 
+def small_programs(saved_by_one: str, save_to: str) -> dict:
+    """`helpers`, `sampler_program`, and `checkpoint_program` twice (restore what another
+    process count saved in `saved_by_one`, save and restore in `save_to`), in one process
+    start: what each returned."""
+    return {"helpers": helpers(), "sampler": sampler_program(),
+            "restored": checkpoint_program(saved_by_one, save=False),
+            "saved": checkpoint_program(save_to, save=True)}
+
+
 # ---------------------------------------------------------------------- the learner's phases
 
 def _toy_config(**changes):

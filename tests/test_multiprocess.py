@@ -13,11 +13,33 @@ import multiprocess
 from ptrain.checkpoint import Checkpointer
 
 
+# The helpers, sampler and checkpoint tests' 2 x 4 side: one process start (mp_programs.
+# small_programs) for all of them, on one xdist worker. 1 x 8 saves its checkpoint first (in
+# this process), so that 2 x 4 can restore it in the same start.
+_SMALL = pytest.mark.xdist_group("multiprocess_small")
+
+
 @pytest.fixture(scope="module")
-def helpers_2x4():
-    return multiprocess.run("mp_programs:helpers", n=2, devices=4, timeout=180)
+def small_dirs(tmp_path_factory):
+    """(the checkpoint 1 x 8 saved, what it returned; the directory 2 x 4 saves to)."""
+    one = str(tmp_path_factory.mktemp("ckpt_one"))
+    return one, mp_programs.checkpoint_program(one, save=True), \
+        str(tmp_path_factory.mktemp("ckpt_two"))
 
 
+@pytest.fixture(scope="module")
+def small_2x4(small_dirs):
+    one, _, two = small_dirs
+    return multiprocess.run("mp_programs:small_programs", n=2, devices=4, timeout=600,
+                            args={"saved_by_one": one, "save_to": two})
+
+
+@pytest.fixture(scope="module")
+def helpers_2x4(small_2x4):
+    return [r["helpers"] for r in small_2x4]
+
+
+@_SMALL
 def test_helpers_match_one_process(helpers_2x4):
     one = mp_programs.helpers()
     assert one["count"] == 1 and [r["count"] for r in helpers_2x4] == [2, 2]
@@ -36,6 +58,7 @@ def test_helpers_match_one_process(helpers_2x4):
         np.testing.assert_array_equal(one[name]["local"], one[name]["whole"])
 
 
+@_SMALL
 def test_agree(helpers_2x4):
     one = mp_programs.helpers()
     assert (one["max"], one["min"], one["sum"], one["any"], one["all"]) == (3, 3, 3, False, False)
@@ -47,6 +70,7 @@ def test_agree(helpers_2x4):
         assert "disagree" in r["equal_error"] and "[3, 7]" in r["equal_error"]
 
 
+@_SMALL
 def test_the_terminal_domain_refuses_many_processes(helpers_2x4):
     """The terminal producer's turns are not agreed across processes: with two it is a clear
     error (the closed loop checks before any container starts), with one it runs."""
@@ -115,10 +139,11 @@ def test_workers_die_with_their_parent(tmp_path):
             os.killpg(pid, signal.SIGKILL)
 
 
-def test_sampler_rows_where_their_prompts_live():
+@_SMALL
+def test_sampler_rows_where_their_prompts_live(small_2x4):
     """Each process samples its own prompts; together they equal one process with all."""
     one = mp_programs.sampler_program()
-    two = multiprocess.run("mp_programs:sampler_program", n=2, devices=4, timeout=600)
+    two = [r["sampler"] for r in small_2x4]
     assert "stop" in one["stops"][4] and "length" in one["stops"][4]
     for kind in ("random", "stops"):
         tokens, logp, logp_t1, lengths, reasons, index = one[kind]
@@ -133,15 +158,14 @@ def test_sampler_rows_where_their_prompts_live():
                                       index)
 
 
-def test_checkpoint_across_process_counts(tmp_path):
+@_SMALL
+def test_checkpoint_across_process_counts(small_dirs, small_2x4):
     """2 x 4 saves (each process its shards and its data state) and restores onto another
     mesh; 1 x 8 restores that too, and 2 x 4 restores what 1 x 8 saved."""
-    two = multiprocess.run("mp_programs:checkpoint_program", n=2, devices=4, timeout=300,
-                           args={"directory": str(tmp_path / "two"), "save": True})
-    one = mp_programs.checkpoint_program(str(tmp_path / "two"), save=False)
-    ref = mp_programs.checkpoint_program(str(tmp_path / "one"), save=True)
-    back = multiprocess.run("mp_programs:checkpoint_program", n=2, devices=4, timeout=300,
-                            args={"directory": str(tmp_path / "one"), "save": False})
+    _, ref, saved_by_two = small_dirs
+    two = [r["saved"] for r in small_2x4]
+    one = mp_programs.checkpoint_program(saved_by_two, save=False)
+    back = [r["restored"] for r in small_2x4]
     assert [r["data_state"] for r in two] == [{"pos": 10}, {"pos": 11}]
     assert ref["data_state"] == {"pos": 10}
     assert one["data_state"] is None and [r["data_state"] for r in back] == [None, None]
