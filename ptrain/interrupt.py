@@ -52,8 +52,9 @@ class Switch:
 
     every: decode steps per round while the switch is attached (how soon a swap can fall).
     at_round (a test hook): the swap falls once, exactly after this many decode rounds of
-    the first sampler call of the generation that gets that far, waiting for the
-    publication if it has not come yet (no swap at all if the generation ends first), and
+    the first sampler call of the generation that gets that far, to the first version
+    published to it (waiting for it if it has not come yet; a later publication that
+    raced the wait is not taken; no swap at all if the generation ends first), and
     never again in that generation (a producer that makes several calls, the mixed one's
     parts or the terminal one's turns, goes on with the version it took), so it no longer
     depends on the threads' timing. The class attributes are the defaults (a test program
@@ -68,12 +69,15 @@ class Switch:
         self.at_round = type(self).at_round if at_round is None else at_round
         self._lock, self._published = threading.Lock(), threading.Event()
         self._latest = None  # (version, params)
+        self._first = None  # at_round: the first publication, the one its swap takes
         self._fired = False  # at_round: the one swap was decided
 
     def publish(self, version: int, params) -> None:
         with self._lock:
             if self._latest is None or version > self._latest[0]:
                 self._latest = (int(version), params)
+            if self._first is None:
+                self._first = self._latest
         self._published.set()
 
     def poll(self, version: int, rounds: int):
@@ -87,7 +91,7 @@ class Switch:
                                    f"{self.timeout_s} s of round {rounds}")
             self._fired = True
         with self._lock:
-            latest = self._latest
+            latest = self._first if self.at_round is not None else self._latest
         return latest if latest is not None and latest[0] > version else None
 
 
