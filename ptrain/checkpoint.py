@@ -3,7 +3,9 @@
 One step is one orbax checkpoint with two items: `state` (the arrays, saved sharded) and
 `meta` (JSON: the grain iterator state and any small host-side values, such as a KL
 coefficient). `aux_state` holds more named array pytrees saved next to the parameters (the
-PPO critic's parameters and optimizer state). Saves are asynchronous; orbax writes each step
+PPO critic's parameters and optimizer state); `host_state` named nested dicts of numpy
+arrays that live on the host (rl.interrupt's finished pending batches), restored as numpy
+with no target needed (their shapes are in `meta`). Saves are asynchronous; orbax writes each step
 into a temporary directory and renames it when complete, so a process killed mid-save leaves
 the previous checkpoint intact and the incomplete one is never listed. Restores go onto the
 shardings of a target pytree (concrete arrays or `jax.ShapeDtypeStruct`s with `.sharding`),
@@ -38,6 +40,7 @@ class Restored:
     data_state: Any
     extra: dict
     aux_state: dict = dataclasses.field(default_factory=dict)
+    host_state: dict = dataclasses.field(default_factory=dict)
 
 
 def _is_typed_key(x):
@@ -85,6 +88,40 @@ def _host_local(tree):
         tree)
 
 
+_ARRAY = "__array__"  # a host_state leaf in meta: [dtype, shape]
+
+
+def _host_split(tree, path="host_state"):
+    """host_state (nested dicts of numpy arrays) -> (its non-empty arrays, which orbax saves;
+    the spec of every array, for meta: orbax refuses zero-size arrays, made again from it)."""
+    if isinstance(tree, np.ndarray):
+        return (tree if tree.size else None), {_ARRAY: [tree.dtype.str, list(tree.shape)]}
+    if not isinstance(tree, dict):
+        raise TypeError(f"checkpoint {path}: nested dicts of numpy arrays only, not "
+                        f"{type(tree).__name__}")
+    arrays, specs = {}, {}
+    for name, value in tree.items():
+        sub, specs[str(name)] = _host_split(value, f"{path}.{name}")
+        if sub is not None and (not isinstance(sub, dict) or sub):
+            arrays[str(name)] = sub
+    return arrays, specs
+
+
+def _host_target(specs):
+    """The restore target of `_host_split`'s arrays (zeros), and a function that puts the
+    restored arrays and the zero-size ones back together."""
+    if _ARRAY in specs:
+        dtype, shape = specs[_ARRAY]
+        zeros = np.zeros(shape, np.dtype(dtype))
+        return (zeros if zeros.size else None), (lambda got: zeros if got is None else got)
+    target, joins = {}, {}
+    for name, spec in specs.items():
+        sub, joins[name] = _host_target(spec)
+        if sub is not None and (not isinstance(sub, dict) or sub):
+            target[name] = sub
+    return target, lambda got: {n: joins[n]((got or {}).get(n)) for n in specs}
+
+
 class Checkpointer:
     """Saves and restores training state under `directory/<step>/`; keeps the last N."""
 
@@ -95,10 +132,11 @@ class Checkpointer:
                                               item_names=("state", "meta"))
 
     def save(self, step, *, params, opt_state, rng, data_state=None, extra=None,
-             aux_state=None):
+             aux_state=None, host_state=None):
         """Starts saving `step` (returns before the arrays are written when async).
 
         aux_state: None or a dict of named array pytrees, restored by name.
+        host_state: None or nested dicts of numpy arrays (`Restored.host_state`).
         """
         typed = _is_typed_key(rng)
         state = {"params": params, "opt_state": opt_state,
@@ -106,10 +144,13 @@ class Checkpointer:
         if aux_state:
             state["aux_state"] = dict(aux_state)
         state = _host_local(state)
+        host_arrays, host_specs = _host_split(host_state or {})
+        if host_arrays:
+            state["host_state"] = host_arrays
         data_states = _gather_json(data_state)
         meta = {"data_state": data_states[0], "data_states": data_states, "extra": extra or {},
                 "rng_impl": str(jax.random.key_impl(rng)) if typed else None,
-                "aux_state": sorted(aux_state or {})}
+                "aux_state": sorted(aux_state or {}), "host_state": host_specs}
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
 
@@ -147,15 +188,20 @@ class Checkpointer:
         target = {"params": params, "opt_state": opt_state, "rng": rng_target}
         if aux_state:
             target["aux_state"] = dict(aux_state)
+        target = _abstract(target)
+        host_target, host_join = _host_target(meta.get("host_state", {}))
+        if host_target:
+            target["host_state"] = host_target  # (numpy targets: restored as numpy)
         state = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_abstract(target))))["state"]
+            state=ocp.args.StandardRestore(target)))["state"]
         rng_out = state["rng"]
         if _is_typed_key(rng):
             rng_out = jax.random.wrap_key_data(rng_out, impl=meta["rng_impl"])
         return Restored(step=step, params=state["params"], opt_state=state["opt_state"],
                         rng=rng_out, data_state=self._data_state(step, meta),
                         extra=meta["extra"],
-                        aux_state=state.get("aux_state", {}))
+                        aux_state=state.get("aux_state", {}),
+                        host_state=host_join(state.get("host_state")))
 
     def _data_state(self, step, meta):
         """This process's data state (the one state of an older checkpoint)."""

@@ -26,15 +26,14 @@ version), `rollout/token_staleness` and its histogram over 0..k (`metrics`).
 
 Where the swap falls depends on the threads' timing (how far the generation got when the
 update ended). Exact resume holds anyway: a checkpoint holds the batches pending at it
-finished (the save waits for the generation in flight; `encode_batch`), with their
-per-token versions, and a resumed run trains on those instead of generating them again.
+finished (the save waits for the generation in flight; `encode_batch`: their arrays
+are saved as arrays, the rest in the metadata), with their per-token versions, and a resumed run trains on those instead of generating them again.
 A run that resumes is exact; a run generated again from scratch is not number for number
 (the swap rounds differ), unless the swap round is fixed (`Switch.at_round`, the tests').
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import threading
@@ -197,33 +196,29 @@ def metrics(batch, step: int, k: int) -> dict:
             "rollout/interrupted": float(np.mean(sampled.any(-1) & (hi > lo)))}
 
 
-def encode_batch(batch) -> dict:
-    """A finished Batch as JSON (arrays as base64 of their bytes: exact), for a checkpoint's
-    metadata. Its meta must be JSON (numpy scalars become numbers)."""
-    out = {}
+def encode_batch(batch) -> tuple[dict, dict]:
+    """A finished Batch for a checkpoint: (its arrays, by field name, which the checkpoint
+    saves as arrays: exact; everything else, as JSON, for its metadata). Its meta must be
+    JSON (numpy scalars become numbers)."""
+    arrays, rest = {}, {}
     for f in dataclasses.fields(batch):
         value = getattr(batch, f.name)
         if isinstance(value, np.ndarray):
-            value = {"dtype": value.dtype.str, "shape": list(value.shape),
-                     "data": base64.b64encode(np.ascontiguousarray(value).tobytes()).decode()}
-        out[f.name] = value
+            arrays[f.name] = value
+        else:
+            rest[f.name] = value
     try:
-        json.dumps(out["meta"], default=_number)
+        rest = json.loads(json.dumps(rest, default=_number))
     except TypeError as err:
         raise ValueError(f"rl.interrupt saves the pending batches in the checkpoint: their "
                          f"meta must be JSON ({err})") from None
-    return json.loads(json.dumps(out, default=_number))
+    return arrays, rest
 
 
-def decode_batch(data: dict):
+def decode_batch(arrays: dict, rest: dict):
+    """The Batch of `encode_batch`'s two parts."""
     from ptrain.batch import Batch
-    fields = {}
-    for name, value in data.items():
-        if isinstance(value, dict) and set(value) == {"dtype", "shape", "data"}:
-            value = np.frombuffer(base64.b64decode(value["data"]),
-                                  np.dtype(value["dtype"])).reshape(value["shape"]).copy()
-        fields[name] = value
-    return Batch(**fields)
+    return Batch(**{name: np.asarray(value) for name, value in arrays.items()}, **rest)
 
 
 def _number(x):

@@ -328,7 +328,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
         data_state = restored.data_state
         kl_ctl = dataclasses.replace(kl_ctl, value=restored.extra["kl_coef"])
         monitor.restore(restored.extra.get("alerts"))
-        ahead_batches = restored.extra.get("ahead_batches")
+        ahead_batches = lookahead_lib.restore_batches(restored.extra, restored.host_state)
         logging.info("resumed from step %d", start)
     batches = prompts.iterator(data_state)
     writer = metrics_lib.MetricsWriter(workdir, total_steps=c.steps, start_step=start)
@@ -404,13 +404,13 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
             alerts_lib.raise_on_stop(fired)  # before this step's checkpoint: the last is good
             watchdog.beat(step)
             if step % c.checkpoint.every == 0 or step == c.steps:
-                aux, saved = ({"critic": critic} if critic else {}), {}
-                if k:  # (rl.interrupt: the pending batches finished, in the metadata)
+                aux, saved, host = ({"critic": critic} if critic else {}), {}, {}
+                if k:  # (rl.interrupt: the pending batches, finished)
                     data_state, aux["ahead_params"] = ahead.state()
-                    saved = ahead.saved_batches()
+                    saved, host = ahead.saved_batches()
                 aux = {n: v for n, v in aux.items() if v}
                 ckpt.save(step, params=params, opt_state=opt_state, rng=root_key,
-                          data_state=data_state, aux_state=aux or None,
+                          data_state=data_state, aux_state=aux or None, host_state=host or None,
                           extra={"kl_coef": kl_ctl.value, "alerts": monitor.state(), **saved})
 
     finally:

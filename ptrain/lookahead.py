@@ -136,11 +136,11 @@ class LookAhead:
     def start(self, step: int, params_list, finished=None) -> None:
         """At a run's first step (or a resumed run's): the batches of step .. step + k - 1,
         from the initial parameters or those a checkpoint saved (oldest first), or, with
-        interrupt, the finished batches a checkpoint saved (`saved_batches`)."""
+        interrupt, the finished batches a checkpoint saved (`restore_batches`)."""
         if finished:
             for item in finished:
                 done = concurrent.futures.Future()
-                done.set_result(interrupt_lib.decode_batch(item["batch"]))
+                done.set_result(item["batch"])
                 self.pending.append(Pending(item["step"], item["version"], done, None, None))
             return
         for j, params in enumerate(params_list):
@@ -185,20 +185,39 @@ class LookAhead:
             return self.batches.get_state(), {}
         return self.pending[0].data_state, {str(j): p.params for j, p in enumerate(self.pending)}
 
-    def saved_batches(self) -> dict:
+    def saved_batches(self) -> tuple[dict, dict]:
         """interrupt: the pending batches, finished (this waits for the generation in flight
-        and the scoring), for the checkpoint's metadata; otherwise {}."""
+        and the scoring), for a checkpoint: (the metadata's part, its host arrays' part;
+        `restore_batches` joins them again); otherwise ({}, {})."""
         if not self.interrupt:
-            return {}
-        return {"ahead_batches": [
-            {"step": p.step, "version": p.version,
-             "batch": interrupt_lib.encode_batch(self._wait(p.scored))} for p in self.pending]}
+            return {}, {}
+        items, arrays = [], {}
+        for j, p in enumerate(self.pending):
+            arrays[str(j)], rest = interrupt_lib.encode_batch(self._wait(p.scored))
+            items.append({"step": p.step, "version": p.version, "batch": rest})
+        return {"ahead_batches": items}, {"ahead_batches": arrays}
 
     def close(self) -> None:
         """Ends the threads (work not started is dropped: a finished run leaves none, a
         failed one needs none)."""
         self.generator.shutdown(cancel_futures=True)
         self.scorer.shutdown(cancel_futures=True)
+
+
+def restore_batches(extra: dict, host_state: dict):
+    """interrupt: the finished pending batches a checkpoint holds (`saved_batches`: its
+    metadata `extra` and its `host_state`), for `start(..., finished=...)`; None if none."""
+    items = extra.get("ahead_batches")
+    if not items:
+        return None
+    arrays = host_state.get("ahead_batches")
+    if arrays is None:
+        raise ValueError("this checkpoint's pending rl.interrupt batches have no arrays (it "
+                         "was written by an older ptrain, which kept them in the metadata): "
+                         "resume it with that version, or start a new workdir")
+    return [{"step": item["step"], "version": item["version"],
+             "batch": interrupt_lib.decode_batch(arrays[str(j)], item["batch"])}
+            for j, item in enumerate(items)]
 
 
 def metrics(batch, step: int, k: int, waited_s: float = 0.0) -> dict:

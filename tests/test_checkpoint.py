@@ -1,5 +1,5 @@
-"""ptrain.checkpoint: round trip, keep-N, named aux state, resharding on restore, SIGKILL
-mid-save."""
+"""ptrain.checkpoint: round trip, keep-N, named aux state, host arrays, resharding on
+restore, SIGKILL mid-save."""
 
 import os
 import signal
@@ -90,6 +90,38 @@ def test_aux_state_round_trip_and_mismatch(tmp_path):
         assert ckpt.restore(params=params, opt_state=opt_state, rng=rng).aux_state == {}
         with pytest.raises(ValueError, match="rl.estimator='gae' saves its critic"):
             ckpt.restore(params=params, opt_state=opt_state, rng=rng, aux_state=target)
+
+
+def test_host_state_round_trip_as_numpy(tmp_path):
+    """Host arrays (rl.interrupt's finished batches) come back exact, as numpy, with their
+    dtypes and shapes (a zero-size one too, which orbax cannot save) and no target given;
+    a checkpoint without them restores an empty host_state; a non-array leaf is refused."""
+    rng = jax.random.key(0)
+    params, opt_state = state_at(1)
+    host = {"ahead_batches": {
+        "0": {"tokens_bn": np.arange(12, dtype=np.int32).reshape(3, 4),
+              "logp_bn": np.linspace(-3, 0, 12, dtype=np.float32).reshape(3, 4),
+              "experts_bnlk": np.ones((3, 4, 2, 2), np.int8)},
+        "1": {"tokens_bn": np.zeros((2, 0), np.int32)}}}
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, params=params, opt_state=opt_state, rng=rng, host_state=host)
+        ckpt.save(2, params=params, opt_state=opt_state, rng=rng)
+        with pytest.raises(TypeError, match=r"host_state.ahead_batches.0.meta: nested dicts "
+                                            r"of numpy arrays only, not list"):
+            ckpt.save(3, params=params, opt_state=opt_state, rng=rng,
+                      host_state={"ahead_batches": {"0": {"meta": [{}]}}})
+        ckpt.wait()
+    with Checkpointer(tmp_path) as ckpt:
+        out = ckpt.restore(1, params=params, opt_state=opt_state, rng=rng)
+        assert ckpt.restore(2, params=params, opt_state=opt_state, rng=rng).host_state == {}
+    got = out.host_state["ahead_batches"]
+    assert sorted(got) == ["0", "1"] and sorted(got["0"]) == sorted(host["ahead_batches"]["0"])
+    for name in ("0", "1"):
+        for field, want in host["ahead_batches"][name].items():
+            assert type(got[name][field]) is np.ndarray
+            assert got[name][field].dtype == want.dtype
+            np.testing.assert_array_equal(got[name][field], want)
+    np.testing.assert_array_equal(out.params["w_dv"], np.full((8, 4), 1.0))
 
 
 def test_restore_onto_a_different_sharding(tmp_path):

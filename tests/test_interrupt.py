@@ -2,6 +2,8 @@
 round (`Switch(at_round=...)`), against runs of the old weights alone, teacher-forced
 forwards of the new weights over the same prefix, and the versions recorded per token."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -161,7 +163,11 @@ def test_token_metrics_and_checkpoint_encoding():
     assert m["rollout/interrupted"] == pytest.approx(1 / 3)
     with pytest.raises(RuntimeError, match="outside"):
         interrupt.metrics(batch, step=4, k=2)
-    back = interrupt.decode_batch(interrupt.encode_batch(batch))
+    arrays, rest = interrupt.encode_batch(batch)
+    assert sorted(arrays) == sorted(n for n, v in batch.columns().items()
+                                    if isinstance(v, np.ndarray))  # saved as arrays
+    json.dumps(rest)  # the rest goes in the checkpoint's JSON metadata
+    back = interrupt.decode_batch(arrays, rest)
     for name, value in batch.columns().items():
         if isinstance(value, np.ndarray):
             assert back.columns()[name].dtype == value.dtype
@@ -220,7 +226,7 @@ def test_lookahead_publishes_each_update_to_the_generation_in_flight(monkeypatch
             old["w"].delete()  # donated, as step.jit_update's input
             ahead.publish(step, params)
             if step == 3:
-                saved = ahead.saved_batches()
+                saved = lookahead.restore_batches(*ahead.saved_batches())
                 assert ahead.state() == (5, {})  # drawn through batch 5; no parameters kept
     finally:
         ahead.close()
@@ -231,10 +237,10 @@ def test_lookahead_publishes_each_update_to_the_generation_in_flight(monkeypatch
         assert m["rollout/interrupted"] == float(b > k)
         assert m["rollout/token_staleness_hist"] == np.bincount(
             [b - 1 - v for v in versions], minlength=k + 1).tolist()
-    assert [item["step"] for item in saved["ahead_batches"]] == [4, 5]
+    assert [item["step"] for item in saved] == [4, 5]
     resumed = lookahead.LookAhead(k, _RoundsProducer(), Stream(5), jax.random.key(0),
                                   steps=steps, save_every=100, interrupt=True)
-    resumed.start(4, [], finished=saved["ahead_batches"])
+    resumed.start(4, [], finished=saved)
     try:
         assert resumed.next(4, {"w": jnp.full((), 3.0)}).versions_bn[0].tolist() == seen[4][0]
         resumed.publish(4, {"w": jnp.full((), 4.0)})  # (batch 6's generation waits for it)
