@@ -3,6 +3,7 @@ transformers' own router), the learner replays them (rl.router_replay) and measu
 agreement with them, the router's aux and z losses enter the RL loss (against transformers'
 load-balancing loss), and GRPO and SFT run end to end on a tiny MoE and resume exactly."""
 
+import functools
 import os
 import shutil
 
@@ -113,7 +114,20 @@ def rollout():
     return learner, batch
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "group_size", "replay"))
+def _learner_experts(params, x, *, graphdef, group_size, replay):
+    """The experts the learner's log-prob forward (`step.token_logprobs`, as prepare and the
+    update run it) routes each group's prompt and each continuation token to, with or
+    without replay: ([MoE layers, b / G, p, k], [MoE layers, b, n, k]). Jitted: one compile
+    per batch shape and replay, not one per eager op."""
+    _, _, (prompt_r, tokens_r) = step_lib.token_logprobs(
+        graphdef, params, x, group_size=group_size, replay=replay, return_routing=True)
+    return prompt_r.experts_lbtk, tokens_r.experts_lbtk
+
+
+@jax.jit
 def _perturbed_router(params, scale):
+    """A copy of `params` with router noise of `scale` x its std (jitted: one compile)."""
     params = jax.tree.map(jnp.copy, params)
     router = params["experts"]["router"]
     noise = jax.random.normal(jax.random.key(9), router[...].shape)
@@ -131,9 +145,9 @@ def test_replay_routes_training_to_the_rollouts_experts_and_cuts_the_mismatch(ro
     valid_bn = np.arange(8)[None, :] < batch.lengths_b[:, None]
 
     def experts(params, replay):
-        _, _, (prompt_r, tokens_r) = step_lib.token_logprobs(
-            learner.graphdef, params, x, group_size=g, replay=replay, return_routing=True)
-        return np.asarray(prompt_r.experts_lbtk), np.asarray(tokens_r.experts_lbtk)
+        prompt_e, tokens_e = _learner_experts(params, x, graphdef=learner.graphdef,
+                                              group_size=g, replay=replay)
+        return np.asarray(prompt_e), np.asarray(tokens_e)
 
     # Same parameters: the learner's own routing is the sampler's, token for token.
     prompt_e, tokens_e = experts(learner.initial_params, False)
@@ -176,6 +190,12 @@ def test_replay_without_recorded_routing_is_a_clear_error(rollout):
 
 
 # ------------------------------------------------------------------- aux loss in the RL loss
+
+@pytest.fixture(scope="module")
+def hf_router_batch(tmp_path_factory):
+    """`_hf_router_batch`, built once for the two tests that read it."""
+    return _hf_router_batch(tmp_path_factory.mktemp("hf_router"))
+
 
 def _hf_router_batch(tmp_path, **model_changes):
     """transformers' tiny Qwen3-MoE, a learner on the same weights and a batch of 4 groups of
@@ -220,18 +240,20 @@ def _hf_router_batch(tmp_path, **model_changes):
     return config, batch, aux, z
 
 
-def test_rl_loss_adds_transformers_load_balancing_loss(tmp_path):
+def test_rl_loss_adds_transformers_load_balancing_loss(hf_router_batch):
     """With zero advantages the policy loss is 0, so the RL loss is the router's: aux_coef x
     transformers' load_balancing_loss_func over the router logits of every token the learner
     runs (each group's prompt once, each continuation) + z_coef x mean logsumexp^2."""
-    config, batch, aux, z = _hf_router_batch(tmp_path)
+    config, batch, aux, z = hf_router_batch
+    assert config.model.get("router_loss_scope", "microbatch") == "microbatch"
     learner = L.Learner(config, mesh=one_device())
     x = dict(sharding.shard_batch(batch.arrays(), learner.mesh),
              adv_bn=jnp.zeros((16, 8)))
     mask = x["loss_mask_bn"]
-    loss, metrics = step_lib._rl_loss(
-        learner.initial_params, x, mask.sum(), (mask.sum(-1) > 0).sum(), 0.0,
-        graphdef=learner.graphdef, s=learner.settings)
+    rl_loss = jax.jit(functools.partial(step_lib._rl_loss, graphdef=learner.graphdef,
+                                        s=learner.settings))  # one compile, not one per op
+    loss, metrics = rl_loss(learner.initial_params, x, mask.sum(), (mask.sum(-1) > 0).sum(),
+                            0.0)
     np.testing.assert_allclose(float(metrics["moe/aux_loss"]), aux, rtol=2e-4)
     np.testing.assert_allclose(float(metrics["moe/z_loss"]), z, rtol=2e-4)
     np.testing.assert_allclose(float(loss), 0.01 * aux + 0.001 * z, rtol=2e-4)
@@ -240,12 +262,12 @@ def test_rl_loss_adds_transformers_load_balancing_loss(tmp_path):
     assert float(metrics["moe/dropped_fraction"]) == 0
 
 
-def test_global_router_loss_is_transformers_over_the_whole_batch(tmp_path):
+def test_global_router_loss_is_transformers_over_the_whole_batch(hf_router_batch):
     """router_loss_scope="global": with the batch in 2 microbatches on a data x fsdp mesh,
     the update's loss is aux_coef x transformers' load_balancing_loss_func over the whole
     batch (+ z_coef x its z-loss), and its gradient is the one-microbatch update's; the
     per-microbatch scope gives another value and another gradient."""
-    config, batch, aux, z = _hf_router_batch(tmp_path, router_loss_scope="global")
+    config, batch, aux, z = hf_router_batch  # (each update below sets its scope)
 
     def update(scope, microbatch, mesh):
         c = config.copy_and_resolve_references()
@@ -435,9 +457,9 @@ def _check_replay_restores(learner, batch, valid_bn=None, *, agreement=True):
     x = sharding.shard_batch(batch.arrays(), learner.mesh)
 
     def experts(params, replay):
-        _, _, (prompt_r, tokens_r) = step_lib.token_logprobs(
-            learner.graphdef, params, x, group_size=g, replay=replay, return_routing=True)
-        return np.asarray(prompt_r.experts_lbtk)[0], np.asarray(tokens_r.experts_lbtk)[0]
+        prompt_e, tokens_e = _learner_experts(params, x, graphdef=learner.graphdef,
+                                              group_size=g, replay=replay)
+        return np.asarray(prompt_e)[0], np.asarray(tokens_e)[0]
 
     recorded_bnk = batch.experts_bnlk[:, :, 0]
     recorded_gpk = batch.prompt_experts_bplk[::g, :, 0]
