@@ -85,7 +85,9 @@ def test_packed_loss_and_gradient_equal_each_documents_own_dense_forward():
     packed_grads = jax.tree.map(lambda a, b: a - b, params0, new_params)
     for a, b in zip(jax.tree.leaves(packed_grads), jax.tree.leaves(grads)):
         np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-4)
-    np.testing.assert_allclose(metrics["grad_norm"], optax.global_norm(grads), rtol=1e-5)
+    # (jitted: one compile, not three small ones per parameter)
+    np.testing.assert_allclose(metrics["grad_norm"], jax.jit(optax.global_norm)(grads),
+                               rtol=1e-5)
 
 
 def test_a_document_never_attends_across_its_segment_boundary():
@@ -188,7 +190,7 @@ def test_packed_sft_with_ring_attention_over_sequence_equals_one_shard(sft_param
 
 
 def test_packed_sft_resumes_as_the_uninterrupted_run(sft_params, tmp_path):
-    mesh = _mesh(fsdp=1)
+    mesh = _mesh(fsdp=2)  # the mesh and shapes of the test above: its programs, compiled once
     full = L.sft(_sft_config(**{"sft.steps": 4}), str(tmp_path / "full"), params=sft_params,
                  mesh=mesh)
     L.sft(_sft_config(), str(tmp_path / "cut"), params=sft_params, mesh=mesh)
