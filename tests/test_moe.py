@@ -61,7 +61,9 @@ def _on_mesh(model, mesh):
     graphdef, abstract = sharding.abstract(
         lambda: M.Transformer(model.config, rngs=nnx.Rngs(0), mesh=mesh), mesh)
     params = nnx.state(model)
-    placed = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, abstract)
+    # From host memory: a device-to-mesh put compiles a slicing program per leaf shape.
+    placed = jax.tree.map(lambda x, a: jax.device_put(np.asarray(x), a.sharding), params,
+                          abstract)
     return nnx.merge(graphdef, placed)
 
 
@@ -205,6 +207,7 @@ def test_replay_reproduces_or_overrides_the_routing(reference):
     model = reference[0]
     graphdef, params = nnx.split(model)
     forward = functools.partial(_forward, graphdef=graphdef)
+    agreement_l = jax.jit(moe.agreement_l, static_argnames="replayed")  # (not op by op)
     tokens = _tokens()
     h, _, routing = forward(params, tokens)
     assert routing.experts_lbtk.shape == (2, 8, 8, 2)  # two MoE layers (layer 0 is dense)
@@ -224,8 +227,8 @@ def test_replay_reproduces_or_overrides_the_routing(reference):
     assert float(forced.agree_l[0]) == hit > 0
     valid = jnp.ones(tokens.shape)
     np.testing.assert_allclose(
-        moe.agreement_l(forced, routing.experts_lbtk, valid, replayed=True)[0],
-        moe.agreement_l(routing, other, valid, replayed=False)[0], rtol=1e-6)
+        agreement_l(forced, routing.experts_lbtk, valid, replayed=True)[0],
+        agreement_l(routing, other, valid, replayed=False)[0], rtol=1e-6)
     with pytest.raises(ValueError, match=r"replay_lbtk has shape .*\(2, 8, 8, 2\)"):
         model.forward(tokens, replay_lbtk=other[:1])
 
