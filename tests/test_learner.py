@@ -102,6 +102,12 @@ def _random_episodes(groups, per_group, seed=0):
                                 np.repeat(np.arange(groups), per_group), prompt_len=8, length=8)
 
 
+# The PPO settings of the sharded tests (test_microbatched_prepare_equals_one_shot's too, so
+# that its one-pass prepare on fsdp=4 x tensor=2 is this test's program: compiled once).
+SHARDED_PPO = {"rl.agg": "seq-mean-token-sum", "rl.entropy_coef": 0.01, "kl.coef": 0.05,
+               "kl.kind": "k3", "optim.eps": 1.0, "rl.tis_cap": 1.5, "rl.estimator": "gae",
+               "rl.lam": 0.9, "critic.optim.eps": 1.0, "critic.optim.lr": 1e-3}
+
 
 def test_sharded_update_with_accumulation_equals_unsharded(initial_params):
     """fsdp=4 x tensor=2 with 2 microbatches per minibatch == one device, no accumulation,
@@ -111,9 +117,7 @@ def test_sharded_update_with_accumulation_equals_unsharded(initial_params):
     count. Adam's eps is large so that the update is linear in the gradient (float noise in
     near-zero gradients cannot flip their sign).
     """
-    changes = {"rl.agg": "seq-mean-token-sum", "rl.entropy_coef": 0.01, "kl.coef": 0.05,
-               "kl.kind": "k3", "optim.eps": 1.0, "rl.tis_cap": 1.5, "rl.estimator": "gae",
-               "rl.lam": 0.9, "critic.optim.eps": 1.0, "critic.optim.lr": 1e-3}
+    changes = SHARDED_PPO
     plain = _learner(toy_config(**changes, **{"rl.microbatch_size": 0}), initial_params)
     mesh = sharding.make_mesh(fsdp=4, tensor=2)
     sharded = _learner(toy_config(**changes, **{"rl.microbatch_size": 16}), initial_params,
@@ -629,8 +633,8 @@ def test_log_probs_are_of_logits_over_the_sampling_temperature(initial_params):
     batch, metrics = learner.prepare(params, episodes)
     assert float(metrics["rollout/logp_mismatch"]) < 1e-5
     mask = np.asarray(batch["loss_mask_bn"])
-    t1 = step_lib.token_logprobs(learner.graphdef, params, batch,
-                             group_size=config.sampling.num_samples)[0]
+    t1 = jax.jit(lambda p, b: step_lib.token_logprobs(  # one compile, not one per op
+        learner.graphdef, p, b, group_size=config.sampling.num_samples)[0])(params, batch)
     gap = np.abs(np.asarray(t1) - np.asarray(batch["rollout_logp_bn"]))
     assert (gap * mask).sum() / mask.sum() > 1e-2
 
@@ -666,8 +670,8 @@ def test_bfloat16_reference_log_probs_match_float32(initial_params):
 def test_microbatched_prepare_equals_one_shot(initial_params):
     """rl.logprob_microbatch_size: old and reference log-probs, the critic's values, GAE
     advantages and returns in passes of 16 rows (4 passes, sharded over fsdp=4 x tensor=2)
-    equal the one-pass prepare."""
-    changes = {"kl.coef": 0.05, "rl.num_minibatches": 2, "rl.estimator": "gae"}
+    equal the one-pass prepare (the sharded update's settings: GAE, a k3 KL, 2 minibatches)."""
+    changes = {**SHARDED_PPO, "rl.num_minibatches": 2}
     mesh = sharding.make_mesh(fsdp=4, tensor=2)
     one = _learner(toy_config(**changes), initial_params, mesh)
     micro = _learner(toy_config(**changes, **{"rl.logprob_microbatch_size": 16}),
