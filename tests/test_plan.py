@@ -37,7 +37,9 @@ def test_the_plan_compiles_packed_sfts_own_program(monkeypatch):
     calls = []
     real = step_lib.jit_packed_update
     monkeypatch.setattr(step_lib, "jit_packed_update", lambda *a: calls.append(a) or real(*a))
-    plan.compile_plan(TINY, {"sequence": 2}, **{**COMMON, "seq_len": 256})
+    # by_sequence's plan for sequence=2: compiled here, read back from the compilation cache
+    # there (the same program)
+    plan.compile_plan(TINY, {"sequence": 2}, **COMMON)
     (graphdef, tx, mesh, chunk), = calls
     assert chunk == COMMON["chunk"] and dict(mesh.shape)["sequence"] == 2
     jitted = real(graphdef, tx, mesh, chunk)
@@ -169,7 +171,7 @@ def test_step_on_a_sequence_mesh_equals_a_dense_step():
     rng = np.random.RandomState(0)
     tokens = rng.randint(0, config.vocab_size, (2, 64))
     segments = np.repeat([[1] * 23 + [2] * 36 + [0] * 5], 2, axis=0)
-    params0 = nnx.state(M.init(config.replace(attention_impl="reference"), seed=1))
+    graphdef, params0 = nnx.split(M.init(config.replace(attention_impl="reference"), seed=1))
 
     def dense_loss(params, batch):
         model = nnx.merge(graphdef, params)
@@ -180,7 +182,6 @@ def test_step_on_a_sequence_mesh_equals_a_dense_step():
         return -(logp * mask).sum() / mask.sum()
 
     batch = packing.packed_batch(tokens, segments)
-    graphdef = nnx.graphdef(M.init(config.replace(attention_impl="reference")))
 
     @jax.jit  # one compile for the reference, not one per op
     def dense_step(params):
