@@ -21,8 +21,12 @@ install-test:
 system-deps:
 	-bash sandbox/setup_host.sh
 
+# --max-worker-restart=0: a test that kills its xdist worker (a segfault) ends the run at once,
+# naming the test, with the worker's fault traceback; with restarts, --dist loadgroup hangs
+# after replacing the worker (xdist 3.8: the controller and the new worker both wait) until CI's
+# time limit, which is how stop 23's CI ended.
 test: install-test system-deps
-	PTRAIN_VERL_SRC=$(VERL_DIR)/verl $(PYTHON) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=30 $(PYTEST_ARGS) tests
+	PTRAIN_VERL_SRC=$(VERL_DIR)/verl $(PYTHON) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --max-worker-restart=0 --durations=30 $(PYTEST_ARGS) tests
 
 quickstart: install
 	$(PYTHON) -m launch.train --config=configs/quickstart.py --workdir=$(WORKDIR)
