@@ -107,19 +107,13 @@ def _host_split(tree, path="host_state"):
     return arrays, specs
 
 
-def _host_target(specs):
-    """The restore target of `_host_split`'s arrays (zeros), and a function that puts the
-    restored arrays and the zero-size ones back together."""
+def _host_arrays(specs, got=None):
+    """The arrays `specs` (from `_host_split`) describe: `got`'s (what orbax restored) where it
+    has them, zeros otherwise (the zero-size ones; with no `got`, the restore target)."""
     if _ARRAY in specs:
         dtype, shape = specs[_ARRAY]
-        zeros = np.zeros(shape, np.dtype(dtype))
-        return (zeros if zeros.size else None), (lambda got: zeros if got is None else got)
-    target, joins = {}, {}
-    for name, spec in specs.items():
-        sub, joins[name] = _host_target(spec)
-        if sub is not None and (not isinstance(sub, dict) or sub):
-            target[name] = sub
-    return target, lambda got: {n: joins[n]((got or {}).get(n)) for n in specs}
+        return got if got is not None else np.zeros(shape, np.dtype(dtype))
+    return {name: _host_arrays(spec, (got or {}).get(name)) for name, spec in specs.items()}
 
 
 class Checkpointer:
@@ -189,7 +183,8 @@ class Checkpointer:
         if aux_state:
             target["aux_state"] = dict(aux_state)
         target = _abstract(target)
-        host_target, host_join = _host_target(meta.get("host_state", {}))
+        host_specs = meta.get("host_state", {})
+        host_target, _ = _host_split(_host_arrays(host_specs))
         if host_target:
             target["host_state"] = host_target  # (numpy targets: restored as numpy)
         state = self._manager.restore(step, args=ocp.args.Composite(
@@ -201,7 +196,7 @@ class Checkpointer:
                         rng=rng_out, data_state=self._data_state(step, meta),
                         extra=meta["extra"],
                         aux_state=state.get("aux_state", {}),
-                        host_state=host_join(state.get("host_state")))
+                        host_state=_host_arrays(host_specs, state.get("host_state")))
 
     def _data_state(self, step, meta):
         """This process's data state (the one state of an older checkpoint)."""

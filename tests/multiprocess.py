@@ -42,23 +42,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# XLA:CPU compiles without LLVM's optimisations: programs of tiny models compile several times
-# faster (and run a little slower); for runs compared with each other, both built so.
-FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
-
 
 # The most resident memory (MiB) one worker may hold; `wait` kills the run past it. Two workers
 # x 4 devices, or one x 8, of the tests' toy programs peak well below it (measured: see
 # docs/benchmarks.md); the bound keeps a run that goes wrong from taking the (shared) machine.
 MAX_RSS_MB = int(os.environ.get("PTRAIN_MP_MAX_RSS_MB", "3072"))
-# The last `wait`'s peak resident memory of each worker, MiB (sampled every half second).
-peak_rss_mb: list[int] = []
 
 
-def env_for(devices: int, cache_dir: str | None = None, fast_compile: bool = False) -> dict:
-    """The workers' environment: `devices` CPU devices; with `cache_dir`, JAX's persistent
+def env_for(devices: int, cache_dir: str | None = None) -> dict:
+    """The workers' environment: `devices` CPU devices (the other XLA flags inherited: under
+    pytest, tests/conftest.py's fast-compiling ones); with `cache_dir`, JAX's persistent
     compilation cache there (a program compiled once is loaded by every later compile of it,
-    in this run or the next one that shares the folder); `fast_compile`: FAST_COMPILE."""
+    in this run or the next one that shares the folder)."""
     env = dict(os.environ)
     if cache_dir:
         env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
@@ -66,7 +61,6 @@ def env_for(devices: int, cache_dir: str | None = None, fast_compile: bool = Fal
         env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if "xla_force_host_platform_device_count" not in f]
-    flags += list(FAST_COMPILE) if fast_compile else []
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([_ROOT, _HERE, env.get("PYTHONPATH", "")]).rstrip(
@@ -75,13 +69,12 @@ def env_for(devices: int, cache_dir: str | None = None, fast_compile: bool = Fal
 
 
 def start(spec: str, n: int, devices: int, args: dict, workdir: str,
-          port: int | None = None, cache_dir: str | None = None,
-          fast_compile: bool = False) -> list[subprocess.Popen]:
+          port: int | None = None, cache_dir: str | None = None) -> list[subprocess.Popen]:
     """Start the N workers (each in its own process group); `wait` collects them."""
     port = port or free_port()
     with open(os.path.join(workdir, "args.pkl"), "wb") as f:
         pickle.dump(args, f)
-    env = env_for(devices, cache_dir, fast_compile)
+    env = env_for(devices, cache_dir)
     procs = []
     try:
         for i in range(n):
@@ -139,7 +132,6 @@ def wait(procs: list[subprocess.Popen], workdir: str, timeout: float,
     `max_rss_mb` (default MAX_RSS_MB) raises, with every process's output."""
     limit = MAX_RSS_MB if max_rss_mb is None else max_rss_mb
     deadline = time.monotonic() + timeout
-    peak_rss_mb[:] = [0] * len(procs)
     next_sample = 0.0
     try:
         while True:
@@ -154,8 +146,7 @@ def wait(procs: list[subprocess.Popen], workdir: str, timeout: float,
             if now >= next_sample:
                 next_sample = now + 0.5
                 for i, p in enumerate(procs):
-                    peak_rss_mb[i] = max(peak_rss_mb[i], rss := _rss_mb(p.pid))
-                    if rss > limit:
+                    if (rss := _rss_mb(p.pid)) > limit:
                         raise MemoryError(f"process {i} holds {rss} MiB, over the {limit} MiB "
                                           f"bound (MAX_RSS_MB)\n{logs(workdir, len(procs))}")
             time.sleep(0.05)
@@ -173,15 +164,14 @@ def wait(procs: list[subprocess.Popen], workdir: str, timeout: float,
 
 def run(spec: str, n: int = 2, devices: int = 4, args: dict | None = None,
         timeout: float = 120.0, workdir: str | None = None,
-        cache_dir: str | None = None, fast_compile: bool = False,
-        max_rss_mb: int | None = None) -> list:
-    """What `module:function(**args)` returned in each of the N processes (`cache_dir`,
-    `fast_compile`: see `env_for`; `timeout`, `max_rss_mb`: see `wait`). Call it from the
+        cache_dir: str | None = None, max_rss_mb: int | None = None) -> list:
+    """What `module:function(**args)` returned in each of the N processes (`cache_dir`: see
+    `env_for`; `timeout`, `max_rss_mb`: see `wait`). Call it from the
     thread that waits for it (the workers die when the thread that started them ends)."""
     with tempfile.TemporaryDirectory(prefix="mp_") as tmp:
         workdir = workdir or tmp
-        return wait(start(spec, n, devices, args or {}, workdir, cache_dir=cache_dir,
-                          fast_compile=fast_compile), workdir, timeout, max_rss_mb)
+        return wait(start(spec, n, devices, args or {}, workdir, cache_dir=cache_dir),
+                    workdir, timeout, max_rss_mb)
 
 
 def _die_with_parent(parent: int) -> None:

@@ -108,14 +108,8 @@ def test_workers_die_with_their_parent(tmp_path):
     import subprocess
     import sys
     import time
+    from fleet_util import alive
     marker, pids = str(tmp_path / "running"), []
-
-    def alive(pid):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
     parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT, os.path.dirname(__file__),
                                marker, str(tmp_path)], env=multiprocess.env_for(1),
                               start_new_session=True)
@@ -190,12 +184,11 @@ assert all(p in mp_programs.STALE_KILL_POINTS for _, _, p in KILLS["ppo"])
 
 
 def _learner(n, devices, cache, workdir, **args):
-    """mp_programs.learner_program in n processes x `devices` (compiled without LLVM's
-    optimisations, multiprocess.FAST_COMPILE, into the persistent compilation cache `cache`:
-    a restart loads what the run before compiled, process 0 compiles for both)."""
+    """mp_programs.learner_program in n processes x `devices` (compiled as tests/conftest.py
+    sets it, into the persistent compilation cache `cache`: a restart loads what the run
+    before compiled, process 0 compiles for both)."""
     return multiprocess.run("mp_programs:learner_program", n=n, devices=devices, timeout=900,
-                            cache_dir=cache, fast_compile=True,
-                            args={"workdir": workdir, **args})
+                            cache_dir=cache, args={"workdir": workdir, **args})
 
 
 @pytest.fixture(scope="module")
