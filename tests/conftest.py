@@ -35,6 +35,51 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
+def _drop_jit_eh_frames() -> str | None:
+    """Loads tests/native/no_jit_eh_frames.c (built here, once per source) ahead of libgcc in
+    this process and, by LD_PRELOAD, in every process a test starts; returns why not, or None.
+
+    The suite's workers have crashed in libgcc's unwinder reading the unwind tables of an
+    XLA:CPU program that was already gone (the file says how); no compiled program needs them.
+    """
+    import ctypes
+    import hashlib
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    src = os.path.join(here, "native", "no_jit_eh_frames.c")
+    if "jaxlib" in sys.modules:
+        return "JAX was imported before tests/conftest.py"
+    with open(src, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    out_dir = os.path.join(os.path.dirname(here), ".cache", "native")
+    lib = os.path.join(out_dir, f"no_jit_eh_frames-{digest}.so")
+    if not os.path.exists(lib):
+        os.makedirs(out_dir, exist_ok=True)
+        tmp = f"{lib}.{os.getpid()}.tmp"
+        try:
+            r = subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", tmp, src],
+                               capture_output=True, text=True)
+        except FileNotFoundError:
+            return "no C compiler (cc) to build tests/native/no_jit_eh_frames.c"
+        if r.returncode != 0:
+            return f"cc failed on tests/native/no_jit_eh_frames.c: {r.stderr.strip()[-300:]}"
+        os.replace(tmp, lib)
+    ctypes.CDLL(lib, mode=os.RTLD_GLOBAL | os.RTLD_NOW)
+    preload = os.environ.get("LD_PRELOAD", "").split()
+    if lib not in preload:
+        os.environ["LD_PRELOAD"] = " ".join([lib, *preload])
+    return None
+
+
+JIT_EH_FRAMES_KEPT = _drop_jit_eh_frames()
+if JIT_EH_FRAMES_KEPT:
+    import warnings
+    warnings.warn(f"XLA:CPU's JIT unwind tables stay registered with libgcc "
+                  f"({JIT_EH_FRAMES_KEPT}): the rare worker crash of "
+                  f"tests/native/no_jit_eh_frames.c is possible", stacklevel=1)
+
+
 import pytest  # noqa: E402
 
 

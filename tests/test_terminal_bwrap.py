@@ -207,3 +207,20 @@ def test_commands_run_with_descriptors_past_select_s_limit(loaded, harness):
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_sandbox_sees_none_of_the_host_s_environment(loaded, harness, monkeypatch):
+    """Its processes (their /proc/N/environ readable by the agent) and the agent's commands
+    get the task's environment, not the variables of the process that started the sandbox."""
+    monkeypatch.setenv("PTRAIN_HOST_SECRET", "host-only-value")
+    task = _task(loaded, "hello-file")
+    box = bwrap.Box(harness.image(task), name="env-test")  # started after the setenv
+    try:
+        every = box.exec(["sh", "-c", "cat /proc/[0-9]*/environ | tr '\\0' '\\n'"],
+                         timeout_s=10).text.split("\n")
+        shell = box.exec(["env"], timeout_s=10).text.split("\n")
+        assert "HOME=/root" in every and "HOME=/root" in shell
+        for seen in (every, shell):
+            assert not [v for v in seen if "PTRAIN_HOST_SECRET" in v or "LD_PRELOAD" in v]
+    finally:
+        box.close()

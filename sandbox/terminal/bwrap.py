@@ -180,6 +180,12 @@ class Box:
                 "--die-with-parent", "--new-session", "--hostname", "task", "--disable-userns",
                 "--cap-drop", "ALL", *[a for c in _CAPS for a in ("--cap-add", f"CAP_{c}")],
                 "--size", str(mb << 20), "--tmpfs", "/", "--info-fd", str(info_fd)]
+        # The sandbox's processes (whose /proc/N/environ the agent can read) get the task's
+        # environment, never the host's (its tokens, paths, LD_PRELOAD); commands get theirs
+        # from _enter.
+        argv.append("--clearenv")
+        for key, value in self.env.items():
+            argv += ["--setenv", key, value]
         if self.limits.network:
             argv.append("--share-net")
         for entry in sorted(set(os.listdir(root)) - {"proc", "dev", "sys"}):
@@ -208,9 +214,11 @@ class Box:
                 log.info("terminal (bwrap): no memory/pids cgroup here (%s): unbounded", e)
         r, w = os.pipe()
         try:
+            # (bwrap's own pid 1 of the sandbox keeps bwrap's environment: only a PATH)
             self.proc = _spawn(self._joined(self._argv(w)), pass_fds=(w,),
                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
+                               stderr=subprocess.PIPE,
+                               env={"PATH": os.environ.get("PATH", os.defpath)})
             os.close(w)
             w = -1
             info = b""
