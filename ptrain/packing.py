@@ -108,18 +108,26 @@ class Packer:
     def next_rows(self):
         """(tokens_bt, segment_ids_bt, weights_bt, documents placed) of the next step: records
         in order until the next one fits no row (it opens the step after)."""
-        docs, row, col = [], 0, 0
+        self._exhausted = False
+        rows = pack(self._stream(), rows=self.rows, seq_len=self.seq_len)
+        if self._exhausted:
+            raise StopIteration
+        return rows
+
+    def _stream(self):
+        """The documents from the first unplaced one on: `pack` places each whole or stops
+        there, so one counts as placed (`_used`) when `pack` asks for the one after it."""
         while True:
             if self._used == len(self._docs):
                 self._before = copy.deepcopy(self._it.get_state())
-                self._docs, self._used = [self._encode(r) for r in next(self._it)], 0
-            doc = self._docs[self._used]
-            if col + len(doc[0]) > self.seq_len:
-                row, col = row + 1, 0
-            if row == self.rows:
-                return pack(docs, rows=self.rows, seq_len=self.seq_len)
-            docs.append(doc)
-            col, self._used = col + len(doc[0]), self._used + 1
+                try:
+                    records = next(self._it)
+                except StopIteration:  # (in a generator it would be a RuntimeError)
+                    self._exhausted = True
+                    return
+                self._docs, self._used = [self._encode(r) for r in records], 0
+            yield self._docs[self._used]
+            self._used += 1
 
     def get_state(self) -> dict:
         return {"records": self._before, "used": self._used}
