@@ -1,7 +1,12 @@
 """Shared by the sandbox tests: every backend as a pytest param, skipped with the reason
 when it cannot run here, and host-side views used to check that a run left nothing behind."""
 
+import collections
+import gc
 import os
+import re
+import socket
+import struct
 import tempfile
 import time
 
@@ -46,17 +51,34 @@ def own_containers(pid: int | None = None) -> set[str]:
     return {c.id for c in found}
 
 
-def open_fds(backend: str) -> int:
-    """Open fds of this process. Sockets are left out for docker: its SDK keeps a pool of
-    connections to the daemon that grows as it likes (the containers are checked instead)."""
-    n = 0
+def open_fds() -> dict[str, int]:
+    """This process's open fds by kind (what each links to, its inode number dropped: "pipe",
+    "socket", "anon_inode:[pidfd]", a file's path), so that a leak names itself. Left out:
+    the docker SDK's connections to the daemon (a pool that grows as it likes; the containers
+    are checked instead), told apart by their peer process; collected first, so that an
+    unreachable object's fds (a failed connection) are gone."""
+    gc.collect()
+    kinds = collections.Counter()
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        n += not (backend == "docker" and target.startswith("socket:"))
-    return n
+        if not (target.startswith("socket:") and _peer_command(int(fd)) == "dockerd"):
+            kinds[re.sub(r":\[\d+\]$", "", target)] += 1
+    return dict(kinds)
+
+
+def _peer_command(fd: int) -> str:
+    """The command name of the process at the other end of a unix socket ("" if none)."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid = struct.unpack("3i", creds)[0]
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() if pid else ""
+    except OSError:
+        return ""
 
 
 def processes_with(marker: str) -> list[int]:

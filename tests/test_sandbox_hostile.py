@@ -485,7 +485,7 @@ def worker(request):
 
 def _host_view(backend):
     return {
-        "fds": open_fds(backend), "temp": own_temp_dirs(), "cgroups": own_cgroups(),
+        "fds": open_fds(), "temp": own_temp_dirs(), "cgroups": own_cgroups(),
         "containers": own_containers(), "root": sorted(os.listdir("/")),
         "etc": sorted(os.listdir("/etc")), "tmp_links": _tmp_entries("to_canary"),
         "escape_cgroups": [p for p in ("/sys/fs/cgroup/memory/ptrain-escape",

@@ -26,7 +26,7 @@ MODES = [pytest.param(False, id="unpinned"), pytest.param(True, id="pinned")]
 
 
 def _host_view(backend):
-    return own_temp_dirs(), own_cgroups(), own_containers(), open_fds(backend)
+    return own_temp_dirs(), own_cgroups(), own_containers(), open_fds()
 
 
 @pytest.mark.parametrize("pinned", MODES)
