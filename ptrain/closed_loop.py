@@ -275,7 +275,6 @@ def run(config, workdir, *, mesh=None):
                 box.cluster, workers=box.workers, backend=box.backend, address=box.address))
             producers["tasks"] = rollout_lib.Tasks(sampler, tokenizer, config, pool)
         if TERMINAL in domains:
-            terminal_domain.terminal_rollout.check_one_process()  # (before any container)
             terminal = producers[TERMINAL] = stack.enter_context(
                 terminal_domain.producer(config, sampler, tokenizer, heldout[TERMINAL]))
         producer = (next(iter(producers.values())) if len(producers) == 1 else

@@ -13,7 +13,9 @@ per-domain metrics), the recorded MoE routing (`routing.concat`) and each row's 
 (`Batch.max_len_b`: the DAPO overlong penalty measures a terminal episode against
 terminal.max_len and a task's against rollout.max_len) kept, and with rl.interrupt each
 token's policy version (`Batch.versions_bn`, UNSAMPLED on the padding). GRPO groups stay
-whole: a producer returns its records' groups as consecutive rows.
+whole: a producer returns its records' groups as consecutive rows. With many processes a
+producer runs on every process when any process has records for it (its episodes' sampler
+calls span the processes), so the parts, and the batch's width, are the same everywhere.
 
 With rl.interrupt `generate` hands every producer the same `interrupt.Live`: the parts are
 generated one after the other, and a part starts from the newest version the ones before it
@@ -28,6 +30,7 @@ import numpy as np
 from ptrain import batch as batch_lib
 from ptrain import interrupt
 from ptrain import routing
+from ptrain import sharding
 
 
 def by_task_dir(record) -> str:
@@ -48,8 +51,11 @@ class MixedProducer:
                 raise ValueError(f"record routed to {name!r}, which is not one of the "
                                  f"producers {sorted(self.producers)}: {sorted(r)[:6]}")
             routed[name].append(r)
+        # Each producer that has records on any process runs on every process (maybe with
+        # none of this one's): its sampler calls span the processes.
+        run = sharding.agree(np.array([bool(rs) for rs in routed.values()]), "any")
         return [(name, self.producers[name].generate(params, rs, jax.random.fold_in(key, i)))
-                for i, (name, rs) in enumerate(routed.items()) if rs]
+                for i, ((name, rs), go) in enumerate(zip(routed.items(), run)) if go]
 
     def score(self, generated) -> batch_lib.Batch:
         return concat([self.producers[name].score(g) for name, g in generated],

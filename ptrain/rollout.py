@@ -165,7 +165,7 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
 
     Many processes: each passes its own tasks and runs (tools, verdicts) its own episodes;
     every model turn is one sampler call over the episodes of all processes, in process
-    order (`_sample`), so turn counts, shapes and stops are the same everywhere and equal
+    order (`sample_across`), so turn counts, shapes and stops are the same everywhere and equal
     what one process holding every task would sample.
 
     With an EngineSampler (sampling.engine=True, one process) the episodes run on the rollout
@@ -228,10 +228,11 @@ def _run_attempts(sampler, params, episodes, prompts, key, tokenizer, fmt, c, *,
                                 close_sessions=False)
 
 
-def _sample(sampler, params, histories, *, num_samples=1, **kwargs):
+def sample_across(sampler, params, histories, *, num_samples=1, **kwargs):
     """sampler.sample of this process's histories, in one call over every process's (each
     holding its devices' rows of it, `shared`): returns this process's rows (maybe none).
-    With one process, sampler.sample itself."""
+    With one process, sampler.sample itself. Every process must call it, with or without
+    histories of its own (the episode loops agree on that with `sharding.agree`)."""
     if jax.process_count() == 1:
         return sampler.sample(params, histories, num_samples=num_samples, **kwargs)
     mesh = getattr(sampler, "mesh", None)
@@ -270,9 +271,9 @@ def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *,
                       top_p=c.top_p, greedy=c.greedy, stop_token_ids=stop_ids,
                       stop_strings=stop_strings, key=next(keys))
         if first and turn == 0:  # one prefill per task, G samples each
-            samples = _sample(sampler, params, prompts, num_samples=c.num_samples, **kwargs)
+            samples = sample_across(sampler, params, prompts, num_samples=c.num_samples, **kwargs)
         else:
-            samples = _sample(sampler, params, [e.tokens for e in active], **kwargs)
+            samples = sample_across(sampler, params, [e.tokens for e in active], **kwargs)
         calls = []
         for row, e in enumerate(active):
             n = int(samples.lengths[row])

@@ -40,6 +40,7 @@ import numpy as np
 
 from ptrain import chat
 from ptrain import jsonl
+from ptrain import sharding
 from ptrain import terminal_agent
 from ptrain import terminal_rollout
 from ptrain import terminal_tasks
@@ -167,15 +168,21 @@ def evaluate(producer_, params, heldout, *, seed: int, num_samples: int, greedy:
     """An eval line's fields for the held-out tasks: `summarize(episodes, num_samples)` (the
     closed loop's pass@1 / pass@k summary) of `num_samples` episodes per task, plus
     `pass_rate_with_folder` (the tasks whose path has a folder) and `errors` (episodes the
-    harness could not run)."""
+    harness could not run). With many processes each runs its block of the tasks (one
+    sampler call over all of them per turn) and the fields are of every process's episodes."""
     c = dataclasses.replace(producer_.config, num_samples=num_samples, greedy=greedy)
-    rollouts = producer_.evaluate(params, [g.task_dir for g in heldout], jax.random.key(seed),
-                                  config=c)
-    episodes = [types.SimpleNamespace(
-        verdicts=[r.verdict] if r.verdict is not None else [],
-        finish=r.tokens.finish if r.tokens is not None else "error") for r in rollouts]
-    triggered = [terminal_rollout.passed(r) for i, r in enumerate(rollouts)
-                 if heldout[i // num_samples].triggered]
+    mesh = getattr(producer_.sampler, "mesh", None)
+    block, blocks = sharding.row_block(mesh)
+    first, end = len(heldout) * block // blocks, len(heldout) * (block + 1) // blocks
+    rollouts = producer_.evaluate(params, [g.task_dir for g in heldout[first:end]],
+                                  jax.random.key(seed), config=c)
+    mine = [(r.verdict, r.tokens.finish if r.tokens is not None else "error",
+             terminal_rollout.passed(r), bool(r.error),
+             heldout[first + i // num_samples].triggered) for i, r in enumerate(rollouts)]
+    rows = [row for part in sharding.gather_blocks(mine, mesh) for row in part]
+    episodes = [types.SimpleNamespace(verdicts=[v] if v is not None else [], finish=finish)
+                for v, finish, *_ in rows]
+    triggered = [passed for _, _, passed, _, folder in rows if folder]
     return {**summarize(episodes, num_samples),
             "pass_rate_with_folder": float(np.mean(triggered)) if triggered else None,
-            "errors": sum(bool(r.error) for r in rollouts)}
+            "errors": sum(error for _, _, _, error, _ in rows)}

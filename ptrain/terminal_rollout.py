@@ -26,6 +26,12 @@ prefills its whole history under the weights it samples with, so no cache mixes 
 Each token keeps the log-prob it was sampled with and its version (`Rollout.versions`,
 `Batch.versions_bn`; UNSAMPLED on the prompt and the tool results).
 
+Many processes: each opens and steps the episodes of its own records; every turn is one
+sampler call over the histories of all processes (`rollout.sample_across`), made while any
+episode on any process is still going, so all processes issue the same programs and sample
+what one process holding every record would. `evaluate` runs this process's block of the
+held-out tasks; `terminal_domain.evaluate` gathers the verdicts.
+
 The learner's producer interface (`generate(params, records, key)`, `score(generated) ->
 Batch`) is all this module needs of the training loop.
 """
@@ -43,7 +49,9 @@ from ptrain import batch as batch_lib
 from ptrain import chat
 from ptrain import interrupt
 from ptrain import rewards
+from ptrain import rollout as rollout_lib
 from ptrain import routing
+from ptrain import sharding
 from ptrain import terminal_agent
 
 
@@ -132,13 +140,12 @@ def generate(sampler, params, tasks, *, harness, agent: terminal_agent.ShellAgen
                 r.versions = [interrupt.UNSAMPLED] * len(r.tokens.ids)
         for turn in range(c.max_turns):
             active = [r for r in rollouts if not r.done]
-            if not active:
+            if not sharding.agree(bool(active), "any"):  # none left on any process
                 break
-            samples = sampler.sample(params, [r.tokens.ids for r in active],
-                                     max_new_tokens=c.max_new_tokens,
-                                     temperature=c.temperature, greedy=c.greedy,
-                                     stop_token_ids=agent.stop_ids,
-                                     key=jax.random.fold_in(key, turn))
+            samples = rollout_lib.sample_across(
+                sampler, params, [r.tokens.ids for r in active],
+                max_new_tokens=c.max_new_tokens, temperature=c.temperature, greedy=c.greedy,
+                stop_token_ids=agent.stop_ids, key=jax.random.fold_in(key, turn))
             if interruptible and samples.versions is None:
                 raise ValueError("rl.interrupt: the terminal producer's sampler recorded no "
                                  "per-token policy versions; sample on the rollout engine "
@@ -256,27 +263,12 @@ def to_batch(rollouts: list[Rollout], *, tokenizer, prompt_len: int, length: int
     return out
 
 
-def check_one_process() -> None:
-    """The terminal domain runs on one process: its turn loop (which episodes are still
-    going, one sampler call per turn over this process's episodes) and its evaluation (every
-    held-out task) are not agreed across processes, so N processes would issue different
-    device programs and hang. Raises a ValueError saying what to do instead."""
-    if jax.process_count() > 1:
-        raise ValueError(
-            f"the terminal domain runs on one process, and this run has "
-            f"{jax.process_count()} (jax.distributed): its episodes' turns are not agreed "
-            "across processes. Run it on one host (one process drives all its local "
-            "devices), or drop 'terminal' from tasks.domains for a multi-process run")
-
-
 class TerminalProducer:
     """The learner's producer on terminal task records ({"task_dir": PATH}): `generate` on
-    the device and in the containers, `score` by the verifiers (see the module docstring).
-    One process only (`check_one_process`)."""
+    the device and in the containers, `score` by the verifiers (see the module docstring)."""
 
     def __init__(self, sampler, tokenizer, *, harness, fmt: chat.ChatFormat, stop_ids,
                  config: TerminalRolloutConfig, prompt_len: int, pad_id: int = 0):
-        check_one_process()
         self.sampler, self.tokenizer, self.harness = sampler, tokenizer, harness
         self.config, self.prompt_len, self.pad_id = config, prompt_len, pad_id
         self.agent = terminal_agent.ShellAgent(

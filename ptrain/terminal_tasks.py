@@ -88,11 +88,12 @@ def write_task(task_dir: str, instruction: str, path: str, words: str, solution:
              "environment/Dockerfile": DOCKERFILE,
              "tests/test.sh": TEST_SH.format(path=path, words=words),
              "solution/solve.sh": f"#!/bin/bash\ncd /app\n{solution}\n"}
-    for rel, text in files.items():
+    for rel, text in files.items():  # atomically: every process of a run writes the same
         file = os.path.join(task_dir, rel)
         os.makedirs(os.path.dirname(file), exist_ok=True)
-        with open(file, "w") as f:
+        with open(f"{file}.{os.getpid()}.tmp", "w") as f:
             f.write(text)
+        os.replace(f"{file}.{os.getpid()}.tmp", file)
 
 
 def generate(root: str, n: int, *, seed: int, split: str, exclude=frozenset()) -> list[Generated]:

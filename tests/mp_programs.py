@@ -5,6 +5,8 @@ Each returns plain numpy / Python values so the two runs can be compared.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,12 +52,6 @@ def helpers(rows: int = 16) -> dict:
         out["equal_error"] = None
     except ValueError as e:
         out["equal_error"] = str(e)
-    from ptrain import terminal_rollout  # the terminal domain: one process, a clear error
-    try:
-        terminal_rollout.check_one_process()
-        out["terminal_error"] = None
-    except ValueError as e:
-        out["terminal_error"] = str(e)
     return out
 
 
@@ -163,6 +159,95 @@ def small_programs(saved_by_one: str, save_to: str) -> dict:
     return {"helpers": helpers(), "sampler": sampler_program(),
             "restored": checkpoint_program(saved_by_one, save=False),
             "saved": checkpoint_program(save_to, save=True)}
+
+
+# ------------------------------------------------------------------------ the terminal domain
+
+class ScriptedPolicy:
+    """The real sampler (its prefill and decode programs span the processes), each row's
+    text then scripted by its history, so that the episodes' turns differ by process: the
+    tasks in `answers_at_once` answer "done" in their first turn, the others run their
+    command (the demonstrations' mistake on odd rows) and say "done" after its output. The
+    log-probs are the real sampler's (of its own tokens), so that equal layouts show equal
+    sampling. `calls`: the rows of every sampler call (over all processes' histories)."""
+
+    def __init__(self, sampler, tok, by_instruction, answers_at_once):
+        self.sampler, self.mesh, self.tok = sampler, sampler.mesh, tok
+        self.by_instruction, self.at_once, self.calls = by_instruction, answers_at_once, []
+
+    def sample(self, params, prompts, *, max_new_tokens, stop_token_ids, **kwargs):
+        from ptrain import chat, terminal_tasks
+        out = self.sampler.sample(params, prompts, max_new_tokens=max_new_tokens,
+                                  stop_token_ids=stop_token_ids, **kwargs)
+        self.calls.append(len(prompts))
+        tokens, lengths = np.zeros_like(out.tokens), np.zeros_like(out.lengths)
+        for i, ids in enumerate(prompts):
+            text = self.tok.decode(list(ids))
+            if "<tool_response>" in text or text in self.at_once:
+                row = chat.encode(self.tok, "done")
+            else:
+                g = self.by_instruction[text]
+                row = chat.encode(self.tok, terminal_tasks.call_text(g.good if i % 2 == 0
+                                                                     else g.bad))
+            row = row[:max_new_tokens - 1] + [stop_token_ids[0]]
+            tokens[i, :len(row)], lengths[i] = row, len(row)
+        return dataclasses.replace(out, tokens=tokens, lengths=lengths,
+                                   finish_reasons=["stop"] * len(prompts))
+
+
+def terminal_program(root: str) -> dict:
+    """The terminal domain on this process's block of the records (bwrap task boxes, the
+    real sampler under `ScriptedPolicy`): one mixed batch of two terminal producers (one
+    producer has records on process 0 only), gathered; and the held-out evaluation of 3
+    tasks (uneven blocks). Process 0's episodes end after one turn, process 1's go on."""
+    import os
+    from flax import nnx
+    from ptrain import batch as batch_lib
+    from ptrain import chat, closed_loop, mixed_producer, terminal_domain, terminal_rollout
+    from ptrain import model as M
+    from ptrain import sampler as S
+    from ptrain import terminal_tasks
+    from sandbox import terminal
+    tasks = terminal_tasks.generate(os.path.join(root, f"p{jax.process_index()}"), 4, seed=0,
+                                    split="train")
+    tok = terminal_tasks.tokenizer()
+    mesh = sharding.make_mesh(fsdp=-1)
+    model = M.init(M.ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1,
+                                 n_heads=4, n_kv_heads=2, d_ff=64), seed=3, mesh=mesh)
+    policy = ScriptedPolicy(S.Sampler(model), tok, {g.instruction: g for g in tasks},
+                            {tasks[0].instruction, tasks[1].instruction})
+    records = [{"task_dir": g.task_dir, "domain": d}
+               for g, d in zip(tasks, ("terminal", "short", "terminal", "terminal"))]
+    block, blocks = sharding.row_block(mesh)
+    mine = records[len(records) * block // blocks:len(records) * (block + 1) // blocks]
+    config = terminal_rollout.TerminalRolloutConfig(num_samples=2, max_new_tokens=56,
+                                                    max_turns=3, max_len=96, threads=4,
+                                                    system="")
+    params = nnx.state(model)
+    with terminal.Harness(backend="bwrap", max_idle=8) as harness:
+        producers = {name: terminal_rollout.TerminalProducer(
+            policy, tok, harness=harness, fmt=chat.PLAIN, stop_ids=(tok.eos_token_id,),
+            config=dataclasses.replace(config, max_turns=turns), prompt_len=24)
+            for name, turns in (("terminal", 3), ("short", 1))}
+        try:
+            mixed = mixed_producer.MixedProducer(producers, route=lambda r: r["domain"])
+            batch = batch_lib.gather(mixed.score(mixed.generate(params, mine,
+                                                                jax.random.key(5))), mesh)
+            train_calls = list(policy.calls)
+            line = terminal_domain.evaluate(producers["terminal"], params, tasks[:3], seed=0,
+                                            num_samples=1, greedy=True,
+                                            summarize=closed_loop.eval_summary)
+        finally:
+            for p in producers.values():
+                p.close()
+    rows = sorted(range(len(batch)), key=lambda i: (batch.meta[i]["prompt"], i))
+    return {"calls": train_calls, "eval_calls": policy.calls[len(train_calls):],
+            "eval": line, "tasks": [batch.meta[i]["prompt"] for i in rows],
+            "turns": [batch.meta[i]["turns"] for i in rows],
+            "tool_calls": [batch.meta[i]["tool_calls"] for i in rows],
+            "rewards": batch.rewards_b[rows], "tokens": batch.tokens_bn[rows],
+            "mask": batch.loss_mask_bn[rows], "logp": batch.rollout_logp_bn[rows],
+            "groups": len(set(batch.group_ids_b.tolist()))}
 
 
 # ---------------------------------------------------------------------- the learner's phases
