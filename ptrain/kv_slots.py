@@ -23,9 +23,12 @@ small fixed set (the engine's buckets), so a run compiles a bounded number of pr
 
 Row ids equal to N are padding: reads clip, writes drop. Decode gathers only the rows it
 runs (a bucket of the live ones), once per call, so slots waiting on a tool, and empty
-slots, cost nothing. A decode step runs the model's own layer functions
-(`model.layer_qkv`, `model.layer_out`) around its cache write and attention; extend runs
-`model.forward` on the rows' cache in the model's layout.
+slots, cost nothing; the bucket of every slot decodes the state where it lies. Decode and
+extend run the model's own layer functions (`model.layer_qkv`, `model.layer_out`) around
+their cache writes and blockwise attention (`forward_tokens`), so neither copies a row's
+whole cache: their cost grows with the tokens and the positions they reach, not with S
+(before, a prompt's prefill gathered and transposed its rows' whole cache for
+`model.forward`: 6.5x slower at S = 2048 than at 128). `recompute` still does.
 
 A mixture-of-experts model's routing is recorded where the state has `experts_nslk`
 (`init_state(record_routing=True)`): the experts each cache position's token was sent to in
@@ -136,42 +139,39 @@ def _put_rows(state, rows, sub):
 def extend(params, state, rows_r, tokens_rt, lengths_r, reset_r, limit_r, key_r2, *, graphdef):
     """Appends tokens_rt[i, :lengths_r[i]] to row rows_r[i] (after emptying it where reset_r;
     a reset row also takes the key key_r2[i] and restarts its token count), records the
-    logits after the last one and makes the row live for a turn of up to limit_r[i] tokens."""
+    logits after the last one and makes the row live for a turn of up to limit_r[i] tokens.
+    The rows are written where they lie in the state, and the new tokens attend over the
+    blocks their positions reach: the cost grows with the tokens, not with max_len."""
     TRACES["extend"] += 1
     model = nnx.merge(graphdef, params)
     r, t = tokens_rt.shape
-    real_r = rows_r < state["live_n"].shape[0]
-    sub = _rows(state, rows_r)
-    index_r = jnp.where(reset_r, 0, sub["index_n"])
-    # The model's cache layout [l, r, s, k, e] for these rows: a row holds positions
-    # 0 .. index-1, each at its own slot.
-    s = sub["k_lnkse"].shape[3]
-    slots_rs = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (r, s))
-    cache = model_lib.KVCache(sub["k_lnkse"].transpose(0, 1, 3, 2, 4),
-                              sub["v_lnkse"].transpose(0, 1, 3, 2, 4), slots_rs,
-                              (slots_rs < index_r[:, None]).astype(jnp.int32), index_r)
+    n, s = state["live_n"].shape[0], state["k_lnkse"].shape[3]
+    real_r = rows_r < n
+    index_r = jnp.where(reset_r, 0, state["index_n"].at[rows_r].get(mode="clip"))
     positions_rt = index_r[:, None] + jnp.arange(t, dtype=jnp.int32)
-    seg_rt = (jnp.arange(t)[None, :] < lengths_r[:, None]).astype(jnp.int32)
-    h_rtd, cache, routing = model.forward(tokens_rt, positions_rt, seg_rt, cache)
+    valid_rt = real_r[:, None] & (jnp.arange(t)[None, :] < lengths_r[:, None])
+    h_rtd, k, v, experts_lrtk = forward_tokens(model, tokens_rt, positions_rt, valid_rt,
+                                               state["k_lnkse"], state["v_lnkse"],
+                                               rows_b=rows_r)
+    out = dict(state, k_lnkse=k, v_lnkse=v)
+    if "experts_nslk" in state:  # each appended token's experts at its cache position
+        at_rt = jnp.where(valid_rt, positions_rt, s)  # s: dropped
+        out["experts_nslk"] = state["experts_nslk"].at[rows_r[:, None], at_rt].set(
+            jnp.moveaxis(experts_lrtk, 0, 2).astype(ROUTING_DTYPE), mode="drop")
     h_rd = h_rtd[jnp.arange(r), jnp.maximum(lengths_r - 1, 0)]
-    if "experts_nslk" in sub:  # each appended token's experts at its cache position
-        at_rt = jnp.where(seg_rt > 0, positions_rt, s)  # s: dropped
-        sub["experts_nslk"] = sub["experts_nslk"].at[jnp.arange(r)[:, None], at_rt].set(
-            jnp.moveaxis(routing.experts_lbtk, 0, 2).astype(ROUTING_DTYPE), mode="drop")
+    h_rd = model_lib.rms_norm(h_rd, model.final_norm[...].astype(model.config.dtype),
+                              model.config.rms_eps)
     logits_rv = jnp.einsum("rd,vd->rv", h_rd, model.unembedding_vd(),
                            preferred_element_type=jnp.float32)
-    sub.update(
-        k_lnkse=cache.k_lbske.transpose(0, 1, 3, 2, 4),
-        v_lnkse=cache.v_lbske.transpose(0, 1, 3, 2, 4),
-        index_n=index_r + lengths_r,
-        logits_nv=logits_rv,
-        key_n2=jnp.where(reset_r[:, None], key_r2, sub["key_n2"]),
-        gen_n=jnp.where(reset_r, 0, sub["gen_n"]),
-        count_n=jnp.zeros(r, jnp.int32),
-        limit_n=limit_r,
-        live_n=real_r & (limit_r > 0),
-        reason_n=jnp.zeros(r, jnp.int32))
-    return _put_rows(state, rows_r, sub)
+    rows = {"index_n": index_r + lengths_r, "logits_nv": logits_rv,
+            "key_n2": jnp.where(reset_r[:, None], key_r2,
+                                state["key_n2"].at[rows_r].get(mode="clip")),
+            "gen_n": jnp.where(reset_r, 0, state["gen_n"].at[rows_r].get(mode="clip")),
+            "count_n": jnp.zeros(r, jnp.int32), "limit_n": limit_r,
+            "live_n": real_r & (limit_r > 0), "reason_n": jnp.zeros(r, jnp.int32)}
+    for name, x in rows.items():
+        out[name] = state[name].at[rows_r].set(x.astype(state[name].dtype), mode="drop")
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
@@ -237,8 +237,16 @@ def decode(params, state, rows_b, max_steps, refill_at, min_live, *, graphdef,
     TRACES["decode"] += 1
     model = nnx.merge(graphdef, params)
     n = state["live_n"].shape[0]
-    sub = _rows(state, rows_b)
-    sub["live_n"] = sub["live_n"] & (rows_b < n)
+    # The bucket of every slot decodes the state where it lies: gathering its rows and
+    # scattering them back would copy the whole cache each call (a cost that grows with
+    # max_len, not with the tokens decoded). Only rows_b's rows are live in it.
+    whole = rows_b.shape[0] == n
+    if whole:
+        member_n = jnp.zeros(n, bool).at[rows_b].set(True, mode="drop")
+        sub = dict(state, live_n=state["live_n"] & member_n)
+    else:
+        sub = _rows(state, rows_b)
+        sub["live_n"] = sub["live_n"] & (rows_b < n)
     b, m = sub["tokens_nm"].shape
     stop_ids = jnp.asarray(settings.stop_token_ids or (-1,), jnp.int32)
     keys_b = jax.random.wrap_key_data(sub["key_n2"])
@@ -280,82 +288,104 @@ def decode(params, state, rows_b, max_steps, refill_at, min_live, *, graphdef,
 
     zero = jnp.zeros((), jnp.int32)
     sub, steps, busy, _ = jax.lax.while_loop(cond, body, (sub, zero, zero, zero))
+    if whole:  # rows outside rows_b keep their state
+        return dict(sub, live_n=jnp.where(member_n, sub["live_n"], state["live_n"])), steps, busy
     return _put_rows(state, rows_b, sub), steps, busy
 
 
 def decode_step(model, tok_b, pos_b, live_b, k_lbkse, v_lbkse, block: int):
-    """One token per row through the model (its own layer functions, model.layer_qkv and
-    model.layer_out), the row's keys and values written at cache position pos_b and its
-    query attending to positions 0..pos_b, in blocks of `block` positions up to the
-    furthest live row's (a short row costs only the blocks the longest one needs).
-    Returns (logits [b, v] float32, k, v, the MoE layers' experts [b, MoE layers, k] or
-    None)."""
+    """One token per row through the model (`forward_tokens`), its keys and values written
+    at cache position pos_b. Returns (logits [b, v] float32, k, v, the MoE layers' experts
+    [b, MoE layers, k] or None)."""
     c = model.config
-    rope = model_lib.rope_tables(c)
-    b = tok_b.shape[0]
-    rows_b = jnp.arange(b)
-    n_blocks = jnp.max(jnp.where(live_b, pos_b, 0)) // block + 1
-    valid_b1 = live_b[:, None].astype(jnp.int32)
-    x_b1d = model.embed_tokens(tok_b[:, None])
-    experts = []  # per MoE stage: [its layers, b, k]
-    for is_moe, lo, hi, _, p in model.stages():
-        def layer(carry, xs, is_moe=is_moe):
-            x_b1d, k_all, v_all = carry
-            p, l = xs
-            w = model_lib.cast_layer(p, c)
-            q_b1he, k_b1ke, v_b1ke = model_lib.layer_qkv(w, x_b1d, pos_b[:, None], c=c,
-                                                         rope=rope)
-            k_all = k_all.at[l, rows_b, :, pos_b].set(k_b1ke[:, 0].astype(k_all.dtype),
-                                                      mode="drop")
-            v_all = v_all.at[l, rows_b, :, pos_b].set(v_b1ke[:, 0].astype(v_all.dtype),
-                                                      mode="drop")
-            o_bhe = _attend(q_b1he[:, 0], k_all, v_all, l, pos_b, n_blocks, block)
-            x_b1d, stats = model_lib.layer_out(w, x_b1d, o_bhe[:, None], c=c, mesh=None,
-                                               valid_bt=valid_b1, is_moe=is_moe)
-            return (x_b1d, k_all, v_all), (stats["experts_btk"][:, 0] if is_moe else None)
-
-        (x_b1d, k_lbkse, v_lbkse), e_lbk = jax.lax.scan(
-            layer, (x_b1d, k_lbkse, v_lbkse), (p, jnp.arange(lo, hi)))
-        if is_moe:
-            experts.append(e_lbk)
+    x_b1d, k_lbkse, v_lbkse, e_lb1k = forward_tokens(model, tok_b[:, None], pos_b[:, None],
+                                                     live_b[:, None], k_lbkse, v_lbkse,
+                                                     block=block)
     h_bd = model_lib.rms_norm(x_b1d[:, 0], model.final_norm[...].astype(c.dtype), c.rms_eps)
     logits_bv = jnp.einsum("bd,vd->bv", h_bd, model.unembedding_vd(),
                            preferred_element_type=jnp.float32)
-    experts_blk = jnp.moveaxis(jnp.concatenate(experts), 0, 1) if experts else None
+    experts_blk = None if e_lb1k is None else jnp.moveaxis(e_lb1k[:, :, 0], 0, 1)
     return logits_bv, k_lbkse, v_lbkse, experts_blk
 
 
-def _attend(q_bhe, k_lbkse, v_lbkse, l, pos_b, n_blocks, block: int):
-    """Softmax attention of one query per row over its cache positions 0..pos_b of layer l,
-    online over `n_blocks` blocks (float32 scores, as attention.reference_attention)."""
-    b, h, e = q_bhe.shape
-    kh = k_lbkse.shape[2]
-    q_bkge = q_bhe.reshape(b, kh, h // kh, e)
+def forward_tokens(model, tok_bt, pos_bt, valid_bt, k_lnkse, v_lnkse, *, rows_b=None,
+                   block: int | None = None):
+    """t tokens of each row through the model (its own layer functions, model.layer_qkv
+    and model.layer_out) on the slot cache: row i is cache row rows_b[i] (default: i), its
+    valid tokens' keys and values are written at their positions pos_bt (the others are
+    dropped) and each query attends to its row's positions 0..its own, online over blocks
+    of `block` positions up to the furthest valid one (a short row costs only the blocks
+    the longest one needs). Returns (hidden states [b, t, d] before the final norm, k, v,
+    the MoE layers' experts [MoE layers, b, t, k] or None)."""
+    c = model.config
+    rope = model_lib.rope_tables(c)
+    s = k_lnkse.shape[3]
+    block = block or cache_layout(s)[1]
+    at_bt = jnp.where(valid_bt, pos_bt, s)  # s: dropped
+    n_blocks = jnp.max(jnp.where(valid_bt, pos_bt, 0)) // block + 1
+    row_b1 = (jnp.arange(tok_bt.shape[0]) if rows_b is None else rows_b)[:, None]
+    x_btd = model.embed_tokens(tok_bt)
+    experts = []  # per MoE stage: [its layers, b, t, k]
+    for is_moe, lo, hi, _, p in model.stages():
+        def layer(carry, xs, is_moe=is_moe):
+            x_btd, k_all, v_all = carry
+            p, l = xs
+            w = model_lib.cast_layer(p, c)
+            q_bthe, k_btke, v_btke = model_lib.layer_qkv(w, x_btd, pos_bt, c=c, rope=rope)
+            k_all = k_all.at[l, row_b1, :, at_bt].set(k_btke.astype(k_all.dtype), mode="drop")
+            v_all = v_all.at[l, row_b1, :, at_bt].set(v_btke.astype(v_all.dtype), mode="drop")
+            o_bthe = _attend(q_bthe, k_all, v_all, l, rows_b, pos_bt, n_blocks, block)
+            x_btd, stats = model_lib.layer_out(w, x_btd, o_bthe, c=c, mesh=None,
+                                               valid_bt=valid_bt.astype(jnp.int32),
+                                               is_moe=is_moe)
+            return (x_btd, k_all, v_all), (stats["experts_btk"] if is_moe else None)
+
+        (x_btd, k_lnkse, v_lnkse), e_lbtk = jax.lax.scan(
+            layer, (x_btd, k_lnkse, v_lnkse), (p, jnp.arange(lo, hi)))
+        if is_moe:
+            experts.append(e_lbtk)
+    return x_btd, k_lnkse, v_lnkse, jnp.concatenate(experts) if experts else None
+
+
+def _attend(q_bthe, k_lnkse, v_lnkse, l, rows_b, pos_bt, n_blocks, block: int):
+    """Softmax attention of each query over its row's cache positions 0..pos_bt of layer
+    l (row i is cache row rows_b[i]; None: row i), online over `n_blocks` blocks (float32
+    scores, as attention.reference_attention). A row's t queries and each kv head's group
+    of query heads form one axis q, so that one token per row is the plain decode dot."""
+    b, t, h, e = q_bthe.shape
+    n, kh = k_lnkse.shape[1], k_lnkse.shape[2]
+    g = h // kh
+    q_bkqe = q_bthe.reshape(b, t, kh, g, e).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, e)
     scale = e ** -0.5
 
     def one(j, carry):
-        m_bkg, den_bkg, acc_bkge = carry
+        m_bkq, den_bkq, acc_bkqe = carry
         start = j * block
-        k_bkse = jax.lax.dynamic_slice(k_lbkse, (l, 0, 0, start, 0), (1, b, kh, block, e))[0]
-        v_bkse = jax.lax.dynamic_slice(v_lbkse, (l, 0, 0, start, 0), (1, b, kh, block, e))[0]
-        s_bkgs = jnp.einsum("bkge,bkse->bkgs", q_bkge, k_bkse,
+        k_nkse = jax.lax.dynamic_slice(k_lnkse, (l, 0, 0, start, 0), (1, n, kh, block, e))[0]
+        v_nkse = jax.lax.dynamic_slice(v_lnkse, (l, 0, 0, start, 0), (1, n, kh, block, e))[0]
+        if rows_b is not None:  # (a block of every row, then the rows': never whole rows)
+            k_nkse = jnp.take(k_nkse, rows_b, axis=0, mode="clip")
+            v_nkse = jnp.take(v_nkse, rows_b, axis=0, mode="clip")
+        s_bkqs = jnp.einsum("bkqe,bkse->bkqs", q_bkqe, k_nkse,
                             preferred_element_type=jnp.float32) * scale
-        seen_bs = start + jnp.arange(block)[None, :] <= pos_b[:, None]
-        s_bkgs = jnp.where(seen_bs[:, None, None], s_bkgs, -jnp.inf)
-        m_new = jnp.maximum(m_bkg, jnp.max(s_bkgs, axis=-1))
-        p_bkgs = jnp.exp(s_bkgs - m_new[..., None])
-        fix = jnp.exp(m_bkg - m_new)
-        acc_bkge = acc_bkge * fix[..., None] + jnp.einsum(
-            "bkgs,bkse->bkge", p_bkgs.astype(v_bkse.dtype), v_bkse,
+        seen_bts = start + jnp.arange(block)[None, None, :] <= pos_bt[:, :, None]
+        s_bkqs = jnp.where(seen_bts[:, None, :, None, :], s_bkqs.reshape(b, kh, t, g, block),
+                           -jnp.inf).reshape(b, kh, t * g, block)
+        m_new = jnp.maximum(m_bkq, jnp.max(s_bkqs, axis=-1))
+        p_bkqs = jnp.exp(s_bkqs - m_new[..., None])
+        fix = jnp.exp(m_bkq - m_new)
+        acc_bkqe = acc_bkqe * fix[..., None] + jnp.einsum(
+            "bkqs,bkse->bkqe", p_bkqs.astype(v_nkse.dtype), v_nkse,
             preferred_element_type=jnp.float32)
-        return m_new, den_bkg * fix + jnp.sum(p_bkgs, axis=-1), acc_bkge
+        return m_new, den_bkq * fix + jnp.sum(p_bkqs, axis=-1), acc_bkqe
 
     # Position 0 is in every row's first block, so the running max is finite after it.
-    init = (jnp.full((b, kh, h // kh), jnp.finfo(jnp.float32).min, jnp.float32),
-            jnp.zeros((b, kh, h // kh), jnp.float32), jnp.zeros((b, kh, h // kh, e), jnp.float32))
-    _, den_bkg, acc_bkge = jax.lax.fori_loop(0, n_blocks, one, init)
-    out_bkge = acc_bkge / jnp.where(den_bkg > 0, den_bkg, 1.0)[..., None]
-    return out_bkge.reshape(b, h, e).astype(q_bhe.dtype)
+    init = (jnp.full((b, kh, t * g), jnp.finfo(jnp.float32).min, jnp.float32),
+            jnp.zeros((b, kh, t * g), jnp.float32), jnp.zeros((b, kh, t * g, e), jnp.float32))
+    _, den_bkq, acc_bkqe = jax.lax.fori_loop(0, n_blocks, one, init)
+    out_bkqe = acc_bkqe / jnp.where(den_bkq > 0, den_bkq, 1.0)[..., None]
+    out_btkge = out_bkqe.reshape(b, kh, t, g, e).transpose(0, 2, 1, 3, 4)
+    return out_btkge.reshape(b, t, h, e).astype(q_bthe.dtype)
 
 
 def sample_rows(logits_bv, keys_b, gen_b, settings: Settings):
