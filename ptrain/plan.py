@@ -19,7 +19,8 @@ compiles the functions of `ptrain.step` that the learner runs.
                    prefill and decode loop (`Sampler.compile`), `step.prepare`, then
                    `step.update` for the critic (rl.estimator="gae") and the policy, through
                    `step.jit_update` as `learner.train` calls them; the memory of policy,
-                   optimizer, reference, critic, KV cache and activations.
+                   optimizer, reference, critic, KV cache, the engines' decode copy
+                   (sampling.decode_dtype) and activations.
   search           "what mesh do I need for N tokens of model M": ranks candidate meshes
                    with `estimate` (ptrain/plan_estimate.py) and confirms the best with
                    compiles of `compile_plan` against a budget; `search_rl_step` the same
@@ -47,6 +48,7 @@ from flax import nnx
 import long_context
 from ptrain import config as config_lib
 from ptrain import critic as critic_lib
+from ptrain import decode_weights
 from ptrain import model as model_lib
 from ptrain import moe
 from ptrain import packing
@@ -235,6 +237,10 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
                                  mesh, step_lib.make_optimizer(config.critic.optim, **optim)[0])
     ref = policy["params"] if config.kl.coef > 0 else None  # the learner's copy of params
     held_ref = None if config.kl.ref_offload else ref  # offloaded: on the host between uses
+    # sampling.decode_dtype: the engines' inference copy (ptrain/decode_weights.py), made at a
+    # step's first generation and kept until the next step's: live beside every program.
+    copy = (abstract_decode_copy(policy["params"], config.sampling.decode_dtype, mesh)
+            if config.sampling.decode_dtype else None)
     critic_state = critic and (critic["params"], critic["opt_state"])
     rows = config.data.prompts_per_step * config.sampling.num_samples
     length = config.rollout.max_len if "rollout" in config else config.sampling.max_new_tokens
@@ -258,14 +264,14 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
     kv_cache = _outputs(sampling["sample_prefill"])["cache"]
     for name, compiled in sampling.items():
         programs[name] = _memory(compiled)
-        live[name] = [policy["opt_state"], held_ref, critic_state]
+        live[name] = [policy["opt_state"], held_ref, critic_state, copy]
     prepare = step_lib.prepare.lower(
         policy["params"], ref, critic and critic["params"], batch, kl,
         graphdef=policy["graphdef"], critic_graphdef=critic and critic["graphdef"],
         s=resolved.rl).compile()
     prepared = _outputs(prepare)[0]  # (batch, metrics)
     programs["prepare"] = _memory(prepare)
-    live["prepare"] = [policy["opt_state"], critic and critic["opt_state"]]
+    live["prepare"] = [policy["opt_state"], critic and critic["opt_state"], copy]
     for name, state, settings, other in (
             ("critic_update", critic, resolved.critic, policy),
             ("update", policy, resolved.rl, critic)):
@@ -274,7 +280,7 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
         fn = step_lib.jit_update(state["graphdef"], settings, state["tx"], mesh)
         compiled = fn.lower(state["params"], state["opt_state"], prepared, kl).compile()
         programs[name] = _memory(compiled)
-        live[name] = [held_ref, other and (other["params"], other["opt_state"])]
+        live[name] = [held_ref, other and (other["params"], other["opt_state"]), copy]
     peaks = {n: programs[n]["peak"] + _device_bytes(live[n]) for n in programs}
     peak_program = max(peaks, key=peaks.get)
     report = {
@@ -288,6 +294,7 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
         "reference_bytes": _device_bytes(ref),
         "critic_bytes": _device_bytes(critic_state),
         "kv_cache_bytes": _device_bytes(kv_cache),
+        "decode_copy_bytes": _device_bytes(copy),
         "batch_bytes": _device_bytes(batch),
         # What the peak is made of: the state that lives through the step, the cache if the
         # peak is a sampling program, and the peak program's temporaries (activations and
@@ -298,6 +305,7 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
                    "reference": _device_bytes(ref if peak_program == "prepare" else held_ref),
                    "critic": _device_bytes(critic_state),
                    "kv_cache": _device_bytes(kv_cache) if peak_program in sampling else 0,
+                   "decode_copy": _device_bytes(copy),
                    "activations": programs[peak_program]["temporaries"]},
         "compile_s": round(time.perf_counter() - t0, 1),
     }
@@ -305,6 +313,16 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
         report["budget_bytes"] = int(budget_gib * GIB)
         report["fits"] = report["step_peak"] <= report["budget_bytes"]
     return report
+
+
+def abstract_decode_copy(params, dtype: str, mesh):
+    """The decode copy `decode_weights.decode_copy(params, dtype, mesh)` makes, as
+    ShapeDtypeStructs: floating-point arrays in `dtype`, placed by `decode_shardings`."""
+    dt = jnp.dtype(dtype)
+    return jax.tree.map(
+        lambda x, where: jax.ShapeDtypeStruct(
+            x.shape, dt if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, sharding=where),
+        params, decode_weights.decode_shardings(params, mesh))
 
 
 def _next_pow2(x: int) -> int:
@@ -540,7 +558,9 @@ def summary(result) -> str:
                     f"{r['prompt_len']} + {r['length']} tokens; program peaks: {parts}); "
                     f"params {gib(r['params_bytes'])}, optimizer {gib(r['opt_state_bytes'])}, "
                     f"reference {gib(r['reference_bytes'])}, critic {gib(r['critic_bytes'])}, "
-                    f"sampler KV cache {gib(r['kv_cache_bytes'])}, activations "
+                    f"sampler KV cache {gib(r['kv_cache_bytes'])}, "
+                    + (f"decode copy {gib(r['decode_copy_bytes'])}, "
+                       if r["decode_copy_bytes"] else "") + "activations "
                     f"{gib(r['memory']['activations'])}; compiled in {r['compile_s']} s")
         m = r["memory"]
         return (f"{r['devices']:>5} devices ({mesh}): peak {gib(m['peak'])}{fit} = "

@@ -270,3 +270,38 @@ def test_the_rl_step_plan_compiles_the_learners_own_programs_and_searches_meshes
     assert two["params_bytes"] < 0.6 * one["params_bytes"]
     assert two["critic_bytes"] < 0.6 * one["critic_bytes"]
     step_lib.jit_update.cache_clear()
+
+
+def test_the_rl_step_plan_counts_the_engines_decode_copy():
+    """sampling.decode_dtype="bfloat16": the engines' inference copy (ptrain/decode_weights.py)
+    is every floating-point parameter in bfloat16, resharded with nothing over fsdp, held
+    through the whole step: its bytes are in the report and beside every program's peak."""
+    from configs import grpo_toy
+    config = grpo_toy.get_config()
+    config.sampling.engine = True
+    mesh = {"fsdp": 2, "tensor": 2}
+    without = plan.compile_rl_step(config, mesh)
+    config.sampling.decode_dtype = "bfloat16"
+    with_copy = plan.compile_rl_step(config, mesh)
+    copy = with_copy["decode_copy_bytes"]
+    assert without["decode_copy_bytes"] == 0 and without["memory"]["decode_copy"] == 0
+    # What a device of that mesh holds of the real copy of the learner's model.
+    from ptrain import decode_weights, learner
+    real = decode_weights.decode_copy(
+        nnx.state(M.Transformer(learner.model_config(config), rngs=nnx.Rngs(0),
+                                        mesh=plan.make_mesh(mesh))),
+        "bfloat16", plan.make_mesh(mesh))
+    device = jax.devices()[0]
+    held = [s for x in jax.tree.leaves(real) for s in x.addressable_shards
+            if s.device == device]
+    assert copy == sum(s.data.nbytes for s in held) > 0
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(real)
+               if jnp.issubdtype(x.dtype, jnp.floating))
+    assert all("fsdp" not in str(x.sharding.spec) for x in jax.tree.leaves(real))
+    # float32 over fsdp x tensor against bfloat16 over tensor: about as many bytes a device.
+    assert with_copy["params_bytes"] == without["params_bytes"]
+    assert 0.9 * with_copy["params_bytes"] <= copy <= with_copy["params_bytes"]
+    assert with_copy["memory"]["decode_copy"] == copy
+    assert with_copy["step_peak"] == pytest.approx(without["step_peak"] + copy, abs=1024)
+    assert "decode copy" in plan.summary(with_copy)
+    assert "decode copy" not in plan.summary(without)
