@@ -95,8 +95,17 @@ def transformers_decode(model_dir, prompts, args):
     return _time(sample, args.repeats), greedy[:, args.prompt_len:].numpy(), torch
 
 
-def ptrain_rl(model_dir, prompts, args, workdir):
-    """Seconds per GRPO step of ptrain.learner.train, from the intervals between reward calls."""
+MODES = {  # ptrain's RL step: the sampler and how far generation runs ahead of the learner
+    "static": {},
+    "engine": {"sampling.engine": True},
+    "engine-k1": {"sampling.engine": True, "rl.staleness": 1, "rl.tis_cap": 2.0},
+}
+
+
+def ptrain_rl(model_dir, prompts, args, workdir, mode="static"):
+    """Seconds per GRPO step of ptrain.learner.train, from the intervals between reward calls;
+    `mode` one of MODES (with staleness 1 a step's interval is the loop's throughput: batch
+    t+1 is generated while batch t trains, with truncated importance weights)."""
     rows = args.prompts * args.samples
     stamps, calls = [], [0]
 
@@ -118,6 +127,8 @@ def ptrain_rl(model_dir, prompts, args, workdir):
     c.optim.lr, c.optim.schedule = args.lr, "constant"
     c.log.rollouts_every = 0
     c.checkpoint.every = 10**6
+    c.sampling.engine_slots = rows
+    c.update_from_flattened_dict(MODES[mode])
     learner.train(c, workdir)
     intervals = np.diff(stamps)[args.warmup:]
     records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
@@ -160,6 +171,9 @@ def main():
                         help="alternate the frameworks this many times (a shared machine's "
                              "load drifts; each is timed in every round)")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--modes", nargs="+", default=["static"], choices=list(MODES),
+                        help="ptrain's RL step: static sampler, rollout engine, engine with "
+                             "rl.staleness=1")
     args = parser.parse_args()
 
     rng = np.random.RandomState(0)
@@ -168,7 +182,8 @@ def main():
     config = model_lib.ModelConfig(**MODEL, qk_norm=True, family="qwen3", bos_token_id=1,
                                    eos_token_ids=(EOS,))
     runs = {"ptrain decode": [], "Tunix decode": [], "transformers decode": [],
-            "ptrain RL": [], "Tunix RL": []}
+            **{f"ptrain RL {m}": [] for m in args.modes}, "Tunix RL": []}
+    splits = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
         hf.save(model_lib.init(config, seed=0), config, model_dir)
@@ -176,15 +191,19 @@ def main():
             t_tunix, tunix_version = tunix(model_dir, prompts, args)
             t_ours, greedy_ours = ptrain_decode(model_dir, prompts, args)
             t_hf, greedy_hf, torch = transformers_decode(model_dir, prompts, args)
-            rl_ours, n_timed, split = ptrain_rl(model_dir, prompts, args,
-                                                os.path.join(tmp, f"run{r}"))
+            for m in args.modes:
+                rl_ours, n_timed, splits[m] = ptrain_rl(model_dir, prompts, args,
+                                                        os.path.join(tmp, f"run{r}-{m}"), m)
+                runs[f"ptrain RL {m}"].append(rl_ours)
             for key, value in (("ptrain decode", t_ours), ("Tunix decode", t_tunix["decode_s"]),
-                               ("transformers decode", t_hf), ("ptrain RL", rl_ours),
+                               ("transformers decode", t_hf),
                                ("Tunix RL", t_tunix["rl_step_s"])):
                 runs[key].append(value)
-            print(f"round {r}: RL step ptrain {rl_ours[0] * 1e3:.0f} ms (rollout "
-                  f"{split['time/rollout_s'] * 1e3:.0f}, update "
-                  f"{split['time/update_s'] * 1e3:.0f}), Tunix "
+            steps = ", ".join(
+                f"{m} {runs[f'ptrain RL {m}'][-1][0] * 1e3:.0f} ms (rollout "
+                f"{splits[m]['time/rollout_s'] * 1e3:.0f}, update "
+                f"{splits[m]['time/update_s'] * 1e3:.0f})" for m in args.modes)
+            print(f"round {r}: RL step ptrain {steps}, Tunix "
                   f"{t_tunix['rl_step_s'][0] * 1e3:.0f} ms; decode ptrain "
                   f"{t_ours[0] * 1e3:.0f} ms, Tunix {t_tunix['decode_s'][0] * 1e3:.0f} ms, "
                   f"transformers {t_hf[0] * 1e3:.0f} ms", flush=True)
@@ -209,11 +228,15 @@ def main():
           f"{best['transformers decode'] / best['ptrain decode']:.2f}x (best times)")
     print(f"RL step (GRPO: generate + rewards + log-probs + update), best / typical, "
           f"{n_timed} steps a round:")
-    for name in ("ptrain", "Tunix"):
-        key = f"{name} RL"
-        print(f"  {name:7s} {best[key] * 1e3:7.0f} / {typical[key] * 1e3:5.0f} ms")
-    print(f"  ratio Tunix / ptrain: {best['Tunix RL'] / best['ptrain RL']:.2f}x (best), "
-          f"{typical['Tunix RL'] / typical['ptrain RL']:.2f}x (typical)")
+    for key in [f"ptrain RL {m}" for m in args.modes] + ["Tunix RL"]:
+        print(f"  {key[:-3] if key == 'Tunix RL' else key[10:]:10s} "
+              f"{best[key] * 1e3:7.0f} / {typical[key] * 1e3:5.0f} ms")
+    for m in args.modes:
+        key = f"ptrain RL {m}"
+        per_round = [t[1] / o[1] for t, o in zip(runs["Tunix RL"], runs[key])]
+        print(f"  ratio Tunix / ptrain {m}: {best['Tunix RL'] / best[key]:.2f}x (best), "
+              f"{typical['Tunix RL'] / typical[key]:.2f}x (typical); per round (medians) "
+              + ", ".join(f"{x:.2f}x" for x in per_round))
 
 
 if __name__ == "__main__":
