@@ -217,3 +217,25 @@ def test_mesh_sizes():
         sharding.make_mesh(data=4, fsdp=2, tensor=2)
     with pytest.raises(ValueError, match="at most one axis may be -1"):
         sharding.make_mesh(data=-1, fsdp=-1)
+
+
+@pytest.mark.parametrize("axes", [dict(data=2, fsdp=4), dict(fsdp=2, tensor=4),
+                                  dict(fsdp=2, sequence=2, tensor=2)])
+def test_the_projections_gather_no_activations(axes):
+    """`M.dense` flattens [b, t] into one token axis (XLA:CPU's weight gradients are 2x
+    faster so); on a mesh that must not gather activations: the step's all-gathers are the
+    weights' (FSDP) only, whatever the mesh shards."""
+    import re
+    mesh = sharding.make_mesh(**axes)
+    config = CONFIG.replace(vocab_size=128, d_ff=64,  # every weight's (shard's) size 2^n
+                            attention_impl="ring" if "sequence" in axes else "blockwise")
+    g, s = nnx.split(M.init(config, mesh=mesh))
+    b, t = 24, 40  # and no activation's
+    tokens = sharding.shard_batch(_tokens(b=b, t=t, vocab=128), mesh)
+    hlo = jax.jit(jax.grad(_loss_fn, argnums=1), static_argnums=0).lower(
+        g, s, tokens).compile().as_text()
+    gathered = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(", hlo)
+    assert gathered  # (FSDP gathers every layer's weights)
+    local = {b, t, b // 2, b // 4, b // 8, t // 2}
+    activations = [shape for shape in gathered if local & {int(n) for n in shape.split(",")}]
+    assert not activations, f"all-gathers of activations: {activations}"
