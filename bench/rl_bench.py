@@ -99,6 +99,9 @@ MODES = {  # ptrain's RL step: the sampler and how far generation runs ahead of 
     "static": {},
     "engine": {"sampling.engine": True},
     "engine-k1": {"sampling.engine": True, "rl.staleness": 1, "rl.tis_cap": 2.0},
+    # (on CPU recomputing a layer's activations is cheaper than saving them from the scan)
+    "engine-k1-remat": {"sampling.engine": True, "rl.staleness": 1, "rl.tis_cap": 2.0,
+                        "model.remat": "full"},
 }
 
 
@@ -173,7 +176,7 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--modes", nargs="+", default=["static"], choices=list(MODES),
                         help="ptrain's RL step: static sampler, rollout engine, engine with "
-                             "rl.staleness=1")
+                             "rl.staleness=1 (-remat: and model.remat=full)")
     args = parser.parse_args()
 
     rng = np.random.RandomState(0)
@@ -229,7 +232,7 @@ def main():
     print(f"RL step (GRPO: generate + rewards + log-probs + update), best / typical, "
           f"{n_timed} steps a round:")
     for key in [f"ptrain RL {m}" for m in args.modes] + ["Tunix RL"]:
-        print(f"  {key[:-3] if key == 'Tunix RL' else key[10:]:10s} "
+        print(f"  {key[:-3] if key == 'Tunix RL' else key[10:]:15s} "
               f"{best[key] * 1e3:7.0f} / {typical[key] * 1e3:5.0f} ms")
     for m in args.modes:
         key = f"ptrain RL {m}"
