@@ -25,6 +25,7 @@ from flax import nnx
 
 from ptrain import attention
 from ptrain import moe
+from ptrain import projection
 from ptrain import sharding
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -446,9 +447,9 @@ def layer_qkv(w, x_btd, pos_bt, *, c: ModelConfig, rope, mesh=None):
     values [b, t, k, e] after the norm, biases, q/k norms and RoPE. The rollout engine
     (ptrain/kv_slots.py) calls it with its own cache and attention."""
     h_btd = rms_norm(x_btd, w["attn_norm"], c.rms_eps)
-    q_bthe = dense(h_btd, w["wq"], mesh=mesh)
-    k_btke = dense(h_btd, w["wk"], mesh=mesh)
-    v_btke = dense(h_btd, w["wv"], mesh=mesh)
+    q_bthe = projection.dense(h_btd, w["wq"], mesh=mesh)
+    k_btke = projection.dense(h_btd, w["wk"], mesh=mesh)
+    v_btke = projection.dense(h_btd, w["wv"], mesh=mesh)
     if c.qkv_bias:
         q_bthe, k_btke, v_btke = q_bthe + w["bq"], k_btke + w["bk"], v_btke + w["bv"]
     if c.qk_norm:
@@ -463,7 +464,7 @@ def layer_out(w, x_btd, o_bthe, *, c: ModelConfig, mesh, valid_bt, is_moe=False,
               replay_btk=None):
     """The second half of a layer: the attention output `o_bthe` projected and added, then
     the MLP (dense, or MoE routing the tokens where valid_bt != 0): (x, routing stats)."""
-    attn_btd = dense(o_bthe, w["wo"], n_in=2, mesh=mesh)
+    attn_btd = projection.dense(o_bthe, w["wo"], n_in=2, mesh=mesh)
     if c.o_bias:
         attn_btd = attn_btd + w["bo"]
     x_btd = sharding.constrain(x_btd + attn_btd, ("batch", "seq", None), mesh)
@@ -473,27 +474,13 @@ def layer_out(w, x_btd, o_bthe, *, c: ModelConfig, mesh, valid_bt, is_moe=False,
     if is_moe:
         mlp_btd, stats = moe.block(w, h_btd, valid_bt, c, mesh, replay_btk)
     else:
-        gate_btf = dense(h_btd, w["w_gate"], mesh=mesh)
-        up_btf = dense(h_btd, w["w_up"], mesh=mesh)
+        gate_btf = projection.dense(h_btd, w["w_gate"], mesh=mesh)
+        up_btf = projection.dense(h_btd, w["w_up"], mesh=mesh)
         act_btf = sharding.constrain(jax.nn.silu(gate_btf) * up_btf, ("batch", "seq", "mlp"),
                                      mesh)
-        mlp_btd = dense(act_btf, w["w_down"], mesh=mesh)
+        mlp_btd = projection.dense(act_btf, w["w_down"], mesh=mesh)
     x_btd = x_btd + mlp_btd
     return sharding.constrain(x_btd, ("batch", "seq", None), mesh), stats
-
-
-def dense(x, w, n_in: int = 1, mesh=None):
-    """x [b, t, i...] times w [i..., o...] over the n_in dims they share: [b, t, o...].
-
-    As one 2-D matmul over the flattened tokens: XLA:CPU lowers the weight gradient of a
-    [b, t, ...] contraction through slow transposing copies (bench/rl_bench.py's trunk: value
-    and gradient 9.4x the forward's time, 5.6x so). Where the mesh shards the time axis the
-    flattening would gather the activations, so there it stays a [b, t] contraction."""
-    if mesh is not None and mesh.shape.get("sequence", 1) > 1:
-        return jnp.tensordot(x, w, n_in)
-    lead, i = x.shape[:x.ndim - n_in], math.prod(x.shape[x.ndim - n_in:])
-    y = x.reshape(-1, i) @ w.reshape(i, -1)
-    return y.reshape(lead + w.shape[n_in:])
 
 
 def write_rows(buf, x_bt, start, *, layer=None):

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from ptrain import projection
 from ptrain import sharding
 
 DISPATCHES = ("dropless", "capacity", "dense")
@@ -270,10 +271,10 @@ def block(p: dict, h_btd, valid_bt, c, mesh, replay_btk=None):
 
 
 def _mlp(h_btd, w_gate, w_up, w_down, mesh):
-    gate_btf = jnp.einsum("btd,df->btf", h_btd, w_gate)
-    up_btf = jnp.einsum("btd,df->btf", h_btd, w_up)
+    gate_btf = projection.dense(h_btd, w_gate, mesh=mesh)
+    up_btf = projection.dense(h_btd, w_up, mesh=mesh)
     act_btf = sharding.constrain(jax.nn.silu(gate_btf) * up_btf, ("batch", "seq", "mlp"), mesh)
-    return jnp.einsum("btf,fd->btd", act_btf, w_down)
+    return projection.dense(act_btf, w_down, mesh=mesh)
 
 
 def _sharded(p, h_btd, valid_bt, replay_btk, c, mesh):

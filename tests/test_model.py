@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -222,10 +223,9 @@ def test_mesh_sizes():
 @pytest.mark.parametrize("axes", [dict(data=2, fsdp=4), dict(fsdp=2, tensor=4),
                                   dict(fsdp=2, sequence=2, tensor=2)])
 def test_the_projections_gather_no_activations(axes):
-    """`M.dense` flattens [b, t] into one token axis (XLA:CPU's weight gradients are 2x
+    """`projection.dense` flattens [b, t] into one token axis (XLA:CPU's weight gradients are 2x
     faster so); on a mesh that must not gather activations: the step's all-gathers are the
     weights' (FSDP) only, whatever the mesh shards."""
-    import re
     mesh = sharding.make_mesh(**axes)
     config = CONFIG.replace(vocab_size=128, d_ff=64,  # every weight's (shard's) size 2^n
                             attention_impl="ring" if "sequence" in axes else "blockwise")
