@@ -12,6 +12,7 @@ Tunix runs in its own environment, in a subprocess (bench/rl_bench_tunix.py):
     python -m pip install uv && cd bench && python -m uv venv .venv-tunix \
         && python -m uv pip install --python .venv-tunix/bin/python google-tunix && cd ..
     python bench/rl_bench.py [--prompts 8 --samples 8 --prompt-len 32 --new-tokens 64]
+    python bench/rl_bench.py --modes static engine engine-k1 engine-k1-remat   # see MODES
 """
 
 import argparse
