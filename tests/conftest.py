@@ -4,6 +4,7 @@ This must run before anything imports JAX, which is why it lives here.
 """
 
 import os
+import sys
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
@@ -134,3 +135,31 @@ def pytest_collection_modifyitems(config, items):
         return (1, -sizes[g], g, i)
 
     items[:] = [items[i] for i in sorted(range(len(items)), key=rank)]
+
+
+# Every program XLA:CPU compiles keeps its JIT code mapped (~6 mappings a program) until its
+# executable is dropped, and jit's caches keep them all: one xdist worker running half the
+# suite passed the kernel's vm.max_map_count (65530 here), and LLVM then failed with "Cannot
+# allocate memory" / "Failed to materialize symbols" in whichever test came next (a worker
+# crash in test_packing, 2026-12-03; three files alone leave ~27k mappings). When a worker
+# holds half the limit, its compiled programs are dropped (later tests recompile, from the
+# persistent cache where it has them).
+def _map_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
+
+
+_MAP_LIMIT = _map_limit()
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _MAP_LIMIT and "jax" in sys.modules and _mappings() > _MAP_LIMIT // 2:
+        sys.modules["jax"].clear_caches()
