@@ -96,13 +96,13 @@ def transformers_decode(model_dir, prompts, args):
     return _time(sample, args.repeats), greedy[:, args.prompt_len:].numpy(), torch
 
 
+_K1 = {"sampling.engine": True, "rl.staleness": 1, "rl.tis_cap": 2.0}
 MODES = {  # ptrain's RL step: the sampler and how far generation runs ahead of the learner
     "static": {},
     "engine": {"sampling.engine": True},
-    "engine-k1": {"sampling.engine": True, "rl.staleness": 1, "rl.tis_cap": 2.0},
+    "engine-k1": _K1,
     # (on CPU recomputing a layer's activations is cheaper than saving them from the scan)
-    "engine-k1-remat": {"sampling.engine": True, "rl.staleness": 1, "rl.tis_cap": 2.0,
-                        "model.remat": "full"},
+    "engine-k1-remat": {**_K1, "model.remat": "full"},
 }
 
 
