@@ -125,11 +125,12 @@ def logs(workdir: str, n: int) -> str:
     return "\n".join(out)
 
 
-def wait(procs: list[subprocess.Popen], workdir: str, timeout: float,
-         max_rss_mb: int | None = None) -> list:
-    """What each worker returned, in process order; every worker is killed on the way out. A
-    worker that fails, a run past `timeout` seconds, or a worker holding more than
-    `max_rss_mb` (default MAX_RSS_MB) raises, with every process's output."""
+def _supervise(procs: list[subprocess.Popen], workdir: str, timeout: float,
+               max_rss_mb: int | None = None) -> list[int]:
+    """Waits for every worker and returns their exit codes; every worker is killed on the way
+    out. A worker that fails ends the wait (the others would wait on it forever); a run past
+    `timeout` seconds or a worker holding more than `max_rss_mb` (default MAX_RSS_MB) raises,
+    with every process's output."""
     limit = MAX_RSS_MB if max_rss_mb is None else max_rss_mb
     deadline = time.monotonic() + timeout
     next_sample = 0.0
@@ -139,7 +140,7 @@ def wait(procs: list[subprocess.Popen], workdir: str, timeout: float,
             if all(c is not None for c in codes):
                 break
             if any(c not in (None, 0) for c in codes):
-                break  # one failed: the others would wait on it forever
+                break
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError(f"processes ran past {timeout}s\n{logs(workdir, len(procs))}")
@@ -152,7 +153,14 @@ def wait(procs: list[subprocess.Popen], workdir: str, timeout: float,
             time.sleep(0.05)
     finally:
         kill(procs)
-    codes = [p.returncode for p in procs]
+    return [p.returncode for p in procs]
+
+
+def wait(procs: list[subprocess.Popen], workdir: str, timeout: float,
+         max_rss_mb: int | None = None) -> list:
+    """What each worker returned, in process order (`_supervise`); a worker that failed
+    raises, with every process's output."""
+    codes = _supervise(procs, workdir, timeout, max_rss_mb)
     if any(codes):
         raise RuntimeError(f"processes exited with {codes}\n{logs(workdir, len(procs))}")
     results = []
@@ -173,6 +181,40 @@ def run(spec: str, n: int = 2, devices: int = 4, args: dict | None = None,
         return wait(start(spec, n, devices, args or {}, workdir, cache_dir=cache_dir),
                     workdir, timeout, max_rss_mb)
 
+
+
+def launch(argv: list[str], n: int, devices: int, logdir: str, timeout: float = 900.0,
+           cache_dir: str | None = None) -> None:
+    """`python ARGV` (e.g. ["-m", "launch.train", ...]) started N times as a user starts a
+    multi-host run (launch/gpu.sh): the PTRAIN_COORDINATOR / PTRAIN_NUM_PROCESSES /
+    PTRAIN_PROCESS_ID variables (a loopback coordinator) when n > 1, nothing when n == 1;
+    `devices` CPU devices each. The processes die with this one (PR_SET_PDEATHSIG) and are
+    supervised as `run`'s workers are; their output goes to <logdir>/log<i>.txt. Raises if
+    any process fails."""
+    env = env_for(devices, cache_dir)
+    port = free_port()
+    procs = []
+
+    def die_with_parent():
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+    try:
+        for i in range(n):
+            if n > 1:
+                env.update(PTRAIN_COORDINATOR=f"127.0.0.1:{port}", PTRAIN_NUM_PROCESSES=str(n),
+                           PTRAIN_PROCESS_ID=str(i))
+            with open(os.path.join(logdir, f"log{i}.txt"), "wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, *argv], env=dict(env), stdout=log,
+                    stderr=subprocess.STDOUT, cwd=_ROOT, start_new_session=True,
+                    preexec_fn=die_with_parent))
+    except BaseException:
+        kill(procs)
+        raise
+    codes = _supervise(procs, logdir, timeout)
+    if any(codes):
+        raise RuntimeError(f"processes exited with {codes}\n{logs(logdir, n)}")
 
 def _die_with_parent(parent: int) -> None:
     """This worker dies when `parent` (the process that started it) does, even if that one

@@ -95,6 +95,55 @@ def test_the_terminal_domain_on_two_processes_equals_one(tmp_path):
         np.testing.assert_allclose(r["logp"], one["logp"], rtol=0, atol=1e-5)
 
 
+
+# configs/terminal_toy.py:short cut to a few steps (no learning is asserted here).
+_TERMINAL_RUN = ["-m", "launch.train", "--config=configs/terminal_toy.py:short",
+                 "--config.terminal.backend=bwrap", "--config.sft.steps=6", "--config.steps=2",
+                 "--config.checkpoint.every=1", "--config.tasks.n_train=8",
+                 "--config.tasks.n_heldout=4", "--config.eval.n=4"]
+
+
+def _run_logs(workdir):
+    from ptrain.metrics import read_jsonl
+
+    def untimed(name):
+        return [{k: v for k, v in r.items() if not k.startswith("time/")}
+                for r in read_jsonl(os.path.join(workdir, name))]
+    return {name: untimed(name) for name in ("sft/metrics.jsonl", "metrics.jsonl",
+                                              "eval.jsonl", "rollouts.jsonl")}
+
+
+def test_the_terminal_closed_loop_through_launch_train_on_two_processes_equals_one(tmp_path):
+    """`python -m launch.train` started on 2 processes x 4 devices as launch/gpu.sh starts
+    hosts (PTRAIN_COORDINATOR, a loopback coordinator; JAX's CPU collectives over gloo):
+    the terminal domain's closed loop (generated tasks, SFT, held-out eval, RL in bwrap task
+    boxes, eval again) writes the logs and evals of 1 process x 8 devices; a second launch
+    of both resumes, finds everything done and repeats nothing."""
+    from sandbox.terminal import bwrap
+    if bwrap.unavailable() is not None:
+        pytest.skip(f"bwrap task boxes unavailable: {bwrap.unavailable()}")
+    runs = {}
+    for n, devices in ((1, 8), (2, 4)):
+        workdir, logdir = tmp_path / f"run{n}", tmp_path / f"logs{n}"
+        logdir.mkdir()
+        multiprocess.launch([*_TERMINAL_RUN, f"--workdir={workdir}"], n, devices, str(logdir))
+        runs[n] = _run_logs(str(workdir))
+    one, two = runs[1], runs[2]
+    assert [r["step"] for r in one["metrics.jsonl"]] == [1, 2]
+    assert [(e["stage"], e["n"]) for e in one["eval.jsonl"]] == [("sft", 4), ("rl", 4)]
+    # Episodes of one batch end at different turns (the processes' turn loops agree).
+    assert any(1 < r["episode/terminal/turns"] < 2 for r in one["metrics.jsonl"])
+    assert two["eval.jsonl"] == one["eval.jsonl"] and two["rollouts.jsonl"] == one["rollouts.jsonl"]
+    for name in ("sft/metrics.jsonl", "metrics.jsonl"):
+        assert [r.keys() for r in two[name]] == [r.keys() for r in one[name]], name
+        for a, b in zip(two[name], one[name]):
+            for k in b:
+                np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5, err_msg=(name, k))
+    multiprocess.launch([*_TERMINAL_RUN, f"--workdir={tmp_path / 'run2'}"], 2, 4,
+                        str(tmp_path / "logs2"))
+    assert _run_logs(str(tmp_path / "run2")) == two
+
+
 def test_worker_failure_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         multiprocess.run("mp_programs:fails_on_one", n=2, devices=1, timeout=60)
