@@ -28,8 +28,9 @@ import pytest
 import sandbox
 from sandbox import cgroups
 from sandbox.workdir import WorkDir
-from sandbox_backends import (backend_params, open_fds, own_cgroups, own_containers,
-                              own_temp_dirs, processes_with)
+from sandbox_backends import (  # noqa: F401 - the autouse fixture
+    backend_params, objects_before_the_test_frozen, open_fds, own_cgroups, own_containers,
+    own_temp_dirs, processes_with)
 
 TIMEOUT_S = 1.0
 MEMORY_MB = 128

@@ -18,8 +18,9 @@ import textwrap
 import pytest
 
 import sandbox
-from sandbox_backends import (backend_params, open_fds, own_cgroups, own_containers,
-                              own_temp_dirs, processes_with, wait_until)
+from sandbox_backends import (  # noqa: F401 - the autouse fixture
+    backend_params, objects_before_the_test_frozen, open_fds, own_cgroups, own_containers,
+    own_temp_dirs, processes_with, wait_until)
 
 BACKENDS = backend_params()
 MODES = [pytest.param(False, id="unpinned"), pytest.param(True, id="pinned")]
