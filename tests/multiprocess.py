@@ -17,7 +17,9 @@ error, and under memory pressure the kernel's OOM killer picks a worker before t
 process that started it (oom_score_adj), so the harness reports it instead of a crashed
 pytest (xdist's "node down").
 
-Run as a script it is the worker: `python tests/multiprocess.py SPEC ID N PORT OUT PARENT`.
+Run as a script it is the worker: `python tests/multiprocess.py SPEC ID N PORT OUT PARENT`,
+or `launch`'s: `python tests/multiprocess.py --exec PARENT -m MODULE ARGS...` (runs the
+module as `python -m` does).
 """
 
 from __future__ import annotations
@@ -185,36 +187,32 @@ def run(spec: str, n: int = 2, devices: int = 4, args: dict | None = None,
 
 def launch(argv: list[str], n: int, devices: int, logdir: str, timeout: float = 900.0,
            cache_dir: str | None = None) -> None:
-    """`python ARGV` (e.g. ["-m", "launch.train", ...]) started N times as a user starts a
-    multi-host run (launch/gpu.sh): the PTRAIN_COORDINATOR / PTRAIN_NUM_PROCESSES /
+    """`python -m MODULE ...` (argv ["-m", "launch.train", ...]) started N times as a user
+    starts a multi-host run (launch/gpu.sh): the PTRAIN_COORDINATOR / PTRAIN_NUM_PROCESSES /
     PTRAIN_PROCESS_ID variables (a loopback coordinator) when n > 1, nothing when n == 1;
-    `devices` CPU devices each. The processes die with this one (PR_SET_PDEATHSIG) and are
-    supervised as `run`'s workers are; their output goes to <logdir>/log<i>.txt. Raises if
-    any process fails."""
+    `devices` CPU devices each. The processes die with this one (PR_SET_PDEATHSIG), share
+    their compiles as `run`'s workers do (process 0 compiles) and are supervised as those
+    are; their output goes to <logdir>/log<i>.txt. Raises if any process fails."""
     env = env_for(devices, cache_dir)
     port = free_port()
     procs = []
-
-    def die_with_parent():
-        import ctypes
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
     try:
         for i in range(n):
             if n > 1:
                 env.update(PTRAIN_COORDINATOR=f"127.0.0.1:{port}", PTRAIN_NUM_PROCESSES=str(n),
                            PTRAIN_PROCESS_ID=str(i))
             with open(os.path.join(logdir, f"log{i}.txt"), "wb") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, *argv], env=dict(env), stdout=log,
-                    stderr=subprocess.STDOUT, cwd=_ROOT, start_new_session=True,
-                    preexec_fn=die_with_parent))
+                procs.append(subprocess.Popen(  # (no preexec_fn: a fork of a JAX process)
+                    [sys.executable, os.path.abspath(__file__), "--exec", str(os.getpid()),
+                     *argv], env=dict(env), stdout=log, stderr=subprocess.STDOUT, cwd=_ROOT,
+                    start_new_session=True))
     except BaseException:
         kill(procs)
         raise
     codes = _supervise(procs, logdir, timeout)
     if any(codes):
         raise RuntimeError(f"processes exited with {codes}\n{logs(logdir, n)}")
+
 
 def _die_with_parent(parent: int) -> None:
     """This worker dies when `parent` (the process that started it) does, even if that one
@@ -287,7 +285,22 @@ def _worker(spec: str, process_id: int, n: int, port: int, workdir: str) -> None
     jax.distributed.shutdown()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1] == "--exec":  # `launch`: python -m MODULE ARGS
+    parent_ = int(sys.argv[2])
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_:
+        os._exit(1)
+    if sys.argv[3] != "-m":
+        raise SystemExit(f"launch runs `python -m MODULE ...`, not {sys.argv[3:]}")
+    if int(os.environ.get("PTRAIN_NUM_PROCESSES", "1")) > 1 and \
+            _same_cache_key_on_every_process():  # process 0 compiles, as `run`'s workers do
+        import jax
+        jax.config.update("jax_share_binary_between_hosts", True)
+    import runpy
+    sys.argv = sys.argv[4:]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+elif __name__ == "__main__":
     spec_, pid_, n_, port_, dir_, parent_ = sys.argv[1:7]
     _die_with_parent(int(parent_))
     try:
