@@ -236,6 +236,10 @@ def test_quickstart_short_end_to_end_and_resume(tmp_path):
 
     rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     assert [r["step"] for r in rows] == list(range(1, config.steps + 1))
+    # No alert fires on the quickstart (ptrain/alerts.py logs a fired one as alert/<name>).
+    sft_rows = metrics.read_jsonl(os.path.join(workdir, "sft", "metrics.jsonl"))
+    assert len(sft_rows) == config.sft.steps
+    assert [k for r in sft_rows + rows for k in r if k.startswith("alert/")] == []
     for d in domains:
         assert all(f"reward/{d}/mean" in r for r in rows), d
     # RL improves on the SFT policy where it counts: greedy, on the held-out split (the short
