@@ -44,7 +44,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-
 # The most resident memory (MiB) one worker may hold; `wait` kills the run past it. Two workers
 # x 4 devices, or one x 8, of the tests' toy programs peak well below it (measured: see
 # docs/benchmarks.md); the bound keeps a run that goes wrong from taking the (shared) machine.
@@ -182,7 +181,6 @@ def run(spec: str, n: int = 2, devices: int = 4, args: dict | None = None,
         workdir = workdir or tmp
         return wait(start(spec, n, devices, args or {}, workdir, cache_dir=cache_dir),
                     workdir, timeout, max_rss_mb)
-
 
 
 def launch(argv: list[str], n: int, devices: int, logdir: str, timeout: float = 900.0,

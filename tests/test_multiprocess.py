@@ -95,7 +95,6 @@ def test_the_terminal_domain_on_two_processes_equals_one(tmp_path):
         np.testing.assert_allclose(r["logp"], one["logp"], rtol=0, atol=1e-5)
 
 
-
 # configs/terminal_toy.py:short cut to a few steps (no learning is asserted here).
 _TERMINAL_RUN = ["-m", "launch.train", "--config=configs/terminal_toy.py:short",
                  "--config.terminal.backend=bwrap", "--config.sft.steps=6", "--config.steps=2",
@@ -133,7 +132,8 @@ def test_the_terminal_closed_loop_through_launch_train_on_two_processes_equals_o
     assert [(e["stage"], e["n"]) for e in one["eval.jsonl"]] == [("sft", 4), ("rl", 4)]
     # Episodes of one batch end at different turns (the processes' turn loops agree).
     assert any(1 < r["episode/terminal/turns"] < 2 for r in one["metrics.jsonl"])
-    assert two["eval.jsonl"] == one["eval.jsonl"] and two["rollouts.jsonl"] == one["rollouts.jsonl"]
+    assert two["eval.jsonl"] == one["eval.jsonl"]
+    assert two["rollouts.jsonl"] == one["rollouts.jsonl"]
     for name in ("sft/metrics.jsonl", "metrics.jsonl"):
         assert [r.keys() for r in two[name]] == [r.keys() for r in one[name]], name
         for a, b in zip(two[name], one[name]):
