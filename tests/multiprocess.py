@@ -75,16 +75,21 @@ def start(spec: str, n: int, devices: int, args: dict, workdir: str,
     port = port or free_port()
     with open(os.path.join(workdir, "args.pkl"), "wb") as f:
         pickle.dump(args, f)
-    env = env_for(devices, cache_dir)
+    return _spawn([[os.path.abspath(__file__), spec, str(i), str(n), str(port), workdir,
+                    str(os.getpid())] for i in range(n)],
+                  [env_for(devices, cache_dir)] * n, workdir)
+
+
+def _spawn(argvs: list[list[str]], envs: list[dict], logdir: str) -> list[subprocess.Popen]:
+    """`python ARGV` for each argv, with its env, in its own process group, output to
+    <logdir>/log<i>.txt; if one fails to start, the ones before it are killed."""
     procs = []
     try:
-        for i in range(n):
-            with open(os.path.join(workdir, f"log{i}.txt"), "wb") as log:
+        for i, (argv, env) in enumerate(zip(argvs, envs)):
+            with open(os.path.join(logdir, f"log{i}.txt"), "wb") as log:
                 procs.append(subprocess.Popen(
-                    [sys.executable, os.path.abspath(__file__), spec, str(i), str(n), str(port),
-                     workdir, str(os.getpid())],
-                    env=env, stdout=log, stderr=subprocess.STDOUT, cwd=_ROOT,
-                    start_new_session=True))
+                    [sys.executable, *argv], env=env, stdout=log, stderr=subprocess.STDOUT,
+                    cwd=_ROOT, start_new_session=True))  # (no preexec_fn: a fork of JAX)
     except BaseException:
         kill(procs)  # the ones started before the failure
         raise
@@ -188,25 +193,17 @@ def launch(argv: list[str], n: int, devices: int, logdir: str, timeout: float = 
     """`python -m MODULE ...` (argv ["-m", "launch.train", ...]) started N times as a user
     starts a multi-host run (launch/gpu.sh): the PTRAIN_COORDINATOR / PTRAIN_NUM_PROCESSES /
     PTRAIN_PROCESS_ID variables (a loopback coordinator) when n > 1, nothing when n == 1;
-    `devices` CPU devices each. The processes die with this one (PR_SET_PDEATHSIG), share
-    their compiles as `run`'s workers do (process 0 compiles) and are supervised as those
-    are; their output goes to <logdir>/log<i>.txt. Raises if any process fails."""
-    env = env_for(devices, cache_dir)
-    port = free_port()
-    procs = []
-    try:
-        for i in range(n):
-            if n > 1:
-                env.update(PTRAIN_COORDINATOR=f"127.0.0.1:{port}", PTRAIN_NUM_PROCESSES=str(n),
-                           PTRAIN_PROCESS_ID=str(i))
-            with open(os.path.join(logdir, f"log{i}.txt"), "wb") as log:
-                procs.append(subprocess.Popen(  # (no preexec_fn: a fork of a JAX process)
-                    [sys.executable, os.path.abspath(__file__), "--exec", str(os.getpid()),
-                     *argv], env=dict(env), stdout=log, stderr=subprocess.STDOUT, cwd=_ROOT,
-                    start_new_session=True))
-    except BaseException:
-        kill(procs)
-        raise
+    `devices` CPU devices each. The processes die with this one, share their compiles
+    (process 0 compiles) and are supervised as `run`'s workers are; their output goes to
+    <logdir>/log<i>.txt. Raises if any process fails."""
+    port, envs = free_port(), []
+    for i in range(n):
+        envs.append(env_for(devices, cache_dir))
+        if n > 1:
+            envs[-1].update(PTRAIN_COORDINATOR=f"127.0.0.1:{port}",
+                            PTRAIN_NUM_PROCESSES=str(n), PTRAIN_PROCESS_ID=str(i))
+    procs = _spawn([[os.path.abspath(__file__), "--exec", str(os.getpid()), *argv]] * n,
+                   envs, logdir)
     codes = _supervise(procs, logdir, timeout)
     if any(codes):
         raise RuntimeError(f"processes exited with {codes}\n{logs(logdir, n)}")
@@ -284,11 +281,7 @@ def _worker(spec: str, process_id: int, n: int, port: int, workdir: str) -> None
 
 
 if __name__ == "__main__" and sys.argv[1] == "--exec":  # `launch`: python -m MODULE ARGS
-    parent_ = int(sys.argv[2])
-    import ctypes
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_:
-        os._exit(1)
+    _die_with_parent(int(sys.argv[2]))
     if sys.argv[3] != "-m":
         raise SystemExit(f"launch runs `python -m MODULE ...`, not {sys.argv[3:]}")
     if int(os.environ.get("PTRAIN_NUM_PROCESSES", "1")) > 1 and \
