@@ -116,8 +116,8 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         # With staleness >= 1 on the engine (sampling.engine=True; SingleTurn, Tasks, terminal,
         # a mix of them): the generation in flight switches to the learner's new version when
         # an update ends, at a decode-round boundary, its sequences' caches recomputed under
-        # the new weights; each token keeps its behaviour log-prob and version
-        # (`ptrain.interrupt`).
+        # the new weights (with router_replay, routed to the experts each position recorded);
+        # each token keeps its behaviour log-prob and version (`ptrain.interrupt`).
         interrupt=False,
         # MoE: train with the experts the sampler routed each token to (R3), not the
         # learner's own top-k; needs a producer that records routing (every one here does:
@@ -353,9 +353,6 @@ def _check_values(config):
          "rl.staleness >= 1 (with 0 nothing is generated during an update)"),
         (not rl.interrupt or config.sampling.engine,
          "rl.interrupt runs on the rollout engine: set sampling.engine=True"),
-        (not rl.interrupt or not rl.router_replay,
-         "rl.interrupt with rl.router_replay is not supported (the recomputed cache routes "
-         "the prefix with the new weights): set one of them False"),
         (rl.staleness == 0 or not config.dapo.dynamic_sampling,
          "dynamic sampling needs the rewards before the next batch is drawn: set "
          "rl.staleness=0 or dapo.dynamic_sampling=False"),

@@ -12,7 +12,11 @@ reuses), and the generation in flight switches to it at its next decode-round bo
 gets its cache recomputed under the new weights from its whole sequence so far (`swap`:
 `kv_slots.recompute`, one prefill per row, AReaL's choice: the KV of the old weights is not
 mixed with the new ones), keeps its turn state and sampling key, and goes on; requests not
-yet admitted start with the new weights. So an interrupted sequence's tokens before the
+yet admitted start with the new weights. With rl.router_replay (a MoE; `Switch(replay=True)`)
+the recomputation routes every position to the experts it recorded when it was run, and
+those stay recorded: the cache is then the forward the learner replays over that prefix, so
+the new version's tokens come from exactly the forward they are trained with (without
+replay the prefix is re-routed by the new weights and recorded so). So an interrupted sequence's tokens before the
 swap are the old policy's and those after are the new policy's continuation of the same
 prefix (greedily, token for token; sampled, with the same per-token randomness).
 
@@ -63,8 +67,10 @@ class Switch:
     at_round: int | None = None
     timeout_s: float = 600.0
 
-    def __init__(self, *, every: int | None = None, at_round: int | None = None):
+    def __init__(self, *, every: int | None = None, at_round: int | None = None,
+                 replay: bool = False):
         self.every = int(every or type(self).every)
+        self.replay = bool(replay)  # rl.router_replay: recompute with the recorded experts
         self.at_round = type(self).at_round if at_round is None else at_round
         self._lock, self._published = threading.Lock(), threading.Event()
         self._latest = None  # (version, params)
@@ -168,7 +174,8 @@ def swap(run, version: int, params) -> None:
         for i, (row, seq, _) in enumerate(chunk):
             rows[i], lens[i], tokens[i, :len(seq)] = row, len(seq), seq
         e.state = kv_slots.recompute(run.params, e.state, np.asarray(rows, np.int32),
-                                     tokens, np.asarray(lens, np.int32), graphdef=e.graphdef)
+                                     tokens, np.asarray(lens, np.int32), graphdef=e.graphdef,
+                                     replay=run.switch.replay)
         e._metrics["recompute_tokens"] += int(sum(len(c[1]) for c in chunk))
     run.version = version
     if run.live_params is not None:  # a producer's later calls (turns, parts) go on from here

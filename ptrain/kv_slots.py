@@ -174,12 +174,16 @@ def extend(params, state, rows_r, tokens_rt, lengths_r, reset_r, limit_r, key_r2
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
-def recompute(params, state, rows_r, tokens_rt, lengths_r, *, graphdef):
+@functools.partial(jax.jit, static_argnames=("graphdef", "replay"), donate_argnames=("state",))
+def recompute(params, state, rows_r, tokens_rt, lengths_r, *, graphdef, replay=False):
     """Rebuilds rows rows_r's cache from their whole sequences tokens_rt[i, :lengths_r[i]]
     under `params` (new weights at an interruption, ptrain/interrupt.py) and the logits after
     the last token; the turn's state (key, counts, live, the turn's tokens) is kept, so a row
-    decoding mid-turn goes on where it was, now with these weights."""
+    decoding mid-turn goes on where it was, now with these weights.
+
+    With recorded routing (a MoE model) each position's experts become the new weights'
+    choice; with `replay` (rl.router_replay) every position is instead routed to the experts
+    it recorded, which are kept: the forward the learner will replay over this prefix."""
     TRACES["recompute"] += 1
     model = nnx.merge(graphdef, params)
     r, t = tokens_rt.shape
@@ -192,9 +196,16 @@ def recompute(params, state, rows_r, tokens_rt, lengths_r, *, graphdef):
                               jnp.zeros((r, s), jnp.int32), zero_r)
     positions_rt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
     seg_rt = (jnp.arange(t)[None, :] < lengths_r[:, None]).astype(jnp.int32)
-    h_rtd, cache, routing = model.forward(tokens_rt, positions_rt, seg_rt, cache)
+    replay_lrtk = None
+    if replay:
+        if "experts_nslk" not in sub:
+            raise ValueError("recompute(replay=True) needs recorded routing (a MoE model's "
+                             "engine with record_routing)")
+        replay_lrtk = jnp.moveaxis(sub["experts_nslk"][:, :t], 2, 0).astype(jnp.int32)
+    h_rtd, cache, routing = model.forward(tokens_rt, positions_rt, seg_rt, cache,
+                                          replay_lbtk=replay_lrtk)
     h_rd = h_rtd[jnp.arange(r), jnp.maximum(lengths_r - 1, 0)]
-    if "experts_nslk" in sub:  # the new weights' routing of every position
+    if "experts_nslk" in sub and not replay:  # the new weights' routing of every position
         at_rt = jnp.where(seg_rt > 0, positions_rt, s)
         sub["experts_nslk"] = sub["experts_nslk"].at[jnp.arange(r)[:, None], at_rt].set(
             jnp.moveaxis(routing.experts_lbtk, 0, 2).astype(ROUTING_DTYPE), mode="drop")

@@ -334,7 +334,8 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     writer = metrics_lib.MetricsWriter(workdir, total_steps=c.steps, start_step=start)
     ahead = (lookahead_lib.LookAhead(k, producer, batches, root_key, steps=c.steps,
                                      save_every=c.checkpoint.every,
-                                     interrupt=c.rl.interrupt) if k else None)
+                                     interrupt=c.rl.interrupt,
+                                     replay=c.rl.router_replay) if k else None)
 
     watchdog = alerts_lib.Watchdog(c.alerts.stall_minutes, c.alerts.stall).start()
     try:

@@ -149,6 +149,66 @@ def test_without_a_publication_nothing_changes(models):
         assert a.versions == [(a.prompt_len, 0)] and b.versions == [(b.prompt_len, 5)]
 
 
+MOE = M.ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
+                    n_experts=4, n_experts_per_token=2, d_ff_expert=16,
+                    attention_impl="reference")
+
+
+@nnx.jit
+def _replayed(model, tokens_bt, experts_lbtk):
+    h_btd, _, routing = model.forward(tokens_bt, replay_lbtk=experts_lbtk)
+    return h_btd @ model.unembedding_vd().T, routing.experts_lbtk
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_a_swap_under_router_replay_keeps_the_recorded_experts(replay):
+    """MoE, greedy, swap after round 1: with rl.router_replay (Switch(replay=True)) the
+    prefix's cache is recomputed with the experts it recorded, which stay as recorded (the
+    old weights' routing), and each later token is the new weights' greedy choice and
+    log-prob with every position routed as recorded (the learner's replayed forward,
+    teacher-forced, to 1e-5), not as the new router would. Without replay the prefix is
+    re-routed by the new weights and recorded so (the replayed forward is then that one)."""
+    old, new = M.init(MOE, seed=3), M.init(MOE, seed=11)
+    switch = interrupt.Switch(every=EVERY, at_round=1, replay=replay)
+    switch.publish(1, new)
+    kw = dict(greedy=True, record_routing=True)
+    trajs = _engine(old, **kw).generate(old, [E.Request(p) for p in PROMPTS],
+                                        live=interrupt.Live(old, 0, switch))
+    alone = _engine(old, **kw).generate(old, [E.Request(p) for p in PROMPTS])
+    interrupted, rerouted = 0, 0
+    for t, ref in zip(trajs, alone):
+        if len(t.versions) != 2:
+            continue
+        interrupted += 1
+        cut = t.versions[1][0]  # the first position the new weights sampled
+        tokens = np.asarray(t.tokens, np.int32)[None]
+        assert t.experts.shape == (len(t.tokens), 2, 2)  # every token ran: 2 MoE layers, k 2
+        # Positions before the cut: their experts under the old weights (the lone run's),
+        # before and after the swap alike, with replay; the new router's without.
+        new_logits, new_routing = _replayed(new, tokens, None)
+        prefix_old = ref.experts[:cut]
+        prefix_new = np.moveaxis(np.asarray(new_routing), 0, 2)[0, :cut]
+        if replay:
+            np.testing.assert_array_equal(t.experts[:cut], prefix_old)
+        else:
+            np.testing.assert_array_equal(t.experts[:cut], prefix_new)
+        rerouted += int((np.sort(prefix_old, -1) != np.sort(prefix_new, -1)).any())
+        # The learner's forward: new weights, every position routed as recorded.
+        experts_lbtk = np.moveaxis(t.experts, 1, 0)[:, None].astype(np.int32)
+        logits, _ = _replayed(new, tokens, experts_lbtk)
+        logits = np.asarray(logits, np.float64)[0, :-1]
+        logp = _log_softmax(logits)[np.arange(len(t.tokens) - 1), tokens[0, 1:]]
+        np.testing.assert_allclose(t.logp_t1[cut:], logp[cut - 1:], atol=1e-5)
+        assert t.tokens[cut:] == np.argmax(logits[cut - 1:], -1).tolist()
+        if replay and (np.sort(prefix_old, -1) != np.sort(prefix_new, -1)).any():
+            # ... which is not the new weights' own routing of the prefix
+            own = _log_softmax(np.asarray(new_logits, np.float64)[0, :-1])
+            own = own[np.arange(len(t.tokens) - 1), tokens[0, 1:]]
+            assert not np.allclose(t.logp_t1[cut:], own[cut - 1:], atol=1e-5)
+    assert interrupted == 2
+    assert rerouted  # the two routers disagree on the prefix: the test tells them apart
+
+
 def test_token_metrics_and_checkpoint_encoding():
     from ptrain.batch import Batch
     batch = Batch.from_rows([[1, 2]] * 3, [[3, 4, 5], [6, 7], [8]], [[1, 1, 1], [1, 1], [1]],

@@ -328,6 +328,35 @@ def test_grpo_on_a_tiny_moe_logs_routing_and_resumes_exactly(grpo_run, tmp_path)
     assert again == records[EVERY:]
 
 
+def test_replay_with_interruption_trains_and_resumes_exactly(tmp_path, monkeypatch):
+    """rl.router_replay with rl.interrupt (k = 1 on the engine, the swap forced after 4 of
+    the 8 tokens): batches 2.. are interrupted (their prefixes recomputed with the experts
+    they recorded, tests/test_interrupt.py), the learner replays them, and a run resumed from
+    step 2's checkpoint logs what the uninterrupted one did."""
+    from ptrain import interrupt
+    monkeypatch.setattr(interrupt.Switch, "at_round", 1)
+    monkeypatch.setattr(interrupt.Switch, "every", 4)
+    config = moe_config(steps=RUN_STEPS, **{
+        "checkpoint.every": EVERY, "rl.router_replay": True, "rl.staleness": 1,
+        "rl.interrupt": True, "rl.tis_cap": 2.0, "sampling.engine": True,
+        "sampling.engine_slots": 16})
+    workdir = tmp_path / "reference"
+    L.train(config, str(workdir), mesh=one_device())
+    records = _metrics(str(workdir))
+    assert [r["step"] for r in records] == list(range(1, RUN_STEPS + 1))
+    assert records[0]["rollout/interrupted"] == 0  # generated before any update
+    assert all(r["rollout/interrupted"] > 0 for r in records[1:])
+    assert all(r["rollout/token_staleness_hist"][1] > 0 for r in records[1:])
+    resumed = tmp_path / "resumed"
+    shutil.copytree(workdir / "checkpoints" / str(EVERY), resumed / "checkpoints" / str(EVERY))
+    L.train(config, str(resumed), mesh=one_device())
+    # (engine/* describe each process's own generations: the resumed one trains on the
+    # pending batches its checkpoint saved finished, so it generates less)
+    untimed = [[{k: v for k, v in r.items() if not k.startswith("engine/")} for r in rs]
+               for rs in (_metrics(str(resumed)), records[EVERY:])]
+    assert untimed[0] == untimed[1]
+
+
 def test_expert_parallel_grpo_matches_the_one_device_run(grpo_run, tmp_path):
     """The same GRPO run with router replay on fsdp=2 x expert=4 of the 8 simulated devices
     (experts sharded 4 ways, tokens dispatched by all-to-all) gives the one-device run's
