@@ -119,6 +119,11 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         # the new weights (with router_replay, routed to the experts each position recorded);
         # each token keeps its behaviour log-prob and version (`ptrain.interrupt`).
         interrupt=False,
+        # What a swap does with the held sequences' caches: "recompute" them from each whole
+        # sequence under the new weights (AReaL's choice, one prefill per row), or "keep" the
+        # old weights' keys and values (no prefill: the new weights go on from them, and the
+        # token already drawn from the old weights' last logits stays the old version's).
+        interrupt_cache="recompute",
         # MoE: train with the experts the sampler routed each token to (R3), not the
         # learner's own top-k; needs a producer that records routing (every one here does:
         # single-turn, multi-turn Tasks, mixed, terminal, and on sampling.engine); rows
@@ -353,6 +358,8 @@ def _check_values(config):
          "rl.staleness >= 1 (with 0 nothing is generated during an update)"),
         (not rl.interrupt or config.sampling.engine,
          "rl.interrupt runs on the rollout engine: set sampling.engine=True"),
+        (rl.interrupt_cache in ("recompute", "keep"),
+         f"rl.interrupt_cache={rl.interrupt_cache!r}: use 'recompute' or 'keep'"),
         (rl.staleness == 0 or not config.dapo.dynamic_sampling,
          "dynamic sampling needs the rewards before the next batch is drawn: set "
          "rl.staleness=0 or dapo.dynamic_sampling=False"),

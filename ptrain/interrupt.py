@@ -16,7 +16,12 @@ yet admitted start with the new weights. With rl.router_replay (a MoE; `Switch(r
 the recomputation routes every position to the experts it recorded when it was run, and
 those stay recorded: the cache is then the forward the learner replays over that prefix, so
 the new version's tokens come from exactly the forward they are trained with (without
-replay the prefix is re-routed by the new weights and recorded so). So an interrupted sequence's tokens before the
+replay the prefix is re-routed by the new weights and recorded so). With
+rl.interrupt_cache="keep" (`Switch(keep_cache=True)`) nothing is recomputed: the new weights
+attend to the old weights' keys and values of the prefix (no prefill at the swap), and a
+decoding row's next token, drawn from the logits the old weights computed, is the old
+version's; the tokens' behaviour log-probs are those of that mixed forward, which the
+importance correction takes as it takes any behaviour policy. So an interrupted sequence's tokens before the
 swap are the old policy's and those after are the new policy's continuation of the same
 prefix (greedily, token for token; sampled, with the same per-token randomness).
 
@@ -68,9 +73,10 @@ class Switch:
     timeout_s: float = 600.0
 
     def __init__(self, *, every: int | None = None, at_round: int | None = None,
-                 replay: bool = False):
+                 replay: bool = False, keep_cache: bool = False):
         self.every = int(every or type(self).every)
         self.replay = bool(replay)  # rl.router_replay: recompute with the recorded experts
+        self.keep_cache = bool(keep_cache)  # rl.interrupt_cache="keep": no recomputation
         self.at_round = type(self).at_round if at_round is None else at_round
         self._lock, self._published = threading.Lock(), threading.Event()
         self._latest = None  # (version, params)
@@ -158,17 +164,22 @@ def swap(run, version: int, params) -> None:
             for row, (traj, _, _) in run.live.items()]
     held += [(row, list(traj.tokens), traj) for row, traj, _, _ in run.tools.values()]
     held += [(row, list(traj.tokens), traj) for row, traj, _, _ in run.ready]
+    keep = run.switch.keep_cache
     for row, seq, traj in held:
         if int(index[row]) != len(seq):
             raise RuntimeError(f"interrupt: slot {row} holds {int(index[row])} positions but "
                                f"its sequence has {len(seq)} tokens")
-        mark(traj, len(seq), version)
+        # Keeping the cache, a decoding row's next token comes from the logits the old
+        # weights left (then the new weights run it): it is still the old version's.
+        mark(traj, len(seq) + (keep and row in run.live), version)
     for _, group in run.waiting:
         for traj, _ in group:
             mark(traj, len(traj.tokens), version)
     from ptrain.engine import _prefill_chunks  # (the engine imports this module)
     lengths = tuple(sorted({*e.token_buckets, e.max_len}))
-    for t, r, chunk in _prefill_chunks(held, lambda item: len(item[1]), lengths,
+    # (keeping the cache: the old weights' keys and values stay, nothing is prefilled)
+    recompute = [] if keep else held
+    for t, r, chunk in _prefill_chunks(recompute, lambda item: len(item[1]), lengths,
                                        e.prefill_buckets):
         rows, tokens, lens = np.full(r, e.slots), np.zeros((r, t), np.int32), np.ones(r)
         for i, (row, seq, _) in enumerate(chunk):

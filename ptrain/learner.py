@@ -335,7 +335,8 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     ahead = (lookahead_lib.LookAhead(k, producer, batches, root_key, steps=c.steps,
                                      save_every=c.checkpoint.every,
                                      interrupt=c.rl.interrupt,
-                                     replay=c.rl.router_replay) if k else None)
+                                     replay=c.rl.router_replay,
+                                     keep_cache=c.rl.interrupt_cache == "keep") if k else None)
 
     watchdog = alerts_lib.Watchdog(c.alerts.stall_minutes, c.alerts.stall).start()
     try:

@@ -75,10 +75,11 @@ class LookAhead:
     """The pending batches of a run with staleness k (see the module docstring)."""
 
     def __init__(self, k: int, producer, batches, root_key, *, steps: int, save_every: int,
-                 interrupt: bool = False, replay: bool = False):
+                 interrupt: bool = False, replay: bool = False, keep_cache: bool = False):
         self.k, self.producer, self.batches, self.root_key = k, producer, batches, root_key
         self.interrupt, self.published = bool(interrupt), None  # (version, copy)
         self.replay = bool(replay)  # rl.router_replay: a swap recomputes with recorded experts
+        self.keep_cache = bool(keep_cache)  # rl.interrupt_cache="keep"
         self.steps, self.save_every = steps, save_every
         self.pending = collections.deque()
         # One worker each: batches are generated, then scored, in order (deterministic).
@@ -117,7 +118,8 @@ class LookAhead:
         if self.interrupt:
             if not threaded:
                 raise ValueError("rl.interrupt needs the generation thread: one process")
-            switch = interrupt_lib.Switch(replay=self.replay) if interruptible else None
+            switch = (interrupt_lib.Switch(replay=self.replay, keep_cache=self.keep_cache)
+                      if interruptible else None)
             weights = interrupt_lib.Live(weights, version(step, self.k), switch)
         if not threaded:
             # Many processes must issue the same device programs in the same order (their

@@ -95,6 +95,49 @@ def test_greedy_swap_at_a_round_continues_with_the_new_weights(models):
     assert m["recompute_tokens"] == len(PROMPTS[0]) + len(PROMPTS[1]) + 2 * EVERY
 
 
+@nnx.jit
+def _cached(model, tokens_bt, cache):
+    return model(tokens_bt, cache=cache)
+
+
+def test_a_swap_that_keeps_the_cache_goes_on_from_the_old_keys_and_values(models):
+    """rl.interrupt_cache="keep": nothing is recomputed at the swap; the token drawn from
+    the old weights' last logits is the old version's, and the new weights' tokens after it
+    are the greedy choices and log-probs (1e-5) of the new weights attending to the old
+    weights' keys and values of the prefix (a cached forward of each, one after the other)."""
+    old, new = models
+    switch = interrupt.Switch(every=EVERY, at_round=1, keep_cache=True)
+    switch.publish(1, new)
+    engine = _engine(old, greedy=True)
+    trajs = engine.generate(old, [E.Request(p) for p in PROMPTS],
+                            live=interrupt.Live(old, 0, switch))
+    interrupted = 0
+    for t, prompt in zip(trajs, PROMPTS):
+        p, tokens = len(prompt), np.asarray(t.tokens, np.int32)
+        if len(t.versions) == 1:  # admitted after the swap: the new weights alone
+            assert t.versions == [(p, 1)] and t.turns[0] == _greedy(new, prompt, 10)
+            continue
+        interrupted += 1
+        cut = p + EVERY  # the old weights ran the tokens before it
+        assert t.versions == [(p, 0), (cut + 1, 1)]
+        assert t.turns[0][:EVERY + 1] == _greedy(old, prompt, 10)[:EVERY + 1]
+        np.testing.assert_allclose(t.logp_t1[p:cut + 1],
+                                   _teacher_forced(old, t.tokens)[p - 1:cut], atol=1e-5)
+        _, cache = _cached(old, tokens[None, :cut], M.init_cache(CONFIG, 1, 64))
+        logits, _ = _cached(new, tokens[None, cut:], cache)
+        logits = np.asarray(logits, np.float64)[0, :-1]
+        assert t.tokens[cut + 1:] == np.argmax(logits, -1).tolist()
+        logp = _log_softmax(logits)[np.arange(len(logits)), tokens[cut + 1:]]
+        np.testing.assert_allclose(t.logp_t1[cut + 1:], logp, atol=1e-5)
+        # ... which is not the recomputing swap's continuation (the new weights throughout)
+        assert not np.allclose(t.logp_t1[cut + 1:],
+                               _teacher_forced(new, t.tokens)[cut:], atol=1e-5)
+    assert interrupted == 2
+    m = engine.metrics()
+    assert m["interruptions"] == 1 and m["interrupted_rows"] == 2
+    assert m.get("recompute_tokens", 0) == 0  # (counted only when a swap prefills)
+
+
 def test_sampled_swap_keeps_the_tokens_before_it_and_each_tokens_behaviour_logp(models):
     """Sampled (T = 0.7, 2 samples a prompt sharing a prefill): the tokens before the swap
     are those of the old weights' run with the same keys; every token's log-prob (at T and
@@ -321,6 +364,9 @@ def test_interrupt_config_errors():
     c.reward_fn = lambda *a: 0.0
     c.data.records_fn = lambda seed: []
     config_lib.check(c)
+    c.rl.interrupt_cache = "reuse"
+    with pytest.raises(ValueError, match="use 'recompute' or 'keep'"):
+        config_lib.check(c)
 
 
 def test_a_swap_refreshes_the_engines_decode_copy(models):

@@ -328,18 +328,20 @@ def test_grpo_on_a_tiny_moe_logs_routing_and_resumes_exactly(grpo_run, tmp_path)
     assert again == records[EVERY:]
 
 
-def test_replay_with_interruption_trains_and_resumes_exactly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cache", ["recompute", "keep"])
+def test_replay_with_interruption_trains_and_resumes_exactly(tmp_path, monkeypatch, cache):
     """rl.router_replay with rl.interrupt (k = 1 on the engine, the swap forced after 4 of
     the 8 tokens): batches 2.. are interrupted (their prefixes recomputed with the experts
-    they recorded, tests/test_interrupt.py), the learner replays them, and a run resumed from
-    step 2's checkpoint logs what the uninterrupted one did."""
+    they recorded, tests/test_interrupt.py, or with rl.interrupt_cache="keep" their caches
+    kept), the learner replays them, and a run resumed from step 2's checkpoint logs what
+    the uninterrupted one did."""
     from ptrain import interrupt
     monkeypatch.setattr(interrupt.Switch, "at_round", 1)
     monkeypatch.setattr(interrupt.Switch, "every", 4)
     config = moe_config(steps=RUN_STEPS, **{
         "checkpoint.every": EVERY, "rl.router_replay": True, "rl.staleness": 1,
-        "rl.interrupt": True, "rl.tis_cap": 2.0, "sampling.engine": True,
-        "sampling.engine_slots": 16})
+        "rl.interrupt": True, "rl.interrupt_cache": cache, "rl.tis_cap": 2.0,
+        "sampling.engine": True, "sampling.engine_slots": 16})
     workdir = tmp_path / "reference"
     L.train(config, str(workdir), mesh=one_device())
     records = _metrics(str(workdir))
@@ -347,6 +349,8 @@ def test_replay_with_interruption_trains_and_resumes_exactly(tmp_path, monkeypat
     assert records[0]["rollout/interrupted"] == 0  # generated before any update
     assert all(r["rollout/interrupted"] > 0 for r in records[1:])
     assert all(r["rollout/token_staleness_hist"][1] > 0 for r in records[1:])
+    recomputed = sum(r.get("engine/recompute_tokens", 0) for r in records)
+    assert (recomputed > 0) == (cache == "recompute")
     resumed = tmp_path / "resumed"
     shutil.copytree(workdir / "checkpoints" / str(EVERY), resumed / "checkpoints" / str(EVERY))
     L.train(config, str(resumed), mesh=one_device())
