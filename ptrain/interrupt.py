@@ -12,18 +12,19 @@ reuses), and the generation in flight switches to it at its next decode-round bo
 gets its cache recomputed under the new weights from its whole sequence so far (`swap`:
 `kv_slots.recompute`, one prefill per row, AReaL's choice: the KV of the old weights is not
 mixed with the new ones), keeps its turn state and sampling key, and goes on; requests not
-yet admitted start with the new weights. With rl.router_replay (a MoE; `Switch(replay=True)`)
-the recomputation routes every position to the experts it recorded when it was run, and
-those stay recorded: the cache is then the forward the learner replays over that prefix, so
-the new version's tokens come from exactly the forward they are trained with (without
-replay the prefix is re-routed by the new weights and recorded so). With
-rl.interrupt_cache="keep" (`Switch(keep_cache=True)`) nothing is recomputed: the new weights
-attend to the old weights' keys and values of the prefix (no prefill at the swap), and a
-decoding row's next token, drawn from the logits the old weights computed, is the old
-version's; the tokens' behaviour log-probs are those of that mixed forward, which the
-importance correction takes as it takes any behaviour policy. So an interrupted sequence's tokens before the
+yet admitted start with the new weights. So an interrupted sequence's tokens before the
 swap are the old policy's and those after are the new policy's continuation of the same
 prefix (greedily, token for token; sampled, with the same per-token randomness).
+
+With rl.router_replay (a MoE; `Switch(replay=True)`) the recomputation routes every position to
+the experts it recorded when it was run, and those stay recorded: the cache is then the forward
+the learner replays over that prefix, so the new version's tokens come from exactly the forward
+they are trained with (without replay the prefix is re-routed by the new weights and recorded
+so). With rl.interrupt_cache="keep" (`Switch(keep_cache=True)`) nothing is recomputed: the new
+weights attend to the old weights' keys and values of the prefix (no prefill at the swap), and
+a decoding row's next token, drawn from the logits the old weights computed, is the old
+version's; the tokens' behaviour log-probs are those of that mixed forward, which the
+importance correction takes as it takes any behaviour policy.
 
 Each token keeps the log-probs it was sampled with, and its version: `Trajectory.versions`
 holds (position, version) pairs (tokens from that position on came from that version), and
