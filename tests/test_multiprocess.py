@@ -243,7 +243,8 @@ def test_checkpoint_across_process_counts(small_dirs, small_2x4):
 # checkpoint unwritten (the restart resumes from step 2's). Every other kill point, at
 # staleness 0, 1 and 2 and at several seeds, is tests/test_resume.py's (one process): what two
 # processes add is that both restart from the same checkpoint and data state, which each kill
-# here shows. (Two kills a phase, every point, cost two more starts of both processes: ~100 s.)
+# here shows. (Two kills a phase, every point, cost two more starts of both processes: ~50 s
+# of the suite.)
 _rng = random.Random(0)
 KILLS = {"grpo": [(_rng.randrange(2), 2, "generate")], "ppo": [(_rng.randrange(2), 3, "save")]}
 START_AFTER = {"grpo": [0, 1], "ppo": [0, 2]}  # each phase's starts: from 0, then the resume
