@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import multiprocess  # (tests/)
 from sandbox.terminal import report
 from sandbox.terminal.evaluate import summarize, transcript_path, write_transcript
 from tests.test_terminal_load import TASKS_DIR
@@ -120,8 +121,8 @@ def test_cli_model_agent_on_a_word_tokenizer_run(tmp_path):
     if _REASON is not None:
         pytest.skip(_REASON)
     work, out = str(tmp_path / "run"), str(tmp_path / "eval")
-    import multiprocess  # (tests/): its env, on one CPU device: the run's sharding is not
-    env = multiprocess.env_for(1)  # what this test is about (8 devices: 47 s, 1: 38.5 s)
+    # One CPU device: the run's sharding is not what this test is about (8 devices: 47 s).
+    env = multiprocess.env_for(1)
     p = subprocess.run([sys.executable, "-m", "launch.train",
                         "--config=configs/terminal_toy.py:short", "--config.steps=0",
                         "--config.sft.steps=4", "--config.tasks.n_train=8",

@@ -247,7 +247,6 @@ def test_checkpoint_across_process_counts(small_dirs, small_2x4):
 # of the suite.)
 _rng = random.Random(0)
 KILLS = {"grpo": [(_rng.randrange(2), 2, "generate")], "ppo": [(_rng.randrange(2), 3, "save")]}
-START_AFTER = {"grpo": [0, 1], "ppo": [0, 2]}  # each phase's starts: from 0, then the resume
 assert {p for kills in KILLS.values() for _, _, p in kills} <= set(mp_programs.KILL_POINTS)
 assert all(p in mp_programs.STALE_KILL_POINTS for _, _, p in KILLS["ppo"])
 
@@ -307,14 +306,15 @@ def _same_metrics(two, one, atol=None):
                 np.testing.assert_allclose(a, b, atol=atol)
 
 
-def _killed_where_told(workdir, killed, phase):
+def _killed_where_told(two, workdir, killed, phase):
     """Each kill of `phase` happened at its point, and every process's runs of the phase
-    started from 0, then from the checkpoint the kill left (START_AFTER: killed in step 2,
-    step 1's; killed saving step 3, step 2's: that step's checkpoint is never listed)."""
+    started from 0, then from the checkpoint each kill left: a kill in step s leaves step
+    s - 1's (one at the save of step s never lists step s's)."""
     assert all(k.startswith("processes exited with") for k in killed), killed
     for i, (_, step, point) in enumerate(KILLS[phase]):
         with open(os.path.join(workdir, f"killed-{phase}-{i}")) as f:
             assert f.read() == point
+    assert [r[phase]["starts"] for r in two] == [[0] + [s - 1 for _, s, _ in KILLS[phase]]] * 2
     with Checkpointer(os.path.join(workdir, phase, "checkpoints")) as ckpt:
         assert ckpt.latest_step() == 3
 
@@ -352,8 +352,7 @@ def test_rl_with_dynamic_sampling_killed_and_restarted_equals_one_process(learne
     entering a generation in step 2; a restart of both resumes from step 1's checkpoint and
     the run ends bit for bit as 1 x 8's uninterrupted one."""
     two, one, workdir, killed = learner_runs
-    _killed_where_told(workdir, killed, "grpo")
-    assert [r["grpo"]["starts"] for r in two] == [START_AFTER["grpo"]] * 2
+    _killed_where_told(two, workdir, killed, "grpo")
     _same_metrics([r["grpo"] for r in two], one["grpo"])
     assert [r["step"] for r in one["grpo"]["metrics"]] == [1, 2, 3]
     assert "dapo/gen_batches" in one["grpo"]["metrics"][0]
@@ -367,8 +366,7 @@ def test_ppo_critic_with_staleness_killed_and_restarted_equals_one_process(learn
     the save of step 3 (its checkpoint unwritten: both resume from step 2's): bit for bit
     1 x 8's uninterrupted run."""
     two, one, workdir, killed = learner_runs
-    _killed_where_told(workdir, killed, "ppo")
-    assert [r["ppo"]["starts"] for r in two] == [START_AFTER["ppo"]] * 2
+    _killed_where_told(two, workdir, killed, "ppo")
     _same_metrics([r["ppo"] for r in two], one["ppo"])
     metrics = one["ppo"]["metrics"]
     assert [r["step"] for r in metrics] == [1, 2, 3]
