@@ -100,6 +100,7 @@ _K1 = {"sampling.engine": True, "rl.staleness": 1, "rl.tis_cap": 2.0}
 MODES = {  # ptrain's RL step: the sampler and how far generation runs ahead of the learner
     "static": {},
     "engine": {"sampling.engine": True},
+    "engine-remat": {"sampling.engine": True, "model.remat": "full"},  # on-policy (k = 0)
     "engine-k1": _K1,
     # (on CPU recomputing a layer's activations is cheaper than saving them from the scan)
     "engine-k1-remat": {**_K1, "model.remat": "full"},
