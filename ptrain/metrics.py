@@ -53,6 +53,7 @@ def _figure(figsize):
     fig = Figure(figsize=figsize)
     return fig, lambda path: FigureCanvasAgg(fig).print_png(path)
 
+
 ROLLOUT_KEYS = ("prompt", "completion", "reward")  # also: feedback, domain, anything else
 DEFAULT_PLOT_PATTERN = re.compile(r"reward|kl|entropy|length")
 
