@@ -29,7 +29,8 @@ from ptrain.jsonl import read as read_jsonl
 def _import_tensorboardx():
     """tensorboardX, imported without torch where torch is not loaded yet: tensorboardX
     imports it only to accept torch tensors (ptrain logs floats), and that import costs
-    seconds of CPU in every process that writes metrics (each launch.train start)."""
+    seconds of CPU in every process that writes metrics (each launch.train start). Called
+    when a writer opens, not at import: tensorboardX itself (with boto3) is ~0.3 s."""
     if "torch" in sys.modules:
         import tensorboardX
         return tensorboardX
@@ -39,9 +40,6 @@ def _import_tensorboardx():
     finally:
         del sys.modules["torch"]  # a later `import torch` loads it as usual
     return tensorboardX
-
-
-tensorboardX = _import_tensorboardx()
 
 
 def _figure(figsize):
@@ -124,8 +122,8 @@ class MetricsWriter:
         os.makedirs(self.workdir, exist_ok=True)
         for path in (self.metrics_path, self.rollouts_path):
             jsonl.truncate(path, start_step)
-        self._tb = tensorboardX.SummaryWriter(os.path.join(self.workdir, "tb"),
-                                              purge_step=start_step + 1 if start_step else None)
+        self._tb = _import_tensorboardx().SummaryWriter(
+            os.path.join(self.workdir, "tb"), purge_step=start_step + 1 if start_step else None)
         show = sys.stderr.isatty() if progress is None else bool(progress)
         self._bar = tqdm.tqdm(total=total_steps, initial=start_step, disable=not show,
                               file=progress if hasattr(progress, "write") else None,
