@@ -16,7 +16,8 @@ install-test:
 	$(PYTHON) -m pip install -q -e '.[test]'
 	test -d $(VERL_DIR)/verl || $(PYTHON) -m pip install -q --no-deps --target $(VERL_DIR) verl==0.9.1
 
-# bubblewrap, the Docker engine and the sandbox test image, where the machine allows;
+# bubblewrap, the Docker engine and the sandbox test image (and jemalloc for the tests' processes),
+# where the machine allows;
 # never fails the build (a backend that cannot run is skipped by the tests with the reason).
 system-deps:
 	-bash sandbox/setup_host.sh
