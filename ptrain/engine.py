@@ -66,8 +66,10 @@ class Request:
 @dataclasses.dataclass
 class Trajectory:
     """One sequence: the prompt, each model turn (mask 1) and each observation (mask 0).
-    `logp_t1` is the plain model's log-prob of each token, `logp` the sampled-from one
-    (0 on prompt and observation tokens)."""
+    Log-probs of each token (0 on prompt and observation tokens): `logp` under the
+    distribution sampled from (top-k / top-p applied; 0 when greedy), `logp_temp` under
+    logits / temperature (what a learner's forward computes: the behaviour policy), `logp_t1`
+    the plain model's."""
 
     request: int
     sample: int
@@ -75,6 +77,7 @@ class Trajectory:
     tokens: list = dataclasses.field(default_factory=list)
     mask: list = dataclasses.field(default_factory=list)
     logp: list = dataclasses.field(default_factory=list)
+    logp_temp: list = dataclasses.field(default_factory=list)
     logp_t1: list = dataclasses.field(default_factory=list)
     turns: list = dataclasses.field(default_factory=list)  # each turn's token ids
     finish_reasons: list = dataclasses.field(default_factory=list)  # per turn
@@ -85,6 +88,14 @@ class Trajectory:
     # (position, version): tokens from that position on were sampled by that policy version
     # (one pair unless the generation was interrupted, ptrain/interrupt.py)
     versions: list = dataclasses.field(default_factory=list)
+
+    def add_unsampled(self, ids) -> None:
+        """Appends tokens the model did not sample (the prompt, an observation): mask and
+        log-probs 0."""
+        ids = list(ids)
+        self.tokens += ids
+        for name in ("mask", "logp", "logp_temp", "logp_t1"):
+            getattr(self, name).extend([0] * len(ids) if name == "mask" else [0.0] * len(ids))
 
     def completion(self, turn: int = -1) -> list[int]:
         return self.turns[turn]
@@ -338,10 +349,9 @@ class _Run:
             key = _key_data(req.key)
             group = []
             for g in range(req.num_samples):
-                t = Trajectory(request=i, sample=g, prompt_len=len(prompt), tokens=list(prompt),
-                               mask=[0] * len(prompt), logp=[0.0] * len(prompt),
-                               logp_t1=[0.0] * len(prompt),
+                t = Trajectory(request=i, sample=g, prompt_len=len(prompt),
                                versions=[(len(prompt), self.version)])
+                t.add_unsampled(prompt)
                 group.append((t, np.asarray(jax.random.key_data(jax.random.fold_in(
                     jax.random.wrap_key_data(key), g)), np.uint32)))
                 self.trajs.append(t)
@@ -444,9 +454,10 @@ class _Run:
         min_live = b // 2 + 1 if b > 1 else 0
         steps, busy = e._decode(self.params, rows_b, max_steps, refill_at, min_live)
         s = e.state
-        live, count, reason, index, gen, tokens, logp, logp_t1, steps, busy = jax.device_get(
-            (s["live_n"], s["count_n"], s["reason_n"], s["index_n"], s["gen_n"],
-             s["tokens_nm"], s["logp_nm"], s["logp_t1_nm"], steps, busy))
+        (live, count, reason, index, gen, tokens, logp, logp_temp, logp_t1, steps,
+         busy) = jax.device_get((s["live_n"], s["count_n"], s["reason_n"], s["index_n"],
+                                 s["gen_n"], s["tokens_nm"], s["logp_nm"], s["logp_temp_nm"],
+                                 s["logp_t1_nm"], steps, busy))
         e._metrics["decode_s"] += time.perf_counter() - start
         e._metrics["decode_calls"] += 1
         e._metrics["decode_steps"] += int(steps)
@@ -475,6 +486,7 @@ class _Run:
             traj.tokens += tokens[row, :n].tolist()
             traj.mask += [1] * n
             traj.logp += logp[row, :n].tolist()
+            traj.logp_temp += logp_temp[row, :n].tolist()
             traj.logp_t1 += logp_t1[row, :n].tolist()
             traj.turns.append(tokens[row, :n].tolist())
             if why == "length" and len(traj.tokens) >= self._max_len(req):
@@ -520,10 +532,7 @@ class _Run:
                 # no room for the model to answer after it: recorded (as far as it fits),
                 # not run
                 ids = ids[:max(0, room)]
-                traj.tokens += ids
-                traj.mask += [0] * len(ids)
-                traj.logp += [0.0] * len(ids)
-                traj.logp_t1 += [0.0] * len(ids)
+                traj.add_unsampled(ids)
                 if traj.finish_reasons[-1] != "max_len":
                     traj.finish_reasons.append("max_len")
                 self._release(traj)
@@ -540,10 +549,7 @@ class _Run:
             for i, (row, traj, req, ids) in enumerate(chunk):
                 rows[i], lengths[i] = row, len(ids)
                 tokens[i, :len(ids)] = ids
-                traj.tokens += ids
-                traj.mask += [0] * len(ids)
-                traj.logp += [0.0] * len(ids)
-                traj.logp_t1 += [0.0] * len(ids)
+                traj.add_unsampled(ids)
                 limits[i] = self._limit(req, len(traj.tokens))
             e._extend(self.params, rows, tokens, lengths, np.zeros(r, bool), limits,
                       np.zeros((r, 2), np.uint32))

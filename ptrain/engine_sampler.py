@@ -38,10 +38,10 @@ from ptrain.engine import Engine, Request, Trajectory, buckets
 class EngineSampler:
     """One engine per decoding settings and shape (each compiles once, on first use; see
     `engine()`). Request i of a `sample` call draws from fold_in(key, i): greedy outputs
-    equal the static sampler's, sampled ones come from other (per-request) randomness.
-    top-k / top-p are not supported yet (the engine records the log-prob at the sampling
-    temperature only without them). An MoE model's routing is recorded as the engine ran
-    each token (`Samples.experts`, `prompt_experts`; `Trajectory.experts`).
+    equal the static sampler's, sampled ones come from other (per-request) randomness, from
+    the same distribution (temperature, then top-k, then top-p). An MoE model's routing is
+    recorded as the engine ran each token (`Samples.experts`, `prompt_experts`;
+    `Trajectory.experts`).
 
     decode_dtype: None (or ""), the engines decode the parameters each call brings, as they
     are; "bfloat16" (or "float32"), a decode copy (see the module docstring) on `mesh`
@@ -60,16 +60,19 @@ class EngineSampler:
         self._taken = collections.Counter()  # totals at the last take_counters
 
     def engine(self, *, max_len: int, max_new_tokens: int, num_samples: int = 1,
-               temperature: float = 1.0, greedy: bool = False, stop_token_ids=(),
-               stop_strings=(), token_buckets: Sequence[int] | None = None) -> Engine:
+               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+               greedy: bool = False, stop_token_ids=(), stop_strings=(),
+               token_buckets: Sequence[int] | None = None) -> Engine:
         """The engine for these settings (made on first use, then kept)."""
         settings = (int(max_len), int(max_new_tokens), max(self.slots, int(num_samples)),
                     float(temperature), bool(greedy), tuple(stop_token_ids),
-                    tuple(stop_strings), tuple(token_buckets or buckets(max_len, 16)))
+                    tuple(stop_strings), tuple(token_buckets or buckets(max_len, 16)),
+                    int(top_k), float(top_p))
         if settings not in self.engines:
             self.engines[settings] = Engine(
                 self.model, slots=settings[2], max_len=max_len, max_new_tokens=max_new_tokens,
-                temperature=temperature, greedy=greedy, stop_token_ids=stop_token_ids,
+                temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
+                stop_token_ids=stop_token_ids,
                 stop_strings=stop_strings, decode=self.decode,
                 stop_check_every=self.stop_check_every, pad_id=self.pad_id,
                 token_buckets=settings[7], record_routing=self.model.config.n_experts > 0,
@@ -113,11 +116,11 @@ class EngineSampler:
         """The engine's `generate` on these requests (multi-turn through their on_turn):
         max_len is the most tokens a sequence may hold (its prompt included), the cache's
         length; prompts and observations are prefilled in buckets of powers of two."""
-        _check(top_k, top_p)
+        _check()
         params, live = interrupt.unwrap(params)
         engine = self.engine(max_len=max_len, max_new_tokens=max_new_tokens,
                              num_samples=max(r.num_samples for r in requests),
-                             temperature=temperature, greedy=greedy,
+                             temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
                              stop_token_ids=stop_token_ids, stop_strings=stop_strings)
         return self._generate(engine, params, requests, live=live)
 
@@ -127,7 +130,7 @@ class EngineSampler:
                prompt_len: int | None = None, batch_size: int | None = None,
                record_routing: bool | None = None, shared: bool = False):
         del batch_size  # the engine's rows are its slots
-        _check(top_k, top_p, shared=shared)
+        _check(shared=shared)
         params, live = interrupt.unwrap(params)  # rl.interrupt: versions per token
         if record_routing and not self.model.config.n_experts:
             raise ValueError("EngineSampler: record_routing needs a model with experts "
@@ -140,19 +143,20 @@ class EngineSampler:
             raise ValueError(f"sampling.engine: a prompt has {longest} tokens, more than "
                              f"prompt_len={prompt_len}")
         engine = self.engine(max_len=prompt_len + max_new_tokens, max_new_tokens=max_new_tokens,
-                             num_samples=num_samples, temperature=temperature, greedy=greedy,
-                             stop_token_ids=stop_token_ids, stop_strings=stop_strings,
-                             token_buckets=(prompt_len,))
+                             num_samples=num_samples, temperature=temperature, top_k=top_k,
+                             top_p=top_p, greedy=greedy, stop_token_ids=stop_token_ids,
+                             stop_strings=stop_strings, token_buckets=(prompt_len,))
         trajs = self._generate(engine, params, [
             Request(p, key=jax.random.fold_in(key, i), num_samples=num_samples)
             for i, p in enumerate(prompts)], live=live)
         n = len(trajs)
         tokens = np.full((n, max_new_tokens), self.pad_id, np.int32)
-        logp, logp_t1 = (np.zeros((n, max_new_tokens), np.float32) for _ in range(2))
+        logp, logp_temp, logp_t1 = (np.zeros((n, max_new_tokens), np.float32) for _ in range(3))
         for r, t in enumerate(trajs):
-            k = len(t.turns[0])
+            k, p = len(t.turns[0]), t.prompt_len
             tokens[r, :k] = t.turns[0]
-            logp[r, :k], logp_t1[r, :k] = t.logp[t.prompt_len:], t.logp_t1[t.prompt_len:]
+            logp[r, :k], logp_temp[r, :k] = t.logp[p:], t.logp_temp[p:]
+            logp_t1[r, :k] = t.logp_t1[p:]
         versions = None
         if live is not None:
             versions = np.full((n, max_new_tokens), interrupt.UNSAMPLED, np.int32)
@@ -162,12 +166,10 @@ class EngineSampler:
         experts = prompt_experts = None
         if trajs and trajs[0].experts is not None and record_routing is not False:
             experts, prompt_experts = _routing(trajs, len(prompts), prompt_len, max_new_tokens)
-        # Without top-k / top-p the sampled-from distribution is logits / temperature; greedy
-        # rows have no temperature (as the static sampler's).
         return sampler_lib.Samples(
             experts=experts, prompt_experts=prompt_experts, versions=versions,
-            tokens=tokens, logp=logp, logp_temp=logp_t1.copy() if greedy else logp.copy(),
-            logp_t1=logp_t1, lengths=np.array([len(t.turns[0]) for t in trajs], np.int32),
+            tokens=tokens, logp=logp, logp_temp=logp_temp, logp_t1=logp_t1,
+            lengths=np.array([len(t.turns[0]) for t in trajs], np.int32),
             finish_reasons=["length" if t.finish_reasons[0] == "max_len" else
                             t.finish_reasons[0] for t in trajs],
             prompt_index=np.array([t.request for t in trajs], np.int32))
@@ -268,7 +270,7 @@ def run_episodes(sampler: EngineSampler, params, episodes, prompts, key, tokeniz
     def on_turn(traj):
         i = traj.request * c.num_samples + traj.sample
         e, new, hit_length = episodes[i], traj.turns[-1], traj.finish_reasons[-1] != "stop"
-        logp = logp_temp(traj, c.greedy)[len(traj.tokens) - len(new):]
+        logp = traj.logp_temp[len(traj.tokens) - len(new):]
         with lock:  # cut: the turn stopped at the episode's room, not at max_new_tokens
             calls = turns.take_turn(e, new, logp, text, hit_length=hit_length,
                                     cut=hit_length and len(new) < c.max_new_tokens)
@@ -315,16 +317,7 @@ def run_episodes(sampler: EngineSampler, params, episodes, prompts, key, tokeniz
                 traj, 0, len(e.tokens)), interrupt.UNSAMPLED).tolist()
 
 
-def logp_temp(traj: Trajectory, greedy: bool) -> list[float]:
-    """The trajectory's log-probs under the distribution sampled from (`Samples.logp_temp`'s
-    meaning): logits / temperature, or the plain model's for greedy decoding."""
-    return traj.logp_t1 if greedy else traj.logp
-
-
-def _check(top_k, top_p, *, shared=False):
+def _check(*, shared=False):
     if shared or jax.process_count() > 1:
         raise ValueError("sampling.engine runs on one process only; set "
                          "sampling.engine=False for a multi-process run")
-    if top_k or top_p < 1.0:
-        raise ValueError("sampling.engine: top_k / top_p are not supported by the engine "
-                         "yet; set sampling.engine=False or top_k=0, top_p=1.0")

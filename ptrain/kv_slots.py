@@ -39,7 +39,9 @@ its sequence's routing as the engine ran it.
 Every sampled token's randomness comes from its sequence's key folded with its index in the
 sequence (one uniform, inverse-CDF), so what a request samples does not depend on its slot,
 its neighbours or when it arrived. `logp` is the log-prob under the distribution sampled
-from (logits / temperature, top-k, top-p; 0 for greedy), `logp_t1` the plain model's.
+from (logits / temperature, then top-k, then top-p; 0 for greedy), `logp_temp` under logits /
+temperature alone (the policy a learner's forward computes; the plain model's for greedy),
+`logp_t1` the plain model's.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ def init_state(config: model_lib.ModelConfig, slots: int, max_len: int,
         "reason_n": jnp.zeros(n, jnp.int32),
         "tokens_nm": jnp.zeros((n, m), jnp.int32),  # the current turn's tokens
         "logp_nm": jnp.zeros((n, m), jnp.float32),
+        "logp_temp_nm": jnp.zeros((n, m), jnp.float32),
         "logp_t1_nm": jnp.zeros((n, m), jnp.float32),
     }
 
@@ -271,7 +274,8 @@ def decode(params, state, rows_b, max_steps, refill_at, min_live, *, graphdef,
     def body(carry):
         s, i, busy, finished = carry
         live_b = s["live_n"]
-        tok_b, logp_b, logp_t1_b = sample_rows(s["logits_nv"], keys_b, s["gen_n"], settings)
+        tok_b, logp_b, logp_temp_b, logp_t1_b = sample_rows(s["logits_nv"], keys_b, s["gen_n"],
+                                                             settings)
         tok_b = jnp.where(live_b, tok_b, settings.pad_id)
         col_b = jnp.where(live_b, s["count_n"], m)  # m: dropped
 
@@ -293,6 +297,7 @@ def decode(params, state, rows_b, max_steps, refill_at, min_live, *, graphdef,
             live_n=live_b & ~stopped_b & ~full_b,
             reason_n=jnp.where(stopped_b, STOP, jnp.where(full_b, LENGTH, s["reason_n"])),
             tokens_nm=put(s["tokens_nm"], tok_b), logp_nm=put(s["logp_nm"], logp_b),
+            logp_temp_nm=put(s["logp_temp_nm"], logp_temp_b),
             logp_t1_nm=put(s["logp_t1_nm"], logp_t1_b))
         return (new, i + 1, busy + jnp.sum(live_b),
                 finished + jnp.sum(stopped_b | full_b))
@@ -401,21 +406,27 @@ def _attend(q_bthe, k_lnkse, v_lnkse, l, rows_b, pos_bt, n_blocks, block: int):
 
 def sample_rows(logits_bv, keys_b, gen_b, settings: Settings):
     """One token per row from its own key (folded with gen_b), by inverse CDF; returns
-    (tokens, logp under the distribution sampled from, logp at temperature 1)."""
+    (tokens, logp under the distribution sampled from, logp of logits / temperature, logp at
+    temperature 1), as `sampler.sample_logits` does: temperature, then top-k, then top-p."""
     logp_t1_bv = jax.nn.log_softmax(logits_bv, axis=-1)
     if settings.greedy:
         tok_b = jnp.argmax(logits_bv, axis=-1)
-        return tok_b, jnp.zeros(tok_b.shape, jnp.float32), _take(logp_t1_bv, tok_b)
-    z_bv = sampler_lib.filter_top_k_top_p(logits_bv / settings.temperature, settings.top_k,
-                                          settings.top_p)
+        logp_t1_b = _take(logp_t1_bv, tok_b)
+        return tok_b, jnp.zeros(tok_b.shape, jnp.float32), logp_t1_b, logp_t1_b
+    scaled_bv = logits_bv / settings.temperature
+    z_bv = sampler_lib.filter_top_k_top_p(scaled_bv, settings.top_k, settings.top_p)
     logp_bv = jax.nn.log_softmax(z_bv, axis=-1)
+    # Without top-k / top-p the sampled-from distribution is logits / temperature itself.
+    logp_temp_bv = logp_bv if z_bv is scaled_bv else jax.nn.log_softmax(scaled_bv, axis=-1)
     u_b = jax.vmap(lambda k, g: jax.random.uniform(jax.random.fold_in(k, g)))(keys_b, gen_b)
     cdf_bv = jnp.cumsum(jnp.exp(logp_bv), axis=-1)
     # The first token whose cumulative mass reaches (1 - u) of the total: u in [0, 1), so a
     # zero-probability token is never chosen.
     target_b = (1.0 - u_b) * cdf_bv[:, -1]
     tok_b = jnp.minimum(jnp.sum(cdf_bv < target_b[:, None], axis=-1), logits_bv.shape[-1] - 1)
-    return tok_b, _take(logp_bv, tok_b), _take(logp_t1_bv, tok_b)
+    logp_b = _take(logp_bv, tok_b)
+    logp_temp_b = logp_b if logp_temp_bv is logp_bv else _take(logp_temp_bv, tok_b)
+    return tok_b, logp_b, logp_temp_b, _take(logp_t1_bv, tok_b)
 
 
 def _take(x_bv, tok_b):

@@ -122,16 +122,68 @@ def test_sampled_independent_of_slots_neighbours_and_order(model):
                                    _log_softmax(logits / temperature)[steps, tokens], atol=1e-5)
 
 
-def test_inverse_cdf_sampling_follows_the_distribution():
+def _hf_filtered_log_softmax(logits_tv, temperature, top_k=0, top_p=1.0):
+    """log_softmax of logits after transformers' temperature, top-k and top-p warpers (the
+    order of its generation config), in float64: -inf outside the kept set."""
+    torch = pytest.importorskip("torch", reason="torch (CPU) runs transformers' warpers")
+    warpers = pytest.importorskip("transformers.generation.logits_process",
+                                  reason="pip install '.[test]'")
+    z = torch.tensor(np.asarray(logits_tv, np.float64))
+    chain = [warpers.TemperatureLogitsWarper(temperature)]
+    chain += [warpers.TopKLogitsWarper(top_k)] if top_k else []
+    chain += [warpers.TopPLogitsWarper(top_p)] if top_p < 1 else []
+    for warp in chain:
+        z = warp(None, z)
+    return torch.log_softmax(z, dim=-1).numpy()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (0, 0.7), (4, 0.7)])
+def test_inverse_cdf_sampling_follows_the_filtered_distribution(top_k, top_p):
     logits = np.log(np.array([[0.5, 0.0, 0.2, 0.25, 0.05]], np.float32) + 1e-30)
     n = 8000
     keys = jax.random.split(jax.random.key(0), n)
     sample = jax.jit(kv_slots.sample_rows, static_argnums=3)  # one compile, not one per op
-    tok, logp, _ = sample(np.repeat(logits, n, 0), keys, np.zeros(n, np.int32),
-                          kv_slots.Settings(top_k=4))
-    freq = np.bincount(np.asarray(tok), minlength=5) / n
-    np.testing.assert_allclose(freq, [0.5, 0.0, 0.2, 0.25, 0.05], atol=0.02)
-    assert freq[1] == 0  # top-k removed nothing with mass; the zero-mass token never drawn
+    settings = kv_slots.Settings(temperature=0.9, top_k=top_k, top_p=top_p)
+    tok, logp, logp_temp, logp_t1 = map(np.asarray, sample(
+        np.repeat(logits, n, 0), keys, np.zeros(n, np.int32), settings))
+    ref = _hf_filtered_log_softmax(logits, 0.9, top_k, top_p)[0]
+    freq = np.bincount(tok, minlength=5) / n
+    np.testing.assert_allclose(freq, np.exp(ref), atol=0.02)
+    assert np.all(freq[np.exp(ref) == 0] == 0)  # a removed (or zero-mass) token: never drawn
+    np.testing.assert_allclose(logp, ref[tok], atol=1e-5)
+    np.testing.assert_allclose(logp_temp, _log_softmax(logits[0] / 0.9)[tok], atol=1e-5)
+    np.testing.assert_allclose(logp_t1, _log_softmax(logits[0].astype(np.float64))[tok],
+                               atol=1e-5)
+
+
+def test_top_k_top_p_samples_are_exact_in_any_slot_and_order(model):
+    """Temperature, then top-k, then top-p (transformers' warpers as the reference): with 2
+    slots or 4 and in any arrival order the same tokens, each inside the kept set of a
+    teacher-forced forward; `logp` is the filtered distribution's log-prob, `logp_temp` that
+    of logits / T (what the learner's forward computes), `logp_t1` the plain model's."""
+    temperature, top_k, top_p = 0.7, 6, 0.8
+    requests = [E.Request(p, key=jax.random.key(20 + i), num_samples=2, max_new_tokens=n)
+                for i, (p, n) in enumerate(zip(PROMPTS, LIMITS))]
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    wide = _engine(model, slots=4, **kw).generate(model, requests)
+    order = [4, 1, 5, 0, 3, 2]
+    narrow = _engine(model, slots=2, **kw).generate(model, [requests[i] for i in order])
+    by_key = {(order[t.request], t.sample): t for t in narrow}
+    assert len({tuple(t.turns[0]) for t in wide}) > 6  # samples differ
+    kept = []
+    for t in wide:
+        assert t.turns[0] == by_key[(t.request, t.sample)].turns[0]
+        p = len(PROMPTS[t.request])
+        logits = _logits(model, t.tokens)[p - 1:-1]
+        steps, tokens = np.arange(len(t.turns[0])), t.turns[0]
+        filtered = _hf_filtered_log_softmax(logits, temperature, top_k, top_p)
+        kept += np.isfinite(filtered).sum(-1).tolist()
+        np.testing.assert_allclose(t.logp[p:], filtered[steps, tokens], atol=1e-5)
+        np.testing.assert_allclose(t.logp_temp[p:],
+                                   _log_softmax(logits / temperature)[steps, tokens], atol=1e-5)
+        np.testing.assert_allclose(t.logp_t1[p:], _log_softmax(logits)[steps, tokens],
+                                   atol=1e-5)
+    assert max(kept) <= top_k and min(kept) < top_k  # top-p cut some sets further
 
 
 def test_no_recompilation_after_warm_up(model, stop):
@@ -316,8 +368,19 @@ def test_engine_sampler_equals_the_static_sampler_greedily(model, stop):
                              temperature=0.7, key=jax.random.key(0), prompt_len=16)
     assert sampled.tokens.shape == (4, 6) and np.all(sampled.lengths == 6)
     np.testing.assert_array_equal(sampled.logp_temp, sampled.logp)
-    with pytest.raises(ValueError, match="top_k"):
-        sampler.sample(model, PROMPTS[:1], max_new_tokens=4, top_k=5)
+    # top_k=1 at any temperature is greedy decoding: the greedy tokens, each of probability 1
+    # under the filtered distribution; logp_temp is still the policy's (logits / T).
+    top1 = sampler.sample(model, PROMPTS[:4], **dict(kw, greedy=False, temperature=0.7,
+                                                      top_k=1))
+    np.testing.assert_array_equal(top1.tokens, want.tokens)
+    np.testing.assert_allclose(top1.logp, 0.0, atol=1e-6)
+    for r, n in enumerate(top1.lengths):
+        prompt = PROMPTS[top1.prompt_index[r]]
+        completion = top1.tokens[r, :n]
+        logits = _logits(model, [*prompt, *completion])[len(prompt) - 1:-1]
+        np.testing.assert_allclose(top1.logp_temp[r, :n],
+                                   _log_softmax(logits / 0.7)[np.arange(n), completion],
+                                   atol=1e-5)
 
 
 def test_single_turn_producer_runs_on_the_engine(model):

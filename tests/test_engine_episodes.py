@@ -143,10 +143,23 @@ def test_sampled_episodes_through_the_producer_equal_a_teacher_forced_forward(mo
     assert dict(kv_slots.TRACES) == before
 
 
-def test_top_k_is_refused_on_the_engine(model):
-    engine = engine_sampler.EngineSampler(model, slots=4)
-    with pytest.raises(ValueError, match="top_k"):
-        _generate(engine, model, top_k=5)
+def test_top_k_top_p_episodes_record_the_policys_log_probs(model):
+    """sampling.top_k / top_p on the engine's episodes: every model token lies in the kept set
+    of a teacher-forced forward of its episode (top-p 0.5 keeps one successor of "\n", the
+    tool call, and of "4", the wrong "1"), and the recorded log-probs are those of logits / T,
+    the policy the learner recomputes, to 1e-5."""
+    engine = engine_sampler.EngineSampler(model, slots=4, decode=TOK.decode)
+    episodes = _generate(engine, model, temperature=0.8, top_k=3, top_p=0.5, num_samples=4)
+    for e in episodes:
+        mask = np.array(e.mask, bool)
+        np.testing.assert_allclose(np.array(e.logp)[mask],
+                                   _teacher_forced(model, e.tokens, 0.8)[mask], atol=1e-5)
+        for before, after in (("\n", "<tool_call>"), ("4", "1")):
+            sampled = {b for a, b, m in zip(e.tokens, e.tokens[1:], mask[1:])
+                       if m and a == TOK.ids[before]}
+            assert sampled <= {TOK.ids[after]}, (before, sampled)
+    assert all(e.tool_calls > 0 for e in episodes[:4] + episodes[8:])  # prompts ending "\n"
+    assert not any(v.passed for e in episodes for v in e.verdicts)  # always 41
 
 
 
