@@ -7,6 +7,9 @@ cast (bfloat16) and resharded for decoding, refreshed after each update (weight 
                                          whole on every device: heads, kv heads, MLP and
                                          vocab over `tensor`, experts over `expert`, nothing
                                          over fsdp, so a decode step gathers no weights
+  local_mesh()                           this process's devices (heads over `tensor`): where
+                                         each process of a multi-process run decodes its
+                                         own whole copy, independently of the others
   DecodeWeights(dtype)                   one copy, shared by a sampler's engines: `get(params)`
                                          makes it again unless `params` are the very arrays
                                          it was made from (so the first generation after an
@@ -34,8 +37,12 @@ from ptrain import sharding
 
 def decode_copy(params, dtype: str, mesh=None):
     """The decode copy of `params` (a Module or its state): floating-point arrays cast to
-    `dtype`, and with a mesh resharded by `decode_shardings`; ready when it returns."""
+    `dtype`, and with a mesh resharded by `decode_shardings`; ready when it returns.
+    Parameters spread over several processes are gathered whole onto each first (a
+    collective: every process calls it), for a `mesh` of this process's devices."""
     params = nnx.state(params) if isinstance(params, nnx.Module) else params
+    if mesh is not None and not spans_processes(mesh):
+        params = jax.tree.map(_whole_here, params)
     dtype = jnp.dtype(dtype)
     cast = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
                         else x, params)
@@ -51,6 +58,25 @@ def decode_shardings(params, mesh):
         axes = tuple(None if a == "embed" else a for a in var.get_metadata()["axes"])
         return var.replace(sharding.named(mesh, axes, var.shape))
     return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def local_mesh():
+    """This process's devices, heads (and MLP, vocab) over `tensor`, nothing over fsdp: the
+    mesh each process decodes its own copy on, so its engine runs no collective and needs
+    no other process to decode in step with it."""
+    return sharding.make_mesh(data=1, fsdp=1, tensor=-1, devices=jax.local_devices())
+
+
+def spans_processes(mesh) -> bool:
+    return len({d.process_index for d in mesh.devices.flat}) > 1
+
+
+def _whole_here(x):
+    """x as a whole host array on this process when other processes hold parts of it."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return multihost_utils.process_allgather(x, tiled=True)
+    return x
 
 
 def mesh_of(params):

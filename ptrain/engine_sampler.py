@@ -45,7 +45,15 @@ class EngineSampler:
 
     decode_dtype: None (or ""), the engines decode the parameters each call brings, as they
     are; "bfloat16" (or "float32"), a decode copy (see the module docstring) on `mesh`
-    (default: the parameters' own)."""
+    (default: the parameters' own).
+
+    Many processes: each process decodes its own whole copy of the policy on its own devices
+    (`decode_weights.local_mesh`; in the parameters' dtype unless decode_dtype says another),
+    gathered from the learner's sharded parameters at each weight sync (a collective: every
+    process samples after each update), so its engine runs its own prompts and episodes
+    without waiting on the others. Request i of a process draws from fold_in(key, first + i),
+    first the number of requests of the row blocks before its own (`sharding.row_block`):
+    the keys one process holding every prompt would use."""
 
     def __init__(self, model: model_lib.Transformer, *, slots: int = 32, seed: int = 0,
                  pad_id: int = 0, decode: Callable | None = None, stop_check_every: int = 16,
@@ -55,6 +63,10 @@ class EngineSampler:
         self.key = jax.random.key(seed)
         self.engines = {}
         self.decode_dtype = decode_dtype or None
+        if jax.process_count() > 1:  # each process its own copy on its own devices
+            self.decode_dtype = self.decode_dtype or model.config.param_dtype
+            if mesh is None or decode_weights.spans_processes(mesh):
+                mesh = decode_weights.local_mesh()
         self.weights = (decode_weights.DecodeWeights(self.decode_dtype, mesh)
                         if self.decode_dtype else None)
         self._taken = collections.Counter()  # totals at the last take_counters
@@ -88,6 +100,9 @@ class EngineSampler:
         if self.weights is None:
             return engine.generate(params, requests, live=live)
         engine.params = self.weights.get(params)  # synced if params are new
+        if not requests:  # (the sync above is a collective with many processes)
+            engine.params = None
+            return []
         try:  # (an interruption syncs the engine's own copy: Engine.sync_weights)
             return engine.generate(None, requests, live=live)
         finally:
@@ -116,10 +131,10 @@ class EngineSampler:
         """The engine's `generate` on these requests (multi-turn through their on_turn):
         max_len is the most tokens a sequence may hold (its prompt included), the cache's
         length; prompts and observations are prefilled in buckets of powers of two."""
-        _check()
         params, live = interrupt.unwrap(params)
+        _check(live)
         engine = self.engine(max_len=max_len, max_new_tokens=max_new_tokens,
-                             num_samples=max(r.num_samples for r in requests),
+                             num_samples=max([r.num_samples for r in requests], default=1),
                              temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
                              stop_token_ids=stop_token_ids, stop_strings=stop_strings)
         return self._generate(engine, params, requests, live=live)
@@ -130,14 +145,15 @@ class EngineSampler:
                prompt_len: int | None = None, batch_size: int | None = None,
                record_routing: bool | None = None, shared: bool = False):
         del batch_size  # the engine's rows are its slots
-        _check(shared=shared)
         params, live = interrupt.unwrap(params)  # rl.interrupt: versions per token
+        _check(live)
         if record_routing and not self.model.config.n_experts:
             raise ValueError("EngineSampler: record_routing needs a model with experts "
                              "(n_experts > 0)")
         if key is None:
             self.key, key = jax.random.split(self.key)
-        longest = max(len(p) for p in prompts)
+        first = first_request(len(prompts), params, shared)
+        longest = max([len(p) for p in prompts], default=1)
         prompt_len = prompt_len or max(8, 1 << (longest - 1).bit_length())
         if longest > prompt_len:
             raise ValueError(f"sampling.engine: a prompt has {longest} tokens, more than "
@@ -147,7 +163,7 @@ class EngineSampler:
                              top_p=top_p, greedy=greedy, stop_token_ids=stop_token_ids,
                              stop_strings=stop_strings, token_buckets=(prompt_len,))
         trajs = self._generate(engine, params, [
-            Request(p, key=jax.random.fold_in(key, i), num_samples=num_samples)
+            Request(p, key=jax.random.fold_in(key, first + i), num_samples=num_samples)
             for i, p in enumerate(prompts)], live=live)
         n = len(trajs)
         tokens = np.full((n, max_new_tokens), self.pad_id, np.int32)
@@ -299,10 +315,12 @@ def run_episodes(sampler: EngineSampler, params, episodes, prompts, key, tokeniz
         taken[i] = 0
         return None if e.finish == "max_len" else e.tokens[before:]
 
-    requests = [Request(prompt, key=jax.random.fold_in(key, i), num_samples=c.num_samples,
-                        on_turn=on_turn, max_len=len(prompt) + c.max_len)
+    first = first_request(len(prompts), params)
+    requests = [Request(prompt, key=jax.random.fold_in(key, first + i),
+                        num_samples=c.num_samples, on_turn=on_turn,
+                        max_len=len(prompt) + c.max_len)
                 for i, prompt in enumerate(prompts)]
-    longest = max(map(len, prompts))
+    longest = max(map(len, prompts), default=1)
     trajs = sampler.run(params, requests,
                         max_len=max(16, 1 << (longest - 1).bit_length()) + c.max_len,
                         max_new_tokens=c.max_new_tokens, temperature=c.temperature,
@@ -317,7 +335,19 @@ def run_episodes(sampler: EngineSampler, params, episodes, prompts, key, tokeniz
                 traj, 0, len(e.tokens)), interrupt.UNSAMPLED).tolist()
 
 
-def _check(*, shared=False):
-    if shared or jax.process_count() > 1:
-        raise ValueError("sampling.engine runs on one process only; set "
-                         "sampling.engine=False for a multi-process run")
+def first_request(n: int, params, shared: bool = False) -> int:
+    """The global index of this process's first of `n` requests: the requests of the row
+    blocks before its own (0 with one process, or when every process passes the same
+    requests, `shared`). A collective with many processes."""
+    if shared or jax.process_count() == 1:
+        return 0
+    mesh = decode_weights.mesh_of(params)
+    counts = sharding.gather_blocks(int(n), mesh)
+    return sum(counts[:sharding.row_block(mesh)[0]])
+
+
+def _check(live):
+    if live is not None and jax.process_count() > 1:
+        raise ValueError("rl.interrupt swaps the engine's weights mid-generation, which each "
+                         "process would do at its own time: it runs on one process only; set "
+                         "rl.interrupt=False for a multi-process run")

@@ -168,9 +168,10 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
     order (`sample_across`), so turn counts, shapes and stops are the same everywhere and equal
     what one process holding every task would sample.
 
-    With an EngineSampler (sampling.engine=True, one process) the episodes run on the rollout
-    engine instead, each in its own slot across turns and attempts, its observations
-    prefilled alone (`engine_sampler.run_episodes`).
+    With an EngineSampler (sampling.engine=True) the episodes run on the rollout engine
+    instead, each in its own slot across turns and attempts, its observations prefilled
+    alone (`engine_sampler.run_episodes`); with many processes each runs its own episodes on
+    its own engine, in no step with the others.
     """
     c = config
     verify_now = c.max_attempts > 1 if verify_now is None else verify_now

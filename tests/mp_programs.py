@@ -114,6 +114,42 @@ def sampler_program() -> dict:
             for k, s in (("random", a), ("stops", b))}
 
 
+def engine_program() -> dict:
+    """The rollout engine behind the producers (sampling.engine) with each process passing
+    its own prompts: every process decodes its own copy of the fsdp-sharded policy (gathered
+    at the weight sync), sampled rows (temperature, top-p) with an explicit key, greedy ones
+    with stop strings; then a second sync after the parameters change."""
+    from flax import nnx
+
+    from ptrain import engine_sampler
+    from ptrain import model as M
+    config = M.ModelConfig(vocab_size=48, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                           d_ff=64)
+    n, p = jax.process_count(), jax.process_index()
+    k = len(SAMPLER_PROMPTS) // n
+    prompts = SAMPLER_PROMPTS[p * k:(p + 1) * k]
+    model = M.init(config, seed=3, mesh=sharding.make_mesh(fsdp=-1))
+    params = nnx.state(model)
+    sampler = engine_sampler.EngineSampler(model, slots=4, decode=_decode_chars,
+                                           stop_check_every=3)
+    out = {}
+    a = sampler.sample(params, prompts, max_new_tokens=8, num_samples=2, temperature=0.8,
+                       top_p=0.9, key=jax.random.key(7), prompt_len=16)
+    b = sampler.sample(params, prompts, max_new_tokens=8, num_samples=2, greedy=True,
+                       stop_strings=("c", "f", "k", "p"), prompt_len=16)
+    scaled = jax.jit(lambda s: jax.tree.map(lambda x: x * 1.5, s))(params)  # "an update"
+    c = sampler.sample(scaled, prompts, max_new_tokens=8, num_samples=1, greedy=True,
+                       prompt_len=16)
+    for name, s in (("random", a), ("stops", b), ("updated", c)):
+        out[name] = (s.tokens, s.logp, s.logp_temp, s.logp_t1, s.lengths, s.finish_reasons,
+                     s.prompt_index)
+    out["syncs"] = sampler.weights.syncs if sampler.weights is not None else 0
+    held = {d for x in jax.tree.leaves(getattr(sampler.weights, "params", None))
+            for d in x.devices()}
+    out["devices"] = (sorted({d.process_index for d in held}), len(held))
+    return out
+
+
 def checkpoint_program(directory: str, save: bool) -> dict:
     """Save step 5 (arrays over fsdp, each process its own data state) and restore it onto
     another mesh; or only restore what another process count saved."""
@@ -156,7 +192,7 @@ def small_programs(saved_by_one: str, save_to: str) -> dict:
     """`helpers`, `sampler_program`, and `checkpoint_program` twice (restore what another
     process count saved in `saved_by_one`, save and restore in `save_to`), in one process
     start: what each returned."""
-    return {"helpers": helpers(), "sampler": sampler_program(),
+    return {"helpers": helpers(), "sampler": sampler_program(), "engine": engine_program(),
             "restored": checkpoint_program(saved_by_one, save=False),
             "saved": checkpoint_program(save_to, save=True)}
 
@@ -275,7 +311,11 @@ def _run_metrics(workdir):
     path = os.path.join(workdir, "metrics.jsonl")
     if jax.process_index() or not os.path.exists(path):  # only process 0 writes logs
         return None
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_jsonl(path)]
+    # Timings, and what the engines did apart from the tokens (their number of syncs, calls
+    # and queues depend on how many engines there are), are not compared.
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and (
+        not k.startswith("engine/") or k in ("engine/tokens", "engine/prefill_tokens"))}
+        for r in read_jsonl(path)]
 
 
 def _copy(params):
@@ -296,7 +336,7 @@ def _on_mesh(host, mesh):
 
 # The learner's phases, in order. Each RL phase but multiturn (another vocabulary) starts
 # from SFT's parameters.
-PHASES = ("sft", "sft_packed", "grpo", "ppo", "multiturn")
+PHASES = ("sft", "sft_packed", "grpo", "ppo", "multiturn", "multiturn_engine")
 # Where a process may SIGKILL itself in a step (the step under way: updates finished + 1):
 # entering a producer.generate call, a reward (producer.score), the update, or the
 # checkpoint save (after the step's metrics are written). With rl.staleness=1 (the ppo
@@ -473,8 +513,10 @@ def learner_program(workdir: str, phases=PHASES, kills=None, split_sft=True,
         result = _rl_phase(c, d, sft_params(), mesh, kill, start)
         with open(os.path.join(workdir, f"{phase}.starts.{me}")) as f:
             finish(phase, {**result, "starts": [int(x) for x in f.read().split()]})
-    if "multiturn" in phases and not done("multiturn"):
-        finish("multiturn", multiturn_program(os.path.join(workdir, "multiturn"), mesh))
+    for phase in ("multiturn", "multiturn_engine"):
+        if phase in phases and not done(phase):
+            finish(phase, multiturn_program(os.path.join(workdir, phase), mesh,
+                                            engine=phase == "multiturn_engine"))
     return out
 
 
@@ -516,12 +558,13 @@ def format_tasks(seed, n=16):
             for i in range(n)]
 
 
-def multiturn_program(workdir: str, mesh=None) -> dict:
+def multiturn_program(workdir: str, mesh=None, engine: bool = False) -> dict:
     """One multi-turn RL step: two model turns per attempt with the python tool (run in the
     process sandbox), and self-correction (a failed answer gets its feedback and a second
     attempt), so processes hold different numbers of live episodes each turn; through
-    closed_loop's Tasks producer, then the held-out greedy evaluation. Returns process 0's
-    metrics, the eval lines and the final parameters."""
+    closed_loop's Tasks producer, then the held-out greedy evaluation. With `engine`, on the
+    rollout engine (sampling.engine: each process runs its own episodes in its own slots).
+    Returns process 0's metrics, the eval lines and the final parameters."""
     import os
 
     from ptrain import closed_loop as CL
@@ -532,7 +575,8 @@ def multiturn_program(workdir: str, mesh=None) -> dict:
     c.steps = 1
     c.model.update(vocab_size=tok.vocab_size, d_model=32, d_ff=64)
     c.data.update(records_fn=format_tasks, max_prompt_len=16, prompts_per_step=8)
-    c.sampling.update(num_samples=2, max_new_tokens=6, stop_token_ids=(tok.eos_token_id,))
+    c.sampling.update(num_samples=2, max_new_tokens=6, stop_token_ids=(tok.eos_token_id,),
+                      engine=engine, engine_slots=8)
     c.rl.update(num_minibatches=2)
     c.rollout.update(max_turns=2, max_attempts=2, attempt_reward="mean", max_len=56,
                      tool_timeout_s=120.0)  # (a timeout would differ between the runs)

@@ -217,6 +217,32 @@ def test_sampler_rows_where_their_prompts_live(small_2x4):
 
 
 @_SMALL
+def test_the_engine_samples_each_processs_prompts_from_its_own_copy(small_2x4):
+    """sampling.engine on 2 x 4: each process decodes its own prompts on its own copy of the
+    policy (its own 4 devices, synced once per parameters), and together they give what one
+    process with every prompt gives: the same tokens (sampled with the same per-request keys,
+    greedy with stop strings, and after the parameters change), log-probs to 1e-5."""
+    one = mp_programs.engine_program()
+    two = [r["engine"] for r in small_2x4]
+    assert "stop" in one["stops"][5] and "length" in one["stops"][5]
+    for kind in ("random", "stops", "updated"):
+        tokens, logp, logp_temp, logp_t1, lengths, reasons, index = one[kind]
+        got = [r[kind] for r in two]
+        np.testing.assert_array_equal(np.concatenate([g[0] for g in got]), tokens, err_msg=kind)
+        for i, want in ((1, logp), (2, logp_temp), (3, logp_t1)):
+            np.testing.assert_allclose(np.concatenate([g[i] for g in got]), want, atol=1e-5)
+        np.testing.assert_array_equal(np.concatenate([g[4] for g in got]), lengths)
+        assert sum((g[5] for g in got), []) == reasons
+        np.testing.assert_array_equal(np.concatenate([g[6] + 4 * i for i, g in enumerate(got)]),
+                                      index)
+    assert len({tuple(r) for r in one["random"][0]}) > 4  # the samples differ
+    assert one["syncs"] == 0  # one process decodes the learner's own arrays
+    for p, r in enumerate(two):
+        assert r["syncs"] == 2  # the first call after each change of parameters
+        assert r["devices"] == ([p], 4)  # a copy on its own 4 devices only
+
+
+@_SMALL
 def test_checkpoint_across_process_counts(small_dirs, small_2x4):
     """2 x 4 saves (each process its shards and its data state) and restores onto another
     mesh; 1 x 8 restores that too, and 2 x 4 restores what 1 x 8 saved."""
@@ -388,3 +414,20 @@ def test_multiturn_rl_with_tools_and_eval_equal_one_process(learner_runs):
     for r in two:
         assert r["multiturn"]["eval"] == one["multiturn"]["eval"]
     assert one["multiturn"]["eval"][0]["n"] == 4
+
+
+@_LEARNER
+@pytest.mark.timeout(2400)
+def test_multiturn_rl_on_the_engine_equals_one_process(learner_runs):
+    """The same multi-turn step and evaluation with sampling.engine=True: on 2 x 4 each
+    process runs its own episodes on its own engine and copy of the policy (gathered at the
+    weight sync); 1 x 8's one engine decodes the learner's arrays. Metrics (the engines'
+    decoded and prefilled tokens among them), parameters and eval lines equal to float
+    tolerance."""
+    two, one, _, _ = learner_runs
+    _same_metrics([r["multiturn_engine"] for r in two], one["multiturn_engine"], atol=1e-5)
+    metrics = one["multiturn_engine"]["metrics"]
+    assert metrics[0]["engine/tokens"] > 0 and metrics[0]["engine/prefill_tokens"] > 0
+    assert metrics[0]["episode/fmt/tool_calls"] > 0 and metrics[0]["episode/fmt/attempts"] > 1
+    for r in two:
+        assert r["multiturn_engine"]["eval"] == one["multiturn_engine"]["eval"]
