@@ -90,21 +90,26 @@ def _decode_chars(ids):
     return "".join(chr(97 + i % 26) for i in ids)
 
 
-def sampler_program() -> dict:
-    """The sampler with each process passing its own prompts (rows over fsdp): random
-    samples with an explicit key, greedy ones with stop strings (a host loop whose stops are
-    agreed across processes). One prefill compilation, two decode ones."""
+def _sampler_model_and_prompts():
+    """The samplers' model (fsdp over all devices), its state, and this process's block of
+    SAMPLER_PROMPTS."""
     from flax import nnx
 
     from ptrain import model as M
-    from ptrain import sampler as S
     config = M.ModelConfig(vocab_size=48, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
                            d_ff=64)
     n, p = jax.process_count(), jax.process_index()
     k = len(SAMPLER_PROMPTS) // n
-    prompts = SAMPLER_PROMPTS[p * k:(p + 1) * k]
     model = M.init(config, seed=3, mesh=sharding.make_mesh(fsdp=-1))
-    params = nnx.state(model)
+    return model, nnx.state(model), SAMPLER_PROMPTS[p * k:(p + 1) * k]
+
+
+def sampler_program() -> dict:
+    """The sampler with each process passing its own prompts (rows over fsdp): random
+    samples with an explicit key, greedy ones with stop strings (a host loop whose stops are
+    agreed across processes). One prefill compilation, two decode ones."""
+    from ptrain import sampler as S
+    model, params, prompts = _sampler_model_and_prompts()
     sampler = S.Sampler(model, decode=_decode_chars, stop_check_every=3)
     a = sampler.sample(params, prompts, max_new_tokens=8, num_samples=2, temperature=0.8,
                        key=jax.random.key(7))
@@ -119,17 +124,8 @@ def engine_program() -> dict:
     its own prompts: every process decodes its own copy of the fsdp-sharded policy (gathered
     at the weight sync), sampled rows (temperature, top-p) with an explicit key, greedy ones
     with stop strings; then a second sync after the parameters change."""
-    from flax import nnx
-
     from ptrain import engine_sampler
-    from ptrain import model as M
-    config = M.ModelConfig(vocab_size=48, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
-                           d_ff=64)
-    n, p = jax.process_count(), jax.process_index()
-    k = len(SAMPLER_PROMPTS) // n
-    prompts = SAMPLER_PROMPTS[p * k:(p + 1) * k]
-    model = M.init(config, seed=3, mesh=sharding.make_mesh(fsdp=-1))
-    params = nnx.state(model)
+    model, params, prompts = _sampler_model_and_prompts()
     sampler = engine_sampler.EngineSampler(model, slots=4, decode=_decode_chars,
                                            stop_check_every=3)
     out = {}
