@@ -49,7 +49,9 @@ setuptools.setup(
     version="0.1.0",
     description=__doc__,
     python_requires=">=3.10",
-    packages=["ptrain", "sandbox", "sandbox.terminal", "long_context", "configs", "launch"],
+    # Every package under these roots (a hand list once missed sub-packages).
+    packages=setuptools.find_packages(include=["ptrain*", "sandbox*", "long_context*", "configs*",
+                                               "launch*"]),
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
 )

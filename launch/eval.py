@@ -91,7 +91,7 @@ def load_model():
         raise app.UsageError(f"--model={_MODEL.value}: no Hugging Face tokenizer, and not the "
                              "work dir of a run on the synthetic tasks' word tokenizer; the "
                              "model agent needs one of them")
-    from ptrain import sampler as sampler_lib
+    from ptrain.generate import sampler as sampler_lib
     sampler = sampler_lib.Sampler(model, seed=_SEED.value,
                                   pad_id=getattr(tokenizer, "pad_token_id", None) or 0,
                                   decode=tokenizer.decode)

@@ -79,11 +79,11 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
                   on_error="raise")
     # reward_fn(record, completion_ids, completion_text) -> reward, or (reward, feedback text).
     c.reward_fn = None
-    # engine: the producers sample through the rollout engine (ptrain/engine.py, continuous
+    # engine: the producers sample through the rollout engine (ptrain/generate/engine.py, continuous
     # batching over engine_slots decode slots) instead of the static sampler. decode_dtype
     # (engine only): "" decodes the learner's weights as they are; "bfloat16" (or "float32")
     # a copy in that dtype resharded for decoding (heads over tensor, no FSDP gathers per
-    # token), refreshed after each update (`ptrain.decode_weights`; time/weight_sync_s).
+    # token), refreshed after each update (`ptrain.generate.decode_weights`; time/weight_sync_s).
     c.sampling = dict(num_samples=8, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,
                       stop_token_ids=(), stop_strings=(), stop_check_every=16, engine=False,
                       engine_slots=32, decode_dtype="")
@@ -117,7 +117,7 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         # a mix of them): the generation in flight switches to the learner's new version when
         # an update ends, at a decode-round boundary, its sequences' caches recomputed under
         # the new weights (with router_replay, routed to the experts each position recorded);
-        # each token keeps its behaviour log-prob and version (`ptrain.interrupt`).
+        # each token keeps its behaviour log-prob and version (`ptrain.generate.interrupt`).
         interrupt=False,
         # What a swap does with the held sequences' caches: "recompute" them from each whole
         # sequence under the new weights (AReaL's choice, one prefill per row), or "keep" the

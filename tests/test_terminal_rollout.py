@@ -10,7 +10,8 @@ import re
 import numpy as np
 import pytest
 
-from ptrain import chat, learner, sampler as sampler_lib, terminal_rollout, terminal_tasks
+from ptrain import chat, learner, terminal_rollout, terminal_tasks
+from ptrain.generate import sampler as sampler_lib
 
 pytestmark = pytest.mark.xdist_group("terminal")
 
