@@ -209,21 +209,21 @@ class MetricsWriter:
             else:
                 self._tb.add_scalar(key, value, global_step=int(step))
         if by_field:
-            self._write_domain_summaries("domains", by_field, int(step))
+            self._write_domain_summaries(by_field, int(step))
         self._bar.update(int(step) - self._step)
         self._step = int(step)
         shown = {k: f"{v:.3g}" for k, v in values.items()
                  if DEFAULT_PLOT_PATTERN.search(k) and not isinstance(v, list)}
         self._bar.set_postfix(shown, refresh=False)
 
-    def _write_domain_summaries(self, prefix, by_field, step):
+    def _write_domain_summaries(self, by_field, step):
         domains = {d for values in by_field.values() for d in values}
         self._domains |= domains
-        self._tb.add_scalar(f"{prefix}/count", len(domains), global_step=step)
-        self._tb.add_scalar(f"{prefix}/seen", len(self._domains), global_step=step)
+        self._tb.add_scalar("domains/count", len(domains), global_step=step)
+        self._tb.add_scalar("domains/seen", len(self._domains), global_step=step)
         for field in SUMMARISED:
             if field in by_field:
-                _write_summaries(self._tb, f"{prefix}/{field}", by_field[field], step)
+                _write_summaries(self._tb, f"domains/{field}", by_field[field], step)
 
     def write_rollouts(self, step, samples):
         """Appends samples: dicts with prompt, completion, reward (and feedback, domain, ...)."""
