@@ -42,8 +42,8 @@ BUNDLED_TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks"
 
 __all__ = [
     "BASE_IMAGE", "BUNDLED_TASKS", "Container", "ContainerGone", "Episode", "ExecResult",
-    "Harness",
-    "HealthcheckFailed", "ImageError", "Limits", "Loaded", "Shell", "ShellResult", "Task",
+    "Harness", "HealthcheckFailed", "ImageError", "Limits", "Loaded", "Shell", "ShellResult",
+    "Task",
     "TaskError", "TimeUp", "Verdict", "VerifierResult", "ensure_image", "evaluate", "load_task", "load_tasks", "nop",
     "oracle", "parse_image_map", "pass_at_k", "remove_orphans", "run_attempt", "summarize",
 ]
