@@ -52,6 +52,10 @@ setuptools.setup(
     # Every package under these roots (a hand list once missed sub-packages).
     packages=setuptools.find_packages(include=["ptrain*", "sandbox*", "long_context*", "configs*",
                                                "launch*"]),
+    # Files read at run time that are not modules (tests/test_install.py installs the wheel
+    # and reads them): the host set-up script, the bundled terminal tasks, the launch scripts.
+    package_data={"sandbox": ["setup_host.sh"], "sandbox.terminal": ["tasks/**/*"],
+                  "launch": ["*.sh"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
 )

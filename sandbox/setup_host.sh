@@ -4,7 +4,7 @@
 # registry: each is a rootfs made of this host's own Debian packages, loaded with `docker
 # import`):
 #   ptrain-sandbox:latest    python3, bash, coreutils, gzip and tar: the docker backend's image
-#   ptrain-term-base:latest  the base of terminal tasks (tasks/terminal/, sandbox/terminal/):
+#   ptrain-term-base:latest  the base of terminal tasks (sandbox/terminal/tasks/, sandbox/terminal/):
 #                            bash, coreutils, gzip/tar/xz/bzip2/zip, procps, python3, jq, ...
 #                            (no curl or wget: there is no network to fetch from)
 # and, where bwrap is installed, the same rootfs as ptrain-term-base unpacked in a directory
