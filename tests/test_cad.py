@@ -170,3 +170,23 @@ def test_broken_scripts_come_back_as_build_errors_with_their_cause(backend):
     slow = cad.build_and_measure("while True:\n    pass\n", backend=backend,
                                  build_timeout_s=2.0)
     assert not slow.built and "timed out" in slow.text
+
+
+def test_every_family_s_reference_builds_and_scores_one_and_held_out_parts_are_unseen():
+    from ptrain.envs.cad import families
+    train = families.generate(12, seed=0, split="train")
+    heldout = families.generate(6, seed=0, split="heldout")
+    assert {p["family"] for p in heldout} == set(families.FAMILIES)
+    assert not {p["code"] for p in train} & {p["code"] for p in heldout}
+    assert len({p["code"] for p in train}) == 12
+    if cad.unavailable_reason("auto"):
+        pytest.skip(f"no CAD backend: {cad.unavailable_reason('auto')}")
+    for part in heldout + train[:6]:
+        _, report, files = cad.build(part["code"])
+        assert report["ok"], (part["family"], report)
+        target = {p.split("/")[-1][:-4]: d for p, d in files.items() if p.endswith(".stl")}
+        m = cad.measure(target, target, part["checks"], render=False)
+        assert m["target"]["iou"] == pytest.approx(1.0, abs=1e-6), part["family"]
+        assert all(c["passed"] for c in m["checks"]), (part["family"], m["checks"])
+    with pytest.raises(ValueError, match="unknown CAD families"):
+        families.generate(1, families=["gear"])

@@ -1,0 +1,1 @@
+"""Environments: the domains RL trains on."""
