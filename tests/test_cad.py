@@ -190,3 +190,25 @@ def test_every_family_s_reference_builds_and_scores_one_and_held_out_parts_are_u
         assert all(c["passed"] for c in m["checks"]), (part["family"], m["checks"])
     with pytest.raises(ValueError, match="unknown CAD families"):
         families.generate(1, families=["gear"])
+
+
+def test_the_reward_is_gated_on_a_solid_then_follows_iou_and_the_checks():
+    from ptrain.envs.cad import reward
+    a, half = _box((10, 10, 10)), _box((10, 10, 10), at=(5, 0, 0))
+    assert reward.score(None) == {"reward": 0.0, "passed": False,
+                                  "components": {"build": 0.0, "iou": 0.0, "checks": 0.0}}
+    broken = geometry.measure({"x": b"not an stl"}, {"t": a})
+    assert reward.score(broken)["reward"] == 0.0  # nothing measured: no partial credit
+    m = geometry.measure({"a": half}, {"t": a})
+    assert reward.score(m)["reward"] == pytest.approx(1 / 3)
+    assert reward.score(m, mode="pass")["reward"] == 0.0
+    assert reward.score(geometry.measure({"a": a}, {"t": a}), mode="pass")["reward"] == 1.0
+    # an assembly that collides: half its checks pass, half the IoU
+    two = geometry.measure({"a": a, "b": half}, {"t": a}, checks=[
+        {"name": "apart", "kind": "max_interference", "parts": ["a", "b"], "value": 0},
+        {"name": "size", "kind": "size", "value": [15, 10, 10]}])
+    s = reward.score(two)
+    assert s["components"]["checks"] == 0.5 and s["components"]["collisions"] == 1.0
+    assert s["reward"] == pytest.approx(0.5 * s["components"]["iou"]) and not s["passed"]
+    with pytest.raises(ValueError, match="mode must be one of"):
+        reward.score(m, mode="dense")
