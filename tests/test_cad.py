@@ -161,6 +161,9 @@ def test_broken_scripts_come_back_as_build_errors_with_their_cause(backend):
                 ["Build failed"]),
         "not cadquery": ("result = 42\n", ["must be a cq.Workplane or cq.Shape"]),
         "exit": ("import os\nos._exit(0)\n", ["did not finish"]),
+        # a file past the limit (MAX_MESH_MB): the write fails, nothing is measured
+        "huge": ("import os\nos.makedirs('out', exist_ok=True)\n"
+                 "open('out/part.stl', 'wb').write(b'0' * (100 << 20))\n", ["File too large"]),
     }
     for name, (script, needles) in cases.items():
         report = cad.build_and_measure(script, backend=backend, render=False)
