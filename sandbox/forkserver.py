@@ -436,10 +436,13 @@ def _put_back(changed, why):
 
 def list_files(root, max_bytes):
     """[(relative path, size)] of the regular files under `root` (no symlinks followed; in
-    each directory its files by name, then its subdirectories), up to `max_bytes` in total;
-    whether some were left out (past `max_bytes`, or unreadable); and the modes opened up to
-    read them, [(path, mode)], to put back (`_put_back`) once they are stashed."""
-    files, total, truncated, changed = [], 0, False, []
+    each directory its files by name, then its subdirectories), up to `max_bytes` in total
+    (with the other entries' names); [[relative path, kind]] of every other entry
+    (`_kind`: directory, symlink, fifo, socket, device), so that a verifier sees all that is
+    there; whether some were left out (past `max_bytes`, or unreadable); and the modes
+    opened up to read them, [(path, mode)], to put back (`_put_back`) once they are
+    stashed."""
+    files, others, total, truncated, changed = [], [], 0, False, []
     stack = [""]
     while stack:
         top = stack.pop()
@@ -449,9 +452,16 @@ def list_files(root, max_bytes):
             subdirs = []
             for item in items:
                 st = item.stat(follow_symlinks=False)
+                rel = os.path.join(top, item.name) if top else item.name
+                if not stat.S_ISREG(st.st_mode):
+                    total += len(rel) + 16
+                    if total > max_bytes:
+                        truncated = True
+                        continue
+                    others.append([rel, _kind(st.st_mode)])
                 if stat.S_ISDIR(st.st_mode):
                     need = 0o500
-                    subdirs.append(os.path.join(top, item.name) if top else item.name)
+                    subdirs.append(rel)
                 elif stat.S_ISREG(st.st_mode) and total + st.st_size <= max_bytes:
                     need = 0o400
                     total += st.st_size
@@ -467,7 +477,16 @@ def list_files(root, max_bytes):
             stack.extend(reversed(subdirs))
         except OSError:
             truncated = True  # a directory it cannot read (deeper than PATH_MAX, ...)
-    return files, truncated, changed
+    return files, others, truncated, changed
+
+
+def _kind(mode):
+    """The kind of a work dir entry that is not a regular file, as a verifier names it."""
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink"),
+                       (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "device"
 
 
 def stash_files(root, files):
@@ -992,11 +1011,13 @@ def reset(cfg, modes):
 
 
 def _return_files(cfg, max_bytes, result, blobs, sizes):
-    """The work dir's regular files into the reply: names in `files`, contents as blobs."""
-    files, truncated, changed = list_files(cfg["workdir"], max_bytes)
+    """The work dir's regular files into the reply: names in `files`, contents as blobs;
+    every other entry's name and kind in `other_files`."""
+    files, others, truncated, changed = list_files(cfg["workdir"], max_bytes)
     fd, total, whole = stash_files(cfg["workdir"], files)
     _put_back(changed, None)
     result["files"] = [name for name, _ in files]
+    result["other_files"] = others
     result["files_truncated"] = truncated or not whole
     blobs.append((fd, total))
     sizes += [size for _, size in files]
