@@ -160,6 +160,12 @@ class Cgroup:
             pass
         return 0
 
+    def reset_peaks(self) -> None:
+        """Reset the run cgroup's memory peak and fail counts (v1; v2's memory.peak has no
+        reset for all readers), so that no run reads the one before's."""
+        if self.version == "v1":
+            reset_peaks(os.path.dirname(self._file("memory", "run", "memory.failcnt")))
+
     def kill_run(self) -> None:
         """Kill every process of the run cgroup (the cgroups stay, for the next run)."""
         _kill_all(os.path.dirname(self.procs_file()))
@@ -170,6 +176,19 @@ class Cgroup:
             _kill_all(path)
             _rmdir(path)
         self.made = []
+
+
+_PEAKS = ("memory.max_usage_in_bytes", "memory.memsw.max_usage_in_bytes", "memory.failcnt",
+          "memory.memsw.failcnt")
+
+
+def reset_peaks(memory_dir: str) -> None:
+    """Write 0 to the v1 memory controller's peak and fail counters in `memory_dir`."""
+    for name in _PEAKS:
+        try:
+            _write(os.path.join(memory_dir, name), 0)
+        except OSError:
+            pass  # not there (no swap or kmem accounting)
 
 
 def kill_until_gone(list_pids, timeout_s: float) -> None:

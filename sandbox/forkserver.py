@@ -592,6 +592,36 @@ def _clear_dir(fd):
     return subdirs
 
 
+def _root_state(path):
+    """(mode, (atime_ns, mtime_ns)) of a scratch dir as the sandbox started it."""
+    st = os.stat(path)
+    return stat.S_IMODE(st.st_mode), (st.st_atime_ns, st.st_mtime_ns)
+
+
+def _clear_root(path, times):
+    """Remove the extended attributes (ACLs too) a run set on the scratch dir `path` and put
+    its times back; False if an attribute stays. Where the dir is not the sandbox's own (a
+    docker tmpfs is root's), a run could set neither, and its times stay as the wipe left
+    them (its ctime always does: the kernel sets it)."""
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        names = []
+    for name in names:
+        try:
+            os.removexattr(path, name, follow_symlinks=False)
+        except OSError:
+            pass
+    try:
+        os.utime(path, ns=times, follow_symlinks=False)
+    except OSError:
+        pass
+    try:
+        return not os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return True  # no xattrs on this file system
+
+
 def remove_posix_mqueues(path):
     """Remove the POSIX message queues a run left (`path`: the IPC namespace's mqueue fs)."""
     try:
@@ -994,15 +1024,18 @@ _PUT_TIMEOUT_S = 8.0  # the host gives up on a put after 10 s (sandbox._WATCHDOG
 
 
 def reset(cfg, modes):
-    """Back to a clean state after a run: scratch dirs emptied (and their modes restored, a
-    run may have chmod-ed them), SysV IPC objects removed. False if that failed."""
+    """Back to a clean state after a run: scratch dirs emptied, and what a run may have set
+    on them put back (`modes`: from `_root_state`: mode, times, no extended attributes),
+    SysV IPC objects removed. False if that failed."""
     clean = True
     for path in cfg["wipe"]:
+        mode, times = modes[path]
         try:
-            os.chmod(path, modes[path])
+            os.chmod(path, mode)
         except OSError:
             pass
         clean = wipe(path) and clean
+        clean = _clear_root(path, times) and clean
     if cfg.get("sysv_ipc"):
         remove_sysv_ipc()
     if cfg.get("mqueue"):
@@ -1070,7 +1103,7 @@ def serve(cfg):
     killer = Killer(cfg)
     for path in [cfg["workdir"]] + list(cfg["wipe"]):
         os.makedirs(path, exist_ok=True)
-    modes = {path: stat.S_IMODE(os.stat(path).st_mode) for path in cfg["wipe"]}
+    modes = {path: _root_state(path) for path in cfg["wipe"]}
     gc.collect()
     if hasattr(gc, "freeze"):
         gc.freeze()  # keep the children's copy-on-write pages shared

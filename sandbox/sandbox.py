@@ -152,6 +152,7 @@ class Sandbox:
             reply, blobs = self._call({"op": op, "payload": len(payload), **header}, payload,
                                       timeout_s)
             oom_after = handle.oom_kills()
+            handle.after_run()
             self.runs += op == "run"
         if not reply.pop("clean", True):
             log.warning("sandbox: the %s sandbox could not clean up after a run; closing it",
