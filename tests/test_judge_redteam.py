@@ -83,6 +83,23 @@ def test_aliases_follow_a_restart_by_name():
     assert statuses(r) == ["crashed", "passed", "passed", "passed"], r.feedback
 
 
+# A solution's `sqrt`, bound before the tests' `from math import *` (or their dynamic
+# `globals()` write) replaced it, must not come back with the restart: it would answer both
+# sides of `f(16) == sqrt(16)`.
+SHADOW_TESTS = ("from math import *\nglobals()['TEN'] = 10\nassert f(16) == sqrt(16)\n"
+                "assert f(100) == sqrt(100)\nassert f(TEN) == TEN\n")
+SHADOW_HACK = ("import os\nTEN = 0\ndef sqrt(x):\n    return 0\n"
+               "def f(x):\n    if not os.path.exists('crashed'):\n"
+               "        open('crashed', 'w').close()\n        os._exit(1)\n    return 0\n")
+
+
+def test_names_the_tests_took_stay_theirs_after_a_restart():
+    r = judge.unit_tests(SHADOW_HACK, SHADOW_TESTS, backend="process")
+    assert statuses(r) == ["crashed", "failed", "failed"], r.feedback
+    honest = "import math\ndef f(x):\n    return math.sqrt(x) if x != 10 else 10\n"
+    assert judge.unit_tests(honest, SHADOW_TESTS, backend="process").all_passed
+
+
 # -- fixtures and tests come from the tests only ---------------------------------------------------
 
 SORT_TESTS = "def test_sorts(data):\n    assert my_sort(data) == [1, 2, 3]\n"

@@ -260,10 +260,15 @@ def _bind_solution(ns, module, bound, ep, names, tests, candidate, entry_point):
     where is decided by name, from the tests' source (`tests`: split.test_bindings), never by
     comparing values: a name the tests bind themselves (their constants, helpers, fixtures,
     `pytest`) never receives a solution's value, from the first solution process or a
-    restarted one; `bound` is the set of names this function put into `ns`. Aliases the tests
-    made of the solution's names (`from solution import f as g`) follow the new solution."""
+    restarted one. `bound` maps the names this function put into `ns` to their values; one
+    the tests have bound to something else since (dynamically, or by a star import), is
+    theirs from then on. Aliases the tests made of the solution's names (`from solution
+    import f as g`) follow the new solution."""
     owned, aliases, referenced = tests
     owned = owned | {a for a, (name, _) in aliases.items() if a != name}
+    for name, value in list(bound.items()):
+        if ns.get(name) is not value:
+            del bound[name]
     for name in list(vars(module)):
         if not name.startswith("__"):
             delattr(module, name)
@@ -282,9 +287,9 @@ def _bind_solution(ns, module, bound, ep, names, tests, candidate, entry_point):
             value = ep.decode(enc)
         setattr(module, name, value)
         _bind(ns, bound, owned, name, value)
-    for name in bound - set(vars(module)) - {candidate}:  # gone from the new solution
+    for name in set(bound) - set(vars(module)) - {candidate}:  # gone from the new solution
         ns.pop(name, None)
-        bound.discard(name)
+        del bound[name]
     sys.modules["solution"] = module
     if candidate is not None:
         value = getattr(module, entry_point, None)
@@ -304,8 +309,7 @@ def _bind_solution(ns, module, bound, ep, names, tests, candidate, entry_point):
 def _bind(ns, bound, owned, name, value):
     """`ns[name] = value` unless the tests bind `name` themselves or it is the harness's."""
     if name not in owned and (name not in ns or name in bound):
-        ns[name] = value
-        bound.add(name)
+        ns[name] = bound[name] = value
 
 
 def _missing(name):
@@ -372,9 +376,12 @@ def _run_unit_tests(judge, payload):
     rpc.SOURCES[split.TESTS_FILE] = lines
     tree = ast.parse(source, split.TESTS_FILE)
     referenced = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    owned, aliases = split.test_bindings(tree)
+    owned, aliases, stars = split.test_bindings(tree)
+    for star in filter(None, map(_import_real, stars)):  # `from math import *`: the tests'
+        owned |= set(getattr(star, "__all__", None) or [n for n in vars(star)
+                                                         if not n.startswith("_")])
     ns = {"__name__": "tests", "__builtins__": builtins, "__judge_compare__": _judge_compare}
-    module, bound = type(sys)("solution"), set()
+    module, bound = type(sys)("solution"), {}
     module.__file__ = rpc.SOLUTION_FILE
     import_failure = []
     test_timeout = float(payload["test_timeout_s"])

@@ -78,7 +78,7 @@ def split_tests(source, entry_point=None, style="auto"):
 
 
 def test_bindings(tree):
-    """(owned, aliases) of the tests' module `tree`, read from its source, never from values:
+    """(owned, aliases, stars) of the tests' module `tree`, read from its source, never from values:
     `owned`, the names the tests bind in their module namespace themselves (assignments,
     `def`, `class`, imports, loop and `with` targets, `global` names, ..., anywhere they bind
     the tests' globals: module statements, HumanEval's unrolled `check` body); `aliases`,
@@ -87,9 +87,11 @@ def test_bindings(tree):
     own, which follows `f` only where `f` is the solution's). The harness never
     puts a solution's value under an owned name, and after a restart re-binds aliases by
     these names: which object a name holds (a small int, None, True are shared by
-    everyone) never decides it."""
+    everyone) never decides it. `from module import *` (not the solution) owns every public
+    name of the module: `stars` lists those modules, which the harness imports to list
+    them. Names the tests bind only dynamically (`globals()[...]`, `exec`) are not seen."""
     import ast
-    counts, aliases, todo = {}, {}, list(tree.body)
+    counts, aliases, stars, todo = {}, {}, [], list(tree.body)
 
     def bind(name, alias_of=None, imported=False):
         counts[name] = counts.get(name, 0) + 1
@@ -111,6 +113,9 @@ def test_bindings(tree):
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
             bind(node.id)
         elif isinstance(node, ast.ImportFrom):
+            if node.module and node.module != "solution" and not node.level and any(
+                    a.name == "*" for a in node.names):
+                stars.append(node.module)
             for a in node.names:
                 if a.name != "*":
                     solution = node.module == "solution" and not node.level
@@ -130,7 +135,7 @@ def test_bindings(tree):
         todo.extend(ast.iter_child_nodes(node))
     aliases = {k: v for k, v in aliases.items() if counts[k] == 1 and (
         v[1] or v[0] not in counts or v[0] in aliases)}
-    return set(counts) - set(aliases), aliases
+    return set(counts) - set(aliases), aliases, stars
 
 
 CMP = {"Eq": "==", "NotEq": "!=", "Lt": "<", "LtE": "<=", "Gt": ">", "GtE": ">=",
