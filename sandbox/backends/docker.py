@@ -119,7 +119,7 @@ class DockerServer(base.Server):
         self.container = container
         self.oom_control: str | None = None  # the container's memory.oom_control
         self.pids_file: str | None = None  # the container's cgroup.procs
-        self.counters: list[str] = []  # the container's cgroup dirs with resettable counters
+        self.peak_fds: list[int] = []  # the container's v1 memory peaks (cgroups.open_peaks)
 
     def find_cgroup(self) -> None:
         cid = self.container.id
@@ -127,7 +127,7 @@ class DockerServer(base.Server):
             if os.path.isdir(os.path.join(top, cid)):
                 self.oom_control = os.path.join(top, cid, "memory.oom_control")
                 if top.startswith("/sys/fs/cgroup/memory/"):  # v1: peaks reset by writing 0
-                    self.counters.append(os.path.join(top, cid))
+                    self.peak_fds = cgroups.open_peaks(os.path.join(top, cid))
         pids_dir = f"/sys/fs/cgroup/pids/docker/{cid}"
         if os.path.isdir(pids_dir):
             self.pids_file = os.path.join(pids_dir, "cgroup.procs")
@@ -142,8 +142,7 @@ class DockerServer(base.Server):
     def after_run(self) -> None:
         """The container's cgroup is visible (read-only) in it: its memory peak and fail
         counts go back to 0 after every run (cgroup v1)."""
-        for memory_dir in self.counters:
-            cgroups.reset_peaks(memory_dir)
+        cgroups.reset_peaks(self.peak_fds)
 
     def oom_kills(self) -> int | None:
         if self.oom_control is not None:
@@ -182,6 +181,9 @@ class DockerServer(base.Server):
         if self.container is not None:
             _remove_container(self.container)
             self.container = None
+        for fd in self.peak_fds:
+            os.close(fd)
+        self.peak_fds = []
 
 
 def _remove_container(container) -> None:
