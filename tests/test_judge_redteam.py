@@ -158,6 +158,13 @@ def test_a_report_names_exactly_the_tests_sent(edit):
     assert honest.all_passed, honest.feedback
 
 
+def test_a_stdio_report_has_one_result_per_case_sent():
+    forged = _forging_run(lambda r: {**r, "cases": r["cases"][:1]})
+    r = judge.stdio("print(int(input()) * 2)", [("1", "2"), ("2", "5")], backend="process",
+                    run=forged)
+    assert r.passed == 0 and r.total == 2 and "cases" in r.error, r
+
+
 def test_a_pytest_report_names_each_function_and_only_those():
     tests = ("import pytest\n@pytest.mark.parametrize('x', [1, 2])\ndef test_a(x):\n"
              "    assert add(x, 0) == x\nclass TestB:\n    def test_c(self):\n"

@@ -191,6 +191,9 @@ def stdio(code: str, cases: Sequence, *, float_tol: Optional[float] = 1e-6,
                "time_budget_s": _positive("timeout_s", timeout_s)}
     report, run_result = _execute("stdio", code, payload, timeout_s, memory_mb, backend, run)
     names = [f"case {i}" for i in range(len(pairs))]
+    if not isinstance(report, str) and (type(report.get("cases")) is not list
+                                        or len(report["cases"]) != len(pairs)):
+        report = "the report's cases are not the cases that were sent"
     if isinstance(report, str):
         return _harness_failure(report, names, run_result)
     results = []
