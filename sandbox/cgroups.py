@@ -91,7 +91,7 @@ class Cgroup:
         name = f"{_PREFIX}{os.getpid()}-{next(_counter)}"
         self.top = {c: os.path.join(p, name) for c, p in parents.items()}
         self.made: list[str] = []
-        self.peak_fds: list[int] | None = None
+        self.peak_fds: list[int] = []  # the run's memory peaks (`reset_peaks`)
         try:
             for top in self.top.values():
                 self._mkdir(top)
@@ -100,6 +100,8 @@ class Cgroup:
                 self._mkdir(os.path.join(top, "server"))
                 self._mkdir(os.path.join(top, "run"))
             self._set_limits(memory_bytes, pids_max)
+            if self.version == "v1":
+                self.peak_fds = open_peaks(os.path.dirname(self._file("memory", "run", "x")))
         except OSError:
             self.remove()
             raise
@@ -164,10 +166,7 @@ class Cgroup:
     def reset_peaks(self) -> None:
         """Reset the run cgroup's memory peak and fail counts (v1; v2's memory.peak has no
         reset for all readers), so that no run reads the one before's."""
-        if self.version == "v1":
-            if self.peak_fds is None:
-                self.peak_fds = open_peaks(os.path.dirname(self._file("memory", "run", "x")))
-            reset_peaks(self.peak_fds)
+        reset_peaks(self.peak_fds)
 
     def kill_run(self) -> None:
         """Kill every process of the run cgroup (the cgroups stay, for the next run)."""
@@ -175,9 +174,9 @@ class Cgroup:
 
     def remove(self) -> None:
         """Kill whatever is left in any of the cgroups, then remove them."""
-        for fd in self.peak_fds or ():
+        for fd in self.peak_fds:
             os.close(fd)
-        self.peak_fds = None
+        self.peak_fds = []
         for path in reversed(self.made):
             _kill_all(path)
             _rmdir(path)
