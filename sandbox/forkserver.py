@@ -599,15 +599,12 @@ def _root_state(path):
 
 
 def _clear_root(path, times):
-    """Remove the extended attributes (ACLs too) a run set on the scratch dir `path` and put
-    its times back; False if an attribute stays. Where the dir is not the sandbox's own (a
-    docker tmpfs is root's), a run could set neither, and its times stay as the wipe left
-    them (its ctime always does: the kernel sets it)."""
-    try:
-        names = os.listxattr(path, follow_symlinks=False)
-    except OSError:
-        names = []
-    for name in names:
+    """Remove the extended attributes a run can set (user.*, ACLs) from the scratch dir
+    `path` and put its times back; False if one stays. (security.* and trusted.* need
+    capabilities a run lacks; an SELinux label is the host's.) Where the dir is not the
+    sandbox's own (docker's /dev/shm is root's), a run could set neither, and its times stay
+    as the wipe left them; its ctime always does (the kernel sets it)."""
+    for name in _run_xattrs(path):
         try:
             os.removexattr(path, name, follow_symlinks=False)
         except OSError:
@@ -616,10 +613,15 @@ def _clear_root(path, times):
         os.utime(path, ns=times, follow_symlinks=False)
     except OSError:
         pass
+    return not _run_xattrs(path)
+
+
+def _run_xattrs(path):
     try:
-        return not os.listxattr(path, follow_symlinks=False)
+        names = os.listxattr(path, follow_symlinks=False)
     except OSError:
-        return True  # no xattrs on this file system
+        return []  # no xattrs on this file system
+    return [n for n in names if n.startswith(("user.", "system.posix_acl_"))]
 
 
 def remove_posix_mqueues(path):

@@ -30,8 +30,8 @@ from sandbox.backends.process import Process
 from sandbox.request import Limits
 
 __all__ = ["BackendUnavailable", "Bwrap", "Docker", "Limits", "PREIMPORT", "Process",
-           "STRONGEST_FIRST", "Server", "auto_refusal", "docker_client", "pick_backend", "seccomp_filter",
-           "server_argv", "start", "unavailable_reason"]
+           "STRONGEST_FIRST", "Server", "auto_refusal", "docker_client", "pick_backend",
+           "seccomp_filter", "server_argv", "start", "unavailable_reason"]
 
 log = logging.getLogger("sandbox")
 

@@ -78,8 +78,8 @@ def split_tests(source, entry_point=None, style="auto"):
 
 
 def test_bindings(tree):
-    """(owned, aliases, stars) of the tests' module `tree`, read from its source, never from values:
-    `owned`, the names the tests bind in their module namespace themselves (assignments,
+    """(owned, aliases, stars) of the tests' module `tree`, read from its source, never from
+    values: `owned`, the names the tests bind in their module namespace themselves (assignments,
     `def`, `class`, imports, loop and `with` targets, `global` names, ..., anywhere they bind
     the tests' globals: module statements, HumanEval's unrolled `check` body); `aliases`,
     {name: (name it stands for, whether by `from solution import`)} for each name the tests
