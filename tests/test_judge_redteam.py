@@ -12,8 +12,10 @@ sockets and directories at a path are seen. Between runs: no xattrs, times, TIME
 or memory peaks of the run before.
 """
 
+import dataclasses
+import hashlib
+import hmac
 import json
-import os
 
 import pytest
 
@@ -130,10 +132,7 @@ def _forging_run(edit):
         line = next(ln for ln in result.stdout.splitlines() if ln.startswith(b"JUDGE-REPORT "))
         report = json.loads(line.split(b" ", 2)[2])
         body = json.dumps(edit(report)).encode()
-        import hashlib
-        import hmac
         mac = hmac.new(key, body, hashlib.sha256).hexdigest().encode()
-        import dataclasses
         return dataclasses.replace(result, stdout=b"JUDGE-REPORT " + mac + b" " + body + b"\n")
     return run
 
