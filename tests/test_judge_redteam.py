@@ -171,6 +171,9 @@ def test_a_pytest_report_names_each_function_and_only_those():
     honest = judge.unit_tests(ADD, tests, backend="process", run=_forging_run(lambda r: r))
     assert [t.name for t in honest.tests] == ["test_a[0]", "test_a[1]", "TestB::test_c"]
     assert honest.all_passed, honest.feedback
+    empty = "import pytest\n@pytest.mark.parametrize('x', [])\ndef test_e(x):\n    pass\n"
+    skipped = judge.unit_tests(ADD, tests + empty, backend="process")
+    assert statuses(skipped) == ["passed"] * 3 + ["skipped"] and skipped.all_passed, skipped
     extra = _forging_run(lambda r: {**r, "tests": r["tests"] + [passed("test_z")]})
     assert judge.unit_tests(ADD, tests, backend="process", run=extra).error
     dropped = _forging_run(lambda r: {**r, "tests": r["tests"][2:]})

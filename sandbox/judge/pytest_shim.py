@@ -164,6 +164,8 @@ def _expand(name, fn, cls, owned):
         params = [(tuple(v) if len(names) > 1 else (v,)) for v in values]
         cases = [(ids + (str(i),), {**bound, **dict(zip(names, p))})
                  for (ids, bound), (i, p) in itertools.product(cases, enumerate(params))]
+    if not cases:  # as pytest: a test over an empty parameter set is skipped
+        yield name, lambda ns: _skip("got empty parameter set")
     for ids, bound in cases:
         label = f"{name}[{'-'.join(ids)}]" if ids else name
         yield label, (lambda b: lambda ns: _call_test(fn, cls, b, ns, owned))(bound)
