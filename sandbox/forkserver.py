@@ -913,23 +913,27 @@ class Parked:
     def start(self, chan_fd, size):
         """Pass the request payload (`size` bytes on the host socket) to the child. The
         payload is always consumed, so that the stream stays in step even if the child is
-        gone (the run then reports how it ended)."""
+        gone (the run then reports how it ended). The buffer is zeroed at once: the payload
+        (a judge's key and tests in its stdin) is not in the server's memory while it runs."""
         ctl, alive = self.ctl.fileno(), True
         try:
             _write_all(ctl, struct.pack(">Q", size))
         except (BrokenPipeError, ConnectionResetError):
             alive = False
         left = size
-        while left:
-            got = _used(os.readv(chan_fd, [_VIEW[:min(left, len(_BUF))]]))
-            if not got:
-                raise EOFError("stream ended inside a payload")
-            left -= got
-            if alive:
-                try:
-                    _write_all(ctl, _VIEW[:got])
-                except (BrokenPipeError, ConnectionResetError):
-                    alive = False
+        try:
+            while left:
+                got = _used(os.readv(chan_fd, [_VIEW[:min(left, len(_BUF))]]))
+                if not got:
+                    raise EOFError("stream ended inside a payload")
+                left -= got
+                if alive:
+                    try:
+                        _write_all(ctl, _VIEW[:got])
+                    except (BrokenPipeError, ConnectionResetError):
+                        alive = False
+        finally:
+            _zero_buffer()
 
     def setup_error(self):
         """What the child reported if it could not set the run up (None if nothing)."""

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import os
 
 import pytest
 
@@ -359,3 +360,32 @@ def test_a_runs_metadata_does_not_reach_the_next(iso_worker):  # noqa: F811
         assert after[d][0] == [] and after[d][2] == fresh[d][2], (d, after)
         if d != "/dev/shm":  # docker's /dev/shm is root's: a run can change none of these
             assert after[d][1] == fresh[d][1], (d, after)
+
+
+SERVER_SCAN = r'''
+import os, sys
+token = sys.stdin.read().encode()
+server, found = os.getppid(), []
+with open(f"/proc/{server}/maps") as maps, open(f"/proc/{server}/mem", "rb", 0) as mem:
+    for line in maps:
+        fields = line.split()
+        if not fields[1].startswith("rw"):
+            continue
+        start, end = (int(v, 16) for v in fields[0].split("-"))
+        try:
+            mem.seek(start)
+            found.append(token in mem.read(end - start))
+        except (OSError, ValueError, OverflowError):
+            pass
+print(len(found) > 0, any(found))
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root caller's process runs can read "
+                    "the fork server's memory (it is non-dumpable)")
+def test_a_runs_stdin_is_not_in_the_servers_memory_while_it_runs():
+    """Where a run can read its fork server (a root caller's process backend), the judge's
+    stdin (key, tests) that passed through the server's buffer is already zeroed there."""
+    token = "STDIN" + os.urandom(8).hex()
+    r = sandbox.run(SERVER_SCAN, stdin=token, backend="process", timeout_s=30)
+    assert r.stdout == b"True False\n", r
