@@ -76,7 +76,9 @@ def entry_at(files: Mapping[str, bytes], others: Mapping[str, str], path: str):
     kind of any other entry ("directory", "symlink", "fifo", "socket", "device"; "symlink"
     too for a path whose parent is a symlink, which may lead anywhere), or None only where
     there is nothing at all. `files`, `others`: `Result.files` and `Result.other_files`, or
-    `Session.listing()`."""
+    `Session.listing()`. `path` is normalised first ("./a", "a/" and "a//b" name "a" and
+    "a/b")."""
+    path = posixpath.normpath(path)
     if path in files:
         return files[path]
     if path in others:

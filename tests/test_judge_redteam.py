@@ -308,6 +308,8 @@ def test_entry_at_is_none_only_for_nothing_at_all():
     files, others = {"a": b"x"}, {"d": "directory", "l": "symlink", "l2": "symlink"}
     assert sandbox.entry_at(files, others, "a") == b"x"
     assert sandbox.entry_at(files, others, "d") == "directory"
+    assert sandbox.entry_at(files, others, "./d/") == "directory"
+    assert sandbox.entry_at(files, others, "./a") == b"x"
     assert sandbox.entry_at(files, others, "l/deep/x") == "symlink"
     assert sandbox.entry_at(files, others, "d/x") is None
     assert sandbox.entry_at(files, others, "b") is None
