@@ -78,8 +78,8 @@ from sandbox.request import Limits, Request
 from sandbox.result import Result
 from sandbox.sandbox import Sandbox, SandboxError
 from sandbox.session import Session, run
-from sandbox.workdir import entry_at
 from sandbox.warm_sandboxes import live_sandboxes, shutdown, warm
+from sandbox.workdir import entry_at
 
 __all__ = [
     "BackendUnavailable", "Bwrap", "Docker", "Limits", "Pool", "PoolFull", "Process", "Request",
