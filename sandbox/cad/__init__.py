@@ -54,13 +54,15 @@ def _host_has_cadquery() -> bool:
 
 def spec(backend: str = "auto"):
     """The sandbox backend spec for CAD runs: `backend` ("process", "bwrap", "docker" or
-    "auto": the strongest that can run here) with CadQuery's interpreter and preimports."""
+    "auto": the strongest that can run here, never process for a root caller, as
+    `sandbox.backends.pick_backend`) with CadQuery's interpreter and preimports."""
     python = os.path.join(VENV, "bin", "python")
     if backend == "auto":
         reasons = {}
         for name in ("docker", "bwrap", "process"):
             candidate = spec(name)
-            reasons[name] = backends.unavailable_reason(candidate)
+            reasons[name] = (backends.auto_refusal(candidate)
+                             or backends.unavailable_reason(candidate))
             if reasons[name] is None:
                 return candidate
         raise backends.BackendUnavailable(f"no backend can run CAD here: {reasons}")
