@@ -109,8 +109,6 @@ def _spawn(argv, **kwargs) -> subprocess.Popen:
 _PROC_MASKED = ("asound", "acpi", "kcore", "keys", "latency_stats", "timer_list",
                 "timer_stats", "sched_debug", "scsi", "interrupts", "kallsyms", "kmsg")
 _PROC_READ_ONLY = ("bus", "fs", "irq", "sys", "sysrq-trigger")
-# Not the agent's state: the kernel's, the runtime's and the verifier's.
-_NOT_STATE = frozenset({"/proc", "/dev", "/sys", "/tests", "/logs"})
 
 
 def _proc_masks() -> list[str]:
@@ -380,10 +378,19 @@ class Box:
             try:
                 if kill:
                     self._stop(keep_cgroup=True)
+                # (the mounts below the root are detached once its processes are dead: their
+                # mount points are left out by name)
+                from sandbox.terminal.container import PYTEST_MOUNT
+                skip = state_.NOT_STATE | {f"/{d}" for d in _READ_ONLY} | {PYTEST_MOUNT}
                 return state_.capture(f"/proc/self/fd/{root}", [("", "/")], limit=limit,
-                                      skip=_NOT_STATE, uid_of=self._box_uid)
+                                      skip=skip, uid_of=self._box_uid)
             finally:
                 os.close(root)
+
+    def kill(self) -> None:
+        """Every process of the box (its pid namespace): the next reset starts a new one."""
+        with self._lock:
+            self._stop(keep_cgroup=True)
 
     def lay_state(self, state: state_.State) -> None:
         """The agent's state into this (fresh, idle) box."""

@@ -18,6 +18,7 @@ import tempfile
 
 from sandbox.terminal.container import PYTEST_MOUNT
 
+VERDICT_DIR = "/logs/ptrain-verdict"  # where the verdict plugin writes (trusted/)
 BIN = f"{PYTEST_MOUNT}/bin"  # first on the verifier's PATH: pytest, python3, python
 _TRUSTED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trusted")
 # (file of trusted/, its path in the mounted directory, its mode)

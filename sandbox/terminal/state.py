@@ -43,6 +43,8 @@ TRUSTED = (
     "etc/hosts", "etc/hostname", "etc/resolv.conf",
 )
 _PACKAGES = ("site-packages", "dist-packages")
+# Not the agent's state: the kernel's, the runtime's and the verifier's.
+NOT_STATE = frozenset({"/proc", "/dev", "/sys", "/tests", "/logs", "/.dockerenv"})
 
 
 def trusted(path: str) -> bool:
@@ -136,7 +138,7 @@ def capture(root: str, tops, *, limit: int, overlay: bool = False,
                     top = os.dup(rfd)
                 opened.append(top)
                 st = os.fstat(top)
-                if not overlay:
+                if not overlay and box != "/":
                     state.add(Entry(box, "opaque", _mode(st), uid_of(st.st_uid),
                                     uid_of(st.st_gid), st.st_mtime_ns), limit)
                 _walk(top, box, st.st_dev, state, limit, overlay, skip, uid_of)
@@ -298,8 +300,9 @@ def apply(state: State, root: str, *, uid_of=lambda u: u) -> None:
             try:
                 fd = os.open(name, _DIR, dir_fd=pfd)
                 try:
-                    _own(fd, None, uid_of(e.uid), uid_of(e.gid))
-                    os.fchmod(fd, e.mode)
+                    if os.fstat(fd).st_dev == dev:  # never the runtime's mounts
+                        _own(fd, None, uid_of(e.uid), uid_of(e.gid))
+                        os.fchmod(fd, e.mode)
                 finally:
                     os.close(fd)
             finally:
