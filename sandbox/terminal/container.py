@@ -161,6 +161,7 @@ class Container:
         self._client = client or docker_client()
         self._lock = threading.Lock()
         self.container = None
+        self._killed = False  # by end_episode or kill(): the next reset recreates, as meant
         self.resets = {"inplace": 0, "recreate": 0}
         self.storage = None  # how storage_mb is enforced: "quota", "workdir" or None
         self._workdir_tar = None  # with "workdir": the image's files there (a tar)
@@ -304,7 +305,9 @@ class Container:
                     why = "the container stopped"
                 except (ResetRefused, OSError, ContainerGone) as e:
                     why = str(e)
-                log.warning("terminal container %s: recreated (%s)", self._name, why)
+                if not self._killed:
+                    log.warning("terminal container %s: recreated (%s)", self._name, why)
+            self._killed = False
             old, self.container = self.container, None
             if old is not None:  # removed off the caller's path: its processes are dead
                 threading.Thread(target=_remove_quietly, args=(old,), daemon=True).start()
@@ -352,6 +355,7 @@ class Container:
     def _kill_init(self, ip: InPlaceReset) -> None:
         """SIGKILL to the container's init: the kernel kills every process of its pid
         namespace (ptraced, stopped, re-parented ones too); wait until the cgroup is empty."""
+        self._killed = True
         try:
             os.kill(ip.init_pid, signal.SIGKILL)
         except ProcessLookupError:

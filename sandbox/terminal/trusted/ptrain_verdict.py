@@ -12,8 +12,11 @@ ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0
 
 
 def _last_line(report) -> str:
-    lines = str(getattr(report, "longreprtext", "") or "").strip().splitlines()
-    return f" - {lines[-1][:300]}" if lines else ""
+    """The failure's message, as pytest's short summary gives it."""
+    crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+    lines = (str(getattr(crash, "message", "") or "") or
+             str(getattr(report, "longreprtext", "") or "")).strip().splitlines()
+    return f" - {lines[0][:300] if crash else lines[-1][:300]}" if lines else ""
 
 
 def pytest_runtest_logreport(report):
