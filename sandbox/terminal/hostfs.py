@@ -115,18 +115,23 @@ class ConfinedRoot:
         finally:
             os.close(fd)
 
-    @_as_owner
     def write(self, files) -> None:
+        items = []  # the host's files are read as ourselves, then written as the owner
         for source, dest in files:
-            *parents, name = self._parts(dest)
             if isinstance(source, bytes):
-                data, mode = source, 0o644
-            else:
-                st = os.lstat(source)
-                if not stat.S_ISREG(st.st_mode):
-                    raise OSError(f"{source}: only regular files are copied this way")
-                with open(source, "rb") as f:
-                    data, mode = f.read(), stat.S_IMODE(st.st_mode)
+                items.append((source, 0o644, dest))
+                continue
+            st = os.lstat(source)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(f"{source}: only regular files are copied this way")
+            with open(source, "rb") as f:
+                items.append((f.read(), stat.S_IMODE(st.st_mode), dest))
+        self._write(items)
+
+    @_as_owner
+    def _write(self, items) -> None:
+        for data, mode, dest in items:
+            *parents, name = self._parts(dest)
             fd = self._open_dirs(parents, create=True)
             try:
                 out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
