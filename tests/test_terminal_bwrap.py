@@ -166,20 +166,9 @@ def test_time_limits_cut_the_agent_and_a_hanging_verifier(harness, tmp_path):
         v = ep.verify()
         assert v.timed_out and v.reward == 0.0 and "time limit (2 s)" in v.error
     # The verifier's processes, even a setsid one, died with its box.
+    from tests.test_terminal_load import host_processes
     assert not host_processes("sleep 1000")
 
-
-def host_processes(cmdline: str) -> list[int]:
-    """Host pids whose command line is `cmdline`."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read().replace(b"\0", b" ").strip() == cmdline.encode():
-                    out.append(int(pid))
-        except OSError:
-            pass
-    return out
 
 
 def test_a_warm_box_outlives_the_thread_that_started_it(loaded, harness):

@@ -68,6 +68,19 @@ def quick_task(root, agent_s=3, verifier_s=30, test_sh="echo 0 > /logs/verifier/
     return terminal.load_task(harbor_task(root, **{"task.toml": toml, "tests/test.sh": test_sh}))
 
 
+def host_processes(cmdline: str) -> list[int]:
+    """Host pids whose command line is `cmdline` (what a box must not leave running)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().replace(b"\0", b" ").strip() == cmdline.encode():
+                    out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
 def tb1_task(root, **overrides):
     files = {"task.yaml": TB1_YAML, "Dockerfile": "FROM ptrain-term-base:latest\n",
              "run-tests.sh": "pytest $TEST_DIR/test_outputs.py -rA\n",

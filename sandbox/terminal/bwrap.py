@@ -145,8 +145,10 @@ def unavailable() -> str | None:
                                                 for n in os.listdir(ROOTFS_DIR)):
         return (f"no base root file system in {ROOTFS_DIR} (bash sandbox/setup_host.sh "
                 f"unpacks ptrain-term-base's there)")
-    r = subprocess.run(["bwrap", "--unshare-all", "--unshare-user", "--ro-bind", "/", "/",
-                        "true"], capture_output=True, text=True)
+    # (/usr only: a recursive bind of / races with the mounts docker makes and removes)
+    r = subprocess.run(["bwrap", "--unshare-all", "--unshare-user", "--ro-bind", "/usr", "/usr",
+                        "--ro-bind-try", "/lib", "/lib", "--ro-bind-try", "/lib64", "/lib64",
+                        "/usr/bin/true"], capture_output=True, text=True)
     if r.returncode != 0:
         return f"bwrap cannot make namespaces here: {r.stderr.strip()[-200:]}"
     return None

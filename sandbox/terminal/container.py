@@ -310,7 +310,10 @@ class Container:
             self._killed = False
             old, self.container = self.container, None
             if old is not None:  # removed off the caller's path: its processes are dead
-                threading.Thread(target=_remove_quietly, args=(old,), daemon=True).start()
+                t = threading.Thread(target=_remove_quietly, args=(old,), daemon=True)
+                t.start()
+                with _removing_lock:
+                    _removing[:] = [r for r in _removing if r.is_alive()] + [t]
             self._start()
             self.resets["recreate"] += 1
             return "recreate"
@@ -515,6 +518,18 @@ class Container:
                     out[member.name] = tar.extractfile(member).read()
                     total += member.size
         return out
+
+
+_removing: list[threading.Thread] = []
+_removing_lock = threading.Lock()
+
+
+def wait_removed() -> None:
+    """Until the containers being removed in the background are gone."""
+    with _removing_lock:
+        pending = list(_removing)
+    for t in pending:
+        t.join()
 
 
 def _remove_quietly(container) -> None:

@@ -20,8 +20,9 @@ import threading
 import time
 
 from sandbox.terminal import bwrap, host_pytest, state as state_, verify as verifier
-from sandbox.terminal.container import (PYTEST_MOUNT, Container, ContainerGone, Limits,
-                                        docker_client, remove_orphans)
+from sandbox.terminal.container import (Container, ContainerGone, Limits, docker_client,
+                                        remove_orphans)
+from sandbox.terminal.container import wait_removed as container_wait_removed
 from sandbox.terminal.image import ensure_image
 from sandbox.terminal.shell import Shell, ShellResult
 from sandbox.terminal.task import TESTS_DIR, VERIFIER_LOGS, Task
@@ -173,6 +174,7 @@ class Harness:
             self._idle.clear()
         for c in idle:
             c.close()
+        container_wait_removed()
 
     def __enter__(self):
         return self
