@@ -67,16 +67,26 @@ def box_keys(uids) -> list[str]:
 
 
 def box_processes(uids) -> list[str]:
-    """Host processes running as one of `uids`."""
+    """Host processes running as one of `uids` that are ours: below this process, or orphans
+    (the uids are a pool other sandboxes on this machine take from once ours let them go)."""
+    def status(pid):
+        with open(f"/proc/{pid}/status") as f:
+            return dict(line.split(":", 1) for line in f)
+
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/status") as f:
-                uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
-        except (OSError, StopIteration):
+            fields = status(pid)
+            if int(fields["Uid"].split()[0]) not in uids:
+                continue
+            chain, p = [], int(fields["PPid"])
+            while p > 1 and p != os.getpid():
+                chain.append(p)
+                p = int(status(p)["PPid"])
+        except (OSError, KeyError):
             continue
-        if uid in uids:
-            out.append(pid)
+        if p == os.getpid() or not chain:
+            out.append(f"{pid} {fields['State'].strip()} {fields['Name'].strip()}")
     return out
 
 
@@ -186,8 +196,8 @@ def test_planted_pytest_config_conftest_pth_and_sitecustomize_do_not_count(harne
     assert v.reward == 0.0 and not v.passed, v.feedback
     assert any("hello.txt does not exist" in f for f in v.failures), v.feedback
     dropped = "\n".join(v.dropped)
-    if harness.backend == "docker":  # written for real there: left out by the policy
-        assert "/usr/lib/python3.11/sitecustomize.py" in dropped
+    if harness.backend == "docker":  # written for real there (through the image's symlink
+        assert "sitecustomize.py: a trusted path" in dropped  # to /etc): left out
     assert oracle(harness, hello)["reward"] == 1.0
 
 

@@ -126,6 +126,21 @@ def _proc_masks() -> list[str]:
     return out
 
 
+def _pids_of(uid: int) -> list[int]:
+    """Host pids running as `uid` (zombies included: their namespace is not gone yet)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:  # (status, not the /proc entry's owner: that is root for a non-dumpable one)
+                with open(f"/proc/{name}/status", "rb") as f:
+                    line = next(x for x in f if x.startswith(b"Uid:"))
+                if int(line.split()[1]) == uid:
+                    out.append(int(name))
+            except (OSError, StopIteration):
+                pass
+    return out
+
+
 def _pipe_with(data: bytes) -> int:
     r, w = os.pipe()
     try:
@@ -363,6 +378,11 @@ class Box:
     def close(self) -> None:
         with self._lock:
             self._stop()
+            if self.host_uid is not None:
+                # Its uid goes back to the pool only once nothing runs as it: an orphan (the
+                # shell, once its nsenter parent hung up) is reaped by the host's init.
+                from sandbox import cgroups
+                cgroups.kill_until_gone(lambda: _pids_of(self.host_uid), timeout_s=5.0)
             self._release_uid()
 
     # --- the end of an episode ----------------------------------------------------------------
