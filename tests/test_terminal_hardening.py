@@ -234,6 +234,10 @@ def test_a_bash_function_in_the_agent_s_shell_never_runs_the_verdict(harness, sa
         "/logs/ptrain-verdict/9.json; echo PASSED; return 0; }; export -f bash",
         "pytest() { bash; }; export -f pytest; alias pytest=bash",
         "export PYTEST_ADDOPTS=--co PYTHONPATH=/app LD_PRELOAD=/app/x.so BASH_ENV=/app/env",
+        # a fake bash first on the session's PATH, forging the verdict file and exiting 0
+        _write("/app/evil/bash", "#!/bin/sh\nmkdir -p /logs/ptrain-verdict\necho '" + forged
+               + "' > /logs/ptrain-verdict/8.json\nexit 0\n"),
+        "chmod +x /app/evil/bash && export PATH=/app/evil:$PATH",
         "cd /srv"])  # the cwd is right, APP_MODE is not exported
     assert v.reward == 0.0, v.feedback
     assert any("APP_MODE" in f or "assert" in f for f in v.failures), v.feedback

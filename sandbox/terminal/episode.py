@@ -29,6 +29,10 @@ from sandbox.terminal.task import TESTS_DIR, VERIFIER_LOGS, Task
 
 _TAIL_CHARS = 4000
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The task's script ("bash /tests/test.sh"), by the image's bash found by its path (a trusted
+# path of the state policy), never looked up on a PATH the agent's session may have set.
+_BY_BASH = ('for b in /bin/bash /usr/bin/bash; do [ -x "$b" ] && exec "$b" "$@"; done; '
+            'exec /bin/sh "$@"')
 # Session variables not passed to the verifier (they would steer its shell, loader or python).
 _STEERING = ("LD_", "PYTHON", "PYTEST", "BASH_FUNC_", "PTRAIN")
 _STEERING_NAMES = {"BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "IFS", "GLOBIGNORE",
@@ -299,7 +303,8 @@ class Episode:
             env = {**env, **dict(task.verifier_env), "PATH": f"{host_pytest.BIN}:{path}",
                    "COLUMNS": "200", "PYTHONNOUSERSITE": "1",
                    "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-            r = box.exec(["/bin/sh", "-c", f"exec {task.test_command}"],
+            script = shlex.split(task.test_command)[1:]  # ("bash", script)
+            r = box.exec(["/bin/sh", "-c", _BY_BASH, "sh", *script],
                          timeout_s=task.verifier_timeout_s, user=task.verifier_user, env=env,
                          workdir=workdir or box.workdir, max_output_bytes=1 << 20)
             # Read only once nothing the tests started runs on.
