@@ -44,7 +44,7 @@ import threading
 import time
 
 from sandbox.backends import base as sandbox_base
-from sandbox.backends.bwrap import _KEYRING_SYSCALLS, seccomp_filter
+from sandbox.backends.bwrap import _KEYRING_SYSCALLS, _pipe_with, seccomp_filter
 from sandbox.terminal import state as state_
 from sandbox.terminal.bwrap_plan import ROOTFS_DIR, NeedsImage, Plan, bases, plan  # noqa: F401
 from sandbox.terminal.container import CappedBuffer, ExecResult, Limits
@@ -139,15 +139,6 @@ def _pids_of(uid: int) -> list[int]:
             except (OSError, StopIteration):
                 pass
     return out
-
-
-def _pipe_with(data: bytes) -> int:
-    r, w = os.pipe()
-    try:
-        os.write(w, data)
-    finally:
-        os.close(w)
-    return r
 
 
 def unavailable() -> str | None:
@@ -404,8 +395,8 @@ class Box:
                 # mount points are left out by name)
                 from sandbox.terminal.container import PYTEST_MOUNT
                 skip = state_.NOT_STATE | {f"/{d}" for d in _READ_ONLY} | {PYTEST_MOUNT}
-                return state_.capture(f"/proc/self/fd/{root}", [("", "/")], limit=limit,
-                                      skip=skip, uid_of=self._box_uid)
+                return state_.capture(f"/proc/self/fd/{root}", "/", limit=limit, skip=skip,
+                                      uid_of=self._box_uid)
             finally:
                 os.close(root)
 
@@ -437,10 +428,11 @@ class Box:
 
     # --- processes ----------------------------------------------------------------------------
 
-    def _enter(self, user, env, workdir, *, agent: bool = False) -> tuple[list[str], dict]:
+    def _enter(self, user, env, workdir) -> tuple[list[str], dict]:
         """The command line that runs a command in the sandbox (its namespaces, its root, the
-        work dir) as `user`; for the agent (`agent`), with the capabilities cut down to
-        docker's default set (the user namespace's root otherwise has all of them there)."""
+        work dir) as `user`, through _AS_USER: a new session keyring, docker's default
+        capabilities (the user namespace's root otherwise has all of them there), the
+        seccomp filter."""
         if self.pid is None or self.proc.poll() is not None:
             from sandbox.terminal.container import ContainerGone
             raise ContainerGone(f"the sandbox of {self._name} is gone")
@@ -455,7 +447,7 @@ class Box:
 
     def open_terminal(self, argv, *, user=None, env=None, workdir=None):
         """(stream, None): `argv` on a new pseudo-terminal in the sandbox (the shell)."""
-        enter, env = self._enter(user, env, workdir, agent=True)
+        enter, env = self._enter(user, env, workdir)
         master, slave = pty.openpty()
         try:
             # (the slave as stdio too: the terminal is never without a reader's other end,

@@ -341,10 +341,10 @@ class Container:
                          if not os.path.isdir(os.path.join(ip.upper, p))}
                 if workdir is not None:
                     skip.add(self.workdir.rstrip("/"))
-                state = state_.capture(ip.upper, [("", "/")], limit=limit, overlay=True,
+                state = state_.capture(ip.upper, "/", limit=limit, overlay=True,
                                        skip=frozenset(skip))
                 if workdir is not None:
-                    more = state_.capture(f"/proc/self/fd/{workdir}", [("", self.workdir)],
+                    more = state_.capture(f"/proc/self/fd/{workdir}", self.workdir,
                                           limit=limit - state.size)
                     state.entries += more.entries
                     state.dropped += more.dropped

@@ -105,48 +105,26 @@ def _is_opaque(fd: int) -> bool:
     return False
 
 
-def capture(root: str, tops, *, limit: int, overlay: bool = False,
+def capture(root: str, box: str, *, limit: int, overlay: bool = False,
             skip=frozenset(), uid_of=lambda u: u) -> State:
-    """Read the trees `tops` [(path below `root`, path in the box)] into a State.
+    """Read the tree at the host directory `root` (an upper dir, or `/proc/self/fd/N` of a
+    held box root or work dir), which is `box` in the box, into a State.
 
-    `root`: a host directory (an upper dir, or `/proc/self/fd/N` of a held box root).
     `overlay`: `root` is docker's overlay upper dir (whiteouts are deletions, opaque dirs
-    replace). Otherwise each top is taken whole (an "opaque" entry, then its tree) and the walk
-    stays on the top's file system (mount points below are not the agent's files).
+    replace). Otherwise the tree is taken whole (below `box` other than "/", an "opaque"
+    entry first: the verifier's copy is replaced) and the walk stays on its file system.
     `skip`: box paths left out (mount points the runtime made); `uid_of`: host uid -> box uid.
     """
     state = State()
-    rfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for rel, box in tops:
-            fd, name = rfd, None
-            parts = [p for p in rel.strip("/").split("/") if p]
-            opened = []
-            try:
-                for p in parts[:-1]:
-                    fd = os.open(p, _DIR, dir_fd=fd)
-                    opened.append(fd)
-                if parts:
-                    try:
-                        st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    if not stat.S_ISDIR(st.st_mode):
-                        continue
-                    top = os.open(parts[-1], _DIR, dir_fd=fd)
-                else:
-                    top = os.dup(rfd)
-                opened.append(top)
-                st = os.fstat(top)
-                if not overlay and box != "/":
-                    state.add(Entry(box, "opaque", _mode(st), uid_of(st.st_uid),
-                                    uid_of(st.st_gid), st.st_mtime_ns), limit)
-                _walk(top, box, st.st_dev, state, limit, overlay, skip, uid_of)
-            finally:
-                for o in opened:
-                    os.close(o)
+        st = os.fstat(top)
+        if not overlay and box != "/":
+            state.add(Entry(box, "opaque", _mode(st), uid_of(st.st_uid), uid_of(st.st_gid),
+                            st.st_mtime_ns), limit)
+        _walk(top, box, st.st_dev, state, limit, overlay, skip, uid_of)
     finally:
-        os.close(rfd)
+        os.close(top)
     return state
 
 
