@@ -1,4 +1,4 @@
-"""What a swap at a weight update costs (rl.interrupt, ptrain/interrupt.py): one engine
+"""What a swap at a weight update costs (rl.interrupt, ptrain/generate/interrupt.py): one engine
 generation with the swap forced after the first decode round, its held sequences' caches
 recomputed under the new weights (rl.interrupt_cache="recompute") or kept
 (rl.interrupt_cache="keep"), against the same generation with no swap, measured in one run.
@@ -25,9 +25,9 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
 import rl_bench  # noqa: E402
-from ptrain import engine as engine_lib  # noqa: E402
-from ptrain import interrupt  # noqa: E402
 from ptrain import model as model_lib  # noqa: E402
+from ptrain.generate import engine as engine_lib  # noqa: E402
+from ptrain.generate import interrupt  # noqa: E402
 
 
 def main():

@@ -32,7 +32,7 @@ sys.path.insert(0, REPO)
 from ptrain import hf  # noqa: E402
 from ptrain import learner  # noqa: E402
 from ptrain import model as model_lib  # noqa: E402
-from ptrain import sampler as sampler_lib  # noqa: E402
+from ptrain.generate import sampler as sampler_lib  # noqa: E402
 
 TUNIX_PYTHON = os.path.join(REPO, "bench", ".venv-tunix", "bin", "python")
 MODEL = dict(vocab_size=2048, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384,

@@ -1,5 +1,5 @@
-"""Rollout throughput: the engine (ptrain/engine.py) against today's static sampler
-(ptrain/sampler.py) and Tunix's vanilla sampler, on one model, measured in one run.
+"""Rollout throughput: the engine (ptrain/generate/engine.py) against today's static sampler
+(ptrain/generate/sampler.py) and Tunix's vanilla sampler, on one model, measured in one run.
 
 Two workloads (bench/rl_bench.py's model and checkpoint, float32):
   long tail   `--requests` prompts (8-32 tokens), each with its own completion length drawn
@@ -22,7 +22,7 @@ Two workloads (bench/rl_bench.py's model and checkpoint, float32):
               produce the same episodes (asserted), so the ratio is of the same work.
 
 `--decode-dtype bfloat16` (sampling.decode_dtype): the engines decode their own bfloat16
-copy of the weights (ptrain/decode_weights.py), synced at the start of every timed run as
+copy of the weights (ptrain/generate/decode_weights.py), synced at the start of every timed run as
 the learner syncs it once a step; the sync's seconds per run are printed (and are inside
 the run's time). The static and Tunix samplers decode the float32 weights as before.
 
@@ -51,14 +51,14 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
 import rl_bench  # noqa: E402
-from ptrain import engine as engine_lib  # noqa: E402
-from ptrain import engine_sampler  # noqa: E402
 from ptrain import hf  # noqa: E402
 from ptrain import model as model_lib  # noqa: E402
 from ptrain import rollout  # noqa: E402
-from ptrain import sampler as sampler_lib  # noqa: E402
 from ptrain import synthetic_tasks  # noqa: E402
 from ptrain import tasks as tasks_lib  # noqa: E402
+from ptrain.generate import engine as engine_lib  # noqa: E402
+from ptrain.generate import engine_sampler  # noqa: E402
+from ptrain.generate import sampler as sampler_lib  # noqa: E402
 
 WORDS = synthetic_tasks.WordTokenizer.for_tasks()  # the producer workload's tokenizer
 

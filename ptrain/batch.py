@@ -64,7 +64,7 @@ class Batch:
     prompt_experts_bplk: np.ndarray | None = None  # int [b, p, MoE layers, k]: the prompt's
     max_len_b: np.ndarray | None = None  # int32 [b]: the row's episode's cap (0: the config's)
     # rl.interrupt: the policy version that sampled each continuation token, int32 [b, n]
-    # (ptrain.interrupt.UNSAMPLED on observations and padding); host-only
+    # (ptrain.generate.interrupt.UNSAMPLED on observations and padding); host-only
     versions_bn: np.ndarray | None = None
 
     @classmethod

@@ -79,11 +79,11 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
                   on_error="raise")
     # reward_fn(record, completion_ids, completion_text) -> reward, or (reward, feedback text).
     c.reward_fn = None
-    # engine: the producers sample through the rollout engine (ptrain/engine.py, continuous
+    # engine: the producers sample through the rollout engine (ptrain/generate/engine.py, continuous
     # batching over engine_slots decode slots) instead of the static sampler. decode_dtype
     # (engine only): "" decodes the learner's weights as they are; "bfloat16" (or "float32")
     # a copy in that dtype resharded for decoding (heads over tensor, no FSDP gathers per
-    # token), refreshed after each update (`ptrain.decode_weights`; time/weight_sync_s).
+    # token), refreshed after each update (`ptrain.generate.decode_weights`; time/weight_sync_s).
     c.sampling = dict(num_samples=8, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,
                       stop_token_ids=(), stop_strings=(), stop_check_every=16, engine=False,
                       engine_slots=32, decode_dtype="")
@@ -117,7 +117,7 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         # a mix of them): the generation in flight switches to the learner's new version when
         # an update ends, at a decode-round boundary, its sequences' caches recomputed under
         # the new weights (with router_replay, routed to the experts each position recorded);
-        # each token keeps its behaviour log-prob and version (`ptrain.interrupt`).
+        # each token keeps its behaviour log-prob and version (`ptrain.generate.interrupt`).
         interrupt=False,
         # What a swap does with the held sequences' caches: "recompute" them from each whole
         # sequence under the new weights (AReaL's choice, one prefill per row), or "keep" the
@@ -213,6 +213,33 @@ def _closed_loop_sections(c):
                       # seeded split of tasks_dir (tasks.n_heldout, at most half of them).
                       tasks_dir="", heldout_dir="",
                       backend="docker")  # or "bwrap": tasks that need only files
+    c.tasks.adaptive = adaptive_defaults()
+
+
+# ============================================================ the mixture's adaptive sampler
+# `ptrain.envs.adaptive`: weights by learning progress or pass-rate band, and the filter of
+# tasks every sample solves or none does. The section sits beside the mixture's weights.
+
+
+def adaptive_defaults() -> dict:
+    return dict(mode="off",  # ptrain.envs.adaptive.MODES: "off", "progress" or "band"
+                fast=0.3, slow=0.05,  # EMA rates of each environment's pass rate
+                band=(0.2, 0.8),  # mode "band": the pass rates drawn more
+                floor=0.2,  # the share of the draw that always follows the weights (> 0)
+                # > 0: skip a task after this many all-pass or all-fail groups in a row
+                filter_patience=0)
+
+
+def check_adaptive(section, where: str) -> None:
+    """A clear error for a bad option of an adaptive section (`adaptive_defaults`)."""
+    from ptrain.envs import adaptive
+    if section.filter_patience < 0:
+        raise ValueError(f"config: {where}.filter_patience={section.filter_patience} must be "
+                         ">= 0 (0: no task filter)")
+    try:
+        adaptive.from_config(("check",), (1.0,), section, seed=0)
+    except ValueError as e:
+        raise ValueError(f"config: {where}: {e}") from None
 
 
 def plan_defaults() -> ml_collections.ConfigDict:
@@ -380,6 +407,7 @@ def overlong_max_len(config) -> int:
 def _check_loop_values(config):
     from ptrain import synthetic_tasks  # its domains
     t = config.tasks
+    check_adaptive(t.adaptive, "tasks.adaptive")
     _raise_first([
         (t.source in TASK_SOURCES, "tasks.source must be 'synthetic' or 'jsonl'"),
         (len(t.weights) == len(t.domains), "tasks.weights needs one weight per domain"),

@@ -46,7 +46,6 @@ from ptrain import checkpoint as checkpoint_lib
 from ptrain import config as config_lib
 from ptrain import critic as critic_lib
 from ptrain import data as data_lib
-from ptrain import engine_sampler
 from ptrain import jsonl
 from ptrain import lookahead as lookahead_lib
 from ptrain import losses
@@ -59,6 +58,7 @@ from ptrain import sharding
 from ptrain import step as step_lib
 from ptrain.batch import Batch, Episodes  # noqa: F401 (Episodes: learner.Episodes, ex name)
 from ptrain.config import CRITIC_INITS, ESTIMATORS, POLICY_LOSSES  # noqa: F401 (learner.*)
+from ptrain.generate import engine_sampler
 
 
 # ==================================================================================== config

@@ -27,7 +27,7 @@ run draws the same records and generates those batches again (`start`), with the
 so it trains on what the uninterrupted run did. Copies of the parameters are kept only while
 a checkpoint may need them.
 
-With `interrupt` (rl.interrupt, ptrain/interrupt.py) the generation in flight also takes the
+With `interrupt` (rl.interrupt, ptrain/generate/interrupt.py) the generation in flight also takes the
 learner's new version when update t ends (`publish`: a copy of the parameters, which the
 generation of batch t + k + 1 then starts from, so no second copy): it switches at its next
 decode-round boundary, so batch t + k holds tokens of versions t - 1 and t. The batches of
@@ -48,7 +48,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from ptrain import interrupt as interrupt_lib
+from ptrain.generate import interrupt as interrupt_lib
 
 
 @dataclasses.dataclass

@@ -28,9 +28,9 @@ import jax
 import numpy as np
 
 from ptrain import batch as batch_lib
-from ptrain import interrupt
 from ptrain import routing
 from ptrain import sharding
+from ptrain.generate import interrupt
 
 
 def by_task_dir(record) -> str:

@@ -445,7 +445,7 @@ def cast_layer(p, c: ModelConfig) -> dict:
 def layer_qkv(w, x_btd, pos_bt, *, c: ModelConfig, rope, mesh=None):
     """The first half of a layer (`w` from `cast_layer`): queries [b, t, h, e], keys and
     values [b, t, k, e] after the norm, biases, q/k norms and RoPE. The rollout engine
-    (ptrain/kv_slots.py) calls it with its own cache and attention."""
+    (ptrain/generate/kv_slots.py) calls it with its own cache and attention."""
     h_btd = rms_norm(x_btd, w["attn_norm"], c.rms_eps)
     q_bthe = projection.dense(h_btd, w["wq"], mesh=mesh)
     k_btke = projection.dense(h_btd, w["wk"], mesh=mesh)

@@ -48,12 +48,12 @@ from flax import nnx
 import long_context
 from ptrain import config as config_lib
 from ptrain import critic as critic_lib
-from ptrain import decode_weights
 from ptrain import model as model_lib
 from ptrain import moe
 from ptrain import packing
 from ptrain import sharding
 from ptrain import step as step_lib
+from ptrain.generate import decode_weights
 from ptrain.plan_estimate import estimate
 
 GIB = 1 << 30
@@ -222,7 +222,7 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
     (optimizer state, reference policy, the other model); "memory" names its parts.
     """
     from ptrain import learner as learner_lib  # the learner's model (hf_model or not)
-    from ptrain import sampler as sampler_lib
+    from ptrain.generate import sampler as sampler_lib
     config_lib.check(config)
     mesh = make_mesh(mesh_shape)
     config_lib.check_mesh(config, mesh.shape)
@@ -237,7 +237,7 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
                                  mesh, step_lib.make_optimizer(config.critic.optim, **optim)[0])
     ref = policy["params"] if config.kl.coef > 0 else None  # the learner's copy of params
     held_ref = None if config.kl.ref_offload else ref  # offloaded: on the host between uses
-    # sampling.decode_dtype: the engines' inference copy (ptrain/decode_weights.py), made at a
+    # sampling.decode_dtype: the engines' inference copy (ptrain/generate/decode_weights.py), made at a
     # step's first generation and kept until the next step's: live beside every program.
     copy = (abstract_decode_copy(policy["params"], config.sampling.decode_dtype, mesh)
             if config.sampling.decode_dtype else None)

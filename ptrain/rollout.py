@@ -47,14 +47,14 @@ from sandbox import fleet
 
 from ptrain import chat
 from ptrain import data as data_lib
-from ptrain import engine_sampler
 from ptrain import rewards as rewards_lib
 from ptrain import routing as routing_lib
 from ptrain import sharding
 from ptrain import tasks as tasks_lib
 from ptrain import turns
 from ptrain.batch import Batch
-from ptrain.sampler import Sampler
+from ptrain.generate import engine_sampler
+from ptrain.generate.sampler import Sampler
 from ptrain.tasks import Files, Task
 
 ATTEMPT_REWARDS = ("final", "first", "mean", "discounted")
@@ -115,7 +115,7 @@ class Episode:
     # MoE: the experts the sampler routed the first tokens to (`ptrain.routing.record`)
     routing: list = dataclasses.field(default_factory=list)
     # rl.interrupt (the engine): the policy version of each token (aligned with `tokens`;
-    # ptrain.interrupt.UNSAMPLED where mask is 0), or None
+    # ptrain.generate.interrupt.UNSAMPLED where mask is 0), or None
     versions: list | None = None
 
     @property
@@ -367,7 +367,7 @@ def make_sampler(model, config, tokenizer=None):
     """A sampler for `model` (concrete or abstract: parameters come with each call), with the
     tokenizer's pad id and decode (stop strings) and config.sampling.stop_check_every; with
     config.sampling.engine the rollout engine behind the same `sample` interface (with
-    sampling.decode_dtype, decoding its own copy of the weights, `ptrain.decode_weights`)."""
+    sampling.decode_dtype, decoding its own copy of the weights, `ptrain.generate.decode_weights`)."""
     common = dict(seed=config.seed, pad_id=pad_id(tokenizer),
                   decode=tokenizer.decode if tokenizer is not None else None,
                   stop_check_every=config.sampling.stop_check_every)

@@ -2,7 +2,7 @@
 
   token_logprobs  log p(token | everything before it) and its entropy for every continuation
                   token of a `ptrain.batch.Batch`: each group's prompt runs once
-                  (`ptrain.prefill`), its KV cache repeated for the G continuations
+                  (`ptrain.generate.prefill`), its KV cache repeated for the G continuations
   token_values    the critic's value of the state before each continuation token
   prepare         one step's device batch: old and reference log-probs, KL in the reward,
                   advantages (and with GAE the critic's values and returns)
@@ -38,7 +38,7 @@ from ptrain import losses
 from ptrain import moe
 from ptrain import sharding
 from ptrain.config import StepSettings
-from ptrain.prefill import prefill_shared
+from ptrain.generate.prefill import prefill_shared
 
 
 # ================================================================================ optimizer

@@ -47,12 +47,12 @@ import numpy as np
 
 from ptrain import batch as batch_lib
 from ptrain import chat
-from ptrain import interrupt
 from ptrain import rewards
 from ptrain import rollout as rollout_lib
 from ptrain import routing
 from ptrain import sharding
 from ptrain import terminal_agent
+from ptrain.generate import interrupt
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,7 +108,7 @@ def sampler_program() -> dict:
     """The sampler with each process passing its own prompts (rows over fsdp): random
     samples with an explicit key, greedy ones with stop strings (a host loop whose stops are
     agreed across processes). One prefill compilation, two decode ones."""
-    from ptrain import sampler as S
+    from ptrain.generate import sampler as S
     model, params, prompts = _sampler_model_and_prompts()
     sampler = S.Sampler(model, decode=_decode_chars, stop_check_every=3)
     a = sampler.sample(params, prompts, max_new_tokens=8, num_samples=2, temperature=0.8,
@@ -124,7 +124,7 @@ def engine_program() -> dict:
     its own prompts: every process decodes its own copy of the fsdp-sharded policy (gathered
     at the weight sync), sampled rows (temperature, top-p) with an explicit key, greedy ones
     with stop strings; then a second sync after the parameters change."""
-    from ptrain import engine_sampler
+    from ptrain.generate import engine_sampler
     model, params, prompts = _sampler_model_and_prompts()
     sampler = engine_sampler.EngineSampler(model, slots=4, decode=_decode_chars,
                                            stop_check_every=3)
@@ -237,8 +237,8 @@ def terminal_program(root: str) -> dict:
     from ptrain import batch as batch_lib
     from ptrain import chat, closed_loop, mixed_producer, terminal_domain, terminal_rollout
     from ptrain import model as M
-    from ptrain import sampler as S
     from ptrain import terminal_tasks
+    from ptrain.generate import sampler as S
     from sandbox import terminal
     tasks = terminal_tasks.generate(os.path.join(root, f"p{jax.process_index()}"), 4, seed=0,
                                     split="train")

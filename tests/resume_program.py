@@ -45,12 +45,12 @@ from flax import nnx  # noqa: E402
 
 from configs import grpo_toy  # noqa: E402
 from ptrain import checkpoint as checkpoint_lib
-from ptrain import interrupt
 from ptrain import learner
 from ptrain import metrics
 from ptrain import model as model_lib
 from ptrain import rollout
 from ptrain import sharding
+from ptrain.generate import interrupt
 
 PHASES = ("generate", "score", "update", "write", "save")
 EVERY = 2  # checkpoint every 2 steps, keep 1: a kill during a save must not lose the last one

@@ -36,7 +36,7 @@ sys.path.insert(0, REPO)
 
 from ptrain import chat, rollout  # noqa: E402
 from ptrain import model as model_lib  # noqa: E402
-from ptrain.sampler import Samples  # noqa: E402
+from ptrain.generate.sampler import Samples  # noqa: E402
 
 
 class Scripted:

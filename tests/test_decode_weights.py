@@ -1,5 +1,5 @@
 """sampling.decode_dtype="bfloat16": the engine decodes its own bfloat16 copy of the policy
-(ptrain.decode_weights), resharded for decoding and refreshed when the parameters change.
+(ptrain.generate.decode_weights), resharded for decoding and refreshed when the parameters change.
 References: the bfloat16 model's own teacher-forced forward, and XLA's compiled decode
 program (which collectives it runs over which devices)."""
 
@@ -14,12 +14,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ptrain import config as config_lib
-from ptrain import decode_weights
-from ptrain import engine_sampler
-from ptrain import kv_slots
 from ptrain import model as M
 from ptrain import rollout
 from ptrain import sharding
+from ptrain.generate import decode_weights
+from ptrain.generate import engine_sampler
+from ptrain.generate import kv_slots
 
 # The learner's default attention ("blockwise"): the engine's decode attention is the same
 # online softmax, so in bfloat16 it rounds where the model's forward does.

@@ -1,4 +1,4 @@
-"""ptrain.engine against one-at-a-time sampling (ptrain.sampler), teacher-forced forwards of
+"""ptrain.generate.engine against one-at-a-time sampling (ptrain.generate.sampler), teacher-forced forwards of
 the same model and the re-prefilling multi-turn path."""
 
 import threading
@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ptrain import engine as E
-from ptrain import engine_sampler
-from ptrain import kv_slots
 from ptrain import model as M
-from ptrain import sampler as S
 from ptrain import sharding
+from ptrain.generate import engine as E
+from ptrain.generate import engine_sampler
+from ptrain.generate import kv_slots
+from ptrain.generate import sampler as S
 
 CONFIG = M.ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                        qkv_bias=True, attention_impl="reference")

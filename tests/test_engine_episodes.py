@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ptrain import engine_sampler, kv_slots, rollout, tasks
 from ptrain import config as config_lib
 from ptrain import model as M
-from ptrain.sampler import Sampler
+from ptrain import rollout, tasks
+from ptrain.generate import engine_sampler, kv_slots
+from ptrain.generate.sampler import Sampler
 from ptrain.synthetic_tasks import EOS, WordTokenizer
 
 pytestmark = pytest.mark.xdist_group("sandbox")
@@ -168,7 +169,7 @@ def test_interrupted_episodes_record_each_tokens_version(model):
     the same weights published as version 4, so the episodes are those of an uninterrupted
     run): every model token of the batch has a version, 3 before its row's swap and 4
     after, and nothing else has one."""
-    from ptrain import interrupt
+    from ptrain.generate import interrupt
     config = config_lib.defaults(closed_loop=True)
     config.sampling.update(engine=True, engine_slots=4, num_samples=2, max_new_tokens=8,
                            stop_token_ids=(EOS,))

@@ -15,12 +15,12 @@ import pytest
 from flax import nnx
 
 from configs import grpo_toy
-from ptrain import engine as E
-from ptrain import engine_sampler
 from ptrain import learner as L
 from ptrain import model as M
 from ptrain import rollout
 from ptrain import sharding
+from ptrain.generate import engine as E
+from ptrain.generate import engine_sampler
 from ptrain.metrics import read_jsonl
 
 BF16 = jnp.dtype(jnp.bfloat16)

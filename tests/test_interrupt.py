@@ -1,4 +1,4 @@
-"""Interruption at a weight update (ptrain/interrupt.py): the swap forced at a known decode
+"""Interruption at a weight update (ptrain/generate/interrupt.py): the swap forced at a known decode
 round (`Switch(at_round=...)`), against runs of the old weights alone, teacher-forced
 forwards of the new weights over the same prefix, and the versions recorded per token."""
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ptrain import engine as E
-from ptrain import interrupt
 from ptrain import model as M
+from ptrain.generate import engine as E
+from ptrain.generate import interrupt
 from tests.test_lookahead import Stream
 
 CONFIG = M.ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
@@ -286,7 +286,7 @@ class _RoundsProducer:
     round as the engine does; each token records the version of the weights it read."""
 
     def generate(self, live, records, key):
-        from ptrain import interrupt as I
+        from ptrain.generate import interrupt as I
         assert isinstance(live, I.Live)
         version, w, tokens = live.version, float(live.params["w"]), []
         for r in range(3):
@@ -373,7 +373,7 @@ def test_a_swap_refreshes_the_engines_decode_copy(models):
     """sampling.decode_dtype: the engine decodes its own copy (float32 here, so that the
     tokens compare exactly); a swap syncs the copy from the new weights: the same tokens
     as the swap on the learner's weights, and the learner's metrics count it."""
-    from ptrain import engine_sampler
+    from ptrain.generate import engine_sampler
     old, new = models
     requests = [E.Request(p) for p in PROMPTS]
     reference, _ = _swapped(old, new, requests, greedy=True)

@@ -18,9 +18,9 @@ from configs import ppo_toy
 from ptrain import batch as batch_lib
 from ptrain import learner as L
 from ptrain import rollout
-from ptrain import step as step_lib
-from ptrain.sampler import Sampler
 from ptrain import sharding
+from ptrain import step as step_lib
+from ptrain.generate.sampler import Sampler
 from ptrain.metrics import read_jsonl
 
 pytestmark = pytest.mark.xdist_group("learner")  # the module fixtures run once, on one worker

@@ -138,7 +138,7 @@ def test_each_parts_token_versions_are_kept_and_widened():
     """rl.interrupt: the per-token versions of each part, padded as UNSAMPLED where a
     narrower part's rows are widened; a part without versions among parts with them is an
     error (its tokens' versions are unknown), none at all is no versions."""
-    from ptrain import interrupt
+    from ptrain.generate import interrupt
     u = interrupt.UNSAMPLED
     wide, narrow = Fake("terminal", 4).score([{"i": 0}]), Fake("code", 2).score([{"i": 1}])
     wide.versions_bn = np.array([[3, 3, 4, 4], [3, 4, 4, u]], np.int32)

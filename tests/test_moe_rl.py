@@ -61,7 +61,7 @@ def test_sampler_records_the_experts_transformers_routes_to(tmp_path):
     transformers' own Qwen3MoeTopKRouter picks in a forward over prompt + completion."""
     import torch
     from ptrain import hf
-    from ptrain import sampler as sampler_lib
+    from ptrain.generate import sampler as sampler_lib
     ref = _hf_moe(str(tmp_path))
     model, config = hf.load(str(tmp_path), overrides={"attention_impl": "reference"})
     assert moe.n_moe_layers(config) == 2
@@ -335,7 +335,7 @@ def test_replay_with_interruption_trains_and_resumes_exactly(tmp_path, monkeypat
     they recorded, tests/test_interrupt.py, or with rl.interrupt_cache="keep" their caches
     kept), the learner replays them, and a run resumed from step 2's checkpoint logs what
     the uninterrupted one did."""
-    from ptrain import interrupt
+    from ptrain.generate import interrupt
     monkeypatch.setattr(interrupt.Switch, "at_round", 1)
     monkeypatch.setattr(interrupt.Switch, "every", 4)
     config = moe_config(steps=RUN_STEPS, **{

@@ -273,7 +273,7 @@ def test_the_rl_step_plan_compiles_the_learners_own_programs_and_searches_meshes
 
 
 def test_the_rl_step_plan_counts_the_engines_decode_copy():
-    """sampling.decode_dtype="bfloat16": the engines' inference copy (ptrain/decode_weights.py)
+    """sampling.decode_dtype="bfloat16": the engines' inference copy (ptrain/generate/decode_weights.py)
     is every floating-point parameter in bfloat16, resharded with nothing over fsdp, held
     through the whole step: its bytes are in the report and beside every program's peak."""
     from configs import grpo_toy
@@ -286,7 +286,8 @@ def test_the_rl_step_plan_counts_the_engines_decode_copy():
     copy = with_copy["decode_copy_bytes"]
     assert without["decode_copy_bytes"] == 0 and without["memory"]["decode_copy"] == 0
     # What a device of that mesh holds of the real copy of the learner's model.
-    from ptrain import decode_weights, learner
+    from ptrain import learner
+    from ptrain.generate import decode_weights
     real = decode_weights.decode_copy(
         nnx.state(M.Transformer(learner.model_config(config), rngs=nnx.Rngs(0),
                                         mesh=plan.make_mesh(mesh))),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ptrain import chat, hf, rewards, rollout, tasks
-from ptrain.sampler import Samples
+from ptrain.generate.sampler import Samples
 from ptrain.synthetic_tasks import EOS, WordTokenizer
 
 pytestmark = pytest.mark.xdist_group("sandbox")

@@ -1,4 +1,4 @@
-"""ptrain.sampler against teacher-forced forwards of the same model, and numpy references."""
+"""ptrain.generate.sampler against teacher-forced forwards of the same model, and numpy references."""
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from ptrain import model as M
-from ptrain import sampler as S
 from ptrain import sharding
+from ptrain.generate import sampler as S
 
 CONFIG = M.ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                        qkv_bias=True)

@@ -51,7 +51,8 @@ import threading
 import jax
 import numpy as np
 
-from ptrain import kv_slots
+from ptrain.generate import kv_slots
+from ptrain.generate.buckets import prefill_chunks
 
 UNSAMPLED = -1  # versions_bn where the model did not sample the token (padding, observations)
 
@@ -158,7 +159,7 @@ def swap(run, version: int, params) -> None:
         e.sync_weights(params)
         run.params = e.params
     else:
-        run.params = e._params(params)
+        run.params = e.decode_params(params)
     s = e.state
     count, index, tokens_nm = jax.device_get((s["count_n"], s["index_n"], s["tokens_nm"]))
     held = [(row, traj.tokens + tokens_nm[row, :int(count[row])].tolist(), traj)
@@ -176,11 +177,10 @@ def swap(run, version: int, params) -> None:
     for _, group in run.waiting:
         for traj, _ in group:
             mark(traj, len(traj.tokens), version)
-    from ptrain.engine import _prefill_chunks  # (the engine imports this module)
     lengths = tuple(sorted({*e.token_buckets, e.max_len}))
     # (keeping the cache: the old weights' keys and values stay, nothing is prefilled)
     recompute = [] if keep else held
-    for t, r, chunk in _prefill_chunks(recompute, lambda item: len(item[1]), lengths,
+    for t, r, chunk in prefill_chunks(recompute, lambda item: len(item[1]), lengths,
                                        e.prefill_buckets):
         rows, tokens, lens = np.full(r, e.slots), np.zeros((r, t), np.int32), np.ones(r)
         for i, (row, seq, _) in enumerate(chunk):
@@ -188,12 +188,12 @@ def swap(run, version: int, params) -> None:
         e.state = kv_slots.recompute(run.params, e.state, np.asarray(rows, np.int32),
                                      tokens, np.asarray(lens, np.int32), graphdef=e.graphdef,
                                      replay=run.switch.replay)
-        e._metrics["recompute_tokens"] += int(sum(len(c[1]) for c in chunk))
+        e.tallies["recompute_tokens"] += int(sum(len(c[1]) for c in chunk))
     run.version = version
     if run.live_params is not None:  # a producer's later calls (turns, parts) go on from here
         run.live_params.advance(version, params)
-    e._metrics["interruptions"] += 1
-    e._metrics["interrupted_rows"] += len(held)
+    e.tallies["interruptions"] += 1
+    e.tallies["interrupted_rows"] += len(held)
 
 
 # ------------------------------------------------------------------ the learner's side

@@ -1,4 +1,4 @@
-"""Decode slots over one KV cache: the device side of the rollout engine (ptrain/engine.py).
+"""Decode slots over one KV cache: the device side of the rollout engine (ptrain/generate/engine.py).
 
 The state is N slots, each one row of a preallocated cache of S positions with its own
 length (`index_n`): a slot holds one sequence, prompt, model turns and tool observations,
@@ -56,7 +56,7 @@ from flax import nnx
 
 from ptrain import model as model_lib
 from ptrain import moe
-from ptrain import sampler as sampler_lib
+from ptrain.generate import sampler as sampler_lib
 
 ROUTING_DTYPE = sampler_lib.ROUTING_DTYPE
 
@@ -180,7 +180,7 @@ def extend(params, state, rows_r, tokens_rt, lengths_r, reset_r, limit_r, key_r2
 @functools.partial(jax.jit, static_argnames=("graphdef", "replay"), donate_argnames=("state",))
 def recompute(params, state, rows_r, tokens_rt, lengths_r, *, graphdef, replay=False):
     """Rebuilds rows rows_r's cache from their whole sequences tokens_rt[i, :lengths_r[i]]
-    under `params` (new weights at an interruption, ptrain/interrupt.py) and the logits after
+    under `params` (new weights at an interruption, ptrain/generate/interrupt.py) and the logits after
     the last token; the turn's state (key, counts, live, the turn's tokens) is kept, so a row
     decoding mid-turn goes on where it was, now with these weights.
 

@@ -7,7 +7,7 @@ trajs = engine.generate(params, [Request(prompt_ids, key, num_samples=8), ...])
 
 A request is a prompt and a PRNG key; its `num_samples` sequences share one prefill (the
 prompt runs once, its cache rows are copied into G slots). Each sequence holds a slot
-(ptrain/kv_slots.py) from its prefill until it ends; the slots decode together on the
+(ptrain/generate/kv_slots.py) from its prefill until it ends; the slots decode together on the
 device, and when one finishes the host takes its tokens and gives the slot to the next
 waiting request at once, without waiting for the others. Decoding runs on a bucket of the
 live rows only (powers of two up to `slots`), so a long tail decodes one row, not N.
@@ -42,10 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ptrain import interrupt
-from ptrain import kv_slots
 from ptrain import model as model_lib
-from ptrain.decode_weights import decode_copy, mesh_of
+from ptrain.generate import interrupt
+from ptrain.generate import kv_slots
+from ptrain.generate.buckets import bucket, buckets, prefill_chunks
+from ptrain.generate.decode_weights import decode_copy, mesh_of
 
 FINISH = {kv_slots.STOP: "stop", kv_slots.LENGTH: "length"}  # and "max_len": the cache is full
 
@@ -86,7 +87,7 @@ class Trajectory:
     # ran, as it ran them (a final observation that was not run has none)
     experts: np.ndarray | None = None
     # (position, version): tokens from that position on were sampled by that policy version
-    # (one pair unless the generation was interrupted, ptrain/interrupt.py)
+    # (one pair unless the generation was interrupted, ptrain/generate/interrupt.py)
     versions: list = dataclasses.field(default_factory=list)
 
     def add_unsampled(self, ids) -> None:
@@ -99,34 +100,6 @@ class Trajectory:
 
     def completion(self, turn: int = -1) -> list[int]:
         return self.turns[turn]
-
-
-def buckets(top: int, bottom: int = 1) -> tuple[int, ...]:
-    """Powers of two from `bottom` up to and including `top` (which need not be one)."""
-    out, b = [], bottom
-    while b < top:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (top,)
-
-
-def _bucket(x: int, sizes: Sequence[int]) -> int:
-    for s in sizes:
-        if x <= s:
-            return s
-    raise ValueError(f"{x} is larger than the largest bucket {sizes[-1]}")
-
-
-def _prefill_chunks(items, length_of, token_buckets, prefill_buckets):
-    """(t, r, chunk): items grouped by their length bucket t, in chunks of at most the largest
-    prefill bucket, each padded to r rows (a bucket too), so prefills reuse compiled shapes."""
-    by_len = collections.defaultdict(list)
-    for item in items:
-        by_len[_bucket(length_of(item), token_buckets)].append(item)
-    for t, group in sorted(by_len.items()):
-        for start in range(0, len(group), prefill_buckets[-1]):
-            chunk = group[start:start + prefill_buckets[-1]]
-            yield t, _bucket(len(chunk), prefill_buckets), chunk
 
 
 class Engine:
@@ -197,7 +170,7 @@ class Engine:
         # Every slot may be on a tool at once: one thread each (threads mostly wait).
         self.threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=tool_threads or max(16, self.slots))
-        self._metrics = collections.Counter()
+        self.tallies = collections.Counter()  # what the engine did; interrupt.swap adds its own
         self._queue_max = collections.Counter()
         self._queue_peak = collections.Counter()  # since the last counters()
         self._last_queues = {}
@@ -210,11 +183,13 @@ class Engine:
         self.params = decode_copy(params, self.decode_dtype or "float32",
                                   self.mesh or mesh_of(params))  # default: the params' own
         seconds = time.perf_counter() - start
-        self._metrics["weight_sync_s"] += seconds
-        self._metrics["weight_syncs"] += 1
+        self.tallies["weight_sync_s"] += seconds
+        self.tallies["weight_syncs"] += 1
         return seconds
 
-    def _params(self, params):
+    def decode_params(self, params):
+        """The parameters a generation decodes: the engine's own copy with decode_dtype, else
+        `params` (a module's state)."""
         if self.decode_dtype is not None:
             if params is not None:
                 raise ValueError("Engine: with decode_dtype the engine decodes its own copy; "
@@ -231,7 +206,7 @@ class Engine:
     def warm_up(self, params=None) -> int:
         """Runs every program at every shape a run can use, on rows that do not exist (so the
         state is unchanged); returns the number of compilations it caused."""
-        params = self._params(params)
+        params = self.decode_params(params)
         before = sum(kv_slots.TRACES.values())
         n = self.slots
         for r in self.prefill_buckets:
@@ -277,14 +252,14 @@ class Engine:
                  live: interrupt.Live | None = None) -> list[Trajectory]:
         """Runs every request to the end; trajectories come back request-major (request i's
         samples at i*G ... in order). live: the version of `params` and a switch that may
-        bring newer ones mid-generation (ptrain/interrupt.py)."""
-        params = self._params(params)
+        bring newer ones mid-generation (ptrain/generate/interrupt.py)."""
+        params = self.decode_params(params)
         run = _Run(self, params, requests, live)
         return run.loop()
 
     def metrics(self) -> dict:
         """Totals since the engine was made, and rates from them."""
-        m = dict(self._metrics)
+        m = dict(self.tallies)
         if m.get("decode_s"):
             m["tokens_per_s"] = m["tokens"] / m["decode_s"]
         if m.get("decode_steps"):
@@ -297,7 +272,7 @@ class Engine:
         return m
 
     def reset_metrics(self) -> None:
-        self._metrics.clear()
+        self.tallies.clear()
         self._queue_max.clear()
 
     def counters(self) -> tuple[dict, dict]:
@@ -305,7 +280,7 @@ class Engine:
         engine was made or reset), `slot_steps` (decode steps x slots) among them, and the
         largest queue lengths since the last call (which resets them). Safe to call while
         another thread generates (the copy is one C-level dict copy)."""
-        totals = dict(self._metrics)
+        totals = dict(self.tallies)
         totals["slot_steps"] = totals.get("decode_steps", 0) * self.slots
         peaks, self._queue_peak = self._queue_peak, collections.Counter()
         return totals, dict(peaks)
@@ -373,9 +348,9 @@ class _Run:
             self._append_observations()
             e._last_queues = dict(waiting=sum(len(g) for _, g in self.waiting),
                                   live=len(self.live), on_tools=len(self.tools))
-            e._metrics["rounds"] += 1
+            e.tallies["rounds"] += 1
             for name, value in e._last_queues.items():
-                e._metrics[f"queue_{name}_sum"] += value
+                e.tallies[f"queue_{name}_sum"] += value
                 e._queue_max[name] = max(e._queue_max[name], value)
                 e._queue_peak[name] = max(e._queue_peak[name], value)
             if self.live:
@@ -392,7 +367,7 @@ class _Run:
             rows = [self.free.pop() for _ in group]
             batch.append((req, group, rows))
         forks = []
-        for t, r, chunk in _prefill_chunks(batch, lambda item: len(item[0].prompt),
+        for t, r, chunk in prefill_chunks(batch, lambda item: len(item[0].prompt),
                                            e.token_buckets, e.prefill_buckets):
             rows, tokens = np.full(r, e.slots), np.zeros((r, t), np.int32)
             lengths, limits = np.ones(r), np.zeros(r)
@@ -405,11 +380,11 @@ class _Run:
                 for (traj, key), row in zip(group[1:], slot_rows[1:]):
                     forks.append((slot_rows[0], row, key))
             e._extend(self.params, rows, tokens, lengths, np.ones(r, bool), limits, keys)
-            e._metrics["prefill_tokens"] += int(sum(len(c[0].prompt) for c in chunk))
-            e._metrics["prefill_calls"] += 1
+            e.tallies["prefill_tokens"] += int(sum(len(c[0].prompt) for c in chunk))
+            e.tallies["prefill_calls"] += 1
         for start in range(0, len(forks), e.slots):
             chunk = forks[start:start + e.slots]
-            c = _bucket(len(chunk), e.row_buckets)
+            c = bucket(len(chunk), e.row_buckets)
             src, dst = np.full(c, e.slots), np.full(c, e.slots)
             keys = np.zeros((c, 2), np.uint32)
             for i, (s, d, k) in enumerate(chunk):
@@ -431,7 +406,7 @@ class _Run:
     def _decode_round(self):
         e = self.e
         rows = sorted(self.live)
-        b = _bucket(len(rows), e.row_buckets)
+        b = bucket(len(rows), e.row_buckets)
         rows_b = np.full(b, e.slots)
         rows_b[:len(rows)] = rows
         if e.stop_strings:
@@ -458,12 +433,12 @@ class _Run:
          busy) = jax.device_get((s["live_n"], s["count_n"], s["reason_n"], s["index_n"],
                                  s["gen_n"], s["tokens_nm"], s["logp_nm"], s["logp_temp_nm"],
                                  s["logp_t1_nm"], steps, busy))
-        e._metrics["decode_s"] += time.perf_counter() - start
-        e._metrics["decode_calls"] += 1
-        e._metrics["decode_steps"] += int(steps)
-        e._metrics["busy_row_steps"] += int(busy)
-        e._metrics["bucket_row_steps"] += int(steps) * b
-        e._metrics["tokens"] += int(busy)
+        e.tallies["decode_s"] += time.perf_counter() - start
+        e.tallies["decode_calls"] += 1
+        e.tallies["decode_steps"] += int(steps)
+        e.tallies["busy_row_steps"] += int(busy)
+        e.tallies["bucket_row_steps"] += int(steps) * b
+        e.tallies["tokens"] += int(busy)
         cuts, ended = {}, []
         for row in rows:
             traj, req, checked = self.live[row]
@@ -514,7 +489,7 @@ class _Run:
         if block:
             done, _ = concurrent.futures.wait(self.tools,
                                               return_when=concurrent.futures.FIRST_COMPLETED)
-            self.e._metrics["tool_wait_s"] += time.perf_counter() - start
+            self.e.tallies["tool_wait_s"] += time.perf_counter() - start
         else:
             done = [f for f in self.tools if f.done()]
         for future in done:
@@ -542,7 +517,7 @@ class _Run:
     def _append_observations(self):
         e = self.e
         ready, self.ready = self.ready, []
-        for t, r, chunk in _prefill_chunks(ready, lambda item: len(item[3]),
+        for t, r, chunk in prefill_chunks(ready, lambda item: len(item[3]),
                                            e.token_buckets, e.prefill_buckets):
             rows, tokens = np.full(r, e.slots), np.zeros((r, t), np.int32)
             lengths, limits = np.ones(r), np.zeros(r)
@@ -553,8 +528,8 @@ class _Run:
                 limits[i] = self._limit(req, len(traj.tokens))
             e._extend(self.params, rows, tokens, lengths, np.zeros(r, bool), limits,
                       np.zeros((r, 2), np.uint32))
-            e._metrics["prefill_tokens"] += int(sum(len(c[3]) for c in chunk))
-            e._metrics["prefill_calls"] += 1
+            e.tallies["prefill_tokens"] += int(sum(len(c[3]) for c in chunk))
+            e.tallies["prefill_calls"] += 1
             for row, traj, req, ids in chunk:
                 self.live[row] = [traj, req, 0]
 

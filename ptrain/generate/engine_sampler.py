@@ -1,4 +1,4 @@
-"""The rollout engine (ptrain/engine.py) behind the producers (`sampling.engine=True`).
+"""The rollout engine (ptrain/generate/engine.py) behind the producers (`sampling.engine=True`).
 
 `EngineSampler.sample` has `sampler.Sampler.sample`'s interface (prompts in, `Samples` out):
 the single-turn producer runs either. `EngineSampler.run` takes the engine's own requests,
@@ -9,7 +9,7 @@ its prompt's prefill, and each episode goes on as soon as its tools return, what
 others do.
 
 With `decode_dtype` ("bfloat16", sampling.decode_dtype) the engines decode one copy of the
-policy, cast and resharded for decoding (`ptrain.decode_weights`), shared by all of them and
+policy, cast and resharded for decoding (`ptrain.generate.decode_weights`), shared by all of them and
 refreshed whenever a call brings other parameters than the copy's (after each update: the
 weight sync). `take_counters` / `step_metrics` give the learner each step's engine metrics.
 """
@@ -24,15 +24,16 @@ import jax
 import numpy as np
 
 from ptrain import chat
-from ptrain import decode_weights
-from ptrain import interrupt
 from ptrain import model as model_lib
 from ptrain import rewards as rewards_lib
 from ptrain import routing
-from ptrain import sampler as sampler_lib
 from ptrain import sharding
 from ptrain import turns
-from ptrain.engine import Engine, Request, Trajectory, buckets
+from ptrain.generate import decode_weights
+from ptrain.generate import interrupt
+from ptrain.generate import sampler as sampler_lib
+from ptrain.generate.buckets import buckets
+from ptrain.generate.engine import Engine, Request, Trajectory
 
 
 class EngineSampler:

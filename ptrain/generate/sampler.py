@@ -37,7 +37,7 @@ from flax import nnx
 
 from ptrain import model as model_lib
 from ptrain import sharding
-from ptrain.prefill import prefill_shared
+from ptrain.generate.prefill import prefill_shared
 
 FINISH_REASONS = ("stop", "length")
 _RUNNING, _STOP, _LENGTH = 0, 1, 2
@@ -63,7 +63,7 @@ class Samples:
     experts: np.ndarray | None = None
     prompt_experts: np.ndarray | None = None
     # rl.interrupt (the engine): the policy version that sampled each token, int32 [rows,
-    # max_new_tokens] (ptrain.interrupt.UNSAMPLED after the row's length)
+    # max_new_tokens] (ptrain.generate.interrupt.UNSAMPLED after the row's length)
     versions: np.ndarray | None = None
 
     def completions(self) -> list[list[int]]:

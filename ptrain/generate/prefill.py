@@ -1,7 +1,7 @@
 """A group's prompt, run once: the prefill that the sampler and the learner share.
 
 `prefill_shared` runs each (left-padded) prompt once and repeats its KV cache for the G rows
-of its group; the sampler continues the copies with samples (`ptrain.sampler`), the learner's
+of its group; the sampler continues the copies with samples (`ptrain.generate.sampler`), the learner's
 programs with the samples' tokens, differentiating through the repeat (`ptrain.step`). So a
 long prompt costs one forward (and in training one backward) per group, not G.
 """
