@@ -282,8 +282,8 @@ def test_no_process_of_the_agent_survives_into_the_verifier_or_the_next_episode(
 
 def test_xattrs_and_special_files_are_not_carried_or_kept(harness, tmp_path):
     # The agent stores answers in xattrs (on /etc, the work dir, /dev and files), leaves a
-    # FIFO, a setuid file, a hard link and a symlink; the verifier's box shows the policy,
-    # and the next episode on the reused box sees none of it.
+    # FIFO, a setuid file, a hard link and a symlink, deletes a file of the image; the
+    # verifier's box shows the policy, and the next episode on the reused box sees none of it.
     probe = ("python3 - <<'EOF'\nimport os, stat\n"
              "def x(p):\n    try: return sorted(os.listxattr(p))\n    except OSError as e: "
              "return e.errno\n"
@@ -293,20 +293,23 @@ def test_xattrs_and_special_files_are_not_carried_or_kept(harness, tmp_path):
              "print('SETUID', oct(os.stat('/app/f').st_mode & 0o6777))\n"
              "print('LINKS', os.stat('/app/f').st_nlink, os.path.exists('/app/hard'))\n"
              "print('SYMLINK', os.path.islink('/app/link') and os.readlink('/app/link'))\n"
+             "print('DELETED', not os.path.exists('/app/gone.txt'))\n"
              "EOF\necho 0 > /logs/verifier/reward.txt\n")
     task = terminal.load_task(harbor_task(tmp_path / "xattrs", **{
-        "environment/Dockerfile": "FROM ptrain-term-base:latest\nWORKDIR /app\n",
-        "tests/test.sh": probe}))
+        "environment/Dockerfile": ("FROM ptrain-term-base:latest\nWORKDIR /app\n"
+                                   "COPY gone.txt /app/gone.txt\n"),
+        "environment/gone.txt": "of the image\n", "tests/test.sh": probe}))
     plant = ("python3 -c \"import os\nfor p in ('/etc', '/app', '/dev', '/app/f'):\n"
              "    try: os.setxattr(p, 'user.answer', b'42')\n    except OSError: pass\"")
     v = attempt(harness, task, [
         "echo data > /app/f && chmod 4755 /app/f && ln /app/f /app/hard && "
-        "ln -s /app/f /app/link && mkfifo /app/fifo", plant])
+        "ln -s /app/f /app/link && mkfifo /app/fifo && rm /app/gone.txt", plant])
     out = v.output_tail
     for p in ("/etc", "/app", "/dev", "/app/f"):
         assert f"XATTR {p} []" in out or f"XATTR {p} 61" in out, out
     assert "FIFO False" in out and "SETUID 0o755" in out, out
     assert "LINKS 1 True" in out and "SYMLINK /app/f" in out, out
+    assert "DELETED True" in out, out  # a file of the image the agent deleted
     assert any("FIFO" in d for d in v.dropped), v.dropped
     with harness.episode(task) as ep:
         r = ep.run("python3 -c \"import os; print([os.listxattr(p) for p in "

@@ -426,6 +426,15 @@ class Box:
     def id(self) -> str:
         return f"bwrap-{self.pid}"
 
+    @property
+    def shares_network(self) -> bool:
+        """Whether it runs in another box's network (a service task's verifier)."""
+        return self._net_of is not None
+
+    @property
+    def path(self) -> str | None:
+        return self.env.get("PATH")
+
     # --- processes ----------------------------------------------------------------------------
 
     def _enter(self, user, env, workdir) -> tuple[list[str], dict]:

@@ -204,6 +204,8 @@ class Container:
             self.container.reload()
             attrs = self.container.attrs
             self.workdir = attrs["Config"].get("WorkingDir") or "/"
+            self.path = next((e.split("=", 1)[1] for e in attrs["Config"].get("Env") or ()
+                              if e.startswith("PATH=")), None)  # the image's PATH
             self.user = attrs["Config"].get("User") or ""
             self._inplace = None
             if self._want != "recreate":
@@ -287,6 +289,11 @@ class Container:
     @property
     def id(self) -> str:
         return self.container.id
+
+    @property
+    def shares_network(self) -> bool:
+        """Whether it runs in another container's network (a service task's verifier)."""
+        return self._network_of is not None
 
     @property
     def reset_mode(self) -> str:

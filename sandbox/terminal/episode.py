@@ -142,7 +142,7 @@ class Harness:
     def release(self, task: Task, container: Container) -> None:
         """Reset `container` and keep it warm (or close it, past `max_idle` or if it fails).
         A box that shares another's network (a service task's verifier) is closed."""
-        if getattr(container, "_net_of", None) or getattr(container, "_network_of", None):
+        if container.shares_network:
             container.close()
             return
         try:
@@ -299,7 +299,7 @@ class Episode:
             box.fresh_dirs([TESTS_DIR], 0o755)
             box.fresh_dirs([VERIFIER_LOGS, "/logs/agent", host_pytest.VERDICT_DIR], 0o777)
             box.put_files(task.tests)
-            path = env.get("PATH") or dict(self.container.env).get("PATH") or _PATH
+            path = env.get("PATH") or box.path or _PATH
             env = {**env, **dict(task.verifier_env), "PATH": f"{host_pytest.BIN}:{path}",
                    "COLUMNS": "200", "PYTHONNOUSERSITE": "1",
                    "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
@@ -314,6 +314,11 @@ class Episode:
         except ContainerGone as e:
             self.result = verifier.failed_result(
                 f"the task's container stopped during the episode ({e})",
+                duration_s=time.monotonic() - t0)
+            return self.result
+        except (OSError, RuntimeError) as e:  # the state could not be laid in, a box not made
+            self.result = verifier.failed_result(
+                f"the verifier could not run: {type(e).__name__}: {e}",
                 duration_s=time.monotonic() - t0)
             return self.result
         finally:
@@ -353,7 +358,7 @@ class Episode:
         return env, cwd if cwd.startswith("/") and "\n" not in cwd else None
 
     def close(self) -> None:
-        """The episode ends: the shell closes, the container is reset and kept warm."""
+        """The episode ends: the shell closes, the box is killed, renewed and kept warm."""
         if self._closed:
             return
         self._closed = True

@@ -111,8 +111,9 @@ def capture(root: str, box: str, *, limit: int, overlay: bool = False,
     held box root or work dir), which is `box` in the box, into a State.
 
     `overlay`: `root` is docker's overlay upper dir (whiteouts are deletions, opaque dirs
-    replace). Otherwise the tree is taken whole (below `box` other than "/", an "opaque"
-    entry first: the verifier's copy is replaced) and the walk stays on its file system.
+    replace). Otherwise the tree is taken whole: `box` (or, for "/", each directory at its
+    top) is an "opaque" entry, so the verifier's copy is replaced, what the agent deleted
+    included; the walk stays on its file system.
     `skip`: box paths left out (mount points the runtime made); `uid_of`: host uid -> box uid.
     """
     state = State()
@@ -122,13 +123,15 @@ def capture(root: str, box: str, *, limit: int, overlay: bool = False,
         if not overlay and box != "/":
             state.add(Entry(box, "opaque", _mode(st), uid_of(st.st_uid), uid_of(st.st_gid),
                             st.st_mtime_ns), limit)
-        _walk(top, box, st.st_dev, state, limit, overlay, skip, uid_of)
+        _walk(top, box, st.st_dev, state, limit, overlay, skip, uid_of,
+              whole=not overlay and box == "/")
     finally:
         os.close(top)
     return state
 
 
-def _walk(dfd, box, dev, state, limit, overlay, skip, uid_of) -> None:
+def _walk(dfd, box, dev, state, limit, overlay, skip, uid_of, whole=False) -> None:
+    """`whole`: the directories here replace the verifier's ("opaque")."""
     for name in sorted(os.listdir(dfd)):
         path = (box.rstrip("/") + "/" + name)
         if path in skip:
@@ -152,7 +155,7 @@ def _walk(dfd, box, dev, state, limit, overlay, skip, uid_of) -> None:
             except (FileNotFoundError, NotADirectoryError, OSError):
                 continue
             try:
-                opaque = overlay and _is_opaque(fd)
+                opaque = whole or (overlay and _is_opaque(fd))
                 if not (overlay and trusted(path)):
                     state.add(Entry(path, "opaque" if opaque else "dir", _mode(st), *owner,
                                     st.st_mtime_ns), limit)
