@@ -5,13 +5,15 @@
         ep.instruction                                 # what the agent is asked to do
         r = ep.run("ls /app")                          # ShellResult: output, exit_code, ...
         result = ep.verify()                           # VerifierResult: reward, feedback
-    # leaving the block resets the container and keeps it warm for the next episode
+    # leaving the block kills the container, renews it and keeps it warm
 
 The agent's clock starts when the shell is ready and stops at `verify()`; every `run` is cut
 at the per-call timeout or at what is left of the task's agent timeout, whichever is first;
-once the time is up, `run` raises `TimeUp` instead of running anything. The tests are copied
-in only at `verify()`, after the agent is done: nothing of them is in the image or the
-container before.
+once the time is up, `run` raises `TimeUp` instead of running anything. `verify()` kills the
+agent's box (its pid namespace), reads its final files as data (state.py) and runs the tests,
+copied in only then, in a fresh box of the image with the verifier's own pytest
+(host_pytest.py): nothing of the tests is in the agent's image or box, and nothing the agent
+runs or plants there takes part in the verdict (docs/terminal.md, "Verification").
 """
 
 import logging
