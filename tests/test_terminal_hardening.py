@@ -270,14 +270,34 @@ def test_no_process_of_the_agent_survives_into_the_verifier_or_the_next_episode(
                 pass
             time.sleep(0.05)
         EOF""")
-    v = attempt(harness, hello, [writer, keep_alive, "sleep 0.5"])
+    with harness.episode(hello) as ep:
+        init = _box_init(ep.container)  # the box's own pid 1 (docker: init + keep-alive sleep)
+        with open(f"/proc/{init}/task/{init}/children") as f:
+            keep = [int(p) for p in f.read().split()]
+        for command in (writer, keep_alive, "sleep 0.5"):
+            ep.run(command)
+        v = ep.verify()
     assert v.reward == 0.0, v.feedback
     assert not host_processes("sleep 4242")
+    for pid in (init, *keep):  # the box's own keep-alive is gone too
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), pid
     nxt = attempt(harness, hello, ["ps -eo args; ls /logs/verifier 2>&1"])
     assert nxt.reward == 0.0, nxt.feedback
     with harness.episode(hello) as ep:
         out = ep.run("ps -eo args").output
         assert "4242" not in out and "while :" not in out, out
+
+
+def _box_init(box) -> int:
+    return box.pid if isinstance(box, bwrap.Box) else box.container.attrs["State"]["Pid"]
+
+
+def _zombie(pid) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
 
 
 def test_xattrs_and_special_files_are_not_carried_or_kept(harness, tmp_path):
