@@ -59,7 +59,8 @@ setuptools.setup(
                                                "launch*"]),
     # Files read at run time that are not modules (tests/test_install.py installs the wheel
     # and reads them): the host set-up script, the bundled terminal tasks, the launch scripts.
-    package_data={"sandbox": ["setup_host.sh"], "sandbox.terminal": ["tasks/**/*"],
+    package_data={"sandbox": ["setup_host.sh"],
+                  "sandbox.terminal": ["tasks/**/*", "trusted/*"],  # the verifier's pytest files
                   "launch": ["*.sh"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

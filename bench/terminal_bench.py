@@ -18,6 +18,11 @@ oracle episodes per second with warm containers against a fresh container per ep
    task, interleaved, the per-episode reset after the same dirt in the files both allow
    (docker in place vs bwrap's new sandbox), a command through `exec` (`true`), and a command
    in the agent's persistent shell (`Shell.run("true")`).
+4. The end of an episode (`--verify`): `Episode.verify()` then `close()` (the reset) after
+   an oracle episode of a bundled task, per backend, median of `--reps`, this checkout
+   against `--baseline SRC` (another checkout, e.g. `git worktree add --detach /tmp/base
+   f0fd330`: the in-place verifier, tests run in the agent's box), each in its own process,
+   alternating in rounds; beside a plain `docker run --rm` of the task's image.
 Prints medians, the spread (min-max) and the ratios measured in this run.
 """
 
@@ -161,6 +166,61 @@ def bench_throughput(tasks, concurrency: int, rounds: int) -> dict:
     return results
 
 
+# One side of --verify: run by `python -c` with a checkout's code first on sys.path.
+_VERIFY = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from sandbox import terminal
+backend, name, reps = sys.argv[2], sys.argv[3], int(sys.argv[4])
+task = terminal.load_task(sys.argv[5])
+out = {"verify": [], "reset": []}
+with terminal.Harness(backend=backend, max_idle=2) as h:
+    for i in range(reps + 1):
+        ep = h.episode(task)
+        terminal.oracle(ep)
+        t0 = time.perf_counter()
+        v = ep.verify()
+        t1 = time.perf_counter()
+        ep.close()
+        t2 = time.perf_counter()
+        assert v.reward == 1.0, v.feedback
+        if i:  # the first one warms up
+            out["verify"].append(t1 - t0)
+            out["reset"].append(t2 - t1)
+print(json.dumps(out))
+"""
+
+
+def bench_verify(backend: str, task, reps: int, baseline: str, rounds: int = 4) -> dict:
+    """{side: {"verify": [s], "reset": [s]}}, sides "before" (baseline) and "after"."""
+    import json
+    import subprocess
+    here = __file__.rsplit("/bench/", 1)[0]
+    out = {side: {"verify": [], "reset": []} for side in ("before", "after")}
+    per = [reps // rounds + (i < reps % rounds) for i in range(rounds)]
+    for n in per:
+        for side, src in (("before", baseline), ("after", here)):
+            r = subprocess.run([sys.executable, "-c", _VERIFY, src, backend, task.name,
+                                str(n), task.path], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"{side} ({src}): {r.stderr[-2000:]}")
+            got = json.loads(r.stdout.strip().splitlines()[-1])
+            for k in got:
+                out[side][k] += got[k]
+    return out
+
+
+def bench_docker_run(image: str, reps: int) -> list:
+    import subprocess
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        subprocess.run(["docker", "run", "--rm", "--network", "none", image, "true"],
+                       check=True, capture_output=True)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=20)
@@ -169,6 +229,10 @@ def main():
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-reset", action="store_true")
     ap.add_argument("--backends", action="store_true", help="bwrap against docker")
+    ap.add_argument("--verify", action="store_true",
+                    help="the end of an episode (verify + reset), against --baseline")
+    ap.add_argument("--baseline", default=None, help="checkout of the code to compare with")
+    ap.add_argument("--verify-tasks", default="hello-file,csv-column-sum")
     args = ap.parse_args()
     loaded = terminal.load_tasks(TASKS_DIR)
     tasks = list(loaded.tasks)
@@ -185,6 +249,29 @@ def main():
                 b[("docker", what)])
             print(f"  {what:11s} docker {spread(b[('docker', what)])}   "
                   f"bwrap {spread(b[('bwrap', what)])}   bwrap / docker {ratio:.3f}x")
+
+    if args.verify:
+        if not args.baseline:
+            raise SystemExit("--verify needs --baseline SRC (a checkout of the code before)")
+        for backend in ("bwrap", "docker"):
+            for name in args.verify_tasks.split(","):
+                task = next(t for t in tasks if t.name == name)
+                v = bench_verify(backend, task, args.reps, args.baseline)
+                total = {side: [a + b for a, b in zip(v[side]["verify"], v[side]["reset"])]
+                         for side in v}
+                print(f"\nend of an oracle episode, {backend}, {name}, ms, median (min-max) "
+                      f"of {args.reps}:")
+                for side in ("before", "after"):
+                    print(f"  {side:6s} verify {spread(v[side]['verify'])}   reset "
+                          f"{spread(v[side]['reset'])}   verify + reset "
+                          f"{spread(total[side])}")
+                ratio = statistics.median(total["after"]) / statistics.median(total["before"])
+                vr = statistics.median(v["after"]["verify"]) / statistics.median(
+                    v["before"]["verify"])
+                print(f"  after / before: verify {vr:.2f}x, verify + reset {ratio:.2f}x")
+        with terminal.Harness() as h:
+            run = bench_docker_run(h.image(hello), args.reps)
+        print(f"\nplain `docker run --rm IMAGE true`, ms: {spread(run)}")
 
     if not args.skip_reset:
         r = bench_reset(hello, args.reps)

@@ -10,7 +10,8 @@ import pytest
 
 from sandbox import terminal
 from sandbox.terminal import container as container_mod
-from tests.test_terminal_load import TASKS_DIR, harbor_task, quick_task, tb1_task, write
+from tests.test_terminal_load import (TASKS_DIR, harbor_task, host_processes, quick_task,
+                                      tb1_task, write)
 
 pytestmark = pytest.mark.xdist_group("terminal")  # one warm harness, on one worker
 
@@ -190,9 +191,8 @@ def test_state_is_clean_between_episodes_on_a_reused_container(harness, hello, r
             assert "77" in ep.run("cat /proc/sysvipc/shm").output
             ep.verify()  # the tests and the logs are in the container now
         again = h.acquire(hello)
-        assert again is first  # the warm one, reset
-        if reset == "auto" and os.geteuid() == 0:
-            assert first.reset_mode == "inplace" and first.resets["inplace"] >= 1
+        assert again is first  # the warm one, reset: killed at the episode's end, recreated
+        assert first.resets["recreate"] >= 1
         assert container_manifest(again) == want  # as a fresh `docker run` of the image
         h.release(hello, again)
         with h.episode(hello) as ep:
@@ -280,12 +280,8 @@ def test_planted_reward_and_conftest_do_not_count(harness, hello):
 def test_symlinks_planted_where_the_verifier_writes_are_not_followed(harness, hello):
     with harness.episode(hello) as ep:
         ep.run("ln -s /etc /tests; mkdir -p /root/x; ln -s /root/x /logs")
-        v = ep.verify()
+        v = ep.verify()  # the tests ran (in the verifier's box: /tests and /logs its own)
         assert v.reward == 0.0 and "hello.txt does not exist" in v.feedback
-        r = ep.container.exec(["sh", "-c", "ls /etc/test.sh /root/x/verifier 2>&1; test -d "
-                               "/tests -a ! -L /tests && test -f /logs/verifier/reward.txt "
-                               "&& echo real"], timeout_s=30)
-        assert r.text.count("No such file") == 2 and r.text.endswith("real\n"), r.text
 
 
 def test_host_side_file_io_follows_no_symlink(harness, hello, tmp_path):
@@ -414,8 +410,7 @@ def test_a_hanging_verifier_is_cut_and_scores_zero_with_the_reason(harness, tmp_
         v = ep.verify()
         assert v.timed_out and v.reward == 0.0 and not v.passed
         assert "time limit (2 s)" in v.error and "time limit" in v.feedback
-        ps = ep.container.exec(["ps", "-eo", "args"], timeout_s=10).text
-        assert "sleep 1000" not in ps
+    assert not host_processes("sleep 1000")  # died with the verifier's container
 
 
 # --- images --------------------------------------------------------------------------------------

@@ -68,6 +68,19 @@ def quick_task(root, agent_s=3, verifier_s=30, test_sh="echo 0 > /logs/verifier/
     return terminal.load_task(harbor_task(root, **{"task.toml": toml, "tests/test.sh": test_sh}))
 
 
+def host_processes(cmdline: str) -> list[int]:
+    """Host pids whose command line is `cmdline` (what a box must not leave running)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().replace(b"\0", b" ").strip() == cmdline.encode():
+                    out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
 def tb1_task(root, **overrides):
     files = {"task.yaml": TB1_YAML, "Dockerfile": "FROM ptrain-term-base:latest\n",
              "run-tests.sh": "pytest $TEST_DIR/test_outputs.py -rA\n",
@@ -252,8 +265,9 @@ def test_image_map_from_the_command_line():
 
 # --- verdicts ---------------------------------------------------------------------------------
 
-def real_pytest_output(tmp_path) -> str:
-    """What the real pytest prints with -rA for a passing, a failing and an erroring test."""
+def real_pytest_reports(tmp_path):
+    """The verdict plugin's reports and pytest's exit status for a passing, a failing and
+    an erroring test, from the real pytest."""
     write(tmp_path, {"test_demo.py": textwrap.dedent("""\
         import pytest
 
@@ -270,26 +284,38 @@ def real_pytest_output(tmp_path) -> str:
         def test_error(broken):
             pass
         """)})
-    r = subprocess.run([sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider",
-                        "test_demo.py"], cwd=tmp_path, capture_output=True, text=True,
-                       env={**os.environ, "COLUMNS": "200", "PYTEST_ADDOPTS": ""})
-    return r.stdout
+    trusted = os.path.join(os.path.dirname(verify.__file__), "trusted")
+    out = tmp_path / "verdict"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "ptrain_verdict", "-p",
+                        "no:cacheprovider", "test_demo.py"], cwd=tmp_path, capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": trusted, "PYTEST_ADDOPTS": "",
+                                       "PTRAIN_VERDICT_DIR": str(out)})
+    return {p.name: p.read_bytes() for p in out.iterdir()}, r.returncode
 
 
-def test_pytest_verdict_from_real_pytest_output(tmp_path):
-    out = real_pytest_output(tmp_path)
-    v = verify.pytest_result(out, tail=out[-500:])
+def test_pytest_verdict_from_the_verdict_plugin(tmp_path):
+    reports, code = real_pytest_reports(tmp_path)
+    v = verify.pytest_result(reports, tail="", exit_code=code)
     assert v.tests == {"test_demo.py::test_ok": "PASSED", "test_demo.py::test_wrong": "FAILED",
                        "test_demo.py::test_error": "ERROR"}
-    assert v.reward == 0.0 and not v.passed
+    assert v.reward == 0.0 and not v.passed and code == 1
     assert any("test_wrong" in f and "lists differ" in f for f in v.failures)
     assert any("test_error" in f and "fixture broke" in f for f in v.failures)
     assert "1 of 3 tests passed" in v.feedback and "lists differ" in v.feedback
-    ok = verify.pytest_result(out.replace("FAILED", "PASSED").replace("ERROR ", "PASSED "),
-                               tail="")
-    assert ok.reward == 1.0 and ok.passed
-    none = verify.pytest_result("bash: pytest: command not found\n", tail="")
-    assert none.reward == 0.0 and "no pytest results" in none.error
+    (name, data), = reports.items()
+    ok = json.loads(data)
+    ok["tests"] = {k: "PASSED" for k in ok["tests"]}
+    ok["failures"] = []
+    ok_reports = {name: json.dumps(ok).encode()}
+    assert verify.pytest_result(ok_reports, tail="", exit_code=0).reward == 1.0
+    # Every passed report counts for nothing without the test command's exit status 0 (a
+    # killed pytest, a script that failed after it).
+    killed = verify.pytest_result(ok_reports, tail="", exit_code=137)
+    assert killed.reward == 0.0 and "status 137" in killed.error
+    none = verify.pytest_result({}, tail="PASSED test_x.py::test_a", exit_code=0)
+    assert none.reward == 0.0 and "did not run" in none.error
+    forged = verify.pytest_result({"1.json": b"PASSED"}, tail="", exit_code=0)
+    assert forged.reward == 0.0
 
 
 @pytest.mark.parametrize("files, reward, error", [
@@ -306,7 +332,7 @@ def test_pytest_verdict_from_real_pytest_output(tmp_path):
     ({}, 0.0, "wrote no"),
 ])
 def test_reward_files_read_as_harbor_reads_them(files, reward, error):
-    v = verify.reward_file_result(files, "", tail="")
+    v = verify.reward_file_result(files, {}, tail="")
     assert v.reward == reward
     assert v.passed == (reward >= 1.0)
     if error is None:

@@ -43,9 +43,12 @@ import subprocess
 import threading
 import time
 
+from sandbox.backends import base as sandbox_base
+from sandbox.backends.bwrap import _KEYRING_SYSCALLS, _pipe_with, seccomp_filter
+from sandbox.terminal import state as state_
 from sandbox.terminal.bwrap_plan import ROOTFS_DIR, NeedsImage, Plan, bases, plan  # noqa: F401
 from sandbox.terminal.container import CappedBuffer, ExecResult, Limits
-from sandbox.terminal.hostfs import ConfinedRoot
+from sandbox.terminal.hostfs import ConfinedRoot, fs_identity
 from sandbox.terminal.reset import _children, kill_tree
 
 log = logging.getLogger("sandbox.terminal")
@@ -53,20 +56,29 @@ log = logging.getLogger("sandbox.terminal")
 _READ_ONLY = ("usr", "etc", "var")  # of the base's top level; the rest is made writable
 _CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "SETPCAP",
          "NET_BIND_SERVICE", "SYS_CHROOT")  # docker's defaults minus _CAP_DROP's four
-# Run inside, before the command: (agent) drop every capability but _CAPS from the bounding
-# set, so the exec'd root has only those; then become the user (by the sandbox's /etc/passwd).
+# Run inside, before every command that joins the box: a new session keyring (the host's is
+# never reachable), docker's default capabilities only (the bounding set: the exec'd root
+# keeps just those), no new privileges and the code sandbox's seccomp filter (keyrings and
+# foreign system call ABIs refused); then become the user (by the sandbox's /etc/passwd).
 _AS_USER = """
-import ctypes, os, pwd, sys
-if sys.argv[1] == "1":
-    libc, keep = ctypes.CDLL(None, use_errno=True), {0, 1, 3, 4, 5, 6, 7, 8, 10, 18}
-    for cap in range(64):
-        if cap not in keep and libc.prctl(24, cap, 0, 0, 0) != 0:
-            if ctypes.get_errno() == 22: break
-            raise OSError(ctypes.get_errno(), f"PR_CAPBSET_DROP {cap}")
+import ctypes, os, pwd, struct, sys
+libc, keep = ctypes.CDLL(None, use_errno=True), {0, 1, 3, 4, 5, 6, 7, 8, 10, 18}
+def check(r, what):
+    if r != 0: raise OSError(ctypes.get_errno(), what)
+check(libc.syscall(int(sys.argv[1]), 1, 0) < 0, "KEYCTL_JOIN_SESSION_KEYRING")
+for cap in range(64):
+    if cap not in keep and libc.prctl(24, cap, 0, 0, 0) != 0:
+        if ctypes.get_errno() == 22: break
+        raise OSError(ctypes.get_errno(), f"PR_CAPBSET_DROP {cap}")
 if sys.argv[2] not in ("root", "0"):
     u = pwd.getpwuid(int(sys.argv[2])) if sys.argv[2].isdigit() else pwd.getpwnam(sys.argv[2])
     os.initgroups(u.pw_name, u.pw_gid); os.setgid(u.pw_gid); os.setuid(u.pw_uid)
     os.environ["HOME"] = u.pw_dir
+prog = bytes.fromhex(sys.argv[3])
+buf = ctypes.create_string_buffer(prog, len(prog))
+fprog = struct.pack("HxxxxxxQ", len(prog) // 8, ctypes.addressof(buf))
+check(libc.prctl(38, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
+check(libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0), "PR_SET_SECCOMP")
 os.execvp(sys.argv[4], sys.argv[4:])
 """
 
@@ -93,6 +105,42 @@ def _spawn(argv, **kwargs) -> subprocess.Popen:
     return pool.submit(subprocess.Popen, argv, **kwargs).result()
 
 
+# The /proc entries docker masks (an empty file or directory) and those it makes read-only.
+_PROC_MASKED = ("asound", "acpi", "kcore", "keys", "latency_stats", "timer_list",
+                "timer_stats", "sched_debug", "scsi", "interrupts", "kallsyms", "kmsg")
+_PROC_READ_ONLY = ("bus", "fs", "irq", "sys", "sysrq-trigger")
+
+
+def _proc_masks() -> list[str]:
+    """bwrap arguments masking what exists of those on this kernel (below a fresh /proc)."""
+    out = []
+    for name in _PROC_MASKED:
+        path = f"/proc/{name}"
+        if os.path.isdir(path):
+            out += ["--tmpfs", path, "--remount-ro", path]
+        elif os.path.exists(path):
+            out += ["--ro-bind", "/dev/null", path]
+    for name in _PROC_READ_ONLY:
+        if os.path.exists(f"/proc/{name}"):
+            out += ["--ro-bind", f"/proc/{name}", f"/proc/{name}"]
+    return out
+
+
+def _pids_of(uid: int) -> list[int]:
+    """Host pids running as `uid` (zombies included: their namespace is not gone yet)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:  # (status, not the /proc entry's owner: that is root for a non-dumpable one)
+                with open(f"/proc/{name}/status", "rb") as f:
+                    line = next(x for x in f if x.startswith(b"Uid:"))
+                if int(line.split()[1]) == uid:
+                    out.append(int(name))
+            except (OSError, StopIteration):
+                pass
+    return out
+
+
 def unavailable() -> str | None:
     """Why this machine cannot run the backend (None when it can)."""
     if shutil.which("bwrap") is None:
@@ -103,8 +151,10 @@ def unavailable() -> str | None:
                                                 for n in os.listdir(ROOTFS_DIR)):
         return (f"no base root file system in {ROOTFS_DIR} (bash sandbox/setup_host.sh "
                 f"unpacks ptrain-term-base's there)")
-    r = subprocess.run(["bwrap", "--unshare-all", "--unshare-user", "--ro-bind", "/", "/",
-                        "true"], capture_output=True, text=True)
+    # (/usr only: a recursive bind of / races with the mounts docker makes and removes)
+    r = subprocess.run(["bwrap", "--unshare-all", "--unshare-user", "--ro-bind", "/usr", "/usr",
+                        "--ro-bind-try", "/lib", "/lib", "--ro-bind-try", "/lib64", "/lib64",
+                        "/usr/bin/true"], capture_output=True, text=True)
     if r.returncode != 0:
         return f"bwrap cannot make namespaces here: {r.stderr.strip()[-200:]}"
     return None
@@ -158,8 +208,13 @@ class Box:
     """A task's bwrap sandbox, with `Container`'s methods (see the module docstring)."""
 
     def __init__(self, plan_: Plan, limits: Limits = Limits(), *, env=(), name: str = "task",
-                 pytest_dir: str | None = None):
+                 pytest_dir: str | None = None, populate: bool = True,
+                 net_of: int | None = None):
+        """`populate`: lay the Dockerfile's files in (the verifier's box gets the agent's
+        state instead); `net_of`: share that box's network namespace (a verifier of a task
+        whose tests use the agent's services: nothing else of that box is shared)."""
         self.plan, self.limits, self._name = plan_, limits, name
+        self._populate, self._net_of = populate, net_of
         self.image = plan_.image
         self.env = {"HOME": "/root", **dict(plan_.env), **dict(env)}
         self.workdir, self.user = plan_.workdir, ""
@@ -168,15 +223,36 @@ class Box:
         self.resets = {"restart": 0}
         self.storage = "tmpfs"
         self.proc = self.pid = self._cgroup = self._cgroup_error = None
-        self._start()
+        # An unprivileged host uid of its own (root inside, nobody outside), from the code
+        # sandbox's pool; None when we are not root (then the box is our own uid).
+        self.host_uid, self._uid_lock = sandbox_base.take_uid()
+        try:
+            self._start()
+        except BaseException:
+            self._release_uid()
+            raise
 
     reset_mode = "restart"
 
     # --- life cycle ---------------------------------------------------------------------------
 
-    def _argv(self, info_fd: int) -> list[str]:
+    def _release_uid(self) -> None:
+        if self._uid_lock is not None:
+            os.close(self._uid_lock)
+            self._uid_lock = None
+
+    def _argv(self, info_fd: int, seccomp_fd: int) -> list[str]:
         root, mb = self.plan.rootfs, self.limits.storage_mb or self.limits.memory_mb
-        argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "0", "--gid", "0",
+        argv = []
+        if self._net_of is not None:  # the agent's box's network, nothing else of it
+            argv += ["nsenter", f"--net=/proc/{self._net_of}/ns/net", "--"]
+        if self.host_uid is not None:
+            argv += ["setpriv", f"--reuid={self.host_uid}", f"--regid={self.host_uid}",
+                     "--clear-groups", "--"]
+        unshare = ["--unshare-all"] if self._net_of is None else [
+            "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
+        argv += ["bwrap", *unshare, "--unshare-user", "--uid", "0", "--gid", "0",
+                 "--seccomp", str(seccomp_fd),
                 "--die-with-parent", "--new-session", "--hostname", "task", "--disable-userns",
                 "--cap-drop", "ALL", *[a for c in _CAPS for a in ("--cap-add", f"CAP_{c}")],
                 "--size", str(mb << 20), "--tmpfs", "/", "--info-fd", str(info_fd)]
@@ -186,7 +262,7 @@ class Box:
         argv.append("--clearenv")
         for key, value in self.env.items():
             argv += ["--setenv", key, value]
-        if self.limits.network:
+        if self.limits.network and self._net_of is None:
             argv.append("--share-net")
         for entry in sorted(set(os.listdir(root)) - {"proc", "dev", "sys"}):
             path = os.path.join(root, entry)
@@ -196,8 +272,8 @@ class Box:
                 argv += ["--ro-bind", path, f"/{entry}"]
             elif os.path.isdir(path):
                 argv += ["--perms", f"{os.stat(path).st_mode & 0o7777:o}", "--dir", f"/{entry}"]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--dir", "/tmp",
-                 "--dir", "/tests", "--dir", "/logs"]
+        argv += ["--proc", "/proc", *_proc_masks(), "--dev", "/dev", "--perms", "1777",
+                 "--dir", "/tmp", "--dir", "/tests", "--dir", "/logs"]
         if self._pytest_dir:
             from sandbox.terminal.container import PYTEST_MOUNT
             argv += ["--ro-bind", self._pytest_dir, PYTEST_MOUNT]
@@ -213,14 +289,16 @@ class Box:
                 self._cgroup_error = str(e)
                 log.info("terminal (bwrap): no memory/pids cgroup here (%s): unbounded", e)
         r, w = os.pipe()
+        seccomp_r = _pipe_with(seccomp_filter())
         try:
             # (bwrap's own pid 1 of the sandbox keeps bwrap's environment: only a PATH)
-            self.proc = _spawn(self._joined(self._argv(w)), pass_fds=(w,),
+            self.proc = _spawn(self._joined(self._argv(w, seccomp_r)), pass_fds=(w, seccomp_r),
                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE,
                                env={"PATH": os.environ.get("PATH", os.defpath)})
             os.close(w)
-            w = -1
+            os.close(seccomp_r)
+            w = seccomp_r = -1
             info = b""
             while b"}" not in info and (chunk := os.read(r, 4096)):
                 info += chunk
@@ -232,17 +310,19 @@ class Box:
             self.root = f"/proc/{self.pid}/root"
             if os.path.samestat(os.stat(self.root + "/"), os.stat("/")):
                 raise RuntimeError(f"the sandbox of {self._name} has the host's root")
-            files = ConfinedRoot(self.root)
-            for d in self.plan.dirs:
-                files.fresh_dir(d, 0o755)
-            files.write(self.plan.copies)
+            if self._populate:
+                files = self._files()
+                for d in self.plan.dirs:
+                    files.fresh_dir(d, 0o755)
+                files.write(self.plan.copies)
         except BaseException:
             self._stop()
             raise
         finally:
             os.close(r)
-            if w >= 0:
-                os.close(w)
+            for fd in (w, seccomp_r):
+                if fd >= 0:
+                    os.close(fd)
 
     def _joined(self, argv, tty: str | None = None) -> list[str]:
         """`argv` run by the host's sh, which first moves itself into the sandbox's cgroup
@@ -289,32 +369,94 @@ class Box:
     def close(self) -> None:
         with self._lock:
             self._stop()
+            if self.host_uid is not None:
+                # Its uid goes back to the pool only once nothing runs as it: an orphan (the
+                # shell, once its nsenter parent hung up) is reaped by the host's init.
+                from sandbox import cgroups
+                cgroups.kill_until_gone(lambda: _pids_of(self.host_uid), timeout_s=5.0)
+            self._release_uid()
+
+    # --- the end of an episode ----------------------------------------------------------------
+
+    def end_episode(self, *, kill: bool, limit: int) -> state_.State:
+        """The agent's files as data (the whole writable root), after killing every process
+        of the box (`kill`: its pid namespace, by SIGKILL to its pid 1) unless the task's
+        tests use the agent's running services. The box's root stays readable through a
+        held descriptor while its processes die."""
+        with self._lock:
+            if self.pid is None:
+                from sandbox.terminal.container import ContainerGone
+                raise ContainerGone(f"the sandbox of {self._name} is gone")
+            root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                if kill:
+                    self._stop(keep_cgroup=True)
+                # (the mounts below the root are detached once its processes are dead: their
+                # mount points are left out by name)
+                from sandbox.terminal.container import PYTEST_MOUNT
+                skip = state_.NOT_STATE | {f"/{d}" for d in _READ_ONLY} | {PYTEST_MOUNT}
+                return state_.capture(f"/proc/self/fd/{root}", "/", limit=limit, skip=skip,
+                                      uid_of=self._box_uid)
+            finally:
+                os.close(root)
+
+    def kill(self) -> None:
+        """Every process of the box (its pid namespace): the next reset starts a new one."""
+        with self._lock:
+            self._stop(keep_cgroup=True)
+
+    def lay_state(self, state: state_.State) -> None:
+        """The agent's state into this (fresh, idle) box."""
+        if self.host_uid is None:
+            return state_.apply(state, self.root, uid_of=lambda _uid: os.getuid())
+        with fs_identity((self.host_uid, self.host_uid)):
+            state_.apply(state, self.root, uid_of=lambda _uid: self.host_uid)
+
+    def _box_uid(self, host_uid: int) -> int:
+        return 0 if host_uid == (self.host_uid if self.host_uid is not None
+                                 else os.getuid()) else 65534
+
+    def _files(self) -> ConfinedRoot:
+        """The box's files from the host, made owned by the box's root."""
+        if self.host_uid is None:
+            return ConfinedRoot(self.root)
+        return ConfinedRoot(self.root, as_user=(self.host_uid, self.host_uid))
 
     @property
     def id(self) -> str:
         return f"bwrap-{self.pid}"
 
+    @property
+    def shares_network(self) -> bool:
+        """Whether it runs in another box's network (a service task's verifier)."""
+        return self._net_of is not None
+
+    @property
+    def path(self) -> str | None:
+        return self.env.get("PATH")
+
     # --- processes ----------------------------------------------------------------------------
 
-    def _enter(self, user, env, workdir, *, agent: bool = False) -> tuple[list[str], dict]:
+    def _enter(self, user, env, workdir) -> tuple[list[str], dict]:
         """The command line that runs a command in the sandbox (its namespaces, its root, the
-        work dir) as `user`; for the agent (`agent`), with the capabilities cut down to
-        docker's default set (the user namespace's root otherwise has all of them there)."""
+        work dir) as `user`, through _AS_USER: a new session keyring, docker's default
+        capabilities (the user namespace's root otherwise has all of them there), the
+        seccomp filter."""
         if self.pid is None or self.proc.poll() is not None:
             from sandbox.terminal.container import ContainerGone
             raise ContainerGone(f"the sandbox of {self._name} is gone")
         # (nsenter's -w opens its directory before it enters: env -C changes to it inside)
-        argv = ["nsenter", "-t", str(self.pid), "-a", "--preserve-credentials", "-r", "--",
-                "/usr/bin/env", "-C", workdir or self.workdir]
-        if agent or (user and user not in ("root", "0")):
-            argv += ["/usr/bin/python3", "-I", "-S", "-c", _AS_USER, str(int(agent)),
-                     user or "root"]
-            argv.append("--")
+        # (nsenter becomes the user namespace's root: the box's unprivileged host uid)
+        argv = ["nsenter", "-t", str(self.pid), "-a", "-r", "--",
+                "/usr/bin/env", "-C", workdir or self.workdir,
+                "/usr/bin/python3", "-I", "-S", "-c", _AS_USER,
+                str(_KEYRING_SYSCALLS[os.uname().machine][1][2]), user or "root",
+                seccomp_filter().hex()]
         return argv, {**self.env, **dict(env or {})}
 
     def open_terminal(self, argv, *, user=None, env=None, workdir=None):
         """(stream, None): `argv` on a new pseudo-terminal in the sandbox (the shell)."""
-        enter, env = self._enter(user, env, workdir, agent=True)
+        enter, env = self._enter(user, env, workdir)
         master, slave = pty.openpty()
         try:
             # (the slave as stdio too: the terminal is never without a reader's other end,
@@ -382,10 +524,10 @@ class Box:
 
     def fresh_dirs(self, paths, mode: int = 0o755) -> None:
         for path in paths:
-            ConfinedRoot(self.root).fresh_dir(path, mode)
+            self._files().fresh_dir(path, mode)
 
     def put_files(self, files) -> None:
-        ConfinedRoot(self.root).write(files)
+        self._files().write(files)
 
     def read_files(self, path: str, max_bytes: int = 4 << 20) -> dict[str, bytes]:
         return ConfinedRoot(self.root).read_tree(path, max_bytes)

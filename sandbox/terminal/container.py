@@ -20,6 +20,7 @@ import dataclasses
 import io
 import logging
 import os
+import signal
 import socket
 import tarfile
 import threading
@@ -27,6 +28,7 @@ import time
 import uuid
 import weakref
 
+from sandbox.terminal import state as state_
 from sandbox.terminal.hostfs import ConfinedRoot
 from sandbox.terminal.reset import InPlaceReset, ResetRefused, kill_tree
 
@@ -147,14 +149,19 @@ class Container:
     """A started task container. `reset="auto"` resets in place where this host allows it."""
 
     def __init__(self, image: str, limits: Limits = Limits(), *, env=(), name: str = "task",
-                 pytest_dir: str | None = None, reset: str = "auto", client=None):
+                 pytest_dir: str | None = None, reset: str = "auto", client=None,
+                 network_of: str | None = None):
+        """`network_of`: share that container's network namespace (the verifier of a task
+        whose tests use the agent's services; nothing else of it is shared)."""
         if reset not in ("auto", "inplace", "recreate"):
             raise ValueError(f"reset must be 'auto', 'inplace' or 'recreate', got {reset!r}")
         self.image, self.limits, self.env = image, limits, dict(env)
         self._name, self._pytest_dir, self._want = name, pytest_dir, reset
+        self._network_of = network_of
         self._client = client or docker_client()
         self._lock = threading.Lock()
         self.container = None
+        self._killed = False  # by end_episode or kill(): the next reset recreates, as meant
         self.resets = {"inplace": 0, "recreate": 0}
         self.storage = None  # how storage_mb is enforced: "quota", "workdir" or None
         self._workdir_tar = None  # with "workdir": the image's files there (a tar)
@@ -169,9 +176,13 @@ class Container:
         if self._pytest_dir:
             volumes[self._pytest_dir] = {"bind": PYTEST_MOUNT, "mode": "ro"}
         import docker
+        network = "host" if self.limits.network else "none"
+        if self._network_of is not None:
+            network = f"container:{self._network_of}"
         run = dict(
-            detach=True, init=True, network_mode="host" if self.limits.network else "none",
-            hostname=None if self.limits.network else "task",
+            detach=True, init=True, network_mode=network,
+            hostname=None if network != "none" else "task",
+            security_opt=["no-new-privileges:true"],
             mem_limit=f"{self.limits.memory_mb}m", memswap_limit=f"{self.limits.memory_mb}m",
             nano_cpus=int(min(self.limits.cpus, os.cpu_count() or 1) * 1e9),
             pids_limit=self.limits.pids, cap_drop=_CAP_DROP, environment=self.env,
@@ -193,6 +204,8 @@ class Container:
             self.container.reload()
             attrs = self.container.attrs
             self.workdir = attrs["Config"].get("WorkingDir") or "/"
+            self.path = next((e.split("=", 1)[1] for e in attrs["Config"].get("Env") or ()
+                              if e.startswith("PATH=")), None)  # the image's PATH
             self.user = attrs["Config"].get("User") or ""
             self._inplace = None
             if self._want != "recreate":
@@ -278,6 +291,11 @@ class Container:
         return self.container.id
 
     @property
+    def shares_network(self) -> bool:
+        """Whether it runs in another container's network (a service task's verifier)."""
+        return self._network_of is not None
+
+    @property
     def reset_mode(self) -> str:
         return "inplace" if self._inplace is not None else "recreate"
 
@@ -294,11 +312,87 @@ class Container:
                     why = "the container stopped"
                 except (ResetRefused, OSError, ContainerGone) as e:
                     why = str(e)
-                log.warning("terminal container %s: recreated (%s)", self._name, why)
-            self._remove()
+                if not self._killed:
+                    log.warning("terminal container %s: recreated (%s)", self._name, why)
+            self._killed = False
+            old, self.container = self.container, None
+            if old is not None:  # removed off the caller's path: its processes are dead
+                t = threading.Thread(target=_remove_quietly, args=(old,), daemon=True)
+                t.start()
+                with _removing_lock:
+                    _removing[:] = [r for r in _removing if r.is_alive()] + [t]
             self._start()
             self.resets["recreate"] += 1
             return "recreate"
+
+    def end_episode(self, *, kill: bool, limit: int) -> state_.State:
+        """The agent's files as data: the container's writable layer (deletions as such) and
+        a tmpfs work dir, read from the host after every process of the container is killed
+        (`kill`: SIGKILL to its init, which takes its pid namespace with it) unless the
+        task's tests use the agent's running services."""
+        with self._lock:
+            ip = self._inplace
+            if ip is None or not ip.pid_alive():
+                raise ContainerGone(f"the container of {self._name} is gone or not reachable "
+                                    f"from the host (the verifier needs root on the docker "
+                                    f"host with overlay2 storage)")
+            root = os.open(ip.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            workdir = None
+            try:
+                if self.storage == "workdir":
+                    workdir = _open_below(root, self.workdir)
+                if kill:
+                    self._kill_init(ip)
+                skip = set(state_.NOT_STATE) | {PYTEST_MOUNT}
+                skip |= {"/" + p for p in ip.docker_own
+                         if not os.path.isdir(os.path.join(ip.upper, p))}
+                if workdir is not None:
+                    skip.add(self.workdir.rstrip("/"))
+                state = state_.capture(ip.upper, "/", limit=limit, overlay=True,
+                                       skip=frozenset(skip))
+                if workdir is not None:
+                    more = state_.capture(f"/proc/self/fd/{workdir}", self.workdir,
+                                          limit=limit - state.size)
+                    state.entries += more.entries
+                    state.dropped += more.dropped
+                    state.size += more.size
+                return state
+            finally:
+                os.close(root)
+                if workdir is not None:
+                    os.close(workdir)
+
+    def _kill_init(self, ip: InPlaceReset) -> None:
+        """SIGKILL to the container's init: the kernel kills every process of its pid
+        namespace (ptraced, stopped, re-parented ones too); wait until the cgroup is empty."""
+        self._killed = True
+        try:
+            os.kill(ip.init_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + 30
+        while ip.pid_alive() or (ip.procs_file and _has_pids(ip.procs_file)):
+            if time.monotonic() > deadline:
+                raise ContainerGone(f"the processes of {self._name} did not die")
+            time.sleep(0.002)
+
+    def lay_state(self, state: state_.State) -> None:
+        """The agent's state into this (fresh, idle) container, from the host."""
+        ip = self._inplace
+        if ip is None or not ip.pid_alive():
+            raise ContainerGone(f"the verifier's container of {self._name} is not reachable")
+        state_.apply(state, ip.root)
+
+    def kill(self) -> None:
+        """Every process of the container (its init too): the next reset recreates it."""
+        with self._lock:
+            if self._inplace is not None and self._inplace.pid_alive():
+                self._kill_init(self._inplace)
+            elif self.container is not None:
+                try:
+                    self.container.kill()
+                except Exception:  # noqa: BLE001 (already stopped)
+                    pass
 
     def kill_processes(self) -> None:
         """Every process but init and its sleep (the verifier's cut, and before reading logs)."""
@@ -431,6 +525,46 @@ class Container:
                     out[member.name] = tar.extractfile(member).read()
                     total += member.size
         return out
+
+
+_removing: list[threading.Thread] = []
+_removing_lock = threading.Lock()
+
+
+def wait_removed() -> None:
+    """Until the containers being removed in the background are gone."""
+    with _removing_lock:
+        pending = list(_removing)
+    for t in pending:
+        t.join()
+
+
+def _remove_quietly(container) -> None:
+    try:
+        container.remove(force=True)
+    except Exception:  # noqa: BLE001 (already gone)
+        pass
+
+
+def _has_pids(procs_file: str) -> bool:
+    try:
+        with open(procs_file) as f:
+            return bool(f.read().split())
+    except OSError:
+        return False  # the cgroup is gone with the container
+
+
+def _open_below(root_fd: int, path: str) -> int:
+    """An fd of directory `path` below `root_fd`, no symlink followed."""
+    fd = os.dup(root_fd)
+    for part in [p for p in path.split("/") if p]:
+        try:
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = nxt
+    return fd
 
 
 def _labels() -> dict:

@@ -5,13 +5,15 @@
         ep.instruction                                 # what the agent is asked to do
         r = ep.run("ls /app")                          # ShellResult: output, exit_code, ...
         result = ep.verify()                           # VerifierResult: reward, feedback
-    # leaving the block resets the container and keeps it warm for the next episode
+    # leaving the block kills the container, renews it and keeps it warm
 
 The agent's clock starts when the shell is ready and stops at `verify()`; every `run` is cut
 at the per-call timeout or at what is left of the task's agent timeout, whichever is first;
-once the time is up, `run` raises `TimeUp` instead of running anything. The tests are copied
-in only at `verify()`, after the agent is done: nothing of them is in the image or the
-container before.
+once the time is up, `run` raises `TimeUp` instead of running anything. `verify()` kills the
+agent's box (its pid namespace), reads its final files as data (state.py) and runs the tests,
+copied in only then, in a fresh box of the image with the verifier's own pytest
+(host_pytest.py): nothing of the tests is in the agent's image or box, and nothing the agent
+runs or plants there takes part in the verdict (docs/terminal.md, "Verification").
 """
 
 import logging
@@ -19,14 +21,24 @@ import shlex
 import threading
 import time
 
-from sandbox.terminal import bwrap, host_pytest, verify as verifier
+from sandbox.terminal import bwrap, host_pytest, state as state_, verify as verifier
 from sandbox.terminal.container import (Container, ContainerGone, Limits, docker_client,
                                         remove_orphans)
+from sandbox.terminal.container import wait_removed as container_wait_removed
 from sandbox.terminal.image import ensure_image
 from sandbox.terminal.shell import Shell, ShellResult
 from sandbox.terminal.task import TESTS_DIR, VERIFIER_LOGS, Task
 
 _TAIL_CHARS = 4000
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The task's script ("bash /tests/test.sh"), by the image's bash found by its path (a trusted
+# path of the state policy), never looked up on a PATH the agent's session may have set.
+_BY_BASH = ('for b in /bin/bash /usr/bin/bash; do [ -x "$b" ] && exec "$b" "$@"; done; '
+            'exec /bin/sh "$@"')
+# Session variables not passed to the verifier (they would steer its shell, loader or python).
+_STEERING = ("LD_", "PYTHON", "PYTEST", "BASH_FUNC_", "PTRAIN")
+_STEERING_NAMES = {"BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "IFS", "GLOBIGNORE",
+                   "CDPATH", "HOME", "PWD", "OLDPWD", "SHLVL", "_"}
 log = logging.getLogger("sandbox.terminal")
 
 
@@ -95,12 +107,22 @@ class Harness:
                         log=self.build_log)
             return self._images[task.path]
 
-    def _new(self, task: Task, key: tuple):
+    def _new(self, task: Task, key: tuple, *, net_of=None):
         if self.backend == "bwrap":
             return bwrap.Box(key[0], key[1], env=key[2], name=task.name,
-                             pytest_dir=self.pytest_dir)
+                             pytest_dir=self.pytest_dir, populate=net_of is None,
+                             net_of=None if net_of is None else net_of.pid)
         return Container(key[0], key[1], env=key[2], name=task.name,
-                         pytest_dir=self.pytest_dir, reset=self.reset_mode, client=self.client)
+                         pytest_dir=self.pytest_dir, reset=self.reset_mode, client=self.client,
+                         network_of=None if net_of is None else net_of.id)
+
+    def verifier_box(self, task: Task, agent_box=None):
+        """A fresh box for the verifier: a warm clean one of the task's image, or (a task
+        whose tests use the agent's services: `agent_box`) a new one in that box's network
+        namespace. It is used once: `release` kills and renews it."""
+        if agent_box is None:
+            return self.acquire(task)
+        return self._new(task, self._key(task), net_of=agent_box)
 
     def limits(self, task: Task) -> Limits:
         return Limits(cpus=task.cpus, memory_mb=task.memory_mb,
@@ -120,8 +142,13 @@ class Harness:
         return self._new(task, key)
 
     def release(self, task: Task, container: Container) -> None:
-        """Reset `container` and keep it warm (or close it, past `max_idle` or if it fails)."""
+        """Reset `container` and keep it warm (or close it, past `max_idle` or if it fails).
+        A box that shares another's network (a service task's verifier) is closed."""
+        if container.shares_network:
+            container.close()
+            return
         try:
+            container.kill()  # its pid namespace: nothing of the episode runs on
             container.reset()
         except Exception:  # noqa: BLE001 (a container that cannot be reset is not reused)
             container.close()
@@ -153,6 +180,7 @@ class Harness:
             self._idle.clear()
         for c in idle:
             c.close()
+        container_wait_removed()
 
     def __enter__(self):
         return self
@@ -250,52 +278,89 @@ class Episode:
     # --- the verifier -------------------------------------------------------------------------
 
     def verify(self) -> verifier.VerifierResult:
-        """Run the task's tests against the container as the agent left it (its background
-        processes still running); the agent's turn is over."""
+        """The agent's turn is over: its box is killed (unless the task's tests use the
+        services it left running) and the task's tests judge its final files in a fresh box
+        (docs/terminal.md, "Verification")."""
         if self.result is not None:
             return self.result
         task = self.task
         self._agent_done = time.monotonic()
-        env = {**dict(task.verifier_env), "PYTEST_ADDOPTS": "-rA", "COLUMNS": "200"}
         t0 = time.monotonic()
+        box = None
         try:
-            self.container.fresh_dirs([TESTS_DIR], 0o755)
-            self.container.fresh_dirs([VERIFIER_LOGS, "/logs/agent"], 0o777)
-            self.container.put_files(task.tests)
-            if task.run_tests_in_same_shell:
-                exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-                r = self.shell.run(f"( {host_pytest.ACTIVATE}; export {exports}; "
-                                   f"{task.test_command} )", task.verifier_timeout_s)
-                output, timed_out, code = r.output, r.timed_out, r.exit_code
-            else:
-                r = self.container.exec(
-                    ["sh", "-c", f"{host_pytest.ACTIVATE}; exec {task.test_command}"],
-                    timeout_s=task.verifier_timeout_s, user=task.verifier_user, env=env,
-                    workdir=self.container.workdir, max_output_bytes=1 << 20)
-                output, timed_out, code = r.text, r.timed_out, r.exit_code
+            env, workdir = self._session() if task.run_tests_in_same_shell else ({}, None)
+            keep = task.uses_agent_services
+            limit = (task.storage_mb or task.memory_mb or 1024) << 20
+            try:
+                state = self.container.end_episode(kill=not keep, limit=limit)
+            except state_.StateTooLarge as e:
+                self.result = verifier.failed_result(str(e), duration_s=time.monotonic() - t0)
+                return self.result
+            box = self.harness.verifier_box(task, self.container if keep else None)
+            box.lay_state(state)
+            box.fresh_dirs([TESTS_DIR], 0o755)
+            box.fresh_dirs([VERIFIER_LOGS, "/logs/agent", host_pytest.VERDICT_DIR], 0o777)
+            box.put_files(task.tests)
+            path = env.get("PATH") or box.path or _PATH
+            env = {**env, **dict(task.verifier_env), "PATH": f"{host_pytest.BIN}:{path}",
+                   "COLUMNS": "200", "PYTHONNOUSERSITE": "1",
+                   "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+            script = shlex.split(task.test_command)[1:]  # ("bash", script)
+            r = box.exec(["/bin/sh", "-c", _BY_BASH, "sh", *script],
+                         timeout_s=task.verifier_timeout_s, user=task.verifier_user, env=env,
+                         workdir=workdir or box.workdir, max_output_bytes=1 << 20)
+            # Read only once nothing the tests started runs on.
+            box.kill_processes()
+            reports = box.read_files(host_pytest.VERDICT_DIR)
+            files = box.read_files(VERIFIER_LOGS) if task.parser != "pytest" else {}
         except ContainerGone as e:
             self.result = verifier.failed_result(
                 f"the task's container stopped during the episode ({e})",
                 duration_s=time.monotonic() - t0)
             return self.result
-        tail = output[-_TAIL_CHARS:]
-        extra = {"duration_s": time.monotonic() - t0, "exit_code": code}
-        if timed_out:
-            self.container.kill_processes()
+        except (OSError, RuntimeError) as e:  # the state could not be laid in, a box not made
+            self.result = verifier.failed_result(
+                f"the verifier could not run: {type(e).__name__}: {e}",
+                duration_s=time.monotonic() - t0)
+            return self.result
+        finally:
+            if box is not None:
+                self.harness.release(task, box)
+        tail = r.text[-_TAIL_CHARS:]
+        extra = {"duration_s": time.monotonic() - t0, "exit_code": r.exit_code,
+                 "dropped": tuple(f"{p}: {why}" for p, why in state.dropped)}
+        if r.timed_out:
             self.result = verifier.failed_result(
                 f"the tests ran past their time limit ({task.verifier_timeout_s:g} s) and "
-                f"were stopped", output, tail=tail, timed_out=True, **extra)
+                f"were stopped", tail=tail, timed_out=True, **extra)
         elif task.parser == "pytest":
-            self.result = verifier.pytest_result(output, tail=tail, **extra)
+            self.result = verifier.pytest_result(reports, tail=tail, **extra)
         else:
-            files = self.container.read_files(VERIFIER_LOGS)  # "verifier/reward.txt": ...
             files = {name.split("/", 1)[1]: data for name, data in files.items()
                      if name.count("/") == 1}
-            self.result = verifier.reward_file_result(files, output, tail=tail, **extra)
+            self.result = verifier.reward_file_result(files, reports, tail=tail, **extra)
         return self.result
 
+    def _session(self) -> tuple[dict, str | None]:
+        """(exported variables, cwd) of the agent's shell session, for a task whose tests
+        run "in the same shell" (TB 1.0 `run_tests_in_same_shell`). The shell answers as
+        data: what it says is a state the agent could have set up for real, and the tests
+        run in the verifier's fresh box, never in that shell (whose functions and aliases
+        the agent controls). Variables that would steer the verifier itself are left out."""
+        try:
+            r = self.shell.run("env -0; printf '\\0%s' \"$PWD\"", 30)
+        except (ContainerGone, OSError, RuntimeError):
+            return {}, None
+        if r.exit_code != 0:
+            return {}, None
+        *pairs, cwd = r.output.split("\0")
+        env = dict(p.split("=", 1) for p in pairs if "=" in p)
+        env = {k: v for k, v in env.items() if k.isidentifier() and not k.startswith(
+            _STEERING) and k not in _STEERING_NAMES}
+        return env, cwd if cwd.startswith("/") and "\n" not in cwd else None
+
     def close(self) -> None:
-        """The episode ends: the shell closes, the container is reset and kept warm."""
+        """The episode ends: the shell closes, the box is killed, renewed and kept warm."""
         if self._closed:
             return
         self._closed = True

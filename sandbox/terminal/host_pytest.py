@@ -1,11 +1,11 @@
-"""The real pytest, for task images that lack it.
+"""The verifier's own pytest, from a read-only directory the agent's state cannot shadow.
 
-Terminal-Bench tests run pytest; a task image built without network often has python3 but no
-pytest. The harness then supplies the host's own pytest distribution (and those it requires:
-pluggy, iniconfig, packaging, pygments), copied once into a host directory that each task
-container mounts read-only at /opt/ptrain-pytest. The verifier puts it on PYTHONPATH and PATH
-only when the image's python3 cannot import pytest itself. Pure Python: any python3 in the
-image new enough for that pytest runs it.
+The host's pytest distribution (and those it requires: pluggy, iniconfig, packaging,
+pygments), the runner and the verdict plugin of `trusted/` are copied once into a host
+directory that every task box mounts read-only at /opt/ptrain-pytest. The verifier puts its
+bin/ first on PATH: `pytest` and `python3 -m pytest` there run this pytest by the image's
+python3 in isolated mode (trusted/run_pytest.py), whatever pytest the image or the agent has.
+Pure Python: any python3 in the image new enough for that pytest runs it.
 """
 
 import hashlib
@@ -18,12 +18,14 @@ import tempfile
 
 from sandbox.terminal.container import PYTEST_MOUNT
 
-# Run by the verifier before the task's test script: puts the supplied pytest where the
-# task's script finds it, if the image has none of its own.
-ACTIVATE = (f'if ! python3 -c "import pytest" >/dev/null 2>&1 && [ -d {PYTEST_MOUNT} ]; then '
-            f'export PYTHONPATH="{PYTEST_MOUNT}/site${{PYTHONPATH:+:$PYTHONPATH}}" '
-            f'PATH="$PATH:{PYTEST_MOUNT}/bin"; fi')
-_LAUNCHER = '#!/bin/sh\nexec python3 -m pytest "$@"\n'
+VERDICT_DIR = "/logs/ptrain-verdict"  # where the verdict plugin writes (trusted/)
+BIN = f"{PYTEST_MOUNT}/bin"  # first on the verifier's PATH: pytest, python3, python
+_TRUSTED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trusted")
+# (file of trusted/, its path in the mounted directory, its mode)
+_FILES = (("pytest.sh", "bin/pytest", 0o755), ("python.sh", "bin/python3", 0o755),
+          ("python.sh", "bin/python", 0o755), ("run_pytest.py", "run_pytest.py", 0o644),
+          ("ptrain_verdict.py", "site/ptrain_verdict.py", 0o644),
+          ("verifier.ini", "verifier.ini", 0o644))
 log = logging.getLogger("sandbox.terminal")
 
 
@@ -62,8 +64,9 @@ def pytest_dir() -> str | None:
     except importlib.metadata.PackageNotFoundError as e:
         log.warning("no pytest on this host to supply to task images without one (%s)", e)
         return None
+    ours = b"".join(open(os.path.join(_TRUSTED, src), "rb").read() for src, _, _ in _FILES)
     tag = hashlib.sha256(" ".join(sorted(f"{k}=={d.version}" for k, d in dists.items()))
-                         .encode()).hexdigest()[:12]
+                         .encode() + ours).hexdigest()[:12]
     root = os.path.join(tempfile.gettempdir(), f"ptrain-term-pytest-{tag}")
     if os.path.isfile(os.path.join(root, "bin", "pytest")):
         return root
@@ -82,9 +85,9 @@ def pytest_dir() -> str | None:
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             shutil.copy2(src, dst)
     os.makedirs(os.path.join(tmp, "bin"))
-    with open(os.path.join(tmp, "bin", "pytest"), "w") as f:
-        f.write(_LAUNCHER)
-    os.chmod(os.path.join(tmp, "bin", "pytest"), 0o755)
+    for src, rel, mode in _FILES:
+        shutil.copyfile(os.path.join(_TRUSTED, src), os.path.join(tmp, rel))
+        os.chmod(os.path.join(tmp, rel), mode)
     for top, dirs, files in os.walk(tmp):  # readable by any uid in the container
         os.chmod(top, 0o755)
         for name in files:

@@ -7,12 +7,45 @@ a time, relative to its parent's file descriptor, with O_NOFOLLOW; whatever is i
 raises OSError, and the caller goes through the docker API instead.
 """
 
+import contextlib
+import ctypes
 import errno
+import functools
 import io
 import os
 import shutil
 import stat
 import tarfile
+
+
+@contextlib.contextmanager
+def fs_identity(ident: tuple[int, int] | None):
+    """File-system uid and gid (uid, gid) of this thread for the block (None: unchanged).
+    A bwrap box's tmpfs belongs to its user namespace: an inode made there must have an
+    owner mapped in it (the box's host uid), or the kernel refuses it (EOVERFLOW)."""
+    if ident is None:
+        yield
+        return
+    libc = _libc()
+    old_gid, old_uid = libc.setfsgid(ident[1]), libc.setfsuid(ident[0])
+    try:
+        yield
+    finally:
+        libc.setfsuid(old_uid)
+        libc.setfsgid(old_gid)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _as_owner(method):
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with fs_identity(self.as_user):
+            return method(self, *args, **kwargs)
+    return wrapped
 
 
 class ConfinedRoot:
@@ -22,8 +55,9 @@ class ConfinedRoot:
 
     _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
-    def __init__(self, root: str):
-        self.root = root
+    def __init__(self, root: str, as_user: tuple[int, int] | None = None):
+        """`as_user`: (host uid, gid) that makes (and owns) what is written; None: root."""
+        self.root, self.as_user = root, as_user
 
     def _parts(self, path: str) -> list[str]:
         parts = [p for p in path.split("/") if p not in ("", ".")]
@@ -57,6 +91,7 @@ class ConfinedRoot:
             os.close(fd)
             raise
 
+    @_as_owner
     def fresh_dir(self, path: str, mode: int) -> None:
         """An empty directory at `path` (real directories all the way), whatever was there."""
         *parents, name = self._parts(path)
@@ -81,16 +116,22 @@ class ConfinedRoot:
             os.close(fd)
 
     def write(self, files) -> None:
+        items = []  # the host's files are read as ourselves, then written as the owner
         for source, dest in files:
-            *parents, name = self._parts(dest)
             if isinstance(source, bytes):
-                data, mode = source, 0o644
-            else:
-                st = os.lstat(source)
-                if not stat.S_ISREG(st.st_mode):
-                    raise OSError(f"{source}: only regular files are copied this way")
-                with open(source, "rb") as f:
-                    data, mode = f.read(), stat.S_IMODE(st.st_mode)
+                items.append((source, 0o644, dest))
+                continue
+            st = os.lstat(source)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(f"{source}: only regular files are copied this way")
+            with open(source, "rb") as f:
+                items.append((f.read(), stat.S_IMODE(st.st_mode), dest))
+        self._write(items)
+
+    @_as_owner
+    def _write(self, items) -> None:
+        for data, mode, dest in items:
+            *parents, name = self._parts(dest)
             fd = self._open_dirs(parents, create=True)
             try:
                 out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
@@ -98,7 +139,8 @@ class ConfinedRoot:
             finally:
                 os.close(fd)
             try:
-                os.fchown(out, 0, 0)
+                if self.as_user is None:
+                    os.fchown(out, 0, 0)
                 os.fchmod(out, mode)
                 view = memoryview(data)
                 while view:

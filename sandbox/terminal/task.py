@@ -65,6 +65,7 @@ class Task:
     parser: str = "reward_file"                     # "reward_file" (Harbor) or "pytest" (TB1)
     verifier_env: tuple[tuple[str, str], ...] = ()
     run_tests_in_same_shell: bool = False
+    uses_agent_services: bool = False               # the tests talk to what the agent runs
     solution: tuple[tuple[str, str], ...] = ()      # (host path, path under /solution)
     solution_command: str | None = None             # None: the task has no solution
     solution_env: tuple[tuple[str, str], ...] = ()
@@ -184,7 +185,8 @@ _HARBOR = {
     "version": _STR, "schema_version": _STR, "source": _STR,
     "task": {"name": _STR, "description": _STR, "authors": _LIST, "keywords": _STRLIST},
     "metadata": _TABLE,
-    "verifier": {"timeout_sec": _POS, "env": _STRMAP, "user": _USER, **_NETWORK},
+    "verifier": {"timeout_sec": _POS, "env": _STRMAP, "user": _USER,
+                 "uses_agent_services": _BOOL, **_NETWORK},
     "agent": {"timeout_sec": _POS, "user": _USER, **_NETWORK},
     "environment": {
         "build_timeout_sec": _POS, "docker_image": _STR, "cpus": _POS, "memory_mb": _INT,
@@ -200,6 +202,7 @@ _TB1 = {
     "instruction": _STR, "author_name": _STR, "author_email": _STR, "difficulty": _STR,
     "category": _STR, "tags": _STRLIST, "parser_name": _STR, "max_agent_timeout_sec": _POS,
     "max_test_timeout_sec": _POS, "run_tests_in_same_shell": _BOOL, "disable_asciinema": _BOOL,
+    "uses_agent_services": _BOOL,
     "estimated_duration_sec": _POS, "expert_time_estimate_min": _INT,
     "junior_time_estimate_min": _INT,
 }
@@ -348,6 +351,7 @@ def _load_harbor(path: str) -> Task:
         tests=_files_under(tests_dir, TESTS_DIR), test_command=f"bash {TESTS_DIR}/test.sh",
         parser="reward_file",
         verifier_env=_resolve_env(verifier.get("env", {}), file, "verifier"),
+        uses_agent_services=bool(verifier.get("uses_agent_services", False)),
         solution=_files_under(solution_dir, SOLUTION_DIR) if has_solution else (),
         solution_command=f"bash {SOLUTION_DIR}/solve.sh" if has_solution else None,
         solution_env=_resolve_env(cfg.get("solution", {}).get("env", {}), file, "solution"),
@@ -432,6 +436,7 @@ def _load_tb1(path: str) -> Task:
         test_command=f"bash {TESTS_DIR}/run-tests.sh", parser="pytest",
         verifier_env=(("TEST_DIR", TESTS_DIR),),
         run_tests_in_same_shell=bool(cfg.get("run_tests_in_same_shell", False)),
+        uses_agent_services=bool(cfg.get("uses_agent_services", False)),
         solution=solution, solution_command=command,
         category=str(cfg.get("category", "")), difficulty=str(cfg.get("difficulty", "")),
         tags=_tags(cfg.get("tags")), notes=tuple(notes))

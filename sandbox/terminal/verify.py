@@ -5,17 +5,16 @@ The terminal domain's form of a judge report: ptrain turns it into a `rewards.Ve
 
 Harbor tasks write their reward to /logs/verifier/reward.json (a table of numbers; "reward"
 is the one that counts) or reward.txt (one number), as harbor reads them. TB 1.0 tasks are
-judged by pytest's result, as terminal-bench's pytest parser reads it: the "short test
-summary info" lines (the harness adds `-rA` through PYTEST_ADDOPTS, so they are always there);
-the task passes when at least one test passed and none failed or errored.
+judged by pytest's result: the verifier's pytest reports each test's outcome through its
+plugin (trusted/ptrain_verdict.py: pytest's report objects, one JSON file per pytest
+session), never from the output the tested programs share; the task passes when the test
+command exited 0, at least one test passed and none failed or errored.
 """
 
 import dataclasses
 import json
 import math
-import re
 
-_SUMMARY_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)\s+(\S+)(?:\s+-\s+(.*))?$")
 _FAILING = ("FAILED", "ERROR")
 
 
@@ -31,6 +30,7 @@ class VerifierResult:
     timed_out: bool = False
     duration_s: float = 0.0
     exit_code: int | None = None
+    dropped: tuple[str, ...] = ()     # what of the agent's state the verifier did not take
 
     @property
     def feedback(self) -> str:
@@ -53,48 +53,48 @@ class VerifierResult:
 Verdict = VerifierResult  # the old name (ptrain.rewards.Verdict is the learner's verdict)
 
 
-def parse_pytest(output: str) -> tuple[dict, tuple[str, ...]]:
-    """(test id -> status, failure lines) from pytest's short test summary (-rA); ({}, ())
-    when there is none."""
-    tests, failures, in_summary = {}, [], False
-    for line in output.splitlines():
-        if re.match(r"^=+ short test summary info =+$", line.strip()):
-            in_summary = True
-            continue
-        if not in_summary:
-            continue
-        m = _SUMMARY_LINE.match(line.strip())
-        if m is None:
-            if line.startswith("="):
-                in_summary = False
-            continue
-        status, test, message = m.groups()
-        tests[test] = status
-        if status in _FAILING:
-            failures.append(f"{test} - {message}" if message else test)
-    return tests, tuple(failures)
+def parse_reports(reports: dict[str, bytes]) -> tuple[dict, tuple[str, ...], list[int]]:
+    """(test id -> status, failure lines, exit statuses) of the verdict plugin's reports
+    ({file name: JSON}); a report that does not parse counts as an error."""
+    tests, failures, statuses = {}, [], []
+    for name in sorted(reports):
+        try:
+            rep = json.loads(reports[name])
+            tests.update({str(k): str(v) for k, v in rep["tests"].items()})
+            failures += [str(f) for f in rep["failures"]]
+            statuses.append(int(rep["exitstatus"]))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            tests[f"<report {name}>"] = "ERROR"
+            failures.append(f"<report {name}> - not a report of the verifier's pytest")
+    return tests, tuple(failures), statuses
 
 
-def pytest_result(output: str, *, tail: str, **extra) -> VerifierResult:
-    """TB 1.0: solved iff pytest ran, at least one test passed and none failed."""
-    tests, failures = parse_pytest(output)
+def pytest_result(reports: dict[str, bytes], *, tail: str, exit_code: int | None = None,
+                  **extra) -> VerifierResult:
+    """TB 1.0: solved iff the test command exited 0, the verifier's pytest ran, at least one
+    test passed and none failed."""
+    tests, failures, statuses = parse_reports(reports)
     passed_n = sum(s in ("PASSED", "XFAIL") for s in tests.values())
     error = None
-    if not tests:
-        error = "no pytest results in the output (did the tests run?)"
+    if not statuses:
+        error = "the verifier's pytest did not run (no report)"
     elif failures:
         error = None
     elif not passed_n:
         error = "no test passed"
-    solved = bool(tests) and not failures and passed_n > 0
+    elif exit_code != 0:
+        error = f"the test command exited with status {exit_code}"
+    solved = error is None and bool(tests) and not failures and passed_n > 0
     reward = 1.0 if solved else 0.0
-    return VerifierResult(reward, solved, {"reward": reward}, tests, failures, error, tail, **extra)
+    return VerifierResult(reward, solved, {"reward": reward}, tests, failures, error, tail,
+                          exit_code=exit_code, **extra)
 
 
-def reward_file_result(files: dict[str, bytes], output: str, *, tail: str,
-                        **extra) -> VerifierResult:
-    """Harbor: reward.json (numbers; its "reward", or its only number) before reward.txt."""
-    tests, failures = parse_pytest(output)
+def reward_file_result(files: dict[str, bytes], reports: dict[str, bytes], *, tail: str,
+                       exit_code: int | None = None, **extra) -> VerifierResult:
+    """Harbor: reward.json (numbers; its "reward", or its only number) before reward.txt;
+    a test script killed by a signal (status 128 + N) scores 0."""
+    tests, failures, _ = parse_reports(reports)
     rewards, error = {}, None
     if "reward.json" in files:
         try:
@@ -119,12 +119,15 @@ def reward_file_result(files: dict[str, bytes], output: str, *, tail: str,
         rewards, error = _reward_txt(files["reward.txt"])
     else:
         error = "the tests wrote no /logs/verifier/reward.txt or reward.json"
+    if error is None and exit_code is not None and exit_code > 128:
+        error = f"the test script was killed (status {exit_code})"
     reward = rewards.get("reward", 0.0)
     if error is None and not math.isfinite(reward):
         error, reward = f"the reward is not a finite number: {reward}", 0.0
     if error is not None:
         reward = 0.0
-    return VerifierResult(reward, reward >= 1.0, rewards, tests, failures, error, tail, **extra)
+    return VerifierResult(reward, reward >= 1.0, rewards, tests, failures, error, tail,
+                          exit_code=exit_code, **extra)
 
 
 def _reward_txt(data: bytes):
@@ -137,7 +140,6 @@ def _reward_txt(data: bytes):
         return {}, f"reward.txt is not a number: {text[:80]!r}"
 
 
-def failed_result(error: str, output: str = "", *, tail: str = "", **extra) -> VerifierResult:
+def failed_result(error: str, *, tail: str = "", **extra) -> VerifierResult:
     """Reward 0 with the reason (the verifier hung, the container died, ...)."""
-    tests, failures = parse_pytest(output)
-    return VerifierResult(0.0, False, {}, tests, failures, error, tail, **extra)
+    return VerifierResult(0.0, False, {}, {}, (), error, tail, **extra)
