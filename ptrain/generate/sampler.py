@@ -115,10 +115,9 @@ class Sampler:
         if stop_check_every < 1:
             raise ValueError(f"stop_check_every must be >= 1, got {stop_check_every}")
         self.graphdef = nnx.graphdef(model)
-        text = getattr(model, "text", model)  # the decoder of a VLModel
-        self.vl_config = model.config if text is not model else None
-        self.config: model_lib.ModelConfig = text.config
-        self.mesh = text.mesh
+        self.config: model_lib.ModelConfig = model.config
+        self.vl_config = getattr(model, "vl_config", None)  # a VLModel's
+        self.mesh = model.mesh
         self.pad_id = int(pad_id)
         self.decode = decode
         self.stop_check_every = int(stop_check_every)
@@ -278,7 +277,7 @@ class Sampler:
         from ptrain.vision import prompts as vision_prompts
         vision = vision_prompts.prepare(tokens_bt, lengths_b, images or [], self.vl_config,
                                         left_pad=True)
-        vision.pop("positions_bt")  # the prefill derives them from the lengths
+        del vision["positions_bt"]  # the prefill derives them from the lengths
         return vision
 
     def _pad_prompts(self, prompts, prompt_len, batch_size, shared=False):
@@ -385,15 +384,14 @@ def _prefill(params, tokens_bt, lengths_b, real_b, vision=None, *, graphdef, num
     """Runs the prompts once and returns the decode loop's initial state, G rows per prompt.
     `vision`: a VLModel's image inputs (Sampler._vision), each image encoded once here."""
     model = nnx.merge(graphdef, params)
-    text = getattr(model, "text", model)
     extra = {}
     if vision is not None:
-        features_md = model.image_features(vision["images"])
-        extra = dict(x_btd=model.embed(tokens_bt, features_md, vision["dest_m"]),
+        features_bmd = model.image_features(vision["images"])
+        extra = dict(x_btd=model.embed(tokens_bt, features_bmd, vision["dest_bm"]),
                      rope_positions_3bt=vision["rope_3bt"])
-    h_bd, cache, routing = prefill_shared(text, tokens_bt, lengths_b, repeats=num_samples,
+    h_bd, cache, routing = prefill_shared(model, tokens_bt, lengths_b, repeats=num_samples,
                                           extra_slots=max_new_tokens, **extra)
-    logits_bv = jnp.einsum("bd,vd->bv", h_bd, text.unembedding_vd(),
+    logits_bv = jnp.einsum("bd,vd->bv", h_bd, model.unembedding_vd(),
                            preferred_element_type=jnp.float32)
 
     def repeat(x):
@@ -420,7 +418,7 @@ def _prefill(params, tokens_bt, lengths_b, real_b, vision=None, *, graphdef, num
         carry["prompt_experts_bplk"] = jnp.moveaxis(routing.experts_lbtk, 0, 2).astype(
             ROUTING_DTYPE)
         carry["experts_bnlk"] = jnp.zeros((rows, max_new_tokens, l, k), ROUTING_DTYPE)
-    return _constrain_rows(carry, text.mesh)
+    return _constrain_rows(carry, model.mesh)
 
 
 ROUTING_DTYPE = jnp.int16  # expert ids as recorded (fewer than 32768 experts)
@@ -430,7 +428,6 @@ ROUTING_DTYPE = jnp.int16  # expert ids as recorded (fewer than 32768 experts)
 def _decode(params, carry, key, limit, *, graphdef, settings: _Settings):
     """Decodes until every row is done or `limit` tokens exist (a while_loop on the device)."""
     model = nnx.merge(graphdef, params)
-    model = getattr(model, "text", model)  # a VLModel decodes with its decoder alone
     max_new = carry["tokens_bn"].shape[1]
     stop_ids = jnp.asarray(settings.stop_token_ids or (-1,), jnp.int32)
 

@@ -34,6 +34,7 @@ class VisionConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     attention_impl: str = "blockwise"
+    remat: str = "none"  # none | full | dots, per block (model.REMAT_POLICIES)
     freeze: bool = False  # the learner stops gradients at the tower's output
 
     def __post_init__(self):
@@ -51,6 +52,8 @@ class VisionConfig:
             (self.window_size % (self.spatial_merge_size * self.patch_size) == 0,
              f"window_size ({self.window_size}) must be a multiple of spatial_merge_size * "
              f"patch_size ({self.spatial_merge_size * self.patch_size})"),
+            (self.remat in ("none", "full", "dots"),
+             f"remat {self.remat!r} is not one of none, full, dots"),
             (self.attention_impl in attention.IMPLS,
              f"attention_impl {self.attention_impl!r} is not one of {attention.IMPLS}"),
         ]

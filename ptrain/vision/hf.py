@@ -150,14 +150,14 @@ def load(path: str, *, mesh=None, dtype: str | None = None, param_dtype: str | N
          ) -> tuple[VLModel, VLConfig]:
     """VLModel and VLConfig from a local Qwen2.5-VL directory. `overrides`: the decoder's
     run-time fields (as hf.load); `vision_overrides`: VisionConfig fields that do not change
-    the parameters (attention_impl, freeze)."""
+    the parameters (attention_impl, remat, freeze)."""
     overrides, vision_overrides = dict(overrides or {}), dict(vision_overrides or {})
     fixed = sorted(set(overrides) - set(RUNTIME_FIELDS))
-    vfixed = sorted(set(vision_overrides) - {"attention_impl", "freeze"})
+    vfixed = sorted(set(vision_overrides) - {"attention_impl", "remat", "freeze"})
     if fixed or vfixed:
         raise ValueError(f"vision.hf.load overrides {fixed + vfixed}: the checkpoint sets "
                          f"these; only {RUNTIME_FIELDS} and the tower's attention_impl / "
-                         "freeze may be overridden")
+                         "remat / freeze may be overridden")
     c = config_from_hf(hf.read_config(path), dtype=dtype, param_dtype=param_dtype)
     c = c.replace(text=c.text.replace(**overrides), vision=c.vision.replace(**vision_overrides))
     ckpt = hf._Checkpoint(path, rename=_rename)

@@ -8,9 +8,10 @@ tokens a side, cut at the image's bottom and right edges). transformers reorders
 window by window and runs attention per window; here every patch keeps its place and the
 window is a segment id of the attention mask, which is the same computation.
 
-`Images` is what the tower runs on: the patches of any number of images concatenated and
-padded to a fixed count (segment id 0 marks the pads), so that a batch with one small image,
-many images or none compiles to the same program.
+`Images` is what the tower runs on: per batch row, the patches of the row's images
+concatenated and padded to a fixed count (segment id 0 marks the pads), so that a batch with
+one small image, many images or none compiles to the same program, and the images travel
+(and shard) with their rows.
 """
 
 from __future__ import annotations
@@ -26,16 +27,16 @@ from ptrain.vision.config import VisionConfig
 
 @flax.struct.dataclass
 class Images:
-    """Patches of a set of images, padded to n patches (pads have segment ids 0)."""
+    """Each row's images' patches, padded to n patches (pads have segment ids 0)."""
 
-    patches_nf: jax.Array  # float [n, channels * temporal * patch * patch]
-    rope_hw_n2: jax.Array  # int32 [n, 2]: each patch's row and column in its image
-    full_seg_n: jax.Array  # int32 [n]: the image frame of each patch, 1-based (0: padding)
-    window_seg_n: jax.Array  # int32 [n]: its attention window, 1-based (0: padding)
+    patches_bnf: jax.Array  # float [b, n, channels * temporal * patch * patch]
+    rope_hw_bn2: jax.Array  # int32 [b, n, 2]: each patch's row and column in its image
+    full_seg_bn: jax.Array  # int32 [b, n]: the image frame of each patch, 1-based (0: pad)
+    window_seg_bn: jax.Array  # int32 [b, n]: its attention window, 1-based (0: padding)
 
     @property
     def n_patches(self) -> int:
-        return self.patches_nf.shape[0]
+        return self.patches_bnf.shape[1]
 
 
 def check_grids(grids_thw, config: VisionConfig) -> np.ndarray:
@@ -92,17 +93,25 @@ def layout(grids_thw, config: VisionConfig, n_pad: int | None = None):
     return out_rope, out_full, out_window
 
 
-def make_images(patches_nf: np.ndarray | Sequence, grids_thw, config: VisionConfig,
-                n_pad: int | None = None) -> Images:
-    """An `Images` batch from processor output (patches of all images concatenated), padded
-    to `n_pad` patches with zeros."""
-    grids = check_grids(grids_thw, config)
-    patches_nf = np.asarray(patches_nf, np.float32).reshape(-1, config.patch_dim)
-    expected = int(np.prod(grids, axis=-1).sum()) if len(grids) else 0
-    if patches_nf.shape[0] != expected:
-        raise ValueError(f"{patches_nf.shape[0]} patches for image grids {grids.tolist()}, "
-                         f"which need {expected}")
-    rope, full, window = layout(grids, config, n_pad)
-    padded = np.zeros((len(full), config.patch_dim), np.float32)
-    padded[:expected] = patches_nf
-    return Images(padded, rope, full, window)
+def make_images(rows: Sequence, config: VisionConfig, n_pad: int) -> Images:
+    """An `Images` batch of numpy arrays: `rows[r]` is row r's processor output (patches of
+    its images concatenated [n, patch_dim], grids [k, 3]) or None, padded to `n_pad`
+    patches with zeros."""
+    b = len(rows)
+    out = Images(np.zeros((b, n_pad, config.patch_dim), np.float32),
+                 np.zeros((b, n_pad, 2), np.int32), np.zeros((b, n_pad), np.int32),
+                 np.zeros((b, n_pad), np.int32))
+    for r, item in enumerate(rows):
+        if item is None:
+            continue
+        patches, grids = item
+        grids = check_grids(grids, config)
+        patches = np.asarray(patches, np.float32).reshape(-1, config.patch_dim)
+        expected = int(np.prod(grids, axis=-1).sum()) if len(grids) else 0
+        if patches.shape[0] != expected:
+            raise ValueError(f"row {r}: {patches.shape[0]} patches for image grids "
+                             f"{grids.tolist()}, which need {expected}")
+        out.rope_hw_bn2[r], out.full_seg_bn[r], out.window_seg_bn[r] = layout(grids, config,
+                                                                              n_pad)
+        out.patches_bnf[r, :expected] = patches
+    return out

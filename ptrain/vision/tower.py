@@ -20,6 +20,7 @@ from flax import nnx
 
 from ptrain import attention
 from ptrain import model as model_lib
+from ptrain import projection
 from ptrain.vision.config import VisionConfig
 from ptrain.vision.layout import Images
 
@@ -80,57 +81,60 @@ class VisionTower(nnx.Module):
         return encode(self, images)
 
 
-def rope_angles(c: VisionConfig, rope_hw_n2) -> jax.Array:
-    """Angles [n, e/2]: a quarter of the head turns with the row, a quarter with the column
-    (transformers' axial rotary embedding)."""
+def rope_angles(c: VisionConfig, rope_hw_bn2) -> jax.Array:
+    """Angles [b, n, e/2]: a quarter of the head turns with the row, a quarter with the
+    column (transformers' axial rotary embedding)."""
     quarter = c.head_dim // 2
     inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, quarter, 2, dtype=np.float32) / quarter))
-    angles_n2q = rope_hw_n2[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
-    return angles_n2q.reshape(rope_hw_n2.shape[0], -1)
+    angles_bn2q = rope_hw_bn2[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    return angles_bn2q.reshape(rope_hw_bn2.shape[:2] + (-1,))
 
 
-def _rotate(x_nhe, angles_ne):
-    cos = jnp.cos(angles_ne)[:, None, :]
-    sin = jnp.sin(angles_ne)[:, None, :]
-    x1, x2 = jnp.split(x_nhe.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_nhe.dtype)
+def _rotate(x_bnhe, angles_bne):
+    """RoPE's rotate-half rotation by the given angles (float32, cast back)."""
+    cos = jnp.cos(angles_bne)[:, :, None, :]
+    sin = jnp.sin(angles_bne)[:, :, None, :]
+    x1, x2 = jnp.split(x_bnhe.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_bnhe.dtype)
 
 
-def _block(x_nd, xs, *, c: VisionConfig, angles_ne, full_seg_n, window_seg_n):
+def _block(x_bnd, xs, *, c: VisionConfig, angles_bne, full_seg_bn, window_seg_bn):
     p, full = xs
     dt = jnp.dtype(c.dtype)
     w = {k: a.astype(dt) for k, a in p.items()}
-    h_nd = model_lib.rms_norm(x_nd, w["norm1"], c.rms_eps)
-    qkv_n3he = jnp.einsum("nd,dghe->nghe", h_nd, w["wqkv"]) + w["bqkv"]
-    q_nhe, k_nhe, v_nhe = (qkv_n3he[:, i] for i in range(3))
-    q_nhe, k_nhe = _rotate(q_nhe, angles_ne), _rotate(k_nhe, angles_ne)
-    seg_n = jnp.where(full, full_seg_n, window_seg_n)[None]
-    zeros = jnp.zeros_like(seg_n)
-    o_nhe = attention.attend(q_nhe[None], k_nhe[None], v_nhe[None], q_positions_bt=zeros,
-                             q_segment_ids_bt=seg_n, kv_positions_bs=zeros,
-                             kv_segment_ids_bs=seg_n, impl=c.attention_impl, causal=False)[0]
-    x_nd = x_nd + jnp.einsum("nhe,hed->nd", o_nhe, w["wo"]) + w["bo"]
-    h_nd = model_lib.rms_norm(x_nd, w["norm2"], c.rms_eps)
+    h_bnd = model_lib.rms_norm(x_bnd, w["norm1"], c.rms_eps)
+    qkv_bn3he = projection.dense(h_bnd, w["wqkv"]) + w["bqkv"]
+    q_bnhe, k_bnhe, v_bnhe = (qkv_bn3he[:, :, i] for i in range(3))
+    q_bnhe, k_bnhe = _rotate(q_bnhe, angles_bne), _rotate(k_bnhe, angles_bne)
+    seg_bn = jnp.where(full, full_seg_bn, window_seg_bn)
+    zeros = jnp.zeros_like(seg_bn)
+    o_bnhe = attention.attend(q_bnhe, k_bnhe, v_bnhe, q_positions_bt=zeros,
+                              q_segment_ids_bt=seg_bn, kv_positions_bs=zeros,
+                              kv_segment_ids_bs=seg_bn, impl=c.attention_impl, causal=False)
+    x_bnd = x_bnd + projection.dense(o_bnhe, w["wo"], n_in=2) + w["bo"]
+    h_bnd = model_lib.rms_norm(x_bnd, w["norm2"], c.rms_eps)
     act = _ACT[c.hidden_act]
-    a_ni = act(h_nd @ w["w_gate"] + w["b_gate"]) * (h_nd @ w["w_up"] + w["b_up"])
-    return x_nd + a_ni @ w["w_down"] + w["b_down"], None
+    a_bni = (act(projection.dense(h_bnd, w["w_gate"]) + w["b_gate"])
+             * (projection.dense(h_bnd, w["w_up"]) + w["b_up"]))
+    return x_bnd + projection.dense(a_bni, w["w_down"]) + w["b_down"], None
 
 
 def encode(tower: VisionTower, images: Images) -> jax.Array:
-    """The tower on a padded batch of patches: features [n / merge_unit, out_d]."""
+    """The tower on a padded batch of patches: features [b, n / merge_unit, out_d]."""
     c = tower.config
     dt = jnp.dtype(c.dtype)
-    w_df = tower.patch_embed[...].astype(dt).reshape(c.d_model, c.patch_dim)
-    x_nd = images.patches_nf.astype(dt) @ w_df.T
-    angles_ne = rope_angles(c, images.rope_hw_n2)
+    b, n = images.patches_bnf.shape[:2]
+    w_fd = tower.patch_embed[...].astype(dt).reshape(c.d_model, c.patch_dim).T
+    x_bnd = projection.dense(images.patches_bnf.astype(dt), w_fd)
+    angles_bne = rope_angles(c, images.rope_hw_bn2)
     params = {k: v[...] for k, v in vars(tower.blocks).items() if isinstance(v, nnx.Param)}
     full_l = jnp.asarray(np.isin(np.arange(c.depth), c.fullatt_blocks))
-    step = functools.partial(_block, c=c, angles_ne=angles_ne, full_seg_n=images.full_seg_n,
-                             window_seg_n=images.window_seg_n)
-    x_nd, _ = jax.lax.scan(step, x_nd, (params, full_l))
+    step = functools.partial(_block, c=c, angles_bne=angles_bne, full_seg_bn=images.full_seg_bn,
+                             window_seg_bn=images.window_seg_bn)
+    x_bnd, _ = jax.lax.scan(model_lib._remat(c.remat, step), x_bnd, (params, full_l))
     m = tower.merger
-    x_nd = model_lib.rms_norm(x_nd, m.norm[...].astype(dt), c.rms_eps)
-    x_mu = x_nd.reshape(-1, c.merge_unit * c.d_model)
-    h_mu = jax.nn.gelu(x_mu @ m.w1[...].astype(dt) + m.b1[...].astype(dt), approximate=False)
-    return h_mu @ m.w2[...].astype(dt) + m.b2[...].astype(dt)
+    x_bnd = model_lib.rms_norm(x_bnd, m.norm[...].astype(dt), c.rms_eps)
+    x_bmu = x_bnd.reshape(b, n // c.merge_unit, c.merge_unit * c.d_model)
+    h_bmu = jax.nn.gelu(projection.dense(x_bmu, m.w1[...].astype(dt)) + m.b1[...].astype(dt),
+                        approximate=False)
+    return projection.dense(h_bmu, m.w2[...].astype(dt)) + m.b2[...].astype(dt)
