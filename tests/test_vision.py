@@ -280,3 +280,42 @@ def test_tower_gradients_flow_unless_frozen(ours):
 
     frozen_grads = jax.jit(jax.grad(features))(params)
     assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(frozen_grads))
+
+
+# ----------------------------------------------------------------------------- chat
+
+def test_chat_prompt_matches_the_processor(ours, tmp_path, monkeypatch):
+    """Images in chat messages: the template's placeholders expanded per image, token for
+    token as Qwen2_5_VLProcessor.apply_chat_template, with the same pixel values."""
+    import hf_fixtures
+    from ptrain.vision import chat
+    tokenizer = hf_fixtures.save_tokenizer("qwen2.5-instruct", str(tmp_path))
+    tokenizer.chat_template = hf_fixtures.QWEN25_VL_TEMPLATE
+    ids = tokenizer.convert_tokens_to_ids
+    _, c = ours
+    c = c.replace(image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+                  vision_start_token_id=ids("<|vision_start|>"),
+                  vision_end_token_id=ids("<|vision_end|>"))
+    imgs = _images()
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": imgs[0]},
+                                     {"type": "text", "text": "What is 3 + 4? Compare"},
+                                     {"type": "image", "image": imgs[1]}]},
+        {"role": "assistant", "content": "The answer is 7."},
+        {"role": "user", "content": [{"type": "text", "text": "And now?"},
+                                     {"type": "image", "image": imgs[2]}]}]
+    mine, (pixels, grids) = chat.render_prompt(tokenizer, messages, c, PROC)
+    # (the processor's class check wants torchvision for its video processor, unused here)
+    monkeypatch.setattr(transformers.Qwen2_5_VLProcessor, "check_argument_for_proper_class",
+                        lambda self, name, arg: None)
+    processor = transformers.Qwen2_5_VLProcessor(
+        image_processor=transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.
+        Qwen2VLImageProcessorPil(min_pixels=PROC.min_pixels, max_pixels=PROC.max_pixels),
+        tokenizer=tokenizer, chat_template=hf_fixtures.QWEN25_VL_TEMPLATE)
+    want = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                         return_dict=True, return_tensors="np")
+    assert mine == want["input_ids"][0].tolist()
+    np.testing.assert_allclose(pixels, want["pixel_values"], atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(grids, want["image_grid_thw"])
+    with pytest.raises(ValueError, match="placeholder"):
+        chat.expand_placeholders(mine, grids, c)  # already expanded: too many placeholders
