@@ -22,6 +22,10 @@ from ptrain.vision import layout, positions, prompts, vl  # noqa: E402
 
 IMG, VIDEO, VS, VE, EOS = 150, 151, 152, 153, 1
 PROC = ip.ImageProcessing(max_pixels=28 * 28 * 40)  # small images: few patches
+# The learner's log-probs (groups of 2), one compiled program shared by the tests below
+# (batches of 4 rows, prompts of 64, continuations of 4, 128 patches per row).
+LOGPROBS = jax.jit(lambda graphdef, p, b: step.token_logprobs(graphdef, p, b, group_size=2)[0],
+                   static_argnums=0)
 
 
 def _hf_config():
@@ -238,9 +242,9 @@ def test_learner_logprobs_match_transformers_and_compile_once(checkpoint, ours):
     _, ref = checkpoint
     model, c = ours
     graphdef, params = nnx.split(model)
-    fn = jax.jit(lambda p, b: step.token_logprobs(graphdef, p, b, group_size=2)[0])
     batch, rows, items = _learner_batch(c)
-    logp = np.asarray(fn(params, batch))
+    logp = np.asarray(LOGPROBS(graphdef, params, batch))
+    compiled = LOGPROBS._cache_size()
     for r in range(4):
         n = int(batch["lengths_b"][r])
         cont = batch["tokens_bn"][r, :n].tolist()
@@ -250,8 +254,8 @@ def test_learner_logprobs_match_transformers_and_compile_once(checkpoint, ours):
         np.testing.assert_allclose(logp[r, :n], want[idx, cont], atol=2e-4, rtol=0)
     text_batch, rows, items = _learner_batch(c, with_images=False)
     assert jax.tree.map(np.shape, text_batch) == jax.tree.map(np.shape, batch)
-    logp = np.asarray(fn(params, text_batch))
-    assert fn._cache_size() == 1
+    logp = np.asarray(LOGPROBS(graphdef, params, text_batch))
+    assert LOGPROBS._cache_size() == compiled
     want = torch.log_softmax(torch.tensor(_hf_logits(ref, rows[0] + [40, 41, 42], None)), -1)
     np.testing.assert_allclose(logp[0, :3], want.numpy()[[3, 4, 5], [40, 41, 42]], atol=2e-4,
                                rtol=0)
@@ -319,3 +323,31 @@ def test_chat_prompt_matches_the_processor(ours, tmp_path, monkeypatch):
     np.testing.assert_array_equal(grids, want["image_grid_thw"])
     with pytest.raises(ValueError, match="placeholder"):
         chat.expand_placeholders(mine, grids, c)  # already expanded: too many placeholders
+
+
+def test_sampled_logprobs_equal_the_learners(ours):
+    """The sampler and the learner agree on image prompts: each sampled token's log-prob
+    (temperature 1) equals the learner's teacher-forced one, G samples per prompt."""
+    model, c = ours
+    imgs = _images()
+    batch = [_prompt([[5, 6], "I", [7], "I", [8]], imgs[:2], c), _prompt([[9, 10, 11]], [], c)]
+    g, n = 2, 4
+    out = Sampler(model, seed=3).sample(nnx.state(model), [p for p, _ in batch],
+                                        images=[i for _, i in batch], max_new_tokens=n,
+                                        num_samples=g)
+    rows = [batch[i // g] for i in range(len(batch) * g)]
+    p = 64
+    prompt_bp = np.zeros((len(rows), p), np.int32)
+    for r, (row, _) in enumerate(rows):
+        prompt_bp[r, p - len(row):] = row
+    lens = np.array([len(row) for row, _ in rows], np.int32)
+    learner_batch = dict(prompt_bp=prompt_bp, prompt_lens_b=lens,
+                         tokens_bn=out.tokens.astype(np.int32),
+                         lengths_b=out.lengths.astype(np.int32))
+    learner_batch.update(prompts.learner_arrays(prompt_bp, lens, [i for _, i in rows], c,
+                                                n_patches=128))
+    graphdef, params = nnx.split(model)
+    logp = np.asarray(LOGPROBS(graphdef, params, learner_batch))
+    mask = np.arange(n)[None] < out.lengths[:, None]
+    np.testing.assert_allclose(np.where(mask, logp, 0), np.where(mask, out.logp_t1, 0),
+                               atol=1e-5, rtol=0)
