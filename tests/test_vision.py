@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers", reason="pip install '.[test]'
 Image = pytest.importorskip("PIL.Image", reason="PIL reads and resizes images")
 
 from ptrain import step  # noqa: E402
+from ptrain.batch import Batch  # noqa: E402
 from ptrain.generate.sampler import Sampler  # noqa: E402
 from ptrain.vision import hf as vhf  # noqa: E402
 from ptrain.vision import image_processing as ip  # noqa: E402
@@ -336,18 +337,17 @@ def test_sampled_logprobs_equal_the_learners(ours):
                                         images=[i for _, i in batch], max_new_tokens=n,
                                         num_samples=g)
     rows = [batch[i // g] for i in range(len(batch) * g)]
-    p = 64
-    prompt_bp = np.zeros((len(rows), p), np.int32)
-    for r, (row, _) in enumerate(rows):
-        prompt_bp[r, p - len(row):] = row
-    lens = np.array([len(row) for row, _ in rows], np.int32)
-    learner_batch = dict(prompt_bp=prompt_bp, prompt_lens_b=lens,
-                         tokens_bn=out.tokens.astype(np.int32),
-                         lengths_b=out.lengths.astype(np.int32))
-    learner_batch.update(prompts.learner_arrays(prompt_bp, lens, [i for _, i in rows], c,
-                                                n_patches=128))
+    completions = out.completions()
+    episodes = Batch.from_rows(
+        [row for row, _ in rows], completions, [[1] * len(x) for x in completions],
+        [out.logp_t1[r, :len(x)] for r, x in enumerate(completions)], np.zeros(len(rows)),
+        [r // g for r in range(len(rows))], prompt_len=64, length=n)
+    episodes = prompts.with_images(episodes, [i for _, i in rows], c, n_patches=128)
+    episodes.check_groups(g)
     graphdef, params = nnx.split(model)
-    logp = np.asarray(LOGPROBS(graphdef, params, learner_batch))
+    logp = np.asarray(LOGPROBS(graphdef, params, {
+        k: v for k, v in episodes.arrays().items()
+        if k in ("prompt_bp", "prompt_lens_b", "tokens_bn", "lengths_b") + vl.LEARNER_KEYS}))
     mask = np.arange(n)[None] < out.lengths[:, None]
     np.testing.assert_allclose(np.where(mask, logp, 0), np.where(mask, out.logp_t1, 0),
                                atol=1e-5, rtol=0)

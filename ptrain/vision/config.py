@@ -66,10 +66,6 @@ class VisionConfig:
         return self.d_model // self.n_heads
 
     @property
-    def n_layers(self) -> int:
-        return self.depth
-
-    @property
     def patch_dim(self) -> int:
         """The length of one flattened patch: channels x temporal x patch x patch."""
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
@@ -77,13 +73,6 @@ class VisionConfig:
     @property
     def merge_unit(self) -> int:
         return self.spatial_merge_size ** 2
-
-    @property
-    def n_params(self) -> int:
-        d, f, m = self.d_model, self.d_ff, self.merge_unit
-        block = 2 * d + 3 * d * d + 3 * d + d * d + d + 2 * (d * f + f) + f * d + d
-        merger = d + (m * d) ** 2 + m * d + m * d * self.out_d + self.out_d
-        return self.patch_dim * d + self.depth * block + merger
 
     def replace(self, **changes) -> VisionConfig:
         return dataclasses.replace(self, **changes)

@@ -34,10 +34,6 @@ class Images:
     full_seg_bn: jax.Array  # int32 [b, n]: the image frame of each patch, 1-based (0: pad)
     window_seg_bn: jax.Array  # int32 [b, n]: its attention window, 1-based (0: padding)
 
-    @property
-    def n_patches(self) -> int:
-        return self.patches_bnf.shape[1]
-
 
 def check_grids(grids_thw, config: VisionConfig) -> np.ndarray:
     """The grids as int [images, 3], with a clear error for sizes the merger cannot group."""

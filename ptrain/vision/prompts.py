@@ -11,6 +11,7 @@ with their rows.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -66,3 +67,11 @@ def learner_arrays(prompt_bp: np.ndarray, prompt_lens_b: Sequence[int], images: 
             "vision_dest_bm": v["dest_bm"],
             "vision_rope_b3p": np.ascontiguousarray(np.moveaxis(v["rope_3bt"], 0, 1)),
             "vision_delta_b": v["delta_b"]}
+
+
+def with_images(batch, images: Sequence, config: VLConfig, *, n_patches: int):
+    """A `ptrain.batch.Batch` with its rows' prompt images (`images[r]`: row r's (patches,
+    grids) or None, the same for the G rows of a group) as its vision_* arrays, padded to
+    `n_patches` per row (the run's budget: every step the same shapes)."""
+    return dataclasses.replace(batch, **learner_arrays(batch.prompt_bp, batch.prompt_lens_b,
+                                                       images, config, n_patches=n_patches))
