@@ -122,9 +122,11 @@ def _tensors(c: VLConfig) -> list:
             ("norm1", "norm1.weight", (d,), None), ("norm2", "norm2.weight", (d,), None),
             ("wqkv", "attn.qkv.weight", (3 * d, d), 1), ("bqkv", "attn.qkv.bias", (3 * d,), None),
             ("wo", "attn.proj.weight", (d, h * e), 2), ("bo", "attn.proj.bias", (d,), None),
-            ("w_gate", "mlp.gate_proj.weight", (f, d), 1), ("b_gate", "mlp.gate_proj.bias", (f,), None),
+            ("w_gate", "mlp.gate_proj.weight", (f, d), 1),
+            ("b_gate", "mlp.gate_proj.bias", (f,), None),
             ("w_up", "mlp.up_proj.weight", (f, d), 1), ("b_up", "mlp.up_proj.bias", (f,), None),
-            ("w_down", "mlp.down_proj.weight", (d, f), 1), ("b_down", "mlp.down_proj.bias", (d,), None)):
+            ("w_down", "mlp.down_proj.weight", (d, f), 1),
+            ("b_down", "mlp.down_proj.bias", (d,), None)):
         out.append(T(("vision", "blocks", ours), block + theirs, shape, split, layers))
     merger = "model.visual.merger."
     out += [T(("vision", "merger", "norm"), merger + "ln_q.weight", (d,)),
