@@ -66,6 +66,17 @@ class Batch:
     # rl.interrupt: the policy version that sampled each continuation token, int32 [b, n]
     # (ptrain.generate.interrupt.UNSAMPLED on observations and padding); host-only
     versions_bn: np.ndarray | None = None
+    # A vision-language batch's prompt images, each row its group's (`ptrain.vision.prompts.
+    # with_images`; `ptrain.vision.vl.learner_inputs` reads them): the patches padded to the
+    # run's patch budget, their rotary rows / columns, frame and window segments, where each
+    # merged feature goes in the prompt, the prompt's M-RoPE positions and the rope delta.
+    vision_patches_bnf: np.ndarray | None = None
+    vision_rope_hw_bn2: np.ndarray | None = None
+    vision_full_seg_bn: np.ndarray | None = None
+    vision_window_seg_bn: np.ndarray | None = None
+    vision_dest_bm: np.ndarray | None = None
+    vision_rope_b3p: np.ndarray | None = None
+    vision_delta_b: np.ndarray | None = None
 
     @classmethod
     def from_rows(cls, prompts, continuations, loss_masks, rollout_logps, rewards, group_ids,

@@ -307,9 +307,12 @@ def _normalise(index, ndim: int) -> tuple[slice, ...]:
 
 
 class _Checkpoint:
-    """Name -> memory-mapped array over all the safetensors files of a directory."""
+    """Name -> memory-mapped array over all the safetensors files of a directory.
 
-    def __init__(self, path: str):
+    `rename(stored name) -> name` maps a layout's stored names to the names asked for (an
+    older transformers' names for the same tensors)."""
+
+    def __init__(self, path: str, rename=None):
         index_file = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index_file):
             with open(index_file) as f:
@@ -320,17 +323,19 @@ class _Checkpoint:
             raise FileNotFoundError(
                 f"no *.safetensors in {path!r}; ptrain reads safetensors only (re-save a "
                 "PyTorch .bin checkpoint with transformers' save_pretrained)")
-        self.where = {}
+        self.where, self.stored = {}, {}
         for name in files:
             file = safetensors_io.File(os.path.join(path, name))
             for key in file.keys():
-                self.where[key] = file
+                ours = rename(key) if rename else key
+                self.where[ours] = file
+                self.stored[ours] = key
 
     def array(self, name: str) -> np.ndarray:
-        return self.where[name].array(name)
+        return self.where[name].array(self.stored[name])
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.where[name].shape(name)
+        return self.where[name].shape(self.stored[name])
 
 
 # ----------------------------------------------------------------------------- load / save
@@ -353,11 +358,17 @@ def load(path: str, *, mesh=None, dtype: str | None = None, param_dtype: str | N
     ckpt = _Checkpoint(path)
     tensors = _tensors(config)
     _check_tensors(ckpt, tensors, config)
+    make = lambda: Transformer(config, rngs=nnx.Rngs(0), mesh=mesh)  # noqa: E731
+    return build_module(ckpt, tensors, config, make, mesh, config.param_dtype), config
 
-    graphdef, abstract_state = sharding.abstract(
-        lambda: Transformer(config, rngs=nnx.Rngs(0), mesh=mesh), mesh)
+
+def build_module(ckpt: _Checkpoint, tensors: list[_Tensor], config, make, mesh,
+                 param_dtype: str):
+    """The module `make()` builds, each parameter read from the checkpoint tensor whose
+    `path` names it, on its shards."""
+    graphdef, abstract_state = sharding.abstract(make, mesh)
     by_path = {t.path: t for t in tensors}
-    param_dtype = np.dtype(jnp.dtype(config.param_dtype))
+    param_dtype = np.dtype(jnp.dtype(param_dtype))
 
     def build(key_path, var):
         leaf = var.get_value()
@@ -384,7 +395,7 @@ def load(path: str, *, mesh=None, dtype: str | None = None, param_dtype: str | N
         return var.replace(jax.make_array_from_callback(leaf.shape, leaf.sharding, read))
 
     state = jax.tree_util.tree_map_with_path(build, abstract_state, is_leaf=_is_var)
-    return nnx.merge(graphdef, state), config
+    return nnx.merge(graphdef, state)
 
 
 def _check_tensors(ckpt: _Checkpoint, tensors: list[_Tensor], c: ModelConfig) -> None:
@@ -418,6 +429,17 @@ def save(model, config: ModelConfig, path: str, *, tokenizer=None,
     Tensors are gathered one parameter at a time and written one shard at a time; on
     several hosts every process gathers and process 0 writes.
     """
+    write(model, _tensors(config), config, config_to_hf(config), path, tokenizer=tokenizer,
+          generation_config=(generation_config if generation_config is not None
+                             else generation_config_for(config)),
+          max_shard_bytes=max_shard_bytes)
+
+
+def write(model, tensors: list[_Tensor], config, hf_config: dict, path: str, *,
+          tokenizer=None, generation_config: dict | None = None,
+          max_shard_bytes: int = 4 << 30) -> None:
+    """`save` for any layout: the `tensors` of `model`, then config.json (`hf_config`),
+    generation_config.json and the tokenizer's files."""
     if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
         raise TypeError(f"hf.save writes Hugging Face tokenizers; {type(tokenizer).__name__} "
                         "has no save_pretrained (save without tokenizer=)")
@@ -434,17 +456,15 @@ def save(model, config: ModelConfig, path: str, *, tokenizer=None,
             written.append((tmp, [name for name, _ in pending]))
         pending.clear()
 
-    for t in _tensors(config):
+    for t in tensors:
         for name, a in _to_hf(t, _host(arrays[t.path]), config):
             if pending and sum(x.nbytes for _, x in pending) + a.nbytes > max_shard_bytes:
                 flush()
             pending.append((name, a))
     flush()
     if writer:
-        _finalise(path, written, config)
-        _write_json(os.path.join(path, "generation_config.json"),
-                    generation_config if generation_config is not None
-                    else generation_config_for(config))
+        _finalise(path, written, hf_config)
+        _write_json(os.path.join(path, "generation_config.json"), generation_config or {})
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
 
@@ -475,7 +495,7 @@ def _to_hf(t: _Tensor, full: np.ndarray, c: ModelConfig):
         yield name, np.ascontiguousarray(ours.reshape(t.hf_shape))
 
 
-def _finalise(path: str, written: list[tuple[str, list[str]]], config: ModelConfig) -> None:
+def _finalise(path: str, written: list[tuple[str, list[str]]], hf_config: dict) -> None:
     """Rename the shards to HF's names (replacing an older save), then write the index."""
     index_file = os.path.join(path, "model.safetensors.index.json")
     for stale in os.listdir(path):
@@ -493,7 +513,7 @@ def _finalise(path: str, written: list[tuple[str, list[str]]], config: ModelConf
         total = sum(os.path.getsize(os.path.join(path, f)) for f in set(weight_map.values()))
         with open(index_file, "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    _write_json(os.path.join(path, "config.json"), config_to_hf(config))
+    _write_json(os.path.join(path, "config.json"), hf_config)
 
 
 def _write_json(file: str, obj) -> None:

@@ -74,6 +74,11 @@ class ModelConfig:
     rope_mscale: float = 0.0  # yarn (DeepSeek style), 0: unused
     rope_mscale_all_dim: float = 0.0  # yarn, 0: unused
     rope_truncate: bool = True  # yarn
+    # M-RoPE (Qwen2.5-VL): the rotary frequencies split into temporal / height / width
+    # sections (pairs of head dims each, summing to head_dim / 2), each section rotated by its
+    # own position; () is ordinary 1-D RoPE. `forward` takes the 3-D positions as
+    # `rope_positions_3bt` (ptrain/vision/positions.py computes them).
+    mrope_section: tuple[int, ...] = ()
     max_position_embeddings: int = 8192
     family: str = "llama"
     param_dtype: str = "float32"
@@ -107,10 +112,15 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+        object.__setattr__(self, "mrope_section", tuple(int(i) for i in self.mrope_section))
         checks = [
             (self.n_heads % self.n_kv_heads == 0,
              f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"),
             (self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}"),
+            (not self.mrope_section or (len(self.mrope_section) == 3
+                                        and 2 * sum(self.mrope_section) == self.head_dim),
+             f"mrope_section {self.mrope_section} must be 3 sections summing to head_dim / 2 "
+             f"({self.head_dim // 2})"),
             (self.rope_type in ROPE_TYPES,
              f"rope_type {self.rope_type!r} is not supported; use one of {ROPE_TYPES}"),
             (self.remat in REMAT_POLICIES,
@@ -294,11 +304,14 @@ class Transformer(nnx.Module):
         return h_btd, new_cache
 
     def forward(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache=None, *,
-                replay_lbtk=None):
+                replay_lbtk=None, x_btd=None, rope_positions_3bt=None):
         """(hidden states as `hidden`, the updated cache, a `moe.Routing` or None).
 
         `replay_lbtk` [MoE layers, b, t, k]: experts to route each token to instead of the
         router's top-k (router replay: a rollout's recorded `Routing.experts_lbtk`).
+        `x_btd`: input embeddings to use instead of the tokens' (image features merged in,
+        ptrain/vision/vl.py). `rope_positions_3bt`: M-RoPE positions (config.mrope_section);
+        `positions_bt` then still orders the tokens for the causal mask and the cache.
         """
         c = self.config
         b, t = tokens_bt.shape
@@ -316,10 +329,11 @@ class Transformer(nnx.Module):
                 raise ValueError(f"replay_lbtk has shape {tuple(replay_lbtk.shape)}; this model "
                                  f"and batch need {expected} (MoE layers, batch, time, k)")
 
-        x_btd = self.embed_tokens(tokens_bt)
+        if x_btd is None:
+            x_btd = self.embed_tokens(tokens_bt)
         layer = functools.partial(
             _layer, c=c, mesh=self.mesh, rope=rope_tables(c), q_pos_bt=positions_bt,
-            q_seg_bt=segment_ids_bt, start=start)
+            q_seg_bt=segment_ids_bt, start=start, rope_pos=rope_positions_3bt)
         if cache is None:
             kw = dict(kv_pos_bs=positions_bt, kv_seg_bs=segment_ids_bt)
         else:
@@ -407,12 +421,13 @@ def _remat(policy: str, fn):
 
 
 def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_pos_bs,
-           kv_seg_bs, start, is_moe=False, replay_btk=None):
+           kv_seg_bs, start, is_moe=False, replay_btk=None, rope_pos=None):
     """One pre-norm decoder layer: (x, kv, MoE routing statistics or None). `kv`: None, or
     (k cache, v cache, l) with this layer's cache slices (l None) or every layer's stacked
     cache and this layer's index l."""
     w = cast_layer(p, c)
-    q_bthe, k_btke, v_btke = layer_qkv(w, x_btd, q_pos_bt, c=c, rope=rope, mesh=mesh)
+    q_bthe, k_btke, v_btke = layer_qkv(w, x_btd, q_pos_bt if rope_pos is None else rope_pos,
+                                       c=c, rope=rope, mesh=mesh)
     if kv is None:
         k_bske, v_bske = k_btke, v_btke
     else:
@@ -444,7 +459,8 @@ def cast_layer(p, c: ModelConfig) -> dict:
 
 def layer_qkv(w, x_btd, pos_bt, *, c: ModelConfig, rope, mesh=None):
     """The first half of a layer (`w` from `cast_layer`): queries [b, t, h, e], keys and
-    values [b, t, k, e] after the norm, biases, q/k norms and RoPE. The rollout engine
+    values [b, t, k, e] after the norm, biases, q/k norms and RoPE (`pos_bt` [b, t], or
+    [3, b, t] M-RoPE positions with config.mrope_section). The rollout engine
     (ptrain/generate/kv_slots.py) calls it with its own cache and attention."""
     h_btd = rms_norm(x_btd, w["attn_norm"], c.rms_eps)
     q_bthe = projection.dense(h_btd, w["wq"], mesh=mesh)
@@ -507,8 +523,9 @@ def rms_norm(x, weight, eps: float):
     return weight * x32.astype(x.dtype)
 
 
-def rope_tables(c: ModelConfig) -> tuple[np.ndarray, float]:
-    """Inverse frequencies [e/2] and the cos/sin scale, for the config's RoPE scaling.
+def rope_tables(c: ModelConfig) -> tuple[np.ndarray, float, tuple[int, ...]]:
+    """Inverse frequencies [e/2], the cos/sin scale and the M-RoPE sections, for the config's
+    RoPE scaling.
 
     Follows the published recipes (and Hugging Face's `modeling_rope_utils`): Llama 3.1's
     wavelength-banded rescaling and YaRN's ramp between interpolation and extrapolation.
@@ -531,7 +548,7 @@ def rope_tables(c: ModelConfig) -> tuple[np.ndarray, float]:
         inv_freq = np.where(medium, smoothed, scaled)
     elif c.rope_type == "yarn":
         inv_freq, scale = _yarn(c, inv_freq)
-    return inv_freq.astype(np.float32), float(scale)
+    return inv_freq.astype(np.float32), float(scale), c.mrope_section
 
 
 def _yarn(c: ModelConfig, inv_freq):
@@ -563,9 +580,19 @@ def _yarn(c: ModelConfig, inv_freq):
     return inv_freq, scale
 
 
-def apply_rope(x_bthe, positions_bt, inv_freq: np.ndarray, scale: float):
-    """Rotate the two halves of each head (the Llama/Qwen "rotate_half" convention)."""
-    angles_bte = positions_bt[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+def apply_rope(x_bthe, positions_bt, inv_freq: np.ndarray, scale: float, sections=()):
+    """Rotate the two halves of each head (the Llama/Qwen "rotate_half" convention).
+
+    With M-RoPE `sections` (t, h, w), `positions_bt` may be [3, b, t]: frequency j turns with
+    the position of the section it falls in (Qwen2-VL's temporal / height / width split); a
+    [b, t] array is text, the same position in all three."""
+    if sections:
+        which_e = np.repeat(np.arange(3), sections)  # the section of each frequency
+        positions_3bt = jnp.broadcast_to(positions_bt, (3,) + positions_bt.shape[-2:])
+        positions_bte = jnp.moveaxis(positions_3bt[which_e], 0, -1)
+        angles_bte = positions_bte.astype(jnp.float32) * jnp.asarray(inv_freq)
+    else:
+        angles_bte = positions_bt[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
     cos = (jnp.cos(angles_bte) * scale)[:, :, None, :]
     sin = (jnp.sin(angles_bte) * scale)[:, :, None, :]
     x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)

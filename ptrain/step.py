@@ -39,6 +39,7 @@ from ptrain import moe
 from ptrain import sharding
 from ptrain.config import StepSettings
 from ptrain.generate.prefill import prefill_shared
+from ptrain.vision import vl
 
 
 # ================================================================================ optimizer
@@ -130,13 +131,15 @@ def _continuation_hidden(model, batch, group_size, *, replay=False):
     replay_prompt = replay_tokens = None
     if replay:
         replay_prompt, replay_tokens = _recorded_routing(model.config, batch, group_size)
+    positions_bn = batch["prompt_lens_b"][:, None] + jnp.arange(n)[None, :]
+    # A VLModel's image prompts (the batch's vision_* arrays): features merged, M-RoPE.
+    prompt_kw, continuation_kw = vl.learner_inputs(model, batch, group_size, positions_bn)
     h_gd, cache, prompt_routing = prefill_shared(
         model, batch["prompt_bp"][::group_size], batch["prompt_lens_b"][::group_size],
-        repeats=group_size, extra_slots=n, replay_lbtk=replay_prompt)
+        repeats=group_size, extra_slots=n, replay_lbtk=replay_prompt, **prompt_kw)
     valid_bn = (jnp.arange(n)[None, :] < lengths_b[:, None]).astype(jnp.int32)
-    positions_bn = batch["prompt_lens_b"][:, None] + jnp.arange(n)[None, :]
     h_bnd, _, routing = model.forward(tokens_bn, positions_bn, valid_bn, cache,
-                                      replay_lbtk=replay_tokens)
+                                      replay_lbtk=replay_tokens, **continuation_kw)
     return h_gd, h_bnd, (prompt_routing, routing)
 
 

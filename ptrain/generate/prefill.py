@@ -21,17 +21,20 @@ def left_padded(lengths_b, t):
     return segment_ids_bt, jnp.maximum(jnp.cumsum(segment_ids_bt, axis=1) - 1, 0)
 
 
-def prefill_shared(model, prompt_bt, lengths_b, *, repeats, extra_slots, replay_lbtk=None):
+def prefill_shared(model, prompt_bt, lengths_b, *, repeats, extra_slots, replay_lbtk=None,
+                   **forward_kw):
     """Runs each prompt once and returns (final hidden state of each prompt [b, d], the cache
     repeated `repeats` times with `extra_slots` empty slots appended, the prompts' MoE
     `Routing` or None): row i's copies are rows i*repeats .. i*repeats+repeats-1. The sampler
     continues the copies with samples; the learner with the samples' tokens, differentiating
-    through the repeat. `replay_lbtk`: experts to route the prompt tokens to (`model.forward`)."""
+    through the repeat. `replay_lbtk`: experts to route the prompt tokens to (`model.forward`);
+    `forward_kw`: the rest of `model.forward`'s options (a VL prompt's merged embeddings and
+    M-RoPE positions)."""
     b, t = prompt_bt.shape
     segment_ids_bt, positions_bt = left_padded(lengths_b, t)
     cache = model_lib.init_cache(model.config, b, t)
     h_btd, cache, routing = model.forward(prompt_bt, positions_bt, segment_ids_bt, cache,
-                                          replay_lbtk=replay_lbtk)
+                                          replay_lbtk=replay_lbtk, **forward_kw)
 
     def grow(x, axis):  # repeat rows, then append empty slots
         x = jnp.repeat(x, repeats, axis=axis)

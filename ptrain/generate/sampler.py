@@ -22,6 +22,12 @@ A mixture-of-experts model's routing is recorded (`record_routing`, on by defaul
 the experts each prompt and each sampled token was sent to in every MoE layer, which the
 learner replays in training (router replay, `rl.router_replay`) or compares its own routing
 with (`moe/router_agreement`).
+
+A vision-language model (`ptrain.vision.vl.VLModel`) samples from image prompts: `images[i]`
+holds prompt i's images (the processor's patches and grids); the prefill encodes each image
+once, writes its features at the prompt's placeholder tokens and runs the decoder with M-RoPE
+positions; the G samples share the prefill, and decoding continues each row at its last
+position + 1 (the rope delta, `ptrain.vision.positions`).
 """
 
 from __future__ import annotations
@@ -103,13 +109,14 @@ class Sampler:
     one process would make (a multi-turn rollout's later turns, an evaluation).
     """
 
-    def __init__(self, model: model_lib.Transformer, *, seed: int = 0, pad_id: int = 0,
+    def __init__(self, model, *, seed: int = 0, pad_id: int = 0,
                  decode: Callable[[Sequence[int]], str] | None = None,
                  stop_check_every: int = 16):
         if stop_check_every < 1:
             raise ValueError(f"stop_check_every must be >= 1, got {stop_check_every}")
         self.graphdef = nnx.graphdef(model)
         self.config: model_lib.ModelConfig = model.config
+        self.vl_config = getattr(model, "vl_config", None)  # a VLModel's
         self.mesh = model.mesh
         self.pad_id = int(pad_id)
         self.decode = decode
@@ -128,7 +135,7 @@ class Sampler:
                top_p: float = 1.0, greedy: bool = False, stop_token_ids: Sequence[int] = (),
                stop_strings: Sequence[str] = (), key=None, prompt_len: int | None = None,
                batch_size: int | None = None, record_routing: bool | None = None,
-               shared: bool = False) -> Samples:
+               shared: bool = False, images: Sequence | None = None) -> Samples:
         """Samples `num_samples` completions of every prompt (see the class docstring).
 
         key: a typed PRNG key for this call only (the sampler's own key is then left as is);
@@ -137,15 +144,18 @@ class Sampler:
           of two, at least 8 and 1) so that calls with similar shapes share one compilation.
         record_routing: record each token's experts (default: whether the model has experts).
         shared: the prompts are the same on every process (see the class docstring).
+        images: per prompt, (patches, grids) from `ptrain.vision.image_processing.preprocess`
+          or None (a VLModel only; one process).
         """
         shared = shared and jax.process_count() > 1
         settings = self._settings(temperature, top_k, top_p, greedy, stop_token_ids,
                                   stop_strings, max_new_tokens, num_samples)
         if key is None:
             self.key, key = jax.random.split(self.key)
-        if isinstance(params, model_lib.Transformer):
+        if isinstance(params, nnx.Module):
             params = nnx.state(params)
         tokens_bt, lengths_b = self._pad_prompts(prompts, prompt_len, batch_size, shared)
+        vision = self._vision(tokens_bt, lengths_b, images)
         rows = len(prompts) * num_samples  # this process's rows (all of them when shared)
         real_b = np.arange(len(tokens_bt)) < len(prompts)
         if shared:
@@ -160,7 +170,7 @@ class Sampler:
             record_routing = self.config.n_experts > 0
         if record_routing and not self.config.n_experts:
             raise ValueError("Sampler: record_routing needs a model with experts (n_experts > 0)")
-        carry = _prefill(params, tokens_bt, lengths_b, real_b, graphdef=self.graphdef,
+        carry = _prefill(params, tokens_bt, lengths_b, real_b, vision, graphdef=self.graphdef,
                          num_samples=num_samples, max_new_tokens=max_new_tokens,
                          record_routing=bool(record_routing))
         if not stop_strings:
@@ -253,6 +263,22 @@ class Sampler:
                 raise ValueError(f"Sampler: {message}")
         return _Settings(float(temperature), int(top_k), float(top_p), bool(greedy),
                          tuple(int(t) for t in stop_token_ids), self.pad_id)
+
+    def _vision(self, tokens_bt, lengths_b, images):
+        """The image prompts' device inputs (ptrain.vision.prompts.prepare), or None for a
+        text-only model."""
+        if self.vl_config is None:
+            if images is not None:
+                raise ValueError("Sampler: images given to a text-only model; load a "
+                                 "vision-language checkpoint (ptrain.vision.hf.load)")
+            return None
+        if jax.process_count() > 1:
+            raise NotImplementedError("Sampler: image prompts run on one process for now")
+        from ptrain.vision import prompts as vision_prompts
+        vision = vision_prompts.prepare(tokens_bt, lengths_b, images or [], self.vl_config,
+                                        left_pad=True)
+        del vision["positions_bt"]  # the prefill derives them from the lengths
+        return vision
 
     def _pad_prompts(self, prompts, prompt_len, batch_size, shared=False):
         """Left-padded prompts [rows, prompt_len] and their lengths; padding rows have length
@@ -353,12 +379,18 @@ def _constrain_rows(tree, mesh):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_samples", "max_new_tokens",
                                              "record_routing"))
-def _prefill(params, tokens_bt, lengths_b, real_b, *, graphdef, num_samples, max_new_tokens,
-             record_routing=False):
-    """Runs the prompts once and returns the decode loop's initial state, G rows per prompt."""
+def _prefill(params, tokens_bt, lengths_b, real_b, vision=None, *, graphdef, num_samples,
+             max_new_tokens, record_routing=False):
+    """Runs the prompts once and returns the decode loop's initial state, G rows per prompt.
+    `vision`: a VLModel's image inputs (Sampler._vision), each image encoded once here."""
     model = nnx.merge(graphdef, params)
+    extra = {}
+    if vision is not None:
+        features_bmd = model.image_features(vision["images"])
+        extra = dict(x_btd=model.embed(tokens_bt, features_bmd, vision["dest_bm"]),
+                     rope_positions_3bt=vision["rope_3bt"])
     h_bd, cache, routing = prefill_shared(model, tokens_bt, lengths_b, repeats=num_samples,
-                                          extra_slots=max_new_tokens)
+                                          extra_slots=max_new_tokens, **extra)
     logits_bv = jnp.einsum("bd,vd->bv", h_bd, model.unembedding_vd(),
                            preferred_element_type=jnp.float32)
 
@@ -379,6 +411,8 @@ def _prefill(params, tokens_bt, lengths_b, real_b, *, graphdef, num_samples, max
         "done_b": ~repeat(real_b),  # padding rows are done from the start
         "reason_b": jnp.zeros(rows, jnp.int32),
     }
+    if vision is not None:  # M-RoPE: a decoded token's rope position is its position + delta
+        carry["rope_delta_b"] = repeat(vision["delta_b"]).astype(jnp.int32)
     if record_routing:
         l, k = routing.experts_lbtk.shape[0], routing.experts_lbtk.shape[-1]
         carry["prompt_experts_bplk"] = jnp.moveaxis(routing.experts_lbtk, 0, 2).astype(
@@ -415,8 +449,11 @@ def _decode(params, carry, key, limit, *, graphdef, settings: _Settings):
         stopped_b = live_b & jnp.isin(tok_b, stop_ids)
         full_b = live_b & ~stopped_b & (i + 1 >= max_new)
         ones_b1 = jnp.ones((tok_b.shape[0], 1), jnp.int32)
+        rope = None
+        if "rope_delta_b" in c:
+            rope = (c["next_pos_b"] + c["rope_delta_b"])[:, None]
         h_b1d, cache, routing = model.forward(tok_b[:, None], c["next_pos_b"][:, None],
-                                              ones_b1, cache=c["cache"])
+                                              ones_b1, cache=c["cache"], rope_positions_3bt=rope)
         logits_bv = jnp.einsum("bd,vd->bv", h_b1d[:, 0], model.unembedding_vd(),
                                preferred_element_type=jnp.float32)
         logits_bv = sharding.constrain(logits_bv, ("batch", "vocab"), model.mesh)
@@ -433,6 +470,8 @@ def _decode(params, carry, key, limit, *, graphdef, settings: _Settings):
             "done_b": done_b | stopped_b | full_b,
             "reason_b": jnp.where(stopped_b, _STOP, jnp.where(full_b, _LENGTH, c["reason_b"])),
         }
+        if "rope_delta_b" in c:
+            new["rope_delta_b"] = c["rope_delta_b"]
         if "experts_bnlk" in c:  # token i's experts, from the forward that consumed it
             e_blk = jnp.where(live_b[:, None, None], jnp.moveaxis(routing.experts_lbtk[:, :, 0],
                                                                   0, 1), 0)
