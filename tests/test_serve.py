@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ptrain import chat, hf, rollout, serve, tasks  # noqa: E402
+from ptrain import chat, hf, rewards, rollout, serve, tasks  # noqa: E402
 from ptrain.generate.engine import Engine, Request  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {
@@ -256,28 +256,44 @@ def test_a_rewritten_history_is_recorded_and_reprefilled_or_dropped(served):
     assert serve.training_segments(dropped) == []
 
 
-def test_recorded_episodes_become_the_rollout_batch(served):
+def _agent(client, messages, tools, max_turns=3):
+    """A scripted OpenAI-client agent: calls the model, runs its `add` calls, sends the
+    results back, until the model answers without a call. Returns (answer, messages)."""
+    messages = list(messages)
+    for turn in range(max_turns):
+        m = client.chat.completions.create(model="ptrain", messages=messages, tools=tools,
+                                           seed=SEED).choices[0].message
+        messages.append(m.model_dump(exclude_none=True))
+        if not m.tool_calls:
+            return m.content, messages
+        for call in m.tool_calls:
+            args = json.loads(call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": str(args["a"] + args["b"])})
+    return None, messages
+
+
+def test_an_agent_episode_end_to_end_becomes_the_rollout_batch(served):
     s = served
-    eid = _episode(s)
-    client = _client(s, eid)
-    r = client.chat.completions.create(model="ptrain", messages=QUESTION, tools=TOOLS,
-                                       seed=SEED)
-    client.chat.completions.create(
-        model="ptrain", tools=TOOLS,
-        messages=QUESTION + [r.choices[0].message.model_dump(exclude_none=True), s.result])
+    eid = _episode(s, metadata={"task": "add"})
+    answer, messages = _agent(_client(s, eid), QUESTION, TOOLS, max_turns=2)
+    assert messages[2]["content"] == "5"  # the agent ran the model's call
     assert s.service.close_episode(eid)["closed"]
     [closed] = s.service.take_closed()
     assert closed.id == eid and eid not in s.service.episodes
     task = tasks.Task(id="add", domain="math", verifier=tasks.Answer("5"), messages=QUESTION)
     [episode] = serve.training_episodes(closed, task, group_id=3)
+    episode.answers.append(answer or "")
+    episode.verdicts.append(rewards.check_answer(task.verifier, answer or ""))
     batch = rollout.to_batch([episode], rollout.RolloutConfig(), prompt_len=512, length=128)
-    ref, n = s.ref_chat, len(s.prompt)
+    ref, n = s.ref_chat, len(s.prompt)  # the engine's own two-turn episode
     rest = len(ref.tokens) - n
     assert batch.prompt_lens_b.tolist() == [n] and batch.group_ids_b.tolist() == [3]
     assert batch.tokens_bn[0, :rest].tolist() == ref.tokens[n:]
     assert batch.loss_mask_bn[0, :rest].tolist() == ref.mask[n:]
     np.testing.assert_allclose(batch.rollout_logp_bn[0, :rest], ref.logp_temp[n:], atol=1e-5)
     assert batch.versions_bn[0, :rest].tolist() == [0 if m else -1 for m in ref.mask[n:]]
+    assert batch.rewards_b.tolist() == [episode.verdicts[0].reward]
 
 
 def test_bad_requests_get_clear_http_errors_and_touch_no_other_episode(served):
@@ -308,3 +324,49 @@ def test_bad_requests_get_clear_http_errors_and_touch_no_other_episode(served):
     assert many.value.status_code == 413
     episode = s.service.episode(eid)
     assert episode.segments == [] and episode.mismatches == []
+
+
+def test_an_evicted_episode_is_prefilled_again_and_its_record_goes_on(served):
+    s = served
+    first = _episode(s)
+    client = _client(s, first)
+    r = client.chat.completions.create(model="ptrain", messages=QUESTION, tools=TOOLS,
+                                       seed=SEED)
+    for _ in range(s.engine.slots):  # newer episodes take the slots; the oldest idle goes
+        _client(s, _episode(s)).completions.create(model="ptrain", prompt=TEXT, max_tokens=2)
+    held = list(s.service.episode(first).segments[0].tokens)
+    before = s.engine.tallies["prefill_tokens"]
+    r2 = client.chat.completions.create(
+        model="ptrain", tools=TOOLS,
+        messages=QUESTION + [r.choices[0].message.model_dump(exclude_none=True), s.result])
+    episode = s.service.episode(first)
+    seg, = episode.segments
+    delta = r2.model_extra["prompt_token_ids"]
+    assert episode.reprefills == 1 and s.service.runner.evictions >= 1
+    assert seg.tokens[:len(held)] == held and delta == s.whole[len(held):]
+    assert s.engine.tallies["prefill_tokens"] - before == len(held) + len(delta)
+    assert seg.tokens[len(held) + len(delta):] == r2.choices[0].model_extra["token_ids"]
+    assert seg.mask == [0] * len(s.prompt) + [1] * (len(held) - len(s.prompt)) \
+        + [0] * len(delta) + [1] * len(r2.choices[0].model_extra["token_ids"])
+
+
+def test_published_weights_sample_the_next_turn_with_their_version(served):
+    """(Last: the server's policy version stays 1 after it.)"""
+    s = served
+    eid = _episode(s)
+    client = _client(s, eid)
+    r = client.chat.completions.create(model="ptrain", messages=QUESTION, tools=TOOLS,
+                                       seed=SEED)
+    assert r.model_extra["policy_version"] == 0
+    s.service.runner.publish(1, s.params)
+    r2 = client.chat.completions.create(
+        model="ptrain", tools=TOOLS,
+        messages=QUESTION + [r.choices[0].message.model_dump(exclude_none=True), s.result])
+    assert r2.model_extra["policy_version"] == 1
+    seg, = s.service.episode(eid).segments
+    n1 = len(s.prompt) + len(r.choices[0].model_extra["token_ids"])
+    second = r2.choices[0].model_extra["token_ids"]
+    assert seg.versions[len(s.prompt):n1] == [0] * (n1 - len(s.prompt))
+    assert seg.versions[-len(second):] == [1] * len(second)
+    # same weights, recomputed cache: the engine's own second turn, token for token
+    assert second == s.ref_chat.turns[1]

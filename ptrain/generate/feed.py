@@ -33,6 +33,12 @@ class Feed:
             self._closed = True
             self._signal()
 
+    def wake(self) -> None:
+        """Wakes a scheduler waiting for requests, to act on something else (new weights
+        published to its switch: the swap falls at the top of its next round)."""
+        with self._lock:
+            self._signal()
+
     def take(self) -> list:
         with self._lock:
             items, self._items = self._items, []

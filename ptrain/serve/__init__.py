@@ -8,7 +8,7 @@ training rows (episodes.py).
 
 from ptrain.serve.episodes import Episode, Segment, training_episodes, training_segments
 from ptrain.serve.http import make_server, serve
-from ptrain.serve.service import ApiError, ServeConfig, Service
+from ptrain.serve.service import ApiError, ServeConfig, Service, from_model_dir
 
-__all__ = ["ApiError", "Episode", "Segment", "ServeConfig", "Service", "make_server", "serve",
-           "training_episodes", "training_segments"]
+__all__ = ["ApiError", "Episode", "Segment", "ServeConfig", "Service", "from_model_dir",
+           "make_server", "serve", "training_episodes", "training_segments"]

@@ -129,6 +129,18 @@ class Sequence:
             return self._actions.get_nowait()
 
 
+@dataclasses.dataclass
+class _Live(interrupt.Live):
+    """The generation's weights; `swapped` is notified when a swap advances them."""
+
+    swapped: threading.Condition = dataclasses.field(default_factory=threading.Condition)
+
+    def advance(self, version: int, params) -> None:
+        with self.swapped:
+            super().advance(version, params)
+            self.swapped.notify_all()
+
+
 class Runner:
     """The engine loop in a thread (see the module docstring). `params`: what the engine
     decodes (None with the engine's own decode copy, `Engine.sync_weights`)."""
@@ -138,7 +150,7 @@ class Runner:
         self.engine, self.idle_timeout_s = engine, float(idle_timeout_s)
         self.feed = Feed()
         self.switch = interrupt.Switch(every=swap_every)
-        self.live = interrupt.Live(params, int(version), self.switch)
+        self.live = _Live(params, int(version), self.switch)
         self.evictions = 0
         self.error: BaseException | None = None
         self._sequences = set()
@@ -151,9 +163,18 @@ class Runner:
     def version(self) -> int:
         return self.live.version
 
-    def publish(self, version: int, params) -> None:
-        """Newer weights: the generation switches to them at its next decode round."""
+    def publish(self, version: int, params, *, wait: bool = True,
+                timeout_s: float | None = None) -> None:
+        """Newer weights: the generation switches to them at its next decode round (the
+        caches it holds recomputed); `wait`: returns once it has."""
         self.switch.publish(version, params)
+        self.feed.wake()
+        if wait:
+            with self.live.swapped:
+                if not self.live.swapped.wait_for(
+                        lambda: self.live.version >= version or self.error is not None,
+                        timeout_s):
+                    raise TimeoutError(f"version {version} was not taken within {timeout_s} s")
 
     def check(self, prompt, max_len: int) -> None:
         """What the engine would refuse, refused here (ValueError) before it joins."""
@@ -209,6 +230,8 @@ class Runner:
                        feed=self.feed)
         except BaseException as err:  # noqa: BLE001 - every waiting client is told
             self.error = err
+            with self.live.swapped:
+                self.live.swapped.notify_all()
             with self._lock:
                 sequences = list(self._sequences)
             for seq in sequences:

@@ -458,3 +458,28 @@ def _check_fields(body: Mapping, allowed: set, path: str) -> None:
     if unknown:
         raise ApiError(400, f"unknown field(s) {unknown} for {path}; this server takes "
                             f"{', '.join(sorted(allowed))}")
+
+
+def from_model_dir(path: str, config: ServeConfig = ServeConfig(), *, slots: int = 16,
+                   max_len: int = 4096, max_new_tokens: int = 1024, temperature: float = 1.0,
+                   top_k: int = 0, top_p: float = 1.0, decode_dtype: str | None = None
+                   ) -> Service:
+    """A Service over a Hugging Face model directory (weights, tokenizer, chat template):
+    its turns stop at the chat format's end of turn and the directory's eos ids."""
+    from ptrain import hf
+    from ptrain.generate.engine import Engine
+    from flax import nnx
+    model, model_config = hf.load(path)
+    tokenizer = hf.load_tokenizer(path)
+    fmt = chat.get(config.chat_format)
+    chat.check_vocab(tokenizer, model_config.vocab_size)
+    stop = chat.stop_ids(fmt, tokenizer, eos_sources=hf.eos_token_ids(path),
+                         vocab_size=model_config.vocab_size)
+    engine = Engine(model, slots=slots, max_len=max_len, max_new_tokens=max_new_tokens,
+                    temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop,
+                    decode_dtype=decode_dtype)
+    params = nnx.state(model)
+    if decode_dtype:
+        engine.sync_weights(params)
+        params = None
+    return Service(engine, params, tokenizer, config)
