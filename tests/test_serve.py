@@ -130,6 +130,19 @@ def _episode(s, **kw):
     return s.service.open_episode(kw)["id"]
 
 
+def _ask(client):
+    """The episode's first turn: the question, with the tools (the memorised call)."""
+    return client.chat.completions.create(model="ptrain", messages=QUESTION, tools=TOOLS,
+                                          seed=SEED)
+
+
+def _answer_call(s, client, r):
+    """The next turn: the model's message echoed back by the client, the tool's result."""
+    return client.chat.completions.create(
+        model="ptrain", tools=TOOLS,
+        messages=QUESTION + [r.choices[0].message.model_dump(exclude_none=True), s.result])
+
+
 def test_chat_turn_with_a_tool_call_is_the_engines_sampling_and_recorded_token_for_token(served):
     s = served
     eid = _episode(s)
@@ -157,12 +170,9 @@ def test_a_continuation_prefills_only_the_new_messages_and_samples_as_the_engine
     s = served
     eid = _episode(s)
     client = _client(s, eid)
-    r = client.chat.completions.create(model="ptrain", messages=QUESTION, tools=TOOLS,
-                                       seed=SEED)
-    echoed = r.choices[0].message.model_dump(exclude_none=True)  # the client's own echo
+    r = _ask(client)
     before = s.engine.tallies["prefill_tokens"]
-    r2 = client.chat.completions.create(model="ptrain", tools=TOOLS,
-                                        messages=QUESTION + [echoed, s.result])
+    r2 = _answer_call(s, client, r)  # the client's own echo of the model's message
     ref = s.ref_chat
     held = len(s.prompt) + len(ref.turns[0])
     delta = s.whole[held:]
@@ -230,7 +240,7 @@ def test_a_rewritten_history_is_recorded_and_reprefilled_or_dropped(served):
     s = served
     eid = _episode(s)
     client = _client(s, eid)
-    client.chat.completions.create(model="ptrain", messages=QUESTION, tools=TOOLS, seed=SEED)
+    _ask(client)
     rewritten = dict(s.call_message, content="Let me add them.")
     messages = QUESTION + [rewritten, s.result]
     client.chat.completions.create(model="ptrain", messages=messages, tools=TOOLS)
@@ -246,7 +256,7 @@ def test_a_rewritten_history_is_recorded_and_reprefilled_or_dropped(served):
     assert sum(second.mask) == len(second.tokens) - len(prompt)
 
     drop = _client(s, _episode(s, on_rewrite="drop"))
-    drop.chat.completions.create(model="ptrain", messages=QUESTION, tools=TOOLS, seed=SEED)
+    _ask(drop)
     with pytest.raises(openai.ConflictError, match="drops episodes"):
         drop.chat.completions.create(model="ptrain", messages=messages, tools=TOOLS)
     with pytest.raises(openai.ConflictError, match="was dropped"):
@@ -330,15 +340,12 @@ def test_an_evicted_episode_is_prefilled_again_and_its_record_goes_on(served):
     s = served
     first = _episode(s)
     client = _client(s, first)
-    r = client.chat.completions.create(model="ptrain", messages=QUESTION, tools=TOOLS,
-                                       seed=SEED)
+    r = _ask(client)
     for _ in range(s.engine.slots):  # newer episodes take the slots; the oldest idle goes
         _client(s, _episode(s)).completions.create(model="ptrain", prompt=TEXT, max_tokens=2)
     held = list(s.service.episode(first).segments[0].tokens)
     before = s.engine.tallies["prefill_tokens"]
-    r2 = client.chat.completions.create(
-        model="ptrain", tools=TOOLS,
-        messages=QUESTION + [r.choices[0].message.model_dump(exclude_none=True), s.result])
+    r2 = _answer_call(s, client, r)
     episode = s.service.episode(first)
     seg, = episode.segments
     delta = r2.model_extra["prompt_token_ids"]
@@ -355,13 +362,10 @@ def test_published_weights_sample_the_next_turn_with_their_version(served):
     s = served
     eid = _episode(s)
     client = _client(s, eid)
-    r = client.chat.completions.create(model="ptrain", messages=QUESTION, tools=TOOLS,
-                                       seed=SEED)
+    r = _ask(client)
     assert r.model_extra["policy_version"] == 0
     s.service.runner.publish(1, s.params)
-    r2 = client.chat.completions.create(
-        model="ptrain", tools=TOOLS,
-        messages=QUESTION + [r.choices[0].message.model_dump(exclude_none=True), s.result])
+    r2 = _answer_call(s, client, r)
     assert r2.model_extra["policy_version"] == 1
     seg, = s.service.episode(eid).segments
     n1 = len(s.prompt) + len(r.choices[0].model_extra["token_ids"])

@@ -258,8 +258,8 @@ class Engine:
         """Runs every request to the end; trajectories come back request-major (request i's
         samples at i*G ... in order). live: the version of `params` and a switch that may
         bring newer ones mid-generation (ptrain/generate/interrupt.py). feed: requests that
-        join while it runs (ptrain/generate/feed.py); it returns once the feed is closed and
-        every sequence has ended."""
+        join while it runs (ptrain/generate/feed.py; their trajectories reach their on_turn
+        only); it returns once the feed is closed and every sequence has ended."""
         params = self.decode_params(params)
         run = _Run(self, params, requests, live, feed)
         return run.loop()
@@ -322,7 +322,9 @@ class _Run:
         self.tools = {}  # future -> (row, traj, request, submitted at)
         self.ready = []  # (row, traj, request, observation ids)
 
-    def _add(self, req):
+    def _add(self, req, keep: bool = True):
+        """keep: the trajectories are returned (a fed request's are not: its on_turn has them,
+        and a server's generation would hold every one it ever ran)."""
         engine, i = self.e, self.requests
         self.requests += 1
         prompt = [int(t) for t in req.prompt]
@@ -347,7 +349,8 @@ class _Run:
             t.add_unsampled(prompt)
             group.append((t, np.asarray(jax.random.key_data(jax.random.fold_in(
                 jax.random.wrap_key_data(key), g)), np.uint32)))
-            self.trajs.append(t)
+            if keep:
+                self.trajs.append(t)
         self.waiting.append((req, group))
 
     def loop(self):
@@ -355,7 +358,7 @@ class _Run:
         while self.waiting or self.live or self.tools or self.ready or (
                 self.feed is not None and not self.feed.done):
             for req in self.feed.take() if self.feed is not None else ():
-                self._add(req)
+                self._add(req, keep=False)
             new = self.switch and self.switch.poll(self.version, self.decodes)
             if new:  # a round boundary: the sequences go on with the new weights
                 interrupt.swap(self, *new)

@@ -1,6 +1,7 @@
 """Requests that arrive while an engine generation runs: `Engine.generate(params, [], feed=feed)`
-keeps running, admitting what is `put` into the feed as slots free, until the feed is
-closed and every sequence has ended (a server's engine loop: ptrain/serve/runner.py).
+keeps running, admitting what is `put` into the feed as slots free, until the feed is closed
+and every sequence has ended (a server's engine loop: ptrain/serve/runner.py). Fed requests
+have an `on_turn`, which gets their trajectories (the generation returns none of them).
 
 The scheduler takes new requests at each round; when it has nothing to decode it waits on
 the feed and on the tools together (`wakeup`), so a request that arrives while every

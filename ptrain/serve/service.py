@@ -57,7 +57,8 @@ class ServeConfig:
             (self.on_rewrite in ON_REWRITE, f"on_rewrite must be one of {ON_REWRITE}"),
             (self.sampling_params in SAMPLING_PARAMS,
              f"sampling_params must be one of {SAMPLING_PARAMS}"),
-            (self.chat_format in chat.FORMATS, f"chat_format must be one of {sorted(chat.FORMATS)}"),
+            (self.chat_format in chat.FORMATS,
+             f"chat_format must be one of {sorted(chat.FORMATS)}"),
             (min(self.max_request_bytes, self.max_messages, self.max_open_episodes) >= 1,
              "max_request_bytes, max_messages and max_open_episodes must be >= 1"),
             (self.idle_timeout_s > 0 and self.request_timeout_s > 0, "timeouts must be > 0"),
@@ -136,7 +137,8 @@ class Service:
             episode = Episode(eid, max_len, metadata=body.get("metadata", {}),
                               on_rewrite=on_rewrite)
             self.episodes[eid] = episode
-        return {"id": eid, "max_len": max_len, "on_rewrite": on_rewrite, "base_path": f"/episodes/{eid}/v1"}
+        return {"id": eid, "max_len": max_len, "on_rewrite": on_rewrite,
+                "base_path": f"/episodes/{eid}/v1"}
 
     def episode(self, eid: str) -> Episode:
         with self._lock:
@@ -171,7 +173,7 @@ class Service:
     # ------------------------------------------------------------------ requests
 
     def chat(self, eid: str, body: Mapping) -> dict:
-        """An OpenAI chat completion (non-streaming shape; `stream_chunks` makes the chunks)."""
+        """An OpenAI chat completion (its stream chunks: `http.chunks`)."""
         _check_fields(body, _CHAT_FIELDS, "/v1/chat/completions")
         if not self.fmt.uses_template:
             raise ApiError(400, f"the chat format {self.fmt.name!r} has no chat template: "
@@ -185,7 +187,7 @@ class Service:
             tools = msg.canonical_tools(body.get("tools"))
         except msg.BadMessages as e:
             raise ApiError(400, str(e)) from None
-        if body.get("tool_choice") not in (None, "auto", "none"):
+        if body.get("tool_choice") not in (None, "auto"):
             self._other_sampling("tool_choice", body["tool_choice"])
         if body.get("top_logprobs"):
             raise ApiError(400, "top_logprobs are not served (the engine keeps each sampled "
@@ -205,7 +207,12 @@ class Service:
             else:
                 if episode.segment is not None:
                     self._rewrite(episode, messages, tools, why)
-                prompt = msg.render_prompt(self.fmt, self.tokenizer, messages, tools)
+                import jinja2  # (the templates' engine, with the tokenizer's transformers)
+                try:
+                    prompt = msg.render_prompt(self.fmt, self.tokenizer, messages, tools)
+                except (jinja2.TemplateError, TypeError, ValueError) as e:
+                    raise ApiError(400, f"the model's chat template cannot render these "
+                                        f"messages: {e}") from None
                 turn = self._start(episode, prompt, max_tokens, body.get("seed"))
                 delta = prompt
             text = chat.turn_text(self.tokenizer, turn.ids, self.engine.settings.stop_token_ids)
