@@ -72,6 +72,9 @@ class _Handler(sandbox_server._Handler):
     service: Service
     token_env: str
     timeout = 600  # seconds a client may take to send its request
+    # Headers and body go out in separate writes: without this each answer waits out the
+    # client's delayed ACK (tens of ms a turn on loopback).
+    disable_nagle_algorithm = True
 
     def log_message(self, fmt, *args):
         log.debug("serve: " + fmt, *args)

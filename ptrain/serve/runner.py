@@ -146,10 +146,11 @@ class Runner:
     decodes (None with the engine's own decode copy, `Engine.sync_weights`)."""
 
     def __init__(self, engine: Engine, params, *, version: int = 0,
-                 idle_timeout_s: float = 120.0, swap_every: int = 16):
+                 idle_timeout_s: float = 120.0, swap_every: int | None = None):
         self.engine, self.idle_timeout_s = engine, float(idle_timeout_s)
         self.feed = Feed()
-        self.switch = interrupt.Switch(every=swap_every)
+        # (decode calls no shorter than a turn: a swap waits for the one in flight)
+        self.switch = interrupt.Switch(every=swap_every or engine.max_new_tokens)
         self.live = _Live(params, int(version), self.switch)
         self.evictions = 0
         self.error: BaseException | None = None
