@@ -41,6 +41,10 @@ class Segment:
         self.logp += [0.0] * len(ids)
         self.versions += [UNSAMPLED] * len(ids)
 
+    def truncate(self, n: int) -> None:
+        for name in ("tokens", "mask", "logp", "versions"):
+            del getattr(self, name)[n:]
+
     def add_turn(self, turn) -> None:
         """A model turn (`runner.Turn`), which must end where the engine's sequence does."""
         self.tokens += turn.ids

@@ -96,6 +96,8 @@ class _Handler(sandbox_server._Handler):
             body = self._read_json(length) if method == "POST" else {}
             self.close_connection = False
             if "episode_id" in body:
+                if not isinstance(body["episode_id"], str):
+                    raise ApiError(400, "episode_id must be a string")
                 if eid is not None and body["episode_id"] != eid:
                     raise ApiError(400, f"episode_id {body['episode_id']!r} contradicts the "
                                         f"request's episode {eid!r} (header or path)")

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from ptrain import chat
 
 ROLES = ("system", "user", "assistant", "tool")
-_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _HERMES_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
 
@@ -97,7 +97,7 @@ def canonical_tools(tools) -> list[dict]:
                 or not isinstance(fn, Mapping):
             raise BadMessages(f'tools[{i}]: a tool is {{"type": "function", "function": '
                               '{"name": ..., "description": ..., "parameters": {...}}}')
-        if not isinstance(fn.get("name"), str) or not _NAME.fullmatch(fn["name"]):
+        if not isinstance(fn.get("name"), str) or not NAME.fullmatch(fn["name"]):
             raise BadMessages(f"tools[{i}]: the function's name must be 1-64 of "
                               "A-Z a-z 0-9 _ . : -")
         params = fn.get("parameters", {"type": "object", "properties": {}})

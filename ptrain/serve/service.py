@@ -126,7 +126,7 @@ class Service:
         if not isinstance(body.get("metadata", {}), dict):
             raise ApiError(400, "metadata must be an object")
         eid = body.get("id") or secrets.token_hex(8)
-        if not isinstance(eid, str) or not msg._NAME.fullmatch(eid):
+        if not isinstance(eid, str) or not msg.NAME.fullmatch(eid):
             raise ApiError(400, "an episode id is 1-64 of A-Z a-z 0-9 _ . : -")
         with self._lock:
             if eid in self.episodes:
@@ -283,12 +283,9 @@ class Service:
         max_tokens = self._max_tokens(max_tokens, episode.max_len - len(prompt))
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ApiError(400, "seed must be an integer")
-        with self._lock:
-            self._sequences += 1
-            key = seed if seed is not None else self.config.seed * 1_000_003 + self._sequences
         try:
             episode.sequence = self.runner.start_sequence(
-                prompt, key=int(key) % (1 << 31), max_new_tokens=max_tokens,
+                prompt, key=self._key(seed), max_new_tokens=max_tokens,
                 max_len=episode.max_len)
         except ValueError as e:
             raise ApiError(400, f"the prompt does not fit the episode: {e}") from None
@@ -310,7 +307,7 @@ class Service:
         if len(delta) > self.engine.token_buckets[-1]:
             raise ApiError(413, f"the new messages are {len(delta)} tokens; the engine "
                                 f"appends at most {self.engine.token_buckets[-1]} at once")
-        seq = episode.sequence
+        seq, held = episode.sequence, len(seg.tokens)
         seg.add_unsampled(delta)
         try:
             if seq is None:
@@ -318,18 +315,23 @@ class Service:
             return self._record(episode, lambda: seq.extend(
                 delta, max_new_tokens=max_tokens, timeout_s=self.config.request_timeout_s))
         except Evicted:  # its slot was freed: the whole segment is prefilled again
-            episode.reprefills += 1
-            with self._lock:
-                self._sequences += 1
-                key = self.config.seed * 1_000_003 + self._sequences
             try:
                 episode.sequence = self.runner.start_sequence(
-                    seg.tokens, key=key % (1 << 31), max_new_tokens=max_tokens,
+                    seg.tokens, key=self._key(None), max_new_tokens=max_tokens,
                     max_len=episode.max_len)
             except ValueError as e:
+                seg.truncate(held)  # (the request did not happen)
                 raise ApiError(400, f"the episode does not fit the engine again: {e}") from None
+            episode.reprefills += 1
             return self._record(episode, lambda: episode.sequence.next_turn(
                 self.config.request_timeout_s))
+
+    def _key(self, seed) -> int:
+        """A new sequence's PRNG seed: the request's `seed`, else (config seed, a counter)."""
+        with self._lock:
+            self._sequences += 1
+            key = seed if seed is not None else self.config.seed * 1_000_003 + self._sequences
+        return int(key) % (1 << 31)
 
     def _record(self, episode: Episode, wait):
         try:
