@@ -26,6 +26,9 @@ from flax import nnx  # noqa: E402
 from ptrain import chat, hf, rewards, rollout, serve, tasks  # noqa: E402
 from ptrain.generate.engine import Engine, Request  # noqa: E402
 
+# One worker: the module's fixture (a model trained for the call, an engine) is built once.
+pytestmark = pytest.mark.xdist_group("serve")
+
 TOOLS = [{"type": "function", "function": {
     "name": "add", "description": "Add two integers.",
     "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
