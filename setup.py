@@ -37,6 +37,7 @@ EXTRAS["test"] = [
     "pytest-xdist>=3.5,<4",
     "pytest-timeout>=2.3,<3",
     "hypothesis>=6.100,<7",  # tests/test_sandbox_hardening.py fuzzes the server's parsing
+    "openai>=1.40,<3",  # tests/test_serve.py: the OpenAI client against ptrain/serve
     "torch==2.13.0",  # CPU wheel; a reference only, never imported by the libraries.
     "nbclient>=0.10,<1",
     "nbformat>=5.10,<6",

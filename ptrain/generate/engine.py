@@ -19,6 +19,9 @@ sequence's own cache (a prefill of just those tokens, never of the history) and 
 sequence decodes its next turn. While one sequence waits on its tool, the others decode;
 the time the device had nothing to do but wait on tools is reported.
 
+A server's generation never ends by itself: `generate(params, [], feed=feed)` admits the
+requests put into the feed while it runs (ptrain/generate/feed.py) until the feed is closed.
+
 Stop strings are checked on the host every `stop_check_every` tokens, on the text of the
 tokens since the last check (and a few before), never the whole completion; a sequence that
 went past one is truncated on the device.
@@ -47,6 +50,7 @@ from ptrain.generate import interrupt
 from ptrain.generate import kv_slots
 from ptrain.generate.buckets import bucket, buckets, prefill_chunks
 from ptrain.generate.decode_weights import decode_copy, mesh_of
+from ptrain.generate.feed import Feed
 
 FINISH = {kv_slots.STOP: "stop", kv_slots.LENGTH: "length"}  # and "max_len": the cache is full
 
@@ -249,12 +253,15 @@ class Engine:
     # ------------------------------------------------------------------ generation
 
     def generate(self, params, requests: Sequence[Request], *,
-                 live: interrupt.Live | None = None) -> list[Trajectory]:
+                 live: interrupt.Live | None = None,
+                 feed: Feed | None = None) -> list[Trajectory]:
         """Runs every request to the end; trajectories come back request-major (request i's
         samples at i*G ... in order). live: the version of `params` and a switch that may
-        bring newer ones mid-generation (ptrain/generate/interrupt.py)."""
+        bring newer ones mid-generation (ptrain/generate/interrupt.py). feed: requests that
+        join while it runs (ptrain/generate/feed.py; their trajectories reach their on_turn
+        only); it returns once the feed is closed and every sequence has ended."""
         params = self.decode_params(params)
-        run = _Run(self, params, requests, live)
+        run = _Run(self, params, requests, live, feed)
         return run.loop()
 
     def metrics(self) -> dict:
@@ -300,46 +307,58 @@ def _key_data(key) -> np.ndarray:
 class _Run:
     """One `generate` call: the host-side scheduler."""
 
-    def __init__(self, engine: Engine, params, requests, live=None):
+    def __init__(self, engine: Engine, params, requests, live=None, feed=None):
         self.e, self.params = engine, params
         self.version = live.version if live is not None else 0
         self.live_params = live  # (a swap advances it: the producer's next call starts there)
         self.switch, self.decodes = live and live.switch, 0  # decode rounds so far
         self.trajs, self.waiting = [], collections.deque()
-        for i, req in enumerate(requests):
-            prompt = [int(t) for t in req.prompt]
-            if not prompt:
-                raise ValueError(f"Engine: request {i} has an empty prompt")
-            if min(prompt) < 0 or max(prompt) >= engine.config.vocab_size:
-                raise ValueError(f"Engine: request {i} has token ids outside [0, vocab_size)")
-            cap = req.max_len or engine.max_len
-            if cap > engine.max_len:
-                raise ValueError(f"Engine: request {i}'s max_len={cap} exceeds the engine's "
-                                 f"max_len={engine.max_len}")
-            if len(prompt) >= cap or len(prompt) > engine.token_buckets[-1]:
-                raise ValueError(f"Engine: request {i}'s prompt ({len(prompt)} tokens) leaves no "
-                                 f"room in max_len={cap}")
-            if not 1 <= req.num_samples <= engine.slots:
-                raise ValueError(f"Engine: num_samples must be in [1, slots={engine.slots}]")
-            key = _key_data(req.key)
-            group = []
-            for g in range(req.num_samples):
-                t = Trajectory(request=i, sample=g, prompt_len=len(prompt),
-                               versions=[(len(prompt), self.version)])
-                t.add_unsampled(prompt)
-                group.append((t, np.asarray(jax.random.key_data(jax.random.fold_in(
-                    jax.random.wrap_key_data(key), g)), np.uint32)))
-                self.trajs.append(t)
-            self.waiting.append((req, group))
+        self.feed, self.requests = feed, 0  # feed: requests arriving while it runs
+        for req in requests:
+            self._add(req)
         self.free = list(range(engine.slots))[::-1]
         self.row_of = {}  # id(traj) -> row
         self.live = {}  # row -> (traj, request, turn start: (gen, count 0), checked)
         self.tools = {}  # future -> (row, traj, request, submitted at)
         self.ready = []  # (row, traj, request, observation ids)
 
+    def _add(self, req, keep: bool = True):
+        """keep: the trajectories are returned (a fed request's are not: its on_turn has them,
+        and a server's generation would hold every one it ever ran)."""
+        engine, i = self.e, self.requests
+        self.requests += 1
+        prompt = [int(t) for t in req.prompt]
+        if not prompt:
+            raise ValueError(f"Engine: request {i} has an empty prompt")
+        if min(prompt) < 0 or max(prompt) >= engine.config.vocab_size:
+            raise ValueError(f"Engine: request {i} has token ids outside [0, vocab_size)")
+        cap = req.max_len or engine.max_len
+        if cap > engine.max_len:
+            raise ValueError(f"Engine: request {i}'s max_len={cap} exceeds the engine's "
+                             f"max_len={engine.max_len}")
+        if len(prompt) >= cap or len(prompt) > engine.token_buckets[-1]:
+            raise ValueError(f"Engine: request {i}'s prompt ({len(prompt)} tokens) leaves no "
+                             f"room in max_len={cap}")
+        if not 1 <= req.num_samples <= engine.slots:
+            raise ValueError(f"Engine: num_samples must be in [1, slots={engine.slots}]")
+        key = _key_data(req.key)
+        group = []
+        for g in range(req.num_samples):
+            t = Trajectory(request=i, sample=g, prompt_len=len(prompt),
+                           versions=[(len(prompt), self.version)])
+            t.add_unsampled(prompt)
+            group.append((t, np.asarray(jax.random.key_data(jax.random.fold_in(
+                jax.random.wrap_key_data(key), g)), np.uint32)))
+            if keep:
+                self.trajs.append(t)
+        self.waiting.append((req, group))
+
     def loop(self):
         e = self.e
-        while self.waiting or self.live or self.tools or self.ready:
+        while self.waiting or self.live or self.tools or self.ready or (
+                self.feed is not None and not self.feed.done):
+            for req in self.feed.take() if self.feed is not None else ():
+                self._add(req, keep=False)
             new = self.switch and self.switch.poll(self.version, self.decodes)
             if new:  # a round boundary: the sequences go on with the new weights
                 interrupt.swap(self, *new)
@@ -483,15 +502,17 @@ class _Run:
 
     # -- tools: observations come back in any order; each is appended to its own slot
     def _collect_tools(self, block: bool):
-        if not self.tools:
+        # with a feed, nothing to decode: wait for a tool or a new request, whichever is first
+        wake = (self.feed.wakeup() if block and not self.waiting and self.feed is not None
+                and not self.feed.closed else None)
+        if not self.tools and wake is None:
             return
         start = time.perf_counter()
         if block:
-            done, _ = concurrent.futures.wait(self.tools,
-                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            concurrent.futures.wait([*self.tools, *([wake] if wake else [])],
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
             self.e.tallies["tool_wait_s"] += time.perf_counter() - start
-        else:
-            done = [f for f in self.tools if f.done()]
+        done = [f for f in self.tools if f.done()]
         for future in done:
             row, traj, req, submitted = self.tools.pop(future)
             traj.tool_wait_s += time.perf_counter() - submitted

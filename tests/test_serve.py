@@ -1,0 +1,379 @@
+"""The OpenAI-compatible endpoint (ptrain/serve/) driven by the `openai` client on loopback: what
+it records equals the engine's own sampling of the same prompt (and, for a multi-turn
+episode, the tokenizer's chat template of the whole conversation), a continuation reuses
+the episode's cache, a rewritten history is recorded and handled per episode, bad input is
+refused, and the recorded episodes become the rollout batch builder's rows.
+
+The model is the tiny Qwen2.5 fixture (tests/hf_fixtures.py: its real chat template), trained
+here for a few seconds to answer one prompt with one tool call, so that a turn with a call
+comes from the engine's sampling, not from a stub."""
+
+import copy
+import json
+import threading
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai", reason="pip install '.[test]'")
+pytest.importorskip("transformers", reason="pip install '.[test]'")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from ptrain import chat, hf, rewards, rollout, serve, tasks  # noqa: E402
+from ptrain.generate.engine import Engine, Request  # noqa: E402
+
+# One worker: the module's fixture (a model trained for the call, an engine) is built once.
+pytestmark = pytest.mark.xdist_group("serve")
+
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}}}}}]
+QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
+CALL = chat.ToolCall("add", {"a": 2, "b": 3})
+SEED, TEXT_SEED = 5, 9
+TEXT = "def add(a, b):\n"
+
+
+def _template(tok, messages, tools=TOOLS):
+    """The tokenizer's own rendering of a conversation (the reference for every prompt)."""
+    whole = copy.deepcopy(list(messages))
+    for m in whole:
+        for call in m.get("tool_calls", ()):
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    return chat.encode(tok, tok.apply_chat_template(whole, tools=tools, tokenize=False,
+                                                    add_generation_prompt=True))
+
+
+def _memorise(model, prompt, target, steps=120):
+    """Trains the model's parameters to answer `prompt` with `target` (teacher forcing)."""
+    graphdef, params = nnx.split(model)
+    seq = jnp.asarray([prompt + target], jnp.int32)
+
+    def loss(p):
+        logits = nnx.merge(graphdef, p)(seq[:, :-1]).astype(jnp.float32)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), seq[:, 1:, None], -1)[..., 0]
+        return nll[:, len(prompt) - 1:].mean()
+
+    tx = optax.adam(1e-2)
+
+    @jax.jit
+    def step(p, o):
+        value, g = jax.value_and_grad(loss)(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, value
+
+    opt = tx.init(params)
+    for _ in range(steps):
+        params, opt, value = step(params, opt)
+    return params
+
+
+class _Served:
+    pass
+
+
+@pytest.fixture(scope="module")
+def served(hf_dir):
+    s = _Served()
+    path = hf_dir("qwen2.5-instruct")
+    s.tok = tok = hf.load_tokenizer(path)
+    model, _ = hf.load(path)
+    s.prompt = _template(tok, QUESTION)
+    eot = chat.end_of_turn_ids(chat.QWEN, tok)[0]
+    s.params = params = _memorise(model, s.prompt,
+                                  chat.encode(tok, chat.format_turn(chat.QWEN, calls=[CALL]))
+                                  + [eot])
+    stop = chat.stop_ids(chat.QWEN, tok, eos_sources=hf.eos_token_ids(path))
+    s.engine = engine = Engine(model, slots=2, max_len=512, max_new_tokens=32,
+                               token_buckets=(64, 512), prefill_rows=1, stop_token_ids=stop)
+
+    # The engine's own sampling, before the server holds it: a two-turn episode whose
+    # observation is the template's rendering of the tool's result, and a text completion.
+    s.call_message = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c0", "type": "function",
+         "function": {"name": "add", "arguments": json.dumps(CALL.arguments)}}]}
+    s.result = {"role": "tool", "tool_call_id": "c0", "content": "5"}
+
+    def on_turn(traj):
+        if len(traj.turns) > 1:
+            return None
+        s.whole = _template(tok, QUESTION + [s.call_message, s.result])
+        return s.whole[len(traj.tokens):]
+
+    s.ref_chat, = engine.generate(params, [Request(s.prompt, key=SEED, on_turn=on_turn)])
+    s.ref_text, = engine.generate(params, [Request(chat.encode(tok, TEXT), key=TEXT_SEED,
+                                                   max_new_tokens=16)])
+    assert chat.parse_tool_calls(chat.QWEN, chat.turn_text(tok, s.ref_chat.turns[0], stop)) \
+        == [CALL], "the memorised model should answer with the call"
+
+    s.service = serve.Service(engine, params, tok, serve.ServeConfig(
+        max_request_bytes=64 << 10, max_messages=16))
+    s.server = serve.make_server(s.service)
+    thread = threading.Thread(target=s.server.serve_forever, daemon=True)
+    thread.start()
+    s.url = f"http://127.0.0.1:{s.server.server_address[1]}"
+    yield s
+    s.server.shutdown()
+    s.server.server_close()
+    s.service.close()
+    thread.join()
+
+
+def _client(s, episode=None, token=None, **kw):
+    base = f"{s.url}/episodes/{episode}/v1" if episode else f"{s.url}/v1"
+    return openai.OpenAI(base_url=base, api_key=token or s.server.token, max_retries=0, **kw)
+
+
+def _episode(s, **kw):
+    return s.service.open_episode(kw)["id"]
+
+
+def _ask(client):
+    """The episode's first turn: the question, with the tools (the memorised call)."""
+    return client.chat.completions.create(model="ptrain", messages=QUESTION, tools=TOOLS,
+                                          seed=SEED)
+
+
+def _answer_call(s, client, r):
+    """The next turn: the model's message echoed back by the client, the tool's result."""
+    return client.chat.completions.create(
+        model="ptrain", tools=TOOLS,
+        messages=QUESTION + [r.choices[0].message.model_dump(exclude_none=True), s.result])
+
+
+def test_chat_turn_with_a_tool_call_is_the_engines_sampling_and_recorded_token_for_token(served):
+    s = served
+    eid = _episode(s)
+    r = _client(s, eid).chat.completions.create(model="ptrain", messages=QUESTION, tools=TOOLS,
+                                                seed=SEED, logprobs=True)
+    choice, ref = r.choices[0], s.ref_chat
+    first = ref.turns[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (CALL.name,
+                                                                         CALL.arguments)
+    assert choice.model_extra["token_ids"] == first
+    assert r.model_extra["prompt_token_ids"] == s.prompt
+    n = len(s.prompt)
+    np.testing.assert_allclose([t.logprob for t in choice.logprobs.content],
+                               ref.logp_temp[n:n + len(first)], atol=1e-5)
+    seg = s.service.episode(eid).segments[0]
+    assert seg.tokens == ref.tokens[:n + len(first)]
+    assert seg.mask == [0] * n + [1] * len(first)
+    assert seg.versions == [-1] * n + [0] * len(first)
+    np.testing.assert_allclose(seg.logp, ref.logp_temp[:n + len(first)], atol=1e-5)
+
+
+def test_a_continuation_prefills_only_the_new_messages_and_samples_as_the_engine(served):
+    s = served
+    eid = _episode(s)
+    client = _client(s, eid)
+    r = _ask(client)
+    before = s.engine.tallies["prefill_tokens"]
+    r2 = _answer_call(s, client, r)  # the client's own echo of the model's message
+    ref = s.ref_chat
+    held = len(s.prompt) + len(ref.turns[0])
+    delta = s.whole[held:]
+    assert r2.model_extra["prompt_token_ids"] == delta
+    assert s.engine.tallies["prefill_tokens"] - before == len(delta)  # not the history
+    assert r2.choices[0].model_extra["token_ids"] == ref.turns[1]
+    seg, = s.service.episode(eid).segments
+    assert seg.tokens == ref.tokens  # the template's conversation + the engine's 2nd turn
+    assert seg.tokens[:len(s.whole)] == s.whole
+    assert seg.mask == ref.mask
+    np.testing.assert_allclose(seg.logp, ref.logp_temp, atol=1e-5)
+
+
+def test_streamed_chat_and_completion_carry_the_same_turn(served):
+    s = served
+    stream = _client(s, _episode(s)).chat.completions.create(
+        model="ptrain", messages=QUESTION, tools=TOOLS, seed=SEED, stream=True,
+        stream_options={"include_usage": True})
+    calls, finish, usage = {}, None, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for call in c.delta.tool_calls or ():
+                calls.setdefault(call.index, [call.function.name, ""])
+                calls[call.index][1] += call.function.arguments or ""
+    assert [(n, json.loads(a)) for n, a in calls.values()] == [(CALL.name, CALL.arguments)]
+    assert finish == "tool_calls"
+    assert usage.completion_tokens == len(s.ref_chat.turns[0])
+    text = "".join(c.choices[0].text for c in _client(s).completions.create(
+        model="ptrain", prompt=TEXT, max_tokens=16, seed=TEXT_SEED, stream=True,
+        extra_headers={"X-Episode-Id": _episode(s)}) if c.choices)
+    assert text == chat.verifier_text(s.tok, s.ref_text.turns[0],
+                                      s.engine.settings.stop_token_ids)
+
+
+def test_text_completion_is_the_engines_and_a_longer_prompt_continues_its_cache(served):
+    s = served
+    eid = _episode(s)
+    client = _client(s, eid)
+    r = client.completions.create(model="ptrain", prompt=TEXT, max_tokens=16, seed=TEXT_SEED,
+                                  logprobs=0)
+    ref = s.ref_text
+    n = ref.prompt_len
+    assert r.choices[0].model_extra["token_ids"] == ref.turns[0]
+    np.testing.assert_allclose(r.choices[0].logprobs.token_logprobs, ref.logp_temp[n:],
+                               atol=1e-5)
+    before = s.engine.tallies["prefill_tokens"]
+    more = "\n    return"
+    r2 = client.completions.create(model="ptrain", prompt=TEXT + r.choices[0].text + more,
+                                   max_tokens=4)
+    assert r2.model_extra["prompt_token_ids"] == chat.encode(s.tok, more)
+    assert s.engine.tallies["prefill_tokens"] - before == len(chat.encode(s.tok, more))
+    seg, = s.service.episode(eid).segments
+    assert seg.tokens == ref.tokens + chat.encode(s.tok, more) \
+        + r2.choices[0].model_extra["token_ids"]
+    # token ids in: the prompt is taken as it is
+    ids = seg.tokens + chat.encode(s.tok, " a")
+    r3 = client.completions.create(model="ptrain", prompt=ids, max_tokens=2)
+    assert r3.model_extra["prompt_token_ids"] == chat.encode(s.tok, " a")
+    assert s.service.episode(eid).segments[0].tokens[:len(ids)] == ids
+
+
+def test_a_rewritten_history_is_recorded_and_reprefilled_or_dropped(served):
+    s = served
+    eid = _episode(s)
+    client = _client(s, eid)
+    _ask(client)
+    rewritten = dict(s.call_message, content="Let me add them.")
+    messages = QUESTION + [rewritten, s.result]
+    client.chat.completions.create(model="ptrain", messages=messages, tools=TOOLS)
+    episode = s.service.episode(eid)
+    assert [(m["at"], m["policy"]) for m in episode.mismatches] == [(1, "reprefill")]
+    first, second = serve.training_segments(episode)
+    assert first.tokens == s.ref_chat.tokens[:len(first.tokens)]
+    # the new segment starts from the template's rendering of the rewritten history, none of
+    # which is trained on (the model did not sample "Let me add them.")
+    prompt = _template(s.tok, messages)
+    assert second.tokens[:second.prompt_len] == prompt
+    assert second.prompt_len == len(prompt) and not any(second.mask[:len(prompt)])
+    assert sum(second.mask) == len(second.tokens) - len(prompt)
+
+    drop = _client(s, _episode(s, on_rewrite="drop"))
+    _ask(drop)
+    with pytest.raises(openai.ConflictError, match="drops episodes"):
+        drop.chat.completions.create(model="ptrain", messages=messages, tools=TOOLS)
+    with pytest.raises(openai.ConflictError, match="was dropped"):
+        drop.chat.completions.create(model="ptrain", messages=QUESTION, tools=TOOLS)
+    dropped = s.service.episode(drop.base_url.path.split("/")[2])
+    assert dropped.dropped and len(dropped.mismatches) == 1
+    assert serve.training_segments(dropped) == []
+
+
+def _agent(client, messages, tools, max_turns=3):
+    """A scripted OpenAI-client agent: calls the model, runs its `add` calls, sends the
+    results back, until the model answers without a call. Returns (answer, messages)."""
+    messages = list(messages)
+    for turn in range(max_turns):
+        m = client.chat.completions.create(model="ptrain", messages=messages, tools=tools,
+                                           seed=SEED).choices[0].message
+        messages.append(m.model_dump(exclude_none=True))
+        if not m.tool_calls:
+            return m.content, messages
+        for call in m.tool_calls:
+            args = json.loads(call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": str(args["a"] + args["b"])})
+    return None, messages
+
+
+def test_an_agent_episode_end_to_end_becomes_the_rollout_batch(served):
+    s = served
+    eid = _episode(s, metadata={"task": "add"})
+    answer, messages = _agent(_client(s, eid), QUESTION, TOOLS, max_turns=2)
+    assert messages[2]["content"] == "5"  # the agent ran the model's call
+    assert s.service.close_episode(eid)["closed"]
+    [closed] = s.service.take_closed()
+    assert closed.id == eid and eid not in s.service.episodes
+    task = tasks.Task(id="add", domain="math", verifier=tasks.Answer("5"), messages=QUESTION)
+    [episode] = serve.training_episodes(closed, task, group_id=3)
+    episode.answers.append(answer or "")
+    episode.verdicts.append(rewards.check_answer(task.verifier, answer or ""))
+    batch = rollout.to_batch([episode], rollout.RolloutConfig(), prompt_len=512, length=128)
+    ref, n = s.ref_chat, len(s.prompt)  # the engine's own two-turn episode
+    rest = len(ref.tokens) - n
+    assert batch.prompt_lens_b.tolist() == [n] and batch.group_ids_b.tolist() == [3]
+    assert batch.tokens_bn[0, :rest].tolist() == ref.tokens[n:]
+    assert batch.loss_mask_bn[0, :rest].tolist() == ref.mask[n:]
+    np.testing.assert_allclose(batch.rollout_logp_bn[0, :rest], ref.logp_temp[n:], atol=1e-5)
+    assert batch.versions_bn[0, :rest].tolist() == [0 if m else -1 for m in ref.mask[n:]]
+    assert batch.rewards_b.tolist() == [episode.verdicts[0].reward]
+
+
+def test_bad_requests_get_clear_http_errors_and_touch_no_other_episode(served):
+    s = served
+    eid = _episode(s, max_len=310)  # the prompt is 300 tokens
+    with pytest.raises(openai.AuthenticationError, match="Bearer"):
+        _client(s, eid, token="not-the-servers-token").chat.completions.create(
+            model="ptrain", messages=QUESTION)
+    with pytest.raises(openai.NotFoundError, match="unknown episode"):
+        _client(s, "nobody").chat.completions.create(model="ptrain", messages=QUESTION)
+    with pytest.raises(openai.BadRequestError, match="belongs to an episode"):
+        _client(s).chat.completions.create(model="ptrain", messages=QUESTION)
+    client = _client(s, eid)
+    bad_tool = [{"type": "function", "function": {"name": "add me", "parameters": {}}}]
+    with pytest.raises(openai.BadRequestError, match="name"):
+        client.chat.completions.create(model="ptrain", messages=QUESTION, tools=bad_tool)
+    with pytest.raises(openai.BadRequestError, match="budget"):
+        client.chat.completions.create(model="ptrain", messages=QUESTION, tools=TOOLS,
+                                       max_tokens=20)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="ptrain", messages=QUESTION, temperature=0.2)
+    with pytest.raises(openai.APIStatusError, match="limit") as big:
+        client.chat.completions.create(model="ptrain",
+                                       messages=[{"role": "user", "content": "x" * (70 << 10)}])
+    assert big.value.status_code == 413
+    with pytest.raises(openai.APIStatusError, match="messages") as many:
+        client.chat.completions.create(model="ptrain", messages=QUESTION * 17)
+    assert many.value.status_code == 413
+    episode = s.service.episode(eid)
+    assert episode.segments == [] and episode.mismatches == []
+
+
+def test_an_evicted_episode_is_prefilled_again_and_its_record_goes_on(served):
+    s = served
+    first = _episode(s)
+    client = _client(s, first)
+    r = _ask(client)
+    for _ in range(s.engine.slots):  # newer episodes take the slots; the oldest idle goes
+        _client(s, _episode(s)).completions.create(model="ptrain", prompt=TEXT, max_tokens=2)
+    held = list(s.service.episode(first).segments[0].tokens)
+    before = s.engine.tallies["prefill_tokens"]
+    r2 = _answer_call(s, client, r)
+    episode = s.service.episode(first)
+    seg, = episode.segments
+    delta = r2.model_extra["prompt_token_ids"]
+    assert episode.reprefills == 1 and s.service.runner.evictions >= 1
+    assert seg.tokens[:len(held)] == held and delta == s.whole[len(held):]
+    assert s.engine.tallies["prefill_tokens"] - before == len(held) + len(delta)
+    assert seg.tokens[len(held) + len(delta):] == r2.choices[0].model_extra["token_ids"]
+    assert seg.mask == [0] * len(s.prompt) + [1] * (len(held) - len(s.prompt)) \
+        + [0] * len(delta) + [1] * len(r2.choices[0].model_extra["token_ids"])
+
+
+def test_published_weights_sample_the_next_turn_with_their_version(served):
+    """(Last: the server's policy version stays 1 after it.)"""
+    s = served
+    eid = _episode(s)
+    client = _client(s, eid)
+    r = _ask(client)
+    assert r.model_extra["policy_version"] == 0
+    s.service.runner.publish(1, s.params)
+    r2 = _answer_call(s, client, r)
+    assert r2.model_extra["policy_version"] == 1
+    seg, = s.service.episode(eid).segments
+    n1 = len(s.prompt) + len(r.choices[0].model_extra["token_ids"])
+    second = r2.choices[0].model_extra["token_ids"]
+    assert seg.versions[len(s.prompt):n1] == [0] * (n1 - len(s.prompt))
+    assert seg.versions[-len(second):] == [1] * len(second)
+    # same weights, recomputed cache: the engine's own second turn, token for token
+    assert second == s.ref_chat.turns[1]
