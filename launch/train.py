@@ -12,7 +12,6 @@ run (`command.txt`); `launch/export.py` reads them to write a Hugging Face direc
 
 import logging as pylogging
 import os
-import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -46,12 +45,7 @@ def main(argv):
     del argv
     _quiet_orbax()
     _initialize_distributed()
-    import jax
-
-    from ptrain import metrics
-    if jax.process_index() == 0:  # the config and command line, for launch/export.py
-        metrics.write_run_record(_WORKDIR.value, _CONFIG.value, sys.argv)
-    from ptrain import closed_loop
+    from ptrain import closed_loop  # (it writes the run record, for launch/export.py)
     lines = closed_loop.run(_CONFIG.value, _WORKDIR.value)
     for line in lines:
         logging.info("eval %s", line)

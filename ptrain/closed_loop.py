@@ -43,6 +43,7 @@ from ptrain import metrics as metrics_lib
 from ptrain import mixed_producer
 from ptrain import model as model_lib
 from ptrain import rollout as rollout_lib
+from ptrain import run_record
 from ptrain import sharding
 from ptrain import synthetic_tasks
 from ptrain import tasks as tasks_lib
@@ -248,16 +249,15 @@ def _evaluate_once(path, stage, step, **kwargs):
 def run(config, workdir, *, mesh=None):
     """The main job (see the module docstring). Configs without a `tasks` section run the
     learner alone (SFT if sft.steps, then RL with its own rollout). Returns the eval lines."""
+    run_record.start(config, workdir)  # config, inputs, a resume's changes; config.json
     os.makedirs(workdir, exist_ok=True)
     if "tasks" not in config:
-        learner_lib.check_config(config)
         params = learner_lib.sft(config, os.path.join(workdir, "sft"), mesh=mesh) \
             if config.sft.steps else None
         learner_lib.train(config, workdir, params=params, mesh=mesh)
         return []
 
     # ------------------------------------------------------------ set-up
-    check_config(config)
     tokenizer = make_tokenizer(config)
     config = derive_config(config, workdir, tokenizer)
     train, heldout = make_tasks(config, tokenizer, workdir)

@@ -284,8 +284,54 @@ def _check_keys(config, closed_loop):
             + ". Build the config on ptrain.config.defaults() and set only existing keys.")
 
 
+def _check_sizes(config):
+    """Counts and sizes that must be positive (or >= 0): first, so that the checks after
+    them may divide by them."""
+    rl, s, d, sc = config.rl, config.sampling, config.data, config.sft
+    positive = {"data.prompts_per_step": d.prompts_per_step,
+                "data.max_prompt_len": d.max_prompt_len,
+                "sampling.num_samples": s.num_samples,
+                "sampling.max_new_tokens": s.max_new_tokens,
+                "rl.ppo_epochs": rl.ppo_epochs, "rl.num_minibatches": rl.num_minibatches,
+                "rl.logprob_chunk": rl.logprob_chunk,
+                "sft.batch_size": sc.batch_size, "sft.max_prompt_len": sc.max_prompt_len,
+                "sft.max_completion_len": sc.max_completion_len,
+                "log.every": config.log.every, "checkpoint.every": config.checkpoint.every,
+                "checkpoint.keep": config.checkpoint.keep}
+    at_least_zero = {"steps": config.steps, "sft.steps": sc.steps,
+                     "rl.microbatch_size": rl.microbatch_size,
+                     "rl.logprob_microbatch_size": rl.logprob_microbatch_size,
+                     "sft.microbatch_size": sc.microbatch_size,
+                     "sft.checkpoint_every": sc.checkpoint_every,
+                     "log.rollouts_every": config.log.rollouts_every,
+                     "log.num_rollouts": config.log.num_rollouts}
+    if "tasks" in config:
+        positive.update({"eval.n": config.eval.n, "sandbox.workers": config.sandbox.workers,
+                         "rollout.max_turns": config.rollout.max_turns,
+                         "rollout.max_attempts": config.rollout.max_attempts,
+                         "rollout.max_len": config.rollout.max_len})
+        if config.tasks.source == "synthetic":
+            positive.update({"tasks.n_train": config.tasks.n_train,
+                             "tasks.n_heldout": config.tasks.n_heldout})
+    checks = []
+    for bound, keys in ((1, positive), (0, at_least_zero)):
+        for key, value in keys.items():
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= bound
+            what = "a positive int" if bound else "an int >= 0 (0: " + _ZERO.get(key, "off") + ")"
+            checks.append((ok, f"{key}={value!r} must be {what}"))
+    _raise_first(checks)
+
+
+# What 0 means for the keys that may be 0 (`_check_sizes`' messages).
+_ZERO = {"steps": "no RL", "sft.steps": "no SFT",
+         "rl.microbatch_size": "the whole minibatch", "rl.logprob_microbatch_size": "one pass",
+         "sft.microbatch_size": "the whole batch", "sft.checkpoint_every": "checkpoint.every",
+         "log.rollouts_every": "never"}
+
+
 def _check_values(config):
     from ptrain import losses  # the loss modes are the loss module's
+    _check_sizes(config)
     rl, s, d = config.rl, config.sampling, config.data
     mb_rows = d.prompts_per_step * s.num_samples // max(rl.num_minibatches, 1)
     micro = rl.microbatch_size
@@ -305,8 +351,6 @@ def _check_values(config):
         (not s.decode_dtype or s.engine,
          f"sampling.decode_dtype={s.decode_dtype!r} is the rollout engine's decode copy: set "
          "sampling.engine=True (or decode_dtype='')"),
-        (config.steps >= 0 and rl.ppo_epochs >= 1 and rl.num_minibatches >= 1,
-         "steps must be >= 0, rl.ppo_epochs and rl.num_minibatches >= 1"),
         (d.prompts_per_step % rl.num_minibatches == 0,
          f"data.prompts_per_step={d.prompts_per_step} groups must divide into "
          f"rl.num_minibatches={rl.num_minibatches}"),
@@ -424,6 +468,9 @@ def check_hf_model(config) -> None:
     ones that is set (differs from defaults()) and differs from config.json is an error."""
     from ptrain import hf
     from ptrain import model as model_lib
+    if not os.path.isfile(os.path.join(config.hf_model, "config.json")):
+        raise ValueError(f"config: hf_model={config.hf_model!r} is not a directory with a "
+                         "config.json; set hf_model to a local Hugging Face model directory")
     ours = hf.config_from_hf(hf.read_config(config.hf_model))
     base = defaults().model
     for key, value in config.model.items():

@@ -1,0 +1,93 @@
+"""A run's start: every bad value and missing input fails in the config check, naming the key
+and what to do, before any model is built and before the work dir is written (ptrain.config,
+ptrain.inputs, ptrain.run_record). Each case goes through `closed_loop.run`, the entry point of
+launch/train.py and of a run from Python; building a model there fails the test."""
+
+import json
+import os
+
+import pytest
+
+from configs import byo_qwen, grpo_toy, quickstart
+from ptrain import closed_loop, learner, metrics
+
+
+@pytest.fixture(autouse=True)
+def no_model(monkeypatch):
+    """Building a model or a sampler is an error: every check must come before."""
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built before the bad value was found")
+    monkeypatch.setattr(learner, "build_model", built)
+    monkeypatch.setattr(learner, "Learner", built)
+    monkeypatch.setattr(closed_loop, "make_sampler", built)
+    monkeypatch.setattr(closed_loop, "make_tasks", built)
+
+
+def _refused(config, workdir, *needles):
+    with pytest.raises(ValueError) as e:
+        closed_loop.run(config, str(workdir))
+    message = str(e.value)
+    for needle in needles:
+        assert needle in message, message
+    assert not os.path.exists(os.path.join(workdir, metrics.CONFIG_FILE))
+    return message
+
+
+def _changed(module, *args, **changes):
+    c = module.get_config(*args)
+    c.update_from_flattened_dict(changes)
+    return c
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("data.prompts_per_step", 0, "data.prompts_per_step=0 must be a positive int"),
+    ("rl.microbatch_size", -2, "rl.microbatch_size=-2 must be an int >= 0"),
+    ("eval.n", 0, "eval.n=0 must be a positive int"),
+    ("rl.num_minibatches", 0, "rl.num_minibatches=0 must be a positive int"),
+    ("sampling.num_samples", 0, "sampling.num_samples=0 must be a positive int"),
+    ("sft.batch_size", -1, "sft.batch_size=-1 must be a positive int"),
+    ("checkpoint.every", 0, "checkpoint.every=0 must be a positive int"),
+    ("log.rollouts_every", -1, "log.rollouts_every=-1 must be an int >= 0"),
+])
+def test_a_bad_count_fails_naming_the_key(tmp_path, key, value, needle):
+    _refused(_changed(quickstart, "short", **{key: value}), tmp_path / "run", needle)
+
+
+def test_the_readmes_default_data_path_missing_names_the_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no data/ here
+    config = byo_qwen.get_config("")
+    message = _refused(config, tmp_path / "run", "tasks.train[0]", "'data/mbpp.jsonl'",
+                       "does not exist", "--config.tasks.train")
+    assert str(tmp_path) in message  # relative to where it was looked for
+
+
+def test_an_empty_training_file_fails_naming_the_key(tmp_path):
+    empty, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    empty.write_text("\n  \n")
+    held.write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
+    config = quickstart.get_config("short")
+    config.update_from_flattened_dict({
+        "tasks.source": "jsonl", "tasks.domains": ("math",), "tasks.weights": (1.0,),
+        "tasks.train": ((str(empty), "gsm8k"),), "tasks.heldout": ((str(held), "gsm8k"),),
+        "tokenizer": str(tmp_path)})
+    _refused(config, tmp_path / "run", "tasks.train[0]", "is empty")
+
+
+def test_an_empty_prompt_file_of_the_learner_fails_naming_the_key(tmp_path):
+    (tmp_path / "prompts.jsonl").write_text("")
+    config = _changed(grpo_toy, **{"data.records_fn": None,
+                                   "data.sources": (str(tmp_path / "prompts.jsonl"),)})
+    _refused(config, tmp_path / "run", "data.sources[0]", "is empty")
+
+
+def test_a_work_dir_that_is_a_file_fails_naming_the_flag(tmp_path):
+    path = tmp_path / "run"
+    path.write_text("not a directory")
+    with pytest.raises(ValueError, match="--workdir=.* is a file"):
+        closed_loop.run(quickstart.get_config("short"), str(path))
+    assert path.read_text() == "not a directory"
+
+
+def test_a_missing_model_directory_names_hf_model(tmp_path):
+    config = _changed(byo_qwen, str(tmp_path / "nowhere"))
+    _refused(config, tmp_path / "run", "hf_model=", "is not a directory with a config.json")
