@@ -317,8 +317,8 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     monitor = alerts_lib.Monitor(alerts_lib.AlertConfig.from_config(c.alerts))
     if ckpt.latest_step() is not None:
         if k and not c.rl.interrupt:
-            aux["ahead_params"] = lookahead_lib.restore_template(params, k, ckpt.latest_step(),
-                                                                 c.steps)
+            aux["ahead_params"] = lookahead_lib.restore_template(
+                params, len(ckpt.aux_keys().get("ahead_params", ())))
         restored = ckpt.restore(params=params, opt_state=opt_state, rng=root_key,
                                 aux_state={n: v for n, v in aux.items() if v} or None)
         start, params, opt_state = restored.step, restored.params, restored.opt_state
@@ -355,7 +355,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                 # a thread); batch t+k is generated now from a copy of the current ones, in
                 # the generation thread, while this thread updates.
                 if step == start + 1:  # the first step of a run (or of a resumed run)
-                    ahead.start(step, ahead_params, finished=ahead_batches)
+                    ahead.start(step, ahead_params, finished=ahead_batches, current=params)
                     ahead_params = ahead_batches = None
                 collector.add(ahead.next(step, params))
             else:
