@@ -168,6 +168,8 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
                  checkpoint_every=0,  # 0: checkpoint.every (SFT steps are often much shorter)
                  optim=_optim(lr=1e-3),
                  packing=False, seq_len=1024, truncate=False, layout="contiguous")
+    # rollouts_every: rollouts.jsonl gets num_rollouts samples of step 1 and of every
+    # rollouts_every-th step (0: none)
     c.log = dict(every=1, rollouts_every=10, num_rollouts=4)
     c.checkpoint = dict(every=10, keep=3, async_save=True)
     # What stops or warns (ptrain/alerts.py): actions "stop" | "warn" | "off", thresholds.

@@ -331,7 +331,8 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
         ahead_batches = lookahead_lib.restore_batches(restored.extra, restored.host_state)
         logging.info("resumed from step %d", start)
     batches = prompts.iterator(data_state)
-    writer = metrics_lib.MetricsWriter(workdir, total_steps=c.steps, start_step=start)
+    writer = metrics_lib.MetricsWriter(workdir, total_steps=c.steps, start_step=start,
+                                       desc="rl")
     ahead = (lookahead_lib.LookAhead(k, producer, batches, root_key, steps=c.steps,
                                      save_every=c.checkpoint.every,
                                      interrupt=c.rl.interrupt,
@@ -397,7 +398,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
             fired = monitor.check(step, step_metrics)  # every step, logged or not
             if step % c.log.every == 0 or step == c.steps or fired:
                 writer.write(step, {**step_metrics, **alerts_lib.as_metrics(fired)})
-            if c.log.rollouts_every and step % c.log.rollouts_every == 0:
+            if c.log.rollouts_every and (step % c.log.rollouts_every == 0 or step == 1):
                 writer.write_rollouts(step, batch_lib.rollout_samples(episodes, c.log.num_rollouts))
 
             # ------------------------------------------------------------ checkpoint
@@ -529,7 +530,8 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
         batches, next_packed = _packed_sft(learner, records, data_state)
     else:
         batches = records.iterator(data_state)
-    writer = metrics_lib.MetricsWriter(workdir, total_steps=sc.steps, start_step=start)
+    writer = metrics_lib.MetricsWriter(workdir, total_steps=sc.steps, start_step=start,
+                                       desc="sft")
 
     monitor = alerts_lib.Monitor(alerts_lib.AlertConfig.from_config(c.alerts))
     for step in range(start + 1, sc.steps + 1):

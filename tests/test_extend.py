@@ -35,6 +35,8 @@ def _run(config, workdir):
 def test_a_finished_run_extended_to_more_steps_goes_on(tmp_path, staleness, caplog):
     workdir = str(tmp_path / "run")
     assert _run(_config(2, staleness), workdir) == [1, 2]
+    rollouts = metrics.read_jsonl(os.path.join(workdir, "rollouts.jsonl"))
+    assert {r["step"] for r in rollouts} == {1}  # the first step's, before log.rollouts_every
     assert checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")).aux_keys() == {}
     with caplog.at_level(logging.WARNING, logger="ptrain.run_record"):
         assert _run(_config(4, staleness, **{"optim.lr": 5e-3}), workdir) == [1, 2, 3, 4]
