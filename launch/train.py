@@ -10,7 +10,6 @@ dir keeps the config (`config.json`, overrides applied) and each command line th
 run (`command.txt`); `launch/export.py` reads them to write a Hugging Face directory.
 """
 
-import logging as pylogging
 import os
 
 from absl import app, flags, logging
@@ -35,15 +34,10 @@ def _initialize_distributed():
         jax.distributed.initialize()
 
 
-def _quiet_orbax():
-    """Orbax logs every step of every save at INFO; keep its warnings and errors."""
-    logging.get_absl_handler().addFilter(
-        lambda r: r.levelno >= pylogging.WARNING or f"{os.sep}orbax{os.sep}" not in r.pathname)
-
-
 def main(argv):
     del argv
-    _quiet_orbax()
+    from ptrain import quiet
+    quiet.quiet_orbax()
     _initialize_distributed()
     from ptrain import closed_loop  # (it writes the run record, for launch/export.py)
     lines = closed_loop.run(_CONFIG.value, _WORKDIR.value)
