@@ -31,6 +31,7 @@ POLICY_LOSSES = ("ppo", "gspo", "cispo")
 SCHEDULES = ("cosine", "constant")
 CHAT_FORMATS = ("plain", "qwen", "llama3")  # rollout.chat_format: ptrain.chat.FORMATS
 TASK_SOURCES = ("synthetic", "jsonl")
+SANDBOX_BACKENDS = ("auto", "docker", "bwrap", "process")  # sandbox.pick_backend's names
 # The closed loop's sections, beyond the learner's.
 LOOP_SECTIONS = ("tasks", "rollout", "reward", "sandbox", "eval", "terminal")
 TERMINAL = "terminal"  # the domain of generated terminal tasks run in docker (tasks.domains)
@@ -198,6 +199,8 @@ def _closed_loop_sections(c):
                      max_tool_output_chars=1000, tool_timeout_s=5.0,
                      chat_format="plain")  # CHAT_FORMATS
     c.reward = dict(partial_credit=False, timeout_s=10.0, test_timeout_s=2.0, memory_mb=512)
+    # backend: "auto" takes the strongest that runs here (docker, bwrap, process; logged once
+    # with the reason, `sandbox.pick_backend`); name one to pin it.
     c.sandbox = dict(backend="auto", workers=2,
                      cluster="local",  # "ray": scoring and tool sessions on a Ray fleet
                      address="local")  # with cluster="ray": "local" or a Ray address
@@ -439,6 +442,9 @@ def _check_loop_values(config):
          "the terminal domain has no self-correction: set rollout.max_attempts=1"),
         (config.terminal.threads >= 1 and config.terminal.max_idle >= 0,
          "terminal.threads must be >= 1 and terminal.max_idle >= 0"),
+        (config.sandbox.backend in SANDBOX_BACKENDS,
+         f"sandbox.backend={config.sandbox.backend!r}: use one of {SANDBOX_BACKENDS} (auto: "
+         "the strongest that runs here)"),
         (config.terminal.backend in ("docker", "bwrap"),
          f"terminal.backend={config.terminal.backend!r} must be 'docker' or 'bwrap'"),
         (not config.terminal.heldout_dir or config.terminal.tasks_dir,

@@ -48,6 +48,7 @@ def _changed(module, *args, **changes):
     ("sft.batch_size", -1, "sft.batch_size=-1 must be a positive int"),
     ("checkpoint.every", 0, "checkpoint.every=0 must be a positive int"),
     ("log.rollouts_every", -1, "log.rollouts_every=-1 must be an int >= 0"),
+    ("sandbox.backend", "bwarp", "sandbox.backend='bwarp': use one of"),
 ])
 def test_a_bad_count_fails_naming_the_key(tmp_path, key, value, needle):
     _refused(_changed(quickstart, "short", **{key: value}), tmp_path / "run", needle)
