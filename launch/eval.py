@@ -18,6 +18,8 @@ Writes OUT/results.jsonl (one line per attempt), OUT/transcripts/, OUT/summary.j
 pass@k, unbiased) and OUT/report.html; progress goes to stderr (a bar on a terminal, else a
 log line now and then), the summary to stdout.
 Run again with the same --out, only the attempts without a line in results.jsonl run.
+Attempts that failed for an environment reason (a missing package, image or host tool) are
+listed on stderr with the fix, and the exit status is 2 (`ptrain.eval_failures`).
 """
 
 import os
@@ -192,7 +194,11 @@ def main(argv):
     os.makedirs(out, exist_ok=True)
     run = evaluate_terminal if os.path.isdir(path) else evaluate_code
     t0 = time.monotonic()
-    summary = run(path, _AGENT.value, out, progress_bar())
+    from ptrain import eval_failures
+    try:
+        summary = run(path, _AGENT.value, out, progress_bar())
+    except ModuleNotFoundError as e:  # e.g. the docker SDK: the cause and the fix, no trace
+        sys.exit(f"launch.eval: {e}\n  fix: {eval_failures.fix(str(e))}")
     from sandbox.terminal import report
     html = report.write_html(out, title=f"{_AGENT.value} on {path}")
     ks = [k for k in summary if k.startswith("pass@")]
@@ -200,6 +206,13 @@ def main(argv):
           f"{_AGENT.value}: " + ", ".join(f"{k} {summary[k]:.3f}" for k in ks) +
           f", mean reward {summary['mean_reward']:.3f}; {time.monotonic() - t0:.1f} s")
     print(f"results: {os.path.join(out, 'results.jsonl')}\nreport: {html}")
+    if run is evaluate_terminal:  # environment failures: said on the console, exit 2
+        from ptrain import jsonl
+        rows = jsonl.read(os.path.join(out, "results.jsonl"))
+        failures = eval_failures.environment(rows)
+        if failures:
+            print(eval_failures.report(failures, len(rows)), file=sys.stderr)
+            sys.exit(2)
 
 
 if __name__ == "__main__":
