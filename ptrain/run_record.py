@@ -1,4 +1,4 @@
-"""A run's start in its work dir: the config and inputs checked, a resume's changed settings
+"""A run's start in its work dir: the config, inputs and environments checked, a resume's changed settings
 allowed (and logged) or refused (with the reason), then the run record written
 (`metrics.write_run_record`: config.json and command.txt, which launch/export.py reads).
 
@@ -85,14 +85,17 @@ def _has_checkpoint(workdir) -> bool:
 
 
 def start(config, workdir, argv=None) -> None:
-    """Checks the config (`ptrain.config.check`) and its inputs (`ptrain.inputs`); on a work
+    """Checks the config (`ptrain.config.check`), its inputs (`ptrain.inputs`) and what its
+    environments need here (`ptrain.preflight`); on a work
     dir with checkpoints, compares the config with the recorded one: a refused change raises
     (nothing written), an allowed one is logged; then (process 0) writes the run record."""
     from ptrain import config as config_lib
     from ptrain import inputs
     from ptrain import metrics
+    from ptrain import preflight
     config_lib.check(config)
     inputs.check(config, workdir)
+    preflight.check(config)
     file = os.path.join(workdir, metrics.CONFIG_FILE)
     if os.path.exists(file):
         with open(file) as f:

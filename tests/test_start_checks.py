@@ -92,3 +92,30 @@ def test_a_work_dir_that_is_a_file_fails_naming_the_flag(tmp_path):
 def test_a_missing_model_directory_names_hf_model(tmp_path):
     config = _changed(byo_qwen, str(tmp_path / "nowhere"))
     _refused(config, tmp_path / "run", "hf_model=", "is not a directory with a config.json")
+
+
+def test_a_terminal_task_whose_image_is_missing_refuses_to_start(tmp_path):
+    from tests.test_terminal import _REASON  # (skips without a docker engine)
+    from tests.test_terminal_load import TASKS_DIR
+    from configs import terminal_toy
+    import shutil
+    task = tmp_path / "tasks" / "hello-file"
+    shutil.copytree(os.path.join(TASKS_DIR, "hello-file"), task)
+    dockerfile = task / "environment" / "Dockerfile"
+    dockerfile.write_text(dockerfile.read_text().replace("FROM ptrain-term-base:latest",
+                                                         "FROM python:3.12-slim"))
+    config = terminal_toy.get_config()
+    config.terminal.tasks_dir = str(tmp_path / "tasks")
+    _refused(config, tmp_path / "run", "terminal.tasks_dir", "'python:3.12-slim' is not present",
+             "--image_map=FROM=LOCAL")
+    config.terminal.image_map = ("python:3.12-slim=ptrain-term-base:latest",)
+    from ptrain import preflight
+    preflight.check(config)  # mapped to a local image: it starts
+
+
+def test_a_pinned_sandbox_backend_that_cannot_run_refuses_to_start(tmp_path, monkeypatch):
+    from sandbox import backends
+    monkeypatch.setattr(backends, "unavailable_reason", lambda spec: "bwrap is not installed")
+    config = _changed(quickstart, "short", **{"sandbox.backend": "bwrap"})
+    _refused(config, tmp_path / "run", "sandbox.backend='bwrap' cannot run here",
+             "bwrap is not installed")
