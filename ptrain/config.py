@@ -220,6 +220,32 @@ def _closed_loop_sections(c):
                       backend="docker")  # or "bwrap": tasks that need only files
 
 
+def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A config's `:smoke` variant, in place: every stage the run has (a brought model's base
+    evaluation, SFT, RL, the held-out evaluations) at the smallest sizes that still run them,
+    so that the whole path runs end to end in minutes on a laptop CPU before the real run.
+    The model, tokenizer, tasks and algorithm stay the config's."""
+    c.steps = min(c.steps, 2)
+    c.data.prompts_per_step = 2
+    c.sampling.update(num_samples=2, max_new_tokens=min(c.sampling.max_new_tokens, 32))
+    c.rl.update(num_minibatches=1, microbatch_size=0, logprob_microbatch_size=0)
+    if c.sft.steps:
+        c.sft.update(steps=min(c.sft.steps, 10), batch_size=min(c.sft.batch_size, 8),
+                     microbatch_size=0, checkpoint_every=0)
+    c.checkpoint.every = 1
+    c.log.rollouts_every = 1
+    if "tasks" in c:
+        c.eval.update(n=min(c.eval.n, 4), sample=False)
+        c.sandbox.workers = 1
+        c.rollout.update(max_turns=min(c.rollout.max_turns, 2),
+                         max_len=min(c.rollout.max_len, 4 * c.sampling.max_new_tokens))
+        c.terminal.threads = min(c.terminal.threads, 4)
+        c.dapo.overlong_buffer = min(c.dapo.overlong_buffer, c.rollout.max_len)
+        if c.tasks.source == "synthetic":
+            c.tasks.update(n_train=min(c.tasks.n_train, 64), n_heldout=min(c.tasks.n_heldout, 4))
+    return c
+
+
 def plan_defaults() -> ml_collections.ConfigDict:
     """Every key a plan config holds (`ptrain.plan.check_config` checks them)."""
     c = ml_collections.ConfigDict()

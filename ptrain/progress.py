@@ -1,6 +1,6 @@
 """Progress of SFT, RL and every evaluation: done / total, rate and ETA, as a tqdm bar when
-stderr is a terminal, else (a log file: nohup, a batch job) a log line at most every
-`interval_s` seconds, plus the first and the last.
+stderr is a terminal, else (a log file: nohup, a batch job) a log line at the start, then at
+most every `interval_s` seconds, plus the first and the last unit done.
 
     bar = Progress(total=100, desc="rl", unit="step", initial=start)
     bar.advance_to(step, reward=0.5)   # or bar.update(n)
@@ -44,6 +44,9 @@ class Progress:
             self._bar = tqdm.tqdm(total=total, initial=initial, desc=desc, unit=unit,
                                   dynamic_ncols=True,
                                   file=bar if hasattr(bar, "write") else None)
+        elif enabled:  # (the first unit may take long: compiling, a first evaluation)
+            log.info("%s: starting at %d%s %ss", desc, initial,
+                     f"/{total}" if total else "", unit)
 
     def line(self) -> str:
         """"desc: done/total unit (pct), rate unit/s, ETA" of now."""

@@ -23,7 +23,8 @@ def test_log_lines_at_a_bounded_interval_with_rate_and_eta(caplog):
         for step in range(1, 101):  # 2 s a step
             clock.now += 2
             p.advance_to(step, **{"reward/mean": 0.25})
-    lines = [r.getMessage() for r in caplog.records]
+    starting, *lines = [r.getMessage() for r in caplog.records]
+    assert starting == "rl: starting at 0/100 steps"
     # the first, then one every 60 s (30 steps), then the last
     assert [line.split(":")[1].split()[0] for line in lines] == ["1/100", "31/100", "61/100",
                                                                  "91/100", "100/100"]
@@ -37,7 +38,7 @@ def test_a_resumed_bar_counts_its_rate_from_where_it_resumed(caplog):
         p = Progress(20, desc="sft", unit="step", initial=10, bar=False, clock=clock)
         clock.now += 5
         p.update(5)
-    assert caplog.records[0].getMessage() == ("sft: 15/20 steps (75%), 1 step/s, ETA 0m05s, "
+    assert caplog.records[1].getMessage() == ("sft: 15/20 steps (75%), 1 step/s, ETA 0m05s, "
                                               "elapsed 0m05s")
 
 
@@ -55,5 +56,5 @@ def test_the_metrics_writer_logs_sft_and_rl_progress_in_a_log_file(tmp_path, cap
     with caplog.at_level(logging.INFO, logger="ptrain.progress"):
         with metrics.MetricsWriter(tmp_path, total_steps=3, desc="sft", progress=False) as w:
             w.write(1, {"sft/loss": 2.5})
-    assert caplog.records[0].getMessage().startswith("sft: 1/3 steps (33%)")
-    assert caplog.records[0].getMessage().endswith("sft/loss 2.5")
+    assert caplog.records[1].getMessage().startswith("sft: 1/3 steps (33%)")
+    assert caplog.records[1].getMessage().endswith("sft/loss 2.5")
