@@ -329,9 +329,10 @@ def make_sampler(config, mesh, tokenizer):
 
 
 def make_tokenizer(config):
-    """The synthetic source's word tokenizer (the quickstart's; the terminal tasks' for the
-    terminal domain alone; the union of their pieces for both), else config.tokenizer."""
-    if config.tasks.source == "synthetic":
+    """config.tokenizer (a brought model's, whatever the task source), else the synthetic
+    source's word tokenizer (the quickstart's; the terminal tasks' for the terminal domain
+    alone; the union of their pieces for both)."""
+    if config.tasks.source == "synthetic" and not config.tokenizer:
         domains = config.tasks.domains
         parts = ([synthetic_tasks.WordTokenizer.for_tasks()] if set(domains) - {TERMINAL}
                  else []) + ([terminal_tasks.tokenizer()] if TERMINAL in domains else [])

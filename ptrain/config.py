@@ -462,8 +462,9 @@ def _check_loop_values(config):
          f"synthetic domains are {(*synthetic_tasks.DOMAINS, TERMINAL)}"),
         (len(set(t.domains)) == len(t.domains), f"tasks.domains {t.domains} repeats a domain"),
         (TERMINAL not in t.domains or t.source == "synthetic",
-         "the terminal domain generates its tasks (or reads terminal.tasks_dir): set "
-         "tasks.source='synthetic'"),
+         "the terminal domain generates its tasks or reads terminal.tasks_dir, not task "
+         "files: set tasks.source='synthetic' (a brought model keeps its tokenizer, "
+         "config.tokenizer, and its rollout.chat_format)"),
         (TERMINAL not in t.domains or config.rollout.max_attempts == 1,
          "the terminal domain has no self-correction: set rollout.max_attempts=1"),
         (config.terminal.threads >= 1 and config.terminal.max_idle >= 0,
