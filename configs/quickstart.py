@@ -12,8 +12,9 @@ with GRPO on the sandbox's verdicts. Greedy pass rates on a held-out split (inst
 trained on) are measured after SFT and after RL.
 
 Command:  make quickstart   (python -m launch.train --config=configs/quickstart.py
-          --workdir=runs/quickstart); every stage in a minute or two first: the smoke
-          variant, --config=configs/quickstart.py:smoke
+          --workdir=runs/quickstart); every stage first at its smallest, the smoke variant
+          --config=configs/quickstart.py:smoke (48 s of CPU: 5 min 13 s wall on 2 cores
+          shared at load ~19)
 Hardware: 2 CPU cores, about 5 minutes (SFT 1000 steps ~2.5 min, RL 120 steps ~1.2 s each,
           two evaluations of 300 episodes); the sandbox uses the strongest backend available.
 Expected: <workdir>/eval.jsonl: greedy held-out pass rate per domain (n=100) rises from
