@@ -54,6 +54,7 @@ from ptrain import model as model_lib
 from ptrain import packing
 from ptrain import rollout as rollout_lib
 from ptrain import routing
+from ptrain import run_record
 from ptrain import sharding
 from ptrain import step as step_lib
 from ptrain.batch import Batch, Episodes  # noqa: F401 (Episodes: learner.Episodes, ex name)
@@ -290,6 +291,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
             tokenizer=learner.tokenizer)
     engines = engine_sampler.find(producer)  # sampling.engine: their metrics each step
     os.makedirs(workdir, exist_ok=True)
+    run_record.ensure(c, workdir)  # (launch/export.py reads it; closed_loop.run wrote it)
     prompts = _prompt_stream(c.data, c.data.prompts_per_step, c.seed, workdir, "prompts",
                              on_error=c.data.on_error, mesh=learner.mesh,
                              sources=prompt_sources)

@@ -6,6 +6,7 @@ allowed (and logged) or refused (with the reason), then the run record written
                                 nothing, so config.json stays the config of the checkpoints
   changes(old, new)             (key, old, new) of each setting that differs
   refusal(key)                  why `key` may not change on resume, or None (it may)
+  ensure(config, workdir)       the record alone, where none is (learner.train from Python)
 
 What may change on resume is written down in REFUSED (and the README's table): the shapes
 and meaning of what the checkpoints hold, the data stream they resume, the algorithm. Every
@@ -117,3 +118,13 @@ def start(config, workdir, argv=None) -> None:
     import jax  # (which process writes)
     if jax.process_index() == 0:
         metrics.write_run_record(workdir, config, sys.argv if argv is None else argv)
+
+
+def ensure(config, workdir) -> None:
+    """The run record of a run started without `start` (learner.train or learner.sft called
+    from Python), so that launch/export.py can read it: written when the work dir has none."""
+    from ptrain import metrics
+    import jax
+    if jax.process_index() == 0 and not os.path.exists(
+            os.path.join(workdir, metrics.CONFIG_FILE)):
+        metrics.write_run_record(workdir, config, sys.argv)
