@@ -198,7 +198,7 @@ def main(argv):
     try:
         summary = run(path, _AGENT.value, out, progress_bar())
     except ModuleNotFoundError as e:  # e.g. the docker SDK: the cause and the fix, no trace
-        sys.exit(f"launch.eval: {e}\n  fix: {eval_failures.fix(str(e))}")
+        sys.exit(f"launch.eval: {e}\n  fix: {eval_failures.fix(f'No module named {e.name!r}')}")
     from sandbox.terminal import report
     html = report.write_html(out, title=f"{_AGENT.value} on {path}")
     ks = [k for k in summary if k.startswith("pass@")]

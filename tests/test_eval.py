@@ -258,3 +258,19 @@ def test_cli_a_missing_image_is_said_with_its_fix_and_exits_2(tmp_path):
     assert "1 of 1 attempts failed for an environment reason" in p.stderr
     assert "'python:3.12-slim' is not present locally" in p.stderr
     assert "fix: the task's image is not on this machine" in p.stderr
+
+
+def test_cli_without_the_docker_sdk_says_which_extra_to_install(tmp_path):
+    """As after `make install` alone: `import docker` fails (blocked here in the process)."""
+    tasks = tmp_path / "tasks"
+    shutil.copytree(os.path.join(TASKS_DIR, "hello-file"), tasks / "hello-file")
+    program = ("import sys; sys.modules['docker'] = None\n"
+               "from absl import app\nfrom launch import eval as e\napp.run(e.main)\n")
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run([sys.executable, "-c", program, f"--tasks={tasks}", "--agent=oracle",
+                        f"--out={tmp_path / 'out'}"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode != 0
+    out = p.stdout + p.stderr
+    assert "pip install -e '.[terminal]'" in out, out[-3000:]
+    assert "Traceback" not in out
