@@ -11,11 +11,11 @@ import pytest
 
 from ptrain import closed_loop, config as config_lib, hf, metrics, sharding
 from sandbox.terminal import bwrap
+from tests.test_terminal_load import TASKS_DIR  # the bundled tasks
 
 pytestmark = [pytest.mark.xdist_group("closed_loop"),
               pytest.mark.skipif(bwrap.unavailable() is not None,
                                  reason=str(bwrap.unavailable()))]
-TASKS_DIR = os.path.join(os.path.dirname(__file__), "..", "tasks", "terminal")
 
 
 def test_a_brought_model_trains_on_a_task_directory_on_bwrap_with_an_image_map(hf_dir, tmp_path):
