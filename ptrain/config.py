@@ -218,6 +218,33 @@ def _closed_loop_sections(c):
                       # seeded split of tasks_dir (tasks.n_heldout, at most half of them).
                       tasks_dir="", heldout_dir="",
                       backend="docker")  # or "bwrap": tasks that need only files
+    c.tasks.adaptive = adaptive_defaults()
+
+
+# ============================================================ the mixture's adaptive sampler
+# `ptrain.envs.adaptive`: weights by learning progress or pass-rate band, and the filter of
+# tasks every sample solves or none does. The section sits beside the mixture's weights.
+
+
+def adaptive_defaults() -> dict:
+    return dict(mode="off",  # ptrain.envs.adaptive.MODES: "off", "progress" or "band"
+                fast=0.3, slow=0.05,  # EMA rates of each environment's pass rate
+                band=(0.2, 0.8),  # mode "band": the pass rates drawn more
+                floor=0.2,  # the share of the draw that always follows the weights (> 0)
+                # > 0: skip a task after this many all-pass or all-fail groups in a row
+                filter_patience=0)
+
+
+def check_adaptive(section, where: str) -> None:
+    """A clear error for a bad option of an adaptive section (`adaptive_defaults`)."""
+    from ptrain.envs import adaptive
+    if section.filter_patience < 0:
+        raise ValueError(f"config: {where}.filter_patience={section.filter_patience} must be "
+                         ">= 0 (0: no task filter)")
+    try:
+        adaptive.from_config(("check",), (1.0,), section, seed=0)
+    except ValueError as e:
+        raise ValueError(f"config: {where}: {e}") from None
 
 
 def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -455,6 +482,7 @@ def overlong_max_len(config) -> int:
 def _check_loop_values(config):
     from ptrain import synthetic_tasks  # its domains
     t = config.tasks
+    check_adaptive(t.adaptive, "tasks.adaptive")
     _raise_first([
         (t.source in TASK_SOURCES, "tasks.source must be 'synthetic' or 'jsonl'"),
         (len(t.weights) == len(t.domains), "tasks.weights needs one weight per domain"),

@@ -405,5 +405,5 @@ def test_evaluations_are_keyed_by_stage_and_step_and_resume_row_by_row(tmp_path,
         for e in read_events(file):
             for v in e.summary.value:
                 scalars.setdefault(v.tag, []).append((e.step, v.simple_value))
-    assert "eval_rl/arith/sample/pass_at_1" in scalars
-    assert scalars["eval_rl/code/greedy/pass_at_1"] == [(100, 0.5), (150, 0.5)]
+    assert "eval_domain/arith/rl_sample/pass_rate" in scalars
+    assert scalars["eval_domain/code/rl_greedy/pass_rate"] == [(100, 0.5), (150, 0.5)]

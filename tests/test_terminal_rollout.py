@@ -261,7 +261,8 @@ def test_a_directory_of_tasks_is_the_terminal_domains_prompt_source(tmp_path):
     import shutil
     from configs import terminal_toy
     from ptrain import closed_loop, jsonl, terminal_domain
-    bundled = os.path.join(os.path.dirname(__file__), "..", "tasks", "terminal")
+    from sandbox import terminal
+    bundled = terminal.BUNDLED_TASKS
     config = terminal_toy.get_config("short").unlock()
     config.tasks.update(domains=("files", "terminal"), weights=(1.0, 3.0), n_heldout=4)
     config.terminal.tasks_dir = bundled

@@ -1,0 +1,1 @@
+"""ptrain.envs: environments (what a domain is) and the mixture over them."""
