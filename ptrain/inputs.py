@@ -22,6 +22,7 @@ def check(config, workdir) -> None:
             raise ValueError(f"config: {key}={path!r} is not a directory{_cwd(path)}; set "
                              f"{key} to a local Hugging Face directory (config.json, "
                              "tokenizer files)")
+    _check_sources(config)
     for key, path in _files(config):
         _check_file(key, path)
     for key, path in _dirs(config):
@@ -36,6 +37,22 @@ def check_workdir(workdir) -> None:
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ValueError(f"--workdir={workdir!r} is a file, not a directory: give a new "
                          "directory (or that of the run to resume)")
+
+
+def _check_sources(config) -> None:
+    """SFT steps need SFT records (the closed loop's generated tasks bring their own), and the
+    learner alone needs prompts (the closed loop's come from its tasks)."""
+    loop = "tasks" in config
+    own_demos = loop and config.tasks.source == "synthetic"
+    sc = config.sft
+    if sc.steps and not own_demos and not sc.sources and sc.records_fn is None:
+        raise ValueError(f"config: sft.steps={sc.steps} but no SFT records: set sft.sources "
+                         "(JSONL of prompt/completion, e.g. from launch/sft_data.py) or "
+                         "sft.records_fn, or sft.steps=0")
+    d = config.data
+    if not loop and config.steps and not d.sources and d.records_fn is None:
+        raise ValueError(f"config: steps={config.steps} but no prompts: set data.sources "
+                         "(JSONL / ArrayRecord files) or data.records_fn")
 
 
 def _cwd(path) -> str:

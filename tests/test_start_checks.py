@@ -70,7 +70,7 @@ def test_an_empty_training_file_fails_naming_the_key(tmp_path):
     config.update_from_flattened_dict({
         "tasks.source": "jsonl", "tasks.domains": ("math",), "tasks.weights": (1.0,),
         "tasks.train": ((str(empty), "gsm8k"),), "tasks.heldout": ((str(held), "gsm8k"),),
-        "tokenizer": str(tmp_path)})
+        "tokenizer": str(tmp_path), "sft.steps": 0})
     _refused(config, tmp_path / "run", "tasks.train[0]", "is empty")
 
 
@@ -119,3 +119,10 @@ def test_a_pinned_sandbox_backend_that_cannot_run_refuses_to_start(tmp_path, mon
     config = _changed(quickstart, "short", **{"sandbox.backend": "bwrap"})
     _refused(config, tmp_path / "run", "sandbox.backend='bwrap' cannot run here",
              "bwrap is not installed")
+
+
+def test_sft_steps_without_sft_records_and_rl_without_prompts_fail_naming_the_keys(tmp_path):
+    config = _changed(byo_qwen, "", **{"sft.steps": 10})
+    _refused(config, tmp_path / "a", "sft.steps=10 but no SFT records", "sft.sources")
+    _refused(_changed(grpo_toy, **{"data.records_fn": None}), tmp_path / "b",
+             "steps=30 but no prompts", "data.sources")
