@@ -13,6 +13,7 @@ with the terminal domain alone (`ptrain/terminal_domain.py`); add other domains 
 tasks.domains (the union of the word tokenizers, weights in tasks.weights) to mix them.
 
 Command:  python -m launch.train --config=configs/terminal_toy.py --workdir=runs/terminal_toy
+          (the smoke variant first, every stage at the smallest size: terminal_toy.py:smoke)
 Hardware: 2 CPU cores and docker with ptrain-term-base:latest (bash sandbox/setup_host.sh):
           SFT 400 steps, then 30 RL steps of 32 episodes (4 tasks x 8) in task containers;
           31 min on 2 cores shared at load 15-20 (SFT 21 min, RL 7.5 min, 10 s per step);
@@ -25,8 +26,11 @@ from ptrain import config as config_lib
 
 
 def get_config(arg: str = ""):
-    """arg "short": a shortened run for tests (fewer tasks and steps). The closed loop's
+    """arg "short": a shortened run for tests (fewer tasks and steps); "smoke": every stage
+    at the smallest size (`ptrain.config.smoke`). The closed loop's
     defaults (ptrain.config.defaults(closed_loop=True)) with what this experiment changes."""
+    if arg not in ("", "short", "smoke"):
+        raise ValueError(f"configs/terminal_toy.py:{arg}: the variants are 'short' and 'smoke'")
     short = arg == "short"
     c = config_lib.defaults(closed_loop=True)
     c.lock()  # a key that defaults() lacks is an error here
@@ -50,4 +54,4 @@ def get_config(arg: str = ""):
                    n_heldout=8 if short else 32)
     c.rollout.update(max_turns=2, max_len=96, max_tool_output_chars=200, tool_timeout_s=10.0)
     c.eval.n = 8 if short else 32
-    return c
+    return config_lib.smoke(c) if arg == "smoke" else c

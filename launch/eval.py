@@ -15,8 +15,11 @@ turn (`ptrain.code_eval.ModelAgent`); or a launch/train.py work dir, exported fi
 the synthetic tasks' word tokenizer (the quickstart's, configs/terminal_toy.py's) acts with
 that tokenizer, the run's chat format and its terminal system prompt.
 Writes OUT/results.jsonl (one line per attempt), OUT/transcripts/, OUT/summary.json (pass@1 and
-pass@k, unbiased) and OUT/report.html; a progress bar goes to stderr, the summary to stdout.
+pass@k, unbiased) and OUT/report.html; progress goes to stderr (a bar on a terminal, else a
+log line now and then), the summary to stdout.
 Run again with the same --out, only the attempts without a line in results.jsonl run.
+Attempts that failed for an environment reason (a missing package, image or host tool) are
+listed on stderr with the fix, and the exit status is 2 (`ptrain.eval_failures`).
 """
 
 import os
@@ -135,19 +138,20 @@ def code_model_agent():
                                 seed=_SEED.value)
 
 
-def progress_bar(stream=sys.stderr, width: int = 30):
-    """progress(done, total, row): one line on `stream`, redrawn after every attempt."""
-    start, passed = time.monotonic(), [0]
+def progress_bar():
+    """progress(done, total, row) after each attempt: `ptrain.progress` (a bar on a terminal,
+    else a log line now and then: done/total, rate, ETA), with the attempts passed so far."""
+    from ptrain import progress as progress_lib
+    state = {"bar": None, "passed": 0}
 
     def progress(done, total, row):
-        passed[0] += bool(row.get("passed"))
-        filled = width * done // max(total, 1)
-        stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-                     f"passed {passed[0]}  {time.monotonic() - start:.0f}s  "
-                     f"{str(row['task'])[:40]:<40}")
+        if state["bar"] is None:  # (a resumed evaluation: its rate counts from here)
+            state["bar"] = progress_lib.Progress(total, desc="eval", unit="attempt",
+                                                 initial=done - 1)
+        state["passed"] += bool(row.get("passed"))
+        state["bar"].advance_to(done, passed=state["passed"])
         if done == total:
-            stream.write("\n")
-        stream.flush()
+            state["bar"].close()
     return progress
 
 
@@ -190,7 +194,11 @@ def main(argv):
     os.makedirs(out, exist_ok=True)
     run = evaluate_terminal if os.path.isdir(path) else evaluate_code
     t0 = time.monotonic()
-    summary = run(path, _AGENT.value, out, progress_bar())
+    from ptrain import eval_failures
+    try:
+        summary = run(path, _AGENT.value, out, progress_bar())
+    except ModuleNotFoundError as e:  # e.g. the docker SDK: the cause and the fix, no trace
+        sys.exit(f"launch.eval: {e}\n  fix: {eval_failures.fix(f'No module named {e.name!r}')}")
     from sandbox.terminal import report
     html = report.write_html(out, title=f"{_AGENT.value} on {path}")
     ks = [k for k in summary if k.startswith("pass@")]
@@ -198,6 +206,13 @@ def main(argv):
           f"{_AGENT.value}: " + ", ".join(f"{k} {summary[k]:.3f}" for k in ks) +
           f", mean reward {summary['mean_reward']:.3f}; {time.monotonic() - t0:.1f} s")
     print(f"results: {os.path.join(out, 'results.jsonl')}\nreport: {html}")
+    if run is evaluate_terminal:  # environment failures: said on the console, exit 2
+        from ptrain import jsonl
+        rows = jsonl.read(os.path.join(out, "results.jsonl"))
+        failures = eval_failures.environment(rows)
+        if failures:
+            print(eval_failures.report(failures, len(rows)), file=sys.stderr)
+            sys.exit(2)
 
 
 if __name__ == "__main__":

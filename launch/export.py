@@ -125,6 +125,8 @@ def _param_paths(state):
 
 def main(argv):
     del argv
+    from ptrain import quiet
+    quiet.quiet_orbax()
     step = export(_WORKDIR.value, _OUT.value, step=_STEP.value, stage=_STAGE.value)
     logging.info("exported %s step %d to %s", checkpoint_dir(_WORKDIR.value, _STAGE.value),
                  step, _OUT.value)

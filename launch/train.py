@@ -10,9 +10,7 @@ dir keeps the config (`config.json`, overrides applied) and each command line th
 run (`command.txt`); `launch/export.py` reads them to write a Hugging Face directory.
 """
 
-import logging as pylogging
 import os
-import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -36,22 +34,12 @@ def _initialize_distributed():
         jax.distributed.initialize()
 
 
-def _quiet_orbax():
-    """Orbax logs every step of every save at INFO; keep its warnings and errors."""
-    logging.get_absl_handler().addFilter(
-        lambda r: r.levelno >= pylogging.WARNING or f"{os.sep}orbax{os.sep}" not in r.pathname)
-
-
 def main(argv):
     del argv
-    _quiet_orbax()
+    from ptrain import quiet
+    quiet.quiet_orbax()
     _initialize_distributed()
-    import jax
-
-    from ptrain import metrics
-    if jax.process_index() == 0:  # the config and command line, for launch/export.py
-        metrics.write_run_record(_WORKDIR.value, _CONFIG.value, sys.argv)
-    from ptrain import closed_loop
+    from ptrain import closed_loop  # (it writes the run record, for launch/export.py)
     lines = closed_loop.run(_CONFIG.value, _WORKDIR.value)
     for line in lines:
         logging.info("eval %s", line)

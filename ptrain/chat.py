@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from sandbox import tools as sandbox_tools
 
+from ptrain import quiet
+
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
@@ -127,7 +129,7 @@ def parse_llama3(text: str) -> Calls:
     builtin = _BUILTIN.fullmatch(body)
     if builtin:
         try:
-            call = ast.parse(f"f({builtin.group(2)})", mode="eval").body
+            call = quiet.parse(f"f({builtin.group(2)})", mode="eval").body
             arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
         except (SyntaxError, ValueError) as e:
             return [f"Error: the arguments of {builtin.group(1)}.call(...) are not literals ({e})."]

@@ -224,16 +224,25 @@ class Checkpointer:
             target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
             partial_restore=True)))["state"]["params"]
 
-    def param_shapes(self, step=None) -> dict[tuple[str, ...], tuple[int, ...]]:
-        """The saved parameters' shapes by path (nnx's trailing "value" dropped), from the
-        metadata of `step` (default: the latest): no array is read."""
+    def aux_keys(self, step=None) -> dict[str, list[str]]:
+        """The keys of each aux_state pytree `step` (default: the latest) saved, from its
+        metadata (no array is read): e.g. {"ahead_params": ["0", "1"]}."""
+        tree = self._state_metadata(step)
+        return {name: sorted(map(str, sub)) for name, sub in tree.get("aux_state", {}).items()}
+
+    def _state_metadata(self, step):
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {self._manager.directory}")
         metadata = ocp.StandardCheckpointer().metadata(
             os.path.join(os.fspath(self._manager.directory), str(step), "state"))
         tree = getattr(metadata, "item_metadata", metadata)
-        tree = getattr(tree, "tree", tree)["params"]
+        return getattr(tree, "tree", tree)
+
+    def param_shapes(self, step=None) -> dict[tuple[str, ...], tuple[int, ...]]:
+        """The saved parameters' shapes by path (nnx's trailing "value" dropped), from the
+        metadata of `step` (default: the latest): no array is read."""
+        tree = self._state_metadata(step)["params"]
         out = {}
         for path, leaf in jax.tree_util.tree_leaves_with_path(
                 tree, is_leaf=lambda x: hasattr(x, "shape")):

@@ -37,12 +37,14 @@ from flax import nnx
 from sandbox import fleet
 from ptrain import chat
 from ptrain import config as config_lib
+from ptrain import eval_rows
 from ptrain import jsonl
 from ptrain import learner as learner_lib
 from ptrain import metrics as metrics_lib
 from ptrain import mixed_producer
 from ptrain import model as model_lib
 from ptrain import rollout as rollout_lib
+from ptrain import run_record
 from ptrain import sharding
 from ptrain import synthetic_tasks
 from ptrain import tasks as tasks_lib
@@ -169,13 +171,14 @@ def demo_record(task, demo, tokenizer, fmt) -> dict:
 
 
 def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step,
-             terminal=None):
+             terminal=None, skip=(), on_line=None):
     """Pass rates on the held-out split, per domain: greedy pass@1, and with eval.sample
     pass@1 and pass@k at the sampling temperature from sampling.num_samples samples per task
     (the unbiased estimator of Chen et al. 2021, `sandbox.terminal.evaluate.pass_at_k`).
     Returns eval.jsonl lines. With many processes each runs and scores its block of the
     tasks (one sampler call over all of them per turn) and the summary is of all episodes.
-    The terminal domain's episodes run in `terminal` (its producer, `terminal_domain`)."""
+    The terminal domain's episodes run in `terminal` (its producer, `terminal_domain`).
+    (domain, decoding) pairs in `skip` are not run; `on_line(line)` follows each that is."""
     lines, mesh = [], getattr(sampler, "mesh", None)
     decodings = [("greedy", dict(greedy=True, num_samples=1))]
     if config.eval.sample:
@@ -183,6 +186,8 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step,
     for decoding, change in decodings:
         rc = rollout_lib.rollout_config(config, **change)
         for domain, tasks in heldout.items():
+            if (domain, decoding) in skip:
+                continue
             tasks = tasks[:config.eval.n]
             line = {"stage": stage, "step": step, "split": "heldout", "domain": domain,
                     "decoding": decoding}
@@ -190,6 +195,8 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step,
                 lines.append({**line, **terminal_domain.evaluate(
                     terminal, params, tasks, seed=config.seed, num_samples=rc.num_samples,
                     greedy=rc.greedy, summarize=eval_summary)})
+                if on_line:
+                    on_line(lines[-1])
                 continue
             block, blocks = sharding.row_block(mesh)
             mine = tasks[len(tasks) * block // blocks:len(tasks) * (block + 1) // blocks]
@@ -205,6 +212,8 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step,
                                 [(e.verdicts[-1:], e.finish) for e in episodes], mesh)
                             for v, f in part]
             lines.append({**line, **eval_summary(episodes, rc.num_samples)})
+            if on_line:
+                on_line(lines[-1])
     return lines
 
 
@@ -227,19 +236,8 @@ def eval_summary(episodes, samples: int) -> dict:
 
 
 def _evaluate_once(path, stage, step, **kwargs):
-    """Evaluates unless eval.jsonl already has this (stage, step): a resumed run repeats
-    nothing, a run extended to more steps evaluates its new last step."""
-    done = [r for r in jsonl.read(path)
-            if r.get("stage") == stage and r.get("step") == step]
-    if sharding.agree(bool(done), "all"):  # every process evaluates, or none
-        return done
-    lines = evaluate(stage=stage, step=step, **kwargs)
-    if jax.process_index() == 0:  # one writer of the (global) lines
-        jsonl.append(lines, path)
-    for line in lines:
-        logging.info("eval %(stage)s step %(step)d %(domain)s %(decoding)s: pass@1 "
-                     "%(pass_rate).3f (n=%(n)d, truncated %(truncated).2f)", line)
-    return lines
+    """Evaluates what eval.jsonl lacks of this (stage, step), row by row (`ptrain.eval_rows`)."""
+    return eval_rows.evaluate_once(evaluate, path, stage, step, **kwargs)
 
 
 # ======================================================================================= run
@@ -248,16 +246,15 @@ def _evaluate_once(path, stage, step, **kwargs):
 def run(config, workdir, *, mesh=None):
     """The main job (see the module docstring). Configs without a `tasks` section run the
     learner alone (SFT if sft.steps, then RL with its own rollout). Returns the eval lines."""
+    run_record.start(config, workdir)  # config, inputs, a resume's changes; config.json
     os.makedirs(workdir, exist_ok=True)
     if "tasks" not in config:
-        learner_lib.check_config(config)
         params = learner_lib.sft(config, os.path.join(workdir, "sft"), mesh=mesh) \
             if config.sft.steps else None
         learner_lib.train(config, workdir, params=params, mesh=mesh)
         return []
 
     # ------------------------------------------------------------ set-up
-    check_config(config)
     tokenizer = make_tokenizer(config)
     config = derive_config(config, workdir, tokenizer)
     train, heldout = make_tasks(config, tokenizer, workdir)
@@ -332,9 +329,10 @@ def make_sampler(config, mesh, tokenizer):
 
 
 def make_tokenizer(config):
-    """The synthetic source's word tokenizer (the quickstart's; the terminal tasks' for the
-    terminal domain alone; the union of their pieces for both), else config.tokenizer."""
-    if config.tasks.source == "synthetic":
+    """config.tokenizer (a brought model's, whatever the task source), else the synthetic
+    source's word tokenizer (the quickstart's; the terminal tasks' for the terminal domain
+    alone; the union of their pieces for both)."""
+    if config.tasks.source == "synthetic" and not config.tokenizer:
         domains = config.tasks.domains
         parts = ([synthetic_tasks.WordTokenizer.for_tasks()] if set(domains) - {TERMINAL}
                  else []) + ([terminal_tasks.tokenizer()] if TERMINAL in domains else [])

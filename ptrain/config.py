@@ -31,6 +31,7 @@ POLICY_LOSSES = ("ppo", "gspo", "cispo")
 SCHEDULES = ("cosine", "constant")
 CHAT_FORMATS = ("plain", "qwen", "llama3")  # rollout.chat_format: ptrain.chat.FORMATS
 TASK_SOURCES = ("synthetic", "jsonl")
+SANDBOX_BACKENDS = ("auto", "docker", "bwrap", "process")  # sandbox.pick_backend's names
 # The closed loop's sections, beyond the learner's.
 LOOP_SECTIONS = ("tasks", "rollout", "reward", "sandbox", "eval", "terminal")
 TERMINAL = "terminal"  # the domain of generated terminal tasks run in docker (tasks.domains)
@@ -168,6 +169,8 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
                  checkpoint_every=0,  # 0: checkpoint.every (SFT steps are often much shorter)
                  optim=_optim(lr=1e-3),
                  packing=False, seq_len=1024, truncate=False, layout="contiguous")
+    # rollouts_every: rollouts.jsonl gets num_rollouts samples of step 1 and of every
+    # rollouts_every-th step (0: none)
     c.log = dict(every=1, rollouts_every=10, num_rollouts=4)
     c.checkpoint = dict(every=10, keep=3, async_save=True)
     # What stops or warns (ptrain/alerts.py): actions "stop" | "warn" | "off", thresholds.
@@ -196,6 +199,8 @@ def _closed_loop_sections(c):
                      max_tool_output_chars=1000, tool_timeout_s=5.0,
                      chat_format="plain")  # CHAT_FORMATS
     c.reward = dict(partial_credit=False, timeout_s=10.0, test_timeout_s=2.0, memory_mb=512)
+    # backend: "auto" takes the strongest that runs here (docker, bwrap, process; logged once
+    # with the reason, `sandbox.pick_backend`); name one to pin it.
     c.sandbox = dict(backend="auto", workers=2,
                      cluster="local",  # "ray": scoring and tool sessions on a Ray fleet
                      address="local")  # with cluster="ray": "local" or a Ray address
@@ -240,6 +245,32 @@ def check_adaptive(section, where: str) -> None:
         adaptive.from_config(("check",), (1.0,), section, seed=0)
     except ValueError as e:
         raise ValueError(f"config: {where}: {e}") from None
+
+
+def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A config's `:smoke` variant, in place: every stage the run has (a brought model's base
+    evaluation, SFT, RL, the held-out evaluations) at the smallest sizes that still run them,
+    so that the whole path runs end to end in minutes on a laptop CPU before the real run.
+    The model, tokenizer, tasks and algorithm stay the config's."""
+    c.steps = min(c.steps, 2)
+    c.data.prompts_per_step = 2
+    c.sampling.update(num_samples=2, max_new_tokens=min(c.sampling.max_new_tokens, 32))
+    c.rl.update(num_minibatches=1, microbatch_size=0, logprob_microbatch_size=0)
+    if c.sft.steps:
+        c.sft.update(steps=min(c.sft.steps, 10), batch_size=min(c.sft.batch_size, 8),
+                     microbatch_size=0, checkpoint_every=0)
+    c.checkpoint.every = 1
+    c.log.rollouts_every = 1
+    if "tasks" in c:
+        c.eval.update(n=min(c.eval.n, 4), sample=False)
+        c.sandbox.workers = 1
+        c.rollout.update(max_turns=min(c.rollout.max_turns, 2),
+                         max_len=min(c.rollout.max_len, 4 * c.sampling.max_new_tokens))
+        c.terminal.threads = min(c.terminal.threads, 4)
+        c.dapo.overlong_buffer = min(c.dapo.overlong_buffer, c.rollout.max_len)
+        if c.tasks.source == "synthetic":
+            c.tasks.update(n_train=min(c.tasks.n_train, 64), n_heldout=min(c.tasks.n_heldout, 4))
+    return c
 
 
 def plan_defaults() -> ml_collections.ConfigDict:
@@ -311,8 +342,54 @@ def _check_keys(config, closed_loop):
             + ". Build the config on ptrain.config.defaults() and set only existing keys.")
 
 
+def _check_sizes(config):
+    """Counts and sizes that must be positive (or >= 0): first, so that the checks after
+    them may divide by them."""
+    rl, s, d, sc = config.rl, config.sampling, config.data, config.sft
+    positive = {"data.prompts_per_step": d.prompts_per_step,
+                "data.max_prompt_len": d.max_prompt_len,
+                "sampling.num_samples": s.num_samples,
+                "sampling.max_new_tokens": s.max_new_tokens,
+                "rl.ppo_epochs": rl.ppo_epochs, "rl.num_minibatches": rl.num_minibatches,
+                "rl.logprob_chunk": rl.logprob_chunk,
+                "sft.batch_size": sc.batch_size, "sft.max_prompt_len": sc.max_prompt_len,
+                "sft.max_completion_len": sc.max_completion_len,
+                "log.every": config.log.every, "checkpoint.every": config.checkpoint.every,
+                "checkpoint.keep": config.checkpoint.keep}
+    at_least_zero = {"steps": config.steps, "sft.steps": sc.steps,
+                     "rl.microbatch_size": rl.microbatch_size,
+                     "rl.logprob_microbatch_size": rl.logprob_microbatch_size,
+                     "sft.microbatch_size": sc.microbatch_size,
+                     "sft.checkpoint_every": sc.checkpoint_every,
+                     "log.rollouts_every": config.log.rollouts_every,
+                     "log.num_rollouts": config.log.num_rollouts}
+    if "tasks" in config:
+        positive.update({"eval.n": config.eval.n, "sandbox.workers": config.sandbox.workers,
+                         "rollout.max_turns": config.rollout.max_turns,
+                         "rollout.max_attempts": config.rollout.max_attempts,
+                         "rollout.max_len": config.rollout.max_len})
+        if config.tasks.source == "synthetic":
+            positive.update({"tasks.n_train": config.tasks.n_train,
+                             "tasks.n_heldout": config.tasks.n_heldout})
+    checks = []
+    for bound, keys in ((1, positive), (0, at_least_zero)):
+        for key, value in keys.items():
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= bound
+            what = "a positive int" if bound else "an int >= 0 (0: " + _ZERO.get(key, "off") + ")"
+            checks.append((ok, f"{key}={value!r} must be {what}"))
+    _raise_first(checks)
+
+
+# What 0 means for the keys that may be 0 (`_check_sizes`' messages).
+_ZERO = {"steps": "no RL", "sft.steps": "no SFT",
+         "rl.microbatch_size": "the whole minibatch", "rl.logprob_microbatch_size": "one pass",
+         "sft.microbatch_size": "the whole batch", "sft.checkpoint_every": "checkpoint.every",
+         "log.rollouts_every": "never"}
+
+
 def _check_values(config):
     from ptrain import losses  # the loss modes are the loss module's
+    _check_sizes(config)
     rl, s, d = config.rl, config.sampling, config.data
     mb_rows = d.prompts_per_step * s.num_samples // max(rl.num_minibatches, 1)
     micro = rl.microbatch_size
@@ -332,8 +409,6 @@ def _check_values(config):
         (not s.decode_dtype or s.engine,
          f"sampling.decode_dtype={s.decode_dtype!r} is the rollout engine's decode copy: set "
          "sampling.engine=True (or decode_dtype='')"),
-        (config.steps >= 0 and rl.ppo_epochs >= 1 and rl.num_minibatches >= 1,
-         "steps must be >= 0, rl.ppo_epochs and rl.num_minibatches >= 1"),
         (d.prompts_per_step % rl.num_minibatches == 0,
          f"data.prompts_per_step={d.prompts_per_step} groups must divide into "
          f"rl.num_minibatches={rl.num_minibatches}"),
@@ -415,12 +490,16 @@ def _check_loop_values(config):
          f"synthetic domains are {(*synthetic_tasks.DOMAINS, TERMINAL)}"),
         (len(set(t.domains)) == len(t.domains), f"tasks.domains {t.domains} repeats a domain"),
         (TERMINAL not in t.domains or t.source == "synthetic",
-         "the terminal domain generates its tasks (or reads terminal.tasks_dir): set "
-         "tasks.source='synthetic'"),
+         "the terminal domain generates its tasks or reads terminal.tasks_dir, not task "
+         "files: set tasks.source='synthetic' (a brought model keeps its tokenizer, "
+         "config.tokenizer, and its rollout.chat_format)"),
         (TERMINAL not in t.domains or config.rollout.max_attempts == 1,
          "the terminal domain has no self-correction: set rollout.max_attempts=1"),
         (config.terminal.threads >= 1 and config.terminal.max_idle >= 0,
          "terminal.threads must be >= 1 and terminal.max_idle >= 0"),
+        (config.sandbox.backend in SANDBOX_BACKENDS,
+         f"sandbox.backend={config.sandbox.backend!r}: use one of {SANDBOX_BACKENDS} (auto: "
+         "the strongest that runs here)"),
         (config.terminal.backend in ("docker", "bwrap"),
          f"terminal.backend={config.terminal.backend!r} must be 'docker' or 'bwrap'"),
         (not config.terminal.heldout_dir or config.terminal.tasks_dir,
@@ -452,6 +531,9 @@ def check_hf_model(config) -> None:
     ones that is set (differs from defaults()) and differs from config.json is an error."""
     from ptrain import hf
     from ptrain import model as model_lib
+    if not os.path.isfile(os.path.join(config.hf_model, "config.json")):
+        raise ValueError(f"config: hf_model={config.hf_model!r} is not a directory with a "
+                         "config.json; set hf_model to a local Hugging Face model directory")
     ours = hf.config_from_hf(hf.read_config(config.hf_model))
     base = defaults().model
     for key, value in config.model.items():

@@ -54,6 +54,7 @@ from ptrain import model as model_lib
 from ptrain import packing
 from ptrain import rollout as rollout_lib
 from ptrain import routing
+from ptrain import run_record
 from ptrain import sharding
 from ptrain import step as step_lib
 from ptrain.batch import Batch, Episodes  # noqa: F401 (Episodes: learner.Episodes, ex name)
@@ -290,6 +291,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
             tokenizer=learner.tokenizer)
     engines = engine_sampler.find(producer)  # sampling.engine: their metrics each step
     os.makedirs(workdir, exist_ok=True)
+    run_record.ensure(c, workdir)  # (launch/export.py reads it; closed_loop.run wrote it)
     prompts = _prompt_stream(c.data, c.data.prompts_per_step, c.seed, workdir, "prompts",
                              on_error=c.data.on_error, mesh=learner.mesh,
                              sources=prompt_sources)
@@ -317,8 +319,8 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     monitor = alerts_lib.Monitor(alerts_lib.AlertConfig.from_config(c.alerts))
     if ckpt.latest_step() is not None:
         if k and not c.rl.interrupt:
-            aux["ahead_params"] = lookahead_lib.restore_template(params, k, ckpt.latest_step(),
-                                                                 c.steps)
+            aux["ahead_params"] = lookahead_lib.restore_template(
+                params, len(ckpt.aux_keys().get("ahead_params", ())))
         restored = ckpt.restore(params=params, opt_state=opt_state, rng=root_key,
                                 aux_state={n: v for n, v in aux.items() if v} or None)
         start, params, opt_state = restored.step, restored.params, restored.opt_state
@@ -331,7 +333,8 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
         ahead_batches = lookahead_lib.restore_batches(restored.extra, restored.host_state)
         logging.info("resumed from step %d", start)
     batches = prompts.iterator(data_state)
-    writer = metrics_lib.MetricsWriter(workdir, total_steps=c.steps, start_step=start)
+    writer = metrics_lib.MetricsWriter(workdir, total_steps=c.steps, start_step=start,
+                                       desc="rl")
     ahead = (lookahead_lib.LookAhead(k, producer, batches, root_key, steps=c.steps,
                                      save_every=c.checkpoint.every,
                                      interrupt=c.rl.interrupt,
@@ -355,7 +358,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                 # a thread); batch t+k is generated now from a copy of the current ones, in
                 # the generation thread, while this thread updates.
                 if step == start + 1:  # the first step of a run (or of a resumed run)
-                    ahead.start(step, ahead_params, finished=ahead_batches)
+                    ahead.start(step, ahead_params, finished=ahead_batches, current=params)
                     ahead_params = ahead_batches = None
                 collector.add(ahead.next(step, params))
             else:
@@ -397,7 +400,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
             fired = monitor.check(step, step_metrics)  # every step, logged or not
             if step % c.log.every == 0 or step == c.steps or fired:
                 writer.write(step, {**step_metrics, **alerts_lib.as_metrics(fired)})
-            if c.log.rollouts_every and step % c.log.rollouts_every == 0:
+            if c.log.rollouts_every and (step % c.log.rollouts_every == 0 or step == 1):
                 writer.write_rollouts(step, batch_lib.rollout_samples(episodes, c.log.num_rollouts))
 
             # ------------------------------------------------------------ checkpoint
@@ -529,7 +532,8 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
         batches, next_packed = _packed_sft(learner, records, data_state)
     else:
         batches = records.iterator(data_state)
-    writer = metrics_lib.MetricsWriter(workdir, total_steps=sc.steps, start_step=start)
+    writer = metrics_lib.MetricsWriter(workdir, total_steps=sc.steps, start_step=start,
+                                       desc="sft")
 
     monitor = alerts_lib.Monitor(alerts_lib.AlertConfig.from_config(c.alerts))
     for step in range(start + 1, sc.steps + 1):

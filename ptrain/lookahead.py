@@ -66,9 +66,10 @@ def version(step: int, k: int) -> int:
     return max(0, step - k - 1)
 
 
-def restore_template(params, k: int, latest: int, steps: int) -> dict:
-    """The checkpoint's `ahead_params` entry (its structure) for a run saved at `latest`."""
-    return {str(j): params for j in range(min(k, steps - latest))}
+def restore_template(params, saved: int) -> dict:
+    """The checkpoint's `ahead_params` entry (its structure) for `saved` pending batches
+    (`Checkpointer.aux_keys`: a run's last step saves none, however many it resumes to)."""
+    return {str(j): params for j in range(saved)}
 
 
 class LookAhead:
@@ -98,9 +99,12 @@ class LookAhead:
         finally:
             self.waited_s += time.perf_counter() - start
 
-    def _generate(self, now: int, step: int, params, *, interruptible: bool = True) -> None:
+    def _generate(self, now: int, step: int, params, *, interruptible: bool = True,
+                  of_version: int | None = None) -> None:
         """Starts generating (then scoring) the batch of `step` at step `now`, in the threads,
-        from a copy of `params` (the learner donates its own to the update meanwhile)."""
+        from a copy of `params` (the learner donates its own to the update meanwhile), which
+        are `of_version` (default: the schedule's, `version`)."""
+        of_version = version(step, self.k) if of_version is None else of_version
         if self.generating is not None:  # the sync point: one generation in flight at most
             self._wait(self.generating)
         data_state = self.batches.get_state()
@@ -120,7 +124,7 @@ class LookAhead:
                 raise ValueError("rl.interrupt needs the generation thread: one process")
             switch = (interrupt_lib.Switch(replay=self.replay, keep_cache=self.keep_cache)
                       if interruptible else None)
-            weights = interrupt_lib.Live(weights, version(step, self.k), switch)
+            weights = interrupt_lib.Live(weights, of_version, switch)
         if not threaded:
             # Many processes must issue the same device programs in the same order (their
             # collectives pair up across processes); a generation thread would interleave
@@ -133,22 +137,28 @@ class LookAhead:
             generated = self.generator.submit(self.producer.generate, weights, records, key)
         scored = self.scorer.submit(lambda: self.producer.score(generated.result()))
         self.generating = generated
-        self.pending.append(Pending(step, version(step, self.k), scored, data_state,
+        self.pending.append(Pending(step, of_version, scored, data_state,
                                     weights if keep else None, switch))
 
-    def start(self, step: int, params_list, finished=None) -> None:
+    def start(self, step: int, params_list, finished=None, *, current=None) -> None:
         """At a run's first step (or a resumed run's): the batches of step .. step + k - 1,
         from the initial parameters or those a checkpoint saved (oldest first), or, with
-        interrupt, the finished batches a checkpoint saved (`restore_batches`)."""
-        if finished:
-            for item in finished:
-                done = concurrent.futures.Future()
-                done.set_result(item["batch"])
-                self.pending.append(Pending(item["step"], item["version"], done, None, None))
-            return
-        for j, params in enumerate(params_list):
-            if step + j <= self.steps:
-                self._generate(step, step + j, params, interruptible=False)
+        interrupt, the finished batches a checkpoint saved (`restore_batches`). A run
+        extended past the step it ended at has fewer saved than that (its last checkpoint
+        needed none): the rest are generated from `current`, the restored parameters
+        (version step - 1)."""
+        for item in finished or ():
+            done = concurrent.futures.Future()
+            done.set_result(item["batch"])
+            self.pending.append(Pending(item["step"], item["version"], done, None, None))
+        if not finished:
+            for j, params in enumerate(params_list):
+                if step + j <= self.steps:
+                    self._generate(step, step + j, params, interruptible=False)
+        for j in range(len(finished or params_list), self.k):
+            if step + j <= self.steps and current is not None:
+                self._generate(step, step + j, current, interruptible=False,
+                               of_version=step - 1)
 
     def publish(self, step: int, params) -> None:
         """interrupt: after update `step`, its parameters (version `step`) for the generation

@@ -16,7 +16,8 @@ leaves per-domain keys out (one PNG each).
 
 `write_run_record` keeps the config a run was started with
 (`<workdir>/config.json`, overrides applied) and every command line that started it
-(`<workdir>/command.txt`); `read_run_config` reads the config back. A progress bar with ETA goes to stderr when it is a terminal.
+(`<workdir>/command.txt`); `read_run_config` reads the config back. Progress with ETA
+(`ptrain.progress`): a bar on stderr when it is a terminal, else a log line now and then.
 
 Resuming: open the writer with `start_step` = the restored checkpoint's step. Lines logged
 after that step by the crashed run are removed from both JSONL files (a torn last line is
@@ -30,11 +31,12 @@ import os
 import re
 import shlex
 import sys
+import time
 
 import numpy as np
-import tqdm
 
 from ptrain import jsonl
+from ptrain import progress as progress_lib
 from ptrain.jsonl import read as read_jsonl
 
 
@@ -161,10 +163,12 @@ class MetricsWriter:
     """Writes one work dir's logs; see the module docstring."""
 
     def __init__(self, workdir, *, total_steps=None, start_step=0, progress=None,
-                 primary=None):
+                 primary=None, desc="step"):
         """primary: whether this process writes (default: JAX process 0 of many, so that N
         processes logging the same globally reduced metrics write one set of files); the
-        others check what they are given and write nothing."""
+        others check what they are given and write nothing. progress: the bar's
+        `ptrain.progress.Progress` bar argument (None: a bar on a terminal, else log lines);
+        desc names it ("rl", "sft")."""
         self.workdir = os.fspath(workdir)
         if primary is None:
             import jax  # only to learn which process this is
@@ -183,10 +187,8 @@ class MetricsWriter:
         # The domains logged so far (`domains/seen`), those of the kept lines on a resume.
         self._domains = {split[0] for row in read_jsonl(self.metrics_path) for key in row
                          if (split := split_domain_key(key)) is not None}
-        show = sys.stderr.isatty() if progress is None else bool(progress)
-        self._bar = tqdm.tqdm(total=total_steps, initial=start_step, disable=not show,
-                              file=progress if hasattr(progress, "write") else None,
-                              unit="step", dynamic_ncols=True)
+        self._bar = progress_lib.Progress(total_steps, desc=desc, unit="step",
+                                          initial=start_step, bar=progress)
         self._step = start_step
 
     def write(self, step, metrics):
@@ -210,11 +212,10 @@ class MetricsWriter:
                 self._tb.add_scalar(key, value, global_step=int(step))
         if by_field:
             self._write_domain_summaries(by_field, int(step))
-        self._bar.update(int(step) - self._step)
         self._step = int(step)
-        shown = {k: f"{v:.3g}" for k, v in values.items()
-                 if DEFAULT_PLOT_PATTERN.search(k) and not isinstance(v, list)}
-        self._bar.set_postfix(shown, refresh=False)
+        self._bar.advance_to(self._step, **{
+            k: v for k, v in values.items() if not isinstance(v, list)
+            and (k == "sft/loss" or (k.startswith("reward/") and k.endswith("mean")))})
 
     def _write_domain_summaries(self, by_field, step):
         domains = {d for values in by_field.values() for d in values}
@@ -290,7 +291,8 @@ def write_eval(workdir, lines) -> None:
     (`eval/<stage>_<decoding>/pass_rate/...`, as `MetricsWriter.write`'s). One writer per
     run's lines: call it where the lines are appended to eval.jsonl."""
     groups: dict[tuple, dict[str, dict[str, float]]] = {}
-    tb = _import_tensorboardx().SummaryWriter(os.path.join(os.fspath(workdir), "tb", "eval"))
+    tb = _import_tensorboardx().SummaryWriter(  # a file of its own (names are per second)
+        os.path.join(os.fspath(workdir), "tb", "eval"), filename_suffix=f".{time.time_ns()}")
     try:
         for line in lines:
             run, step = f"{line['stage']}_{line['decoding']}", int(line["step"])

@@ -20,6 +20,7 @@ import sandbox
 from sandbox import judge
 
 from ptrain import answers
+from ptrain import quiet
 from ptrain.tasks import Answer, Files, Format, Stdio, Task, UnitTests
 
 
@@ -67,7 +68,7 @@ extract_answer = answers.extract  # the name callers know
 def _defines(code: str, name: str) -> bool:
     """Whether `code` parses on its own and defines function `name` at its top level."""
     try:
-        module = ast.parse(code)
+        module = quiet.parse(code)  # (model-written: its SyntaxWarnings are not the run's)
     except SyntaxError:
         return False
     return any(isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name == name

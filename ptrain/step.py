@@ -51,13 +51,15 @@ def make_optimizer(optim, *, total_steps: int, updates_per_step: int = 1):
     The schedule is in RL steps (each makes `updates_per_step` optimizer updates).
     Returns (optax transformation, schedule(step) -> learning rate).
     """
-    warmup = optax.linear_schedule(0.0, optim.lr, optim.warmup_steps)
     if optim.schedule == "cosine":
         main = optax.cosine_decay_schedule(optim.lr, max(total_steps - optim.warmup_steps, 1),
                                            alpha=optim.min_lr_ratio)
     else:
         main = optax.constant_schedule(optim.lr)
-    schedule = optax.join_schedules([warmup, main], [optim.warmup_steps])
+    schedule = main  # (no warmup: no zero-length linear schedule, which optax warns about)
+    if optim.warmup_steps:
+        warmup = optax.linear_schedule(0.0, optim.lr, optim.warmup_steps)
+        schedule = optax.join_schedules([warmup, main], [optim.warmup_steps])
 
     def per_update(count):
         return schedule(count // updates_per_step)

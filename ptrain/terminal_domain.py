@@ -78,9 +78,10 @@ def make_tasks(config, tokenizer, workdir, *, train_file: str, heldout_file: str
     return train, heldout, demos
 
 
-def _load(path: str, backend: str) -> list[Listed]:
+def _load(path: str, backend: str, image_map=()) -> list[Listed]:
     """The tasks of a directory (every skipped one named, with why); on bwrap, one that
-    needs its Dockerfile's image is an error here, before anything trains."""
+    needs its Dockerfile's image (after terminal.image_map, as launch.eval maps it) is an
+    error here, before anything trains."""
     from sandbox import terminal
     loaded = terminal.load_tasks(path)
     if loaded.skipped:
@@ -91,7 +92,7 @@ def _load(path: str, backend: str) -> list[Listed]:
         refused = []
         for task in loaded.tasks:
             try:
-                terminal.bwrap.plan(task)
+                terminal.bwrap.plan(task, image_map=terminal.parse_image_map(list(image_map)))
             except terminal.bwrap.NeedsImage as e:
                 refused.append(str(e))
         if refused:
@@ -105,9 +106,9 @@ def from_directory(config) -> tuple[list[Listed], list[Listed]]:
     """(train, heldout) from terminal.tasks_dir: heldout_dir's tasks, or a seeded split of
     tasks_dir holding out tasks.n_heldout of them (at most half); no instruction in both."""
     d = config.terminal
-    tasks = _load(d.tasks_dir, d.backend)
+    tasks = _load(d.tasks_dir, d.backend, d.image_map)
     if d.heldout_dir:
-        train, heldout = tasks, _load(d.heldout_dir, d.backend)
+        train, heldout = tasks, _load(d.heldout_dir, d.backend, d.image_map)
     else:
         order = sorted(tasks, key=lambda x: x.task_dir)
         random.Random(f"{config.seed}/terminal/split").shuffle(order)

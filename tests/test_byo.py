@@ -1,4 +1,5 @@
-"""Bring your own model, end to end: `launch/train.py` on configs/byo_qwen.py with a Hugging Face
+"""Bring your own model, end to end: `launch/train.py` on configs/byo_qwen.py's smoke variant (the
+README's first command) with a Hugging Face
 directory (tests/hf_fixtures: a tiny random Qwen2.5-style model, its byte-level BPE tokenizer
 and the real Qwen2.5 chat template), HumanEval- and GSM8K-format task files, and the python
 tool (multi-turn episodes). The steps run; the brought model is evaluated at step 0 and after
@@ -34,20 +35,18 @@ def test_byo_config_runs_end_to_end_on_a_hugging_face_directory(hf_dir, tmp_path
         f.write(json.dumps({"question": "Bob has 2 pens and buys 5 more. How many pens?",
                             "answer": "2 + 5 = 7\n#### 7"}) + "\n")
     workdir = str(tmp_path / "run")
-    overrides = {
-        "steps": 2, "data.prompts_per_step": 2, "data.max_prompt_len": 768,  # longest: 704
-        "sampling.num_samples": 2, "sampling.max_new_tokens": 12, "rollout.max_len": 40,
-        "rollout.max_turns": 2, "rl.num_minibatches": 1, "rl.microbatch_size": 0,
+    overrides = {  # the README's smoke variant, shorter still, sampled evaluation on
+        "data.max_prompt_len": 768,  # longest: 704
+        "sampling.max_new_tokens": 12, "rollout.max_len": 40,
         "model.remat": "none", "mesh.fsdp": 1,
-        "eval.n": 2, "sandbox.workers": 1, "sandbox.backend": "process",
-        "checkpoint.every": 1, "log.rollouts_every": 1,
+        "eval.n": 2, "eval.sample": True, "sandbox.backend": "process",
         "tasks.train": ((files["humaneval"], "humaneval"), (files["gsm8k"], "gsm8k")),
         "tasks.heldout": ((held["humaneval"], "humaneval"), (gsm_held, "gsm8k")),
     }
     env = dict(os.environ, XLA_FLAGS=" ".join(  # one CPU device (conftest's other flags kept)
         f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f))
     run = subprocess.run(
-        [sys.executable, "-m", "launch.train", f"--config=configs/byo_qwen.py:{model_dir}",
+        [sys.executable, "-m", "launch.train", f"--config=configs/byo_qwen.py:{model_dir},smoke",
          f"--workdir={workdir}", *(f"--config.{k}={v!r}" if isinstance(v, tuple)
                                    else f"--config.{k}={v}" for k, v in overrides.items())],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)

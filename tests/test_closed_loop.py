@@ -364,15 +364,46 @@ def test_eval_summary_pass_at_k_and_truncated_turns():
     assert out["finish"] == {"answered": 7, "truncated": 1}
 
 
-def test_evaluations_are_keyed_by_stage_and_step(tmp_path, monkeypatch):
-    calls = []
-    monkeypatch.setattr(closed_loop, "evaluate", lambda **k: calls.append(k["step"]) or [
-        {"stage": k["stage"], "step": k["step"], "domain": "code", "decoding": "greedy",
-         "pass_rate": 0.5, "n": 1, "truncated": 0.0}])
+def test_evaluations_are_keyed_by_stage_and_step_and_resume_row_by_row(tmp_path, monkeypatch):
+    """Each (domain, decoding) row is written as it is measured: an evaluation interrupted
+    after its first row measures only the others when run again; TensorBoard gets them too."""
+    calls, fail_after = [], [1]
+
+    def fake_evaluate(*, stage, step, config, heldout, skip, on_line, **kwargs):
+        for decoding in ("greedy", "sample"):
+            for domain in heldout:
+                if (domain, decoding) in skip:
+                    continue
+                if fail_after[0] == 0:
+                    raise KeyboardInterrupt
+                fail_after[0] -= 1
+                calls.append((step, domain, decoding))
+                on_line({"stage": stage, "step": step, "domain": domain, "decoding": decoding,
+                         "pass_rate": 0.5, "pass@1": 0.5, "n": 1, "truncated": 0.0})
+    monkeypatch.setattr(closed_loop, "evaluate", fake_evaluate)
+    config = quickstart.get_config("short")
+    config.eval.sample = True
+    ev = dict(config=config, heldout={"code": [0, 1], "arith": [2]})
     path = str(tmp_path / "eval.jsonl")
-    closed_loop._evaluate_once(path, "rl", 100)
-    closed_loop._evaluate_once(path, "rl", 100)  # resumed: nothing new
-    closed_loop._evaluate_once(path, "rl", 150)  # extended to more steps: its new last step
-    assert calls == [100, 150]
-    assert [(r["stage"], r["step"]) for r in metrics.read_jsonl(path)] == [("rl", 100),
-                                                                          ("rl", 150)]
+    with pytest.raises(KeyboardInterrupt):  # killed after its first row
+        closed_loop._evaluate_once(path, "rl", 100, **ev)
+    assert [(r["domain"], r["decoding"]) for r in metrics.read_jsonl(path)] == [
+        ("code", "greedy")]
+    fail_after[0] = 100
+    rows = closed_loop._evaluate_once(path, "rl", 100, **ev)  # resumed: the other three
+    assert [(r["domain"], r["decoding"]) for r in rows] == [
+        ("code", "greedy"), ("arith", "greedy"), ("code", "sample"), ("arith", "sample")]
+    closed_loop._evaluate_once(path, "rl", 100, **ev)  # done: nothing new
+    closed_loop._evaluate_once(path, "rl", 150, **ev)  # extended to more steps: its new step
+    assert calls == [(100, "code", "greedy"), (100, "arith", "greedy"), (100, "code", "sample"),
+                     (100, "arith", "sample")] + [
+        (150, d, dec) for dec in ("greedy", "sample") for d in ("code", "arith")]
+    assert len(metrics.read_jsonl(path)) == 8
+    from test_metrics import read_events
+    scalars = {}
+    for file in sorted((tmp_path / "tb" / "eval").glob("events.*")):
+        for e in read_events(file):
+            for v in e.summary.value:
+                scalars.setdefault(v.tag, []).append((e.step, v.simple_value))
+    assert "eval_domain/arith/rl_sample/pass_rate" in scalars
+    assert scalars["eval_domain/code/rl_greedy/pass_rate"] == [(100, 0.5), (150, 0.5)]

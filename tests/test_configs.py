@@ -47,6 +47,20 @@ def test_quickstart_short_variant_builds():
     assert short.steps < quickstart.get_config().steps
 
 
+@pytest.mark.parametrize("name, arg", [("quickstart", "smoke"), ("terminal_toy", "smoke"),
+                                       ("byo_qwen", ",smoke")])
+def test_smoke_variants_build_and_keep_every_stage(name, arg):
+    module = importlib.import_module(f"configs.{name}")
+    full, smoke = module.get_config(arg.replace("smoke", "").rstrip(",")), module.get_config(arg)
+    closed_loop.check_config(smoke)
+    assert 0 < smoke.steps <= 2 and smoke.eval.n <= 4
+    assert bool(smoke.sft.steps) == bool(full.sft.steps)  # SFT kept where the run has it
+    assert (smoke.hf_model, smoke.tasks.domains, smoke.rl.estimator) == (
+        full.hf_model, full.tasks.domains, full.rl.estimator)
+    with pytest.raises(ValueError, match="smoke"):
+        module.get_config(arg.replace("smoke", "smok"))
+
+
 @pytest.mark.parametrize("override, message", [
     ("--config.stepz=3", "stepz"),
     ("--config.rl.clip_hi=0.3", "clip_hi"),

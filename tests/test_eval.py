@@ -216,3 +216,61 @@ def test_report_escapes_everything_and_links_each_attempt(tmp_path):
     assert all(h[1:] in tags.ids for h in tags.hrefs)
     assert page.count("<details id=") == 3
     assert "pass@1" in page and "pass@2" in page
+
+
+# --- environment failures: said on the console, exit status 2 -------------------------------
+
+
+def test_environment_failures_are_told_apart_from_the_agents():
+    from ptrain import eval_failures
+    rows = [
+        {"task": "a", "error": "ImageError: Dockerfile:1: image 'python:3.12-slim' is not "
+         "present locally; ...", "turns": 0, "time_s": 0.1},  # never started
+        {"task": "b", "error": "no pytest results in the output (did the tests run?)",
+         "verify_time_s": 1.0, "feedback": "reward 0\n/usr/bin/python3: No module named pytest"},
+        {"task": "c", "error": None, "verify_time_s": 1.0, "feedback": "reward 0: 0 of 2"},
+        {"task": "d", "error": "the agent failed: ValueError: x", "verify_time_s": 1.0,
+         "feedback": "reward 0"},  # the agent's own failure
+    ]
+    found = eval_failures.environment(rows)
+    assert [(f["example"], f["attempts"]) for f in found] == [("a", 1), ("b", 1)]
+    assert "--image_map=FROM=LOCAL" in found[0]["fix"] and "pip install pytest" in found[1]["fix"]
+    text = eval_failures.report(found, total=4)
+    assert text.startswith("2 of 4 attempts failed for an environment reason")
+    assert "docker SDK" in eval_failures.fix("No module named 'docker'")
+
+
+@pytest.mark.xdist_group("terminal")
+def test_cli_a_missing_image_is_said_with_its_fix_and_exits_2(tmp_path):
+    from tests.test_terminal import _REASON
+    if _REASON is not None:
+        pytest.skip(_REASON)
+    task = tmp_path / "tasks" / "hello-file"
+    shutil.copytree(os.path.join(TASKS_DIR, "hello-file"), task)
+    dockerfile = task / "environment" / "Dockerfile"
+    dockerfile.write_text(dockerfile.read_text().replace("FROM ptrain-term-base:latest",
+                                                         "FROM python:3.12-slim"))
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run([sys.executable, "-m", "launch.eval", f"--tasks={tmp_path / 'tasks'}",
+                        "--agent=oracle", f"--out={tmp_path / 'out'}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "1 of 1 attempts failed for an environment reason" in p.stderr
+    assert "'python:3.12-slim' is not present locally" in p.stderr
+    assert "fix: the task's image is not on this machine" in p.stderr
+
+
+def test_cli_without_the_docker_sdk_says_which_extra_to_install(tmp_path):
+    """As after `make install` alone: `import docker` fails (blocked here in the process)."""
+    tasks = tmp_path / "tasks"
+    shutil.copytree(os.path.join(TASKS_DIR, "hello-file"), tasks / "hello-file")
+    program = ("import sys; sys.modules['docker'] = None\n"
+               "from absl import app\nfrom launch import eval as e\napp.run(e.main)\n")
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run([sys.executable, "-c", program, f"--tasks={tasks}", "--agent=oracle",
+                        f"--out={tmp_path / 'out'}"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode != 0
+    out = p.stdout + p.stderr
+    assert "pip install -e '.[terminal]'" in out, out[-3000:]
+    assert "Traceback" not in out

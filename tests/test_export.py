@@ -50,12 +50,17 @@ def test_a_trained_run_exports_with_our_logits(tmp_path):
     train = run("launch.train", "--config=configs/grpo_toy.py", "--config.steps=2",
                 "--config.checkpoint.every=1", f"--workdir={workdir}")
     assert train.returncode == 0, train.stderr[-3000:]
+    # Quiet logs with progress: no warning a user cannot act on, rl steps in the log file.
+    assert "transition_steps" not in train.stderr and "Warning" not in train.stderr
+    assert "rl: 2/2 steps (100%)" in train.stderr, train.stderr[-3000:]
     kept = metrics.read_run_config(workdir)
     assert kept.steps == 2 and kept.model.d_model == 32 and kept.optim.lr == 1e-2
     with open(os.path.join(workdir, "command.txt")) as f:
         assert "--config.steps=2" in f.read()
 
-    assert export_lib.export(workdir, out, step=1) == 1
+    exported = run("launch.export", f"--workdir={workdir}", f"--out={out}", "--step=1")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert "orbax" not in exported.stderr and "exported" in exported.stderr
     config = model_lib.ModelConfig(**kept.model.to_dict())
     graphdef, fresh = nnx.split(model_lib.init(config, seed=kept.seed))
     with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:

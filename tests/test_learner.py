@@ -67,6 +67,8 @@ def toy_run(tmp_path_factory):
 
 
 def test_grpo_toy_run_reaches_high_reward(toy_run):
+    from ptrain import metrics
+    assert metrics.read_run_config(toy_run).steps == STEPS  # a Python run's record (export)
     records = _metrics(toy_run)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert records[0]["reward/mean"] < 0.2  # about 1/32 at random
@@ -77,7 +79,7 @@ def test_grpo_toy_run_reaches_high_reward(toy_run):
     steps = sorted(int(n) for n in os.listdir(os.path.join(toy_run, "checkpoints")) if n.isdigit())
     assert steps == [8, 12]  # keep=2
     rollouts = read_jsonl(os.path.join(toy_run, "rollouts.jsonl"))
-    assert {r["step"] for r in rollouts} == {10} and len(rollouts) == 4
+    assert {r["step"] for r in rollouts} == {1, 10} and len(rollouts) == 8  # step 1 always
     assert os.path.exists(os.path.join(toy_run, "plots", "reward_mean.png"))
 
 
