@@ -199,3 +199,36 @@ def test_peft_loads_the_adapter_directory_onto_the_transformers_base(trained, tm
     ours = np.asarray(nnx.merge(graphdef, state)(tokens))
     np.testing.assert_allclose(_hf_logits(model, tokens), ours, atol=2e-4, rtol=0)
     assert np.abs(base_logits - ours).max() > 1e-2  # the adapters matter
+
+
+# ------------------------------------------------------------------- the engine's weight sync
+
+
+def _engine_run(workdir, monkeypatch, *, stale):
+    """3 GRPO steps with LoRA on the rollout engine's float32 decode copy; stale: the copy is
+    never synced again after the first (the adapters the engine decodes stay the initial)."""
+    from ptrain.generate import decode_weights
+    if stale:  # (a float32 copy of float32 weights shares their arrays: copy, to keep them)
+        copy = decode_weights.decode_copy
+        monkeypatch.setattr(decode_weights, "decode_copy",
+                            lambda *a, **k: jax.tree.map(jnp.copy, copy(*a, **k)))
+        monkeypatch.setattr(decode_weights.DecodeWeights, "current",
+                            lambda self, params: self.params is not None)
+    config = _lora_config(**{"steps": 3, "optim.lr": 0.05, "sampling.engine": True,
+                             "sampling.engine_slots": 16, "sampling.decode_dtype": "float32",
+                             "data.prompts_per_step": 4, "sampling.num_samples": 4,
+                             "rl.num_minibatches": 1, "rl.microbatch_size": 0,
+                             "alerts.logp_mismatch_max": 0.01, "checkpoint.every": 10})
+    L.train(config, str(workdir), mesh=_one_device())
+    return _read(workdir)
+
+
+def test_a_stale_adapter_in_the_engine_shows_in_logp_mismatch_and_fires_an_alert(
+        tmp_path, monkeypatch):
+    synced = _engine_run(tmp_path / "synced", monkeypatch, stale=False)
+    assert max(r["rollout/logp_mismatch"] for r in synced) < 1e-4
+    assert not any(k.startswith("alert/") for r in synced for k in r)
+    stale = _engine_run(tmp_path / "stale", monkeypatch, stale=True)
+    assert stale[0]["rollout/logp_mismatch"] < 1e-4  # step 1 decodes the initial adapters
+    for r in stale[1:]:  # later steps decode them still, the learner has moved on
+        assert r["rollout/logp_mismatch"] > 0.01 and r["alert/logp_mismatch"] == 1.0
