@@ -140,13 +140,28 @@ def test_sft_with_lora_learns_and_leaves_the_base(tmp_path, packing):
     records = _sft_records()
     config.sft.records_fn = lambda seed: records
     base = jax.device_get(lora.split(L.Learner(config, mesh=_one_device()).initial_params)[1])
-    params = L.sft(config, str(tmp_path), mesh=_one_device())
+    workdir = tmp_path / "sft"  # (a run's SFT stage, where launch.export reads it)
+    params = L.sft(config, str(workdir), mesh=_one_device())
     # (The frozen unembedding and final norm of a random tiny model cap how sure it can get:
     # full fine-tuning reaches 0.1 of the first loss here, the adapters alone about 0.85.)
-    losses = [r["sft/loss"] for r in _read(tmp_path)]
+    losses = [r["sft/loss"] for r in _read(workdir)]
     assert np.mean(losses[-5:]) < losses[0] - 0.25
     for a, b in zip(jax.tree.leaves(lora.split(params)[1]), jax.tree.leaves(base)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if packing:
+        return
+    # launch.export rebuilds the base and merges the checkpoint's adapters: our logits.
+    transformers = pytest.importorskip("transformers", reason="pip install '.[test]'")
+    from launch import export as export_lib
+    from ptrain import metrics
+    config.sft.records_fn = None
+    metrics.write_run_record(str(tmp_path), config, ["launch/train.py"])
+    assert export_lib.export(str(tmp_path), str(tmp_path / "hf"), stage="sft") == 20
+    tokens = np.random.RandomState(0).randint(0, 32, (2, 9))
+    graphdef = L.Learner(config, mesh=_one_device()).graphdef
+    ours = np.asarray(nnx.merge(graphdef, jax.device_get(params))(tokens))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    np.testing.assert_allclose(_hf_logits(exported, tokens), ours, atol=2e-4, rtol=0)
 
 
 def _read(workdir):
