@@ -20,8 +20,8 @@ as the weight is.
   attach(base_state, c)      the state of a base model with fresh adapters (base unchanged)
   disabled(state)            the state with every B zeroed: the base's function, in jit,
                              no second copy of the weights (the RL reference policy)
-  merged(state, c)           base weights with W + (alpha / r) A B, no adapters (export,
-                             the rollout engine's merged decode copy)
+  merged(state, c)           base weights with W + (alpha / r) A B, no adapters (export;
+                             `merge_adapters`: the rollout engine's decode copy)
   save_peft(state, c, path)  a PEFT adapter directory (adapter_config.json +
                              adapter_model.safetensors)
 """
@@ -168,6 +168,11 @@ def attach(base_state, c, *, seed: int = 0, mesh=None):
 def merged(state, c):
     """(merged state, its config): each adapted weight W + (alpha / r) A B, in W's dtype,
     and no adapters; the config without LoRA. The state may be a Module's or a checkpoint's."""
+    return merge_adapters(state, scale(c)), base_config(c)
+
+
+def merge_adapters(state, lora_scale: float):
+    """`state` with each adapted weight W + lora_scale A B (in W's dtype) and no adapters."""
     flat = dict(nnx.to_flat_state(state))
     out = {}
     for path, v in flat.items():
@@ -177,14 +182,13 @@ def merged(state, c):
         a = flat.get(path[:-1] + (f"{name}_lora_a",))
         if a is not None:
             b = flat[path[:-1] + (f"{name}_lora_b",)]
-            w = v.get_value()
-            delta = jnp.einsum("l i r, l r o -> l i o",
-                               a.get_value().reshape(a.shape[0], -1, c.lora_rank),
-                               b.get_value().reshape(b.shape[0], c.lora_rank, -1))
-            w = (w.astype(jnp.float32) + scale(c) * delta.reshape(w.shape)).astype(w.dtype)
+            w, r = v.get_value(), a.shape[-1]
+            delta = jnp.einsum("l i r, l r o -> l i o", a.get_value().reshape(a.shape[0], -1, r),
+                               b.get_value().reshape(b.shape[0], r, -1))
+            w = (w.astype(jnp.float32) + lora_scale * delta.reshape(w.shape)).astype(w.dtype)
             v = v.replace(w)
         out[path] = v
-    return nnx.State.from_flat_path(out), base_config(c)
+    return nnx.State.from_flat_path(out)
 
 
 def base_config(c):

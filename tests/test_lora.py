@@ -231,6 +231,14 @@ def test_merged_export_loads_in_transformers_with_our_logits(trained, tmp_path):
     ours = np.asarray(nnx.merge(graphdef, state)(tokens))
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     np.testing.assert_allclose(_hf_logits(exported, tokens), ours, atol=2e-4, rtol=0)
+    # The rollout engine's decode copy is merged the same way (a base-shaped model).
+    from ptrain.generate import decode_weights
+    copy = decode_weights.decode_copy(state, "float32", lora_scale=lora.scale(c))
+    assert not lora.has_adapters(copy)
+    base_graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_lib.Transformer(
+        base_c, rngs=nnx.Rngs(0))))
+    np.testing.assert_allclose(np.asarray(nnx.merge(base_graphdef, copy)(tokens)), ours,
+                               atol=1e-5, rtol=0)
 
 
 def test_peft_loads_the_adapter_directory_onto_the_transformers_base(trained, tmp_path):
