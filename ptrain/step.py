@@ -13,6 +13,10 @@
                   over `sequence`): packed SFT (`learner.sft` with sft.packing), and the
                   long-context step `ptrain.plan` compiles, both through `jit_packed_update`
 
+LoRA (`ptrain.lora`, parameters holding `LoraParam`s): the updates differentiate with respect
+to the adapters only and the optimizer state mirrors them (`split_trainable`); the base
+passes through unchanged, and `prepare` takes the base (adapters zeroed) as the reference.
+
 The static settings of each program are a `ptrain.config.StepSettings` (`config.resolve`).
 Shapes are fixed by the config, so every program compiles once.
 
