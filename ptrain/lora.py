@@ -195,16 +195,6 @@ def base_config(c):
     return c.replace(lora_rank=0, lora_alpha=0.0, lora_targets=())
 
 
-def n_params(c) -> int:
-    """Adapter parameters of model config `c`."""
-    if not c.lora_rank:
-        return 0
-    from ptrain import model as model_lib
-    abstract = nnx.state(nnx.eval_shape(lambda: model_lib.Transformer(c, rngs=nnx.Rngs(0))),
-                         LoraParam)
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
-
-
 # ==================================================================================== PEFT
 
 

@@ -16,6 +16,7 @@ from ptrain import lora
 from ptrain import model as model_lib
 from ptrain import sharding
 from ptrain import step as step_lib
+from test_learner import _random_episodes
 
 pytestmark = pytest.mark.xdist_group("lora")
 
@@ -93,22 +94,6 @@ def test_a_bfloat16_base_holds_float32_adapters_and_stays_near_the_float32_log_p
     diff = np.abs(logp(graphdef, state) - logp(graphdef16, state16))
     print(f"bfloat16 base: mean |d logp| {diff.mean():.2e}, max {diff.max():.2e}")
     assert 0 < diff.mean() < 0.02, diff.mean()
-
-
-def _random_episodes(groups, per_group, seed=0):
-    rng = np.random.RandomState(seed)
-    prompts, tokens, masks, logps = [], [], [], []
-    for _ in range(groups):
-        prompt = [1] + rng.randint(2, 32, size=rng.randint(1, 8)).tolist()
-        for _ in range(per_group):
-            n = rng.randint(1, 9)
-            prompts.append(prompt)
-            tokens.append(rng.randint(2, 32, size=n).tolist())
-            masks.append([1] * n)
-            logps.append((-3.5 + 0.3 * rng.randn(n)).tolist())
-    return L.Episodes.from_rows(prompts, tokens, masks, logps,
-                                rng.randint(0, 2, groups * per_group),
-                                np.repeat(np.arange(groups), per_group), prompt_len=8, length=8)
 
 
 def _lora_config(**changes):
