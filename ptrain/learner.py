@@ -48,6 +48,7 @@ from ptrain import critic as critic_lib
 from ptrain import data as data_lib
 from ptrain import jsonl
 from ptrain import lookahead as lookahead_lib
+from ptrain import lora
 from ptrain import losses
 from ptrain import metrics as metrics_lib
 from ptrain import model as model_lib
@@ -99,6 +100,9 @@ class Learner:
         else:  # e.g. the result of `sft`, placed like a fresh model
             self.graphdef, abstract = sharding.abstract(lambda: model_lib.Transformer(
                 self.model_config, rngs=nnx.Rngs(0), mesh=self.mesh), self.mesh)
+            if self.model_config.lora_rank and not lora.has_adapters(params):
+                params = lora.attach(params, self.model_config, seed=c.seed,
+                                     mesh=self.mesh)[1]  # (a base model's: fresh adapters)
             self.initial_params = jax.device_put(params, jax.tree.map(
                 lambda x: x.sharding, abstract) if self.mesh is not None else None)
         self.pad_id = rollout_lib.pad_id(self.tokenizer)
@@ -122,9 +126,10 @@ class Learner:
         self.sft_tx, self.sft_schedule = step_lib.make_optimizer(c.sft.optim,
                                                                  total_steps=c.sft.steps)
         # The reference policy is a copy (the live parameters are donated to each update),
-        # in kl.ref_dtype; with kl.ref_offload in host memory between prepare passes.
+        # in kl.ref_dtype; with kl.ref_offload in host memory between prepare passes. With
+        # LoRA it is the frozen base itself, adapters off (`step.prepare`): no copy.
         self.ref_params = (reference_params(self.initial_params, c.kl.ref_dtype)
-                           if c.kl.coef > 0 else None)
+                           if c.kl.coef > 0 and not self.model_config.lora_rank else None)
         if self.ref_params is not None and c.kl.ref_offload:
             self.ref_params = sharding.to_memory(self.ref_params, "pinned_host")
 
@@ -134,6 +139,7 @@ class Learner:
         """Optimizer state (default `tx`: the policy's), sharded like the parameters it
         mirrors (the critic's: `init_opt_state(critic_params, learner.critic_tx)`)."""
         tx = tx or self.tx
+        params = step_lib.split_trainable(params)[0]  # (LoRA: the adapters only)
         shardings = None
         if self.mesh is not None:
             param_shardings = jax.tree.map(lambda x: x.sharding, params)
@@ -229,19 +235,41 @@ def _runtime_overrides(config) -> dict:
 
 
 def model_config(config) -> model_lib.ModelConfig:
+    """The run's ModelConfig (with config.lora's adapters, `lora.configure`)."""
     if config.hf_model:
         from ptrain import hf
-        return dataclasses.replace(hf.config_from_hf(hf.read_config(config.hf_model)),
-                                   **_runtime_overrides(config))
-    return model_lib.ModelConfig(**config.model.to_dict())
+        return lora.configure(dataclasses.replace(
+            hf.config_from_hf(hf.read_config(config.hf_model)), **_runtime_overrides(config)),
+            config.lora)
+    return lora.configure(model_lib.ModelConfig(**config.model.to_dict()), config.lora)
 
 
 def build_model(config, mesh) -> model_lib.Transformer:
-    """The config's model, born sharded: loaded from hf_model, or initialised from the seed."""
+    """The config's model, born sharded: loaded from hf_model, or initialised from the seed
+    (with LoRA the base as it would be without, and fresh adapters)."""
     if config.hf_model:
         from ptrain import hf
-        return hf.load(config.hf_model, mesh=mesh, overrides=_runtime_overrides(config))[0]
+        model = hf.load(config.hf_model, mesh=mesh, overrides=_runtime_overrides(config),
+                        param_dtype=config.lora.base_dtype or None)[0]
+        c = model_config(config)
+        if not c.lora_rank:
+            return model
+        return nnx.merge(*lora.attach(nnx.state(model), c, seed=config.seed, mesh=mesh))
     return model_lib.init(model_config(config), seed=config.seed, mesh=mesh)
+
+
+# ============================================================ LoRA: adapter-only checkpoints
+
+
+def _saved(params):
+    """What a checkpoint holds of the parameters: with LoRA the adapters only (the base is
+    the config's model, rebuilt on restore), else all of them."""
+    return lora.split(params)[0] if lora.has_adapters(params) else params
+
+
+def _restored(saved, params):
+    """The parameters from a checkpoint's `_saved` part and the run's `params` (its base)."""
+    return lora.join(saved, lora.split(params)[1]) if lora.has_adapters(params) else saved
 
 
 def _load_tokenizer(path):
@@ -320,13 +348,14 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     if ckpt.latest_step() is not None:
         if k and not c.rl.interrupt:
             aux["ahead_params"] = lookahead_lib.restore_template(
-                params, len(ckpt.aux_keys().get("ahead_params", ())))
-        restored = ckpt.restore(params=params, opt_state=opt_state, rng=root_key,
+                _saved(params), len(ckpt.aux_keys().get("ahead_params", ())))
+        restored = ckpt.restore(params=_saved(params), opt_state=opt_state, rng=root_key,
                                 aux_state={n: v for n, v in aux.items() if v} or None)
-        start, params, opt_state = restored.step, restored.params, restored.opt_state
+        start, opt_state = restored.step, restored.opt_state
+        params, base = _restored(restored.params, params), params
         critic = restored.aux_state.get("critic")
         saved = restored.aux_state.get("ahead_params") or {}
-        ahead_params = [saved[str(j)] for j in range(len(saved))]
+        ahead_params = [_restored(saved[str(j)], base) for j in range(len(saved))]
         data_state = restored.data_state
         kl_ctl = dataclasses.replace(kl_ctl, value=restored.extra["kl_coef"])
         monitor.restore(restored.extra.get("alerts"))
@@ -411,10 +440,12 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
             if step % c.checkpoint.every == 0 or step == c.steps:
                 aux, saved, host = ({"critic": critic} if critic else {}), {}, {}
                 if k:  # (rl.interrupt: the pending batches, finished)
-                    data_state, aux["ahead_params"] = ahead.state()
+                    data_state, ahead_saved = ahead.state()
+                    aux["ahead_params"] = ahead_saved and {
+                        j: _saved(p) for j, p in ahead_saved.items()}
                     saved, host = ahead.saved_batches()
                 aux = {n: v for n, v in aux.items() if v}
-                ckpt.save(step, params=params, opt_state=opt_state, rng=root_key,
+                ckpt.save(step, params=_saved(params), opt_state=opt_state, rng=root_key,
                           data_state=data_state, aux_state=aux or None, host_state=host or None,
                           extra={"kl_coef": kl_ctl.value, "alerts": monitor.state(), **saved})
 
@@ -525,8 +556,9 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
                                        async_save=c.checkpoint.async_save)
     root_key, start, data_state = jax.random.key(c.seed), 0, None
     if ckpt.latest_step() is not None:
-        restored = ckpt.restore(params=params, opt_state=opt_state, rng=root_key)
-        start, params, opt_state = restored.step, restored.params, restored.opt_state
+        restored = ckpt.restore(params=_saved(params), opt_state=opt_state, rng=root_key)
+        start, opt_state = restored.step, restored.opt_state
+        params = _restored(restored.params, params)
         data_state = restored.data_state
     if sc.packing:
         batches, next_packed = _packed_sft(learner, records, data_state)
@@ -566,7 +598,7 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
             writer.write(step, {**step_metrics, **alerts_lib.as_metrics(fired)})
         alerts_lib.raise_on_stop(fired)  # before this step's checkpoint: the last is good
         if step % (sc.checkpoint_every or c.checkpoint.every) == 0 or step == sc.steps:
-            ckpt.save(step, params=params, opt_state=opt_state, rng=root_key,
+            ckpt.save(step, params=_saved(params), opt_state=opt_state, rng=root_key,
                       data_state=batches.get_state())
     ckpt.wait()
     ckpt.close()

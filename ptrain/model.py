@@ -24,8 +24,8 @@ import numpy as np
 from flax import nnx
 
 from ptrain import attention
+from ptrain import lora
 from ptrain import moe
-from ptrain import projection
 from ptrain import sharding
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -106,6 +106,11 @@ class ModelConfig:
     # What the aux and z losses pool over (`moe.ROUTER_LOSS_SCOPES`): each microbatch's
     # forward, or the optimizer step's whole batch ("global": all its microbatches).
     router_loss_scope: str = "microbatch"
+    # LoRA (`ptrain.lora`): rank 0 is none; else adapters of this rank on the weights
+    # `lora_targets` names (ours: wq, wk, wv, wo, w_gate, w_up, w_down), scaled alpha / rank.
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -113,6 +118,7 @@ class ModelConfig:
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
         object.__setattr__(self, "mrope_section", tuple(int(i) for i in self.mrope_section))
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         checks = [
             (self.n_heads % self.n_kv_heads == 0,
              f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"),
@@ -129,6 +135,12 @@ class ModelConfig:
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
             (self.attention_impl in attention.IMPLS,
              f"attention_impl {self.attention_impl!r} is not one of {attention.IMPLS}"),
+            (self.lora_rank >= 0 and (not self.lora_rank or (
+                self.lora_alpha > 0 and self.lora_targets
+                and set(self.lora_targets) <= set(lora.TARGETS.values()))),
+             f"LoRA: rank {self.lora_rank} must be >= 0, and with rank > 0 alpha "
+             f"({self.lora_alpha}) > 0 and targets {self.lora_targets} a non-empty subset of "
+             f"{tuple(lora.TARGETS.values())}"),
         ] + moe.check_config(self)
         for ok, message in checks:
             if not ok:
@@ -259,6 +271,9 @@ class Transformer(nnx.Module):
         self.final_norm = _param(rngs, (c.d_model,), (None,), dt, "ones")
         if not c.tie_embeddings:
             self.lm_head = _param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"), dt)
+        if c.lora_rank:  # after every weight, so the base draws what it draws without LoRA
+            lora.add_adapters(self.layers, c, rngs, {
+                n: v for n, v in vars(self.layers).items() if isinstance(v, nnx.Param)})
 
     def unembedding_vd(self) -> jax.Array:
         """The output projection [vocab, d] (the embedding itself when tied)."""
@@ -277,7 +292,8 @@ class Transformer(nnx.Module):
         layers lo..hi stacked, with their MLP's), each run one scan."""
         c = self.config
         params = self.layers.arrays()
-        mlps = {False: {k: params.pop(k) for k in _DENSE_MLP if k in params},
+        mlps = {False: {k: params.pop(k) for k in list(params)
+                        if k.split("_lora_")[0] in _DENSE_MLP},
                 True: self.experts.arrays() if c.n_experts else {}}
         out = []
         for is_moe, lo, hi, offset in moe.stages(c):
@@ -463,9 +479,9 @@ def layer_qkv(w, x_btd, pos_bt, *, c: ModelConfig, rope, mesh=None):
     [3, b, t] M-RoPE positions with config.mrope_section). The rollout engine
     (ptrain/generate/kv_slots.py) calls it with its own cache and attention."""
     h_btd = rms_norm(x_btd, w["attn_norm"], c.rms_eps)
-    q_bthe = projection.dense(h_btd, w["wq"], mesh=mesh)
-    k_btke = projection.dense(h_btd, w["wk"], mesh=mesh)
-    v_btke = projection.dense(h_btd, w["wv"], mesh=mesh)
+    q_bthe = lora.adapted(h_btd, w, "wq", c, mesh=mesh)
+    k_btke = lora.adapted(h_btd, w, "wk", c, mesh=mesh)
+    v_btke = lora.adapted(h_btd, w, "wv", c, mesh=mesh)
     if c.qkv_bias:
         q_bthe, k_btke, v_btke = q_bthe + w["bq"], k_btke + w["bk"], v_btke + w["bv"]
     if c.qk_norm:
@@ -480,7 +496,7 @@ def layer_out(w, x_btd, o_bthe, *, c: ModelConfig, mesh, valid_bt, is_moe=False,
               replay_btk=None):
     """The second half of a layer: the attention output `o_bthe` projected and added, then
     the MLP (dense, or MoE routing the tokens where valid_bt != 0): (x, routing stats)."""
-    attn_btd = projection.dense(o_bthe, w["wo"], n_in=2, mesh=mesh)
+    attn_btd = lora.adapted(o_bthe, w, "wo", c, mesh=mesh)
     if c.o_bias:
         attn_btd = attn_btd + w["bo"]
     x_btd = sharding.constrain(x_btd + attn_btd, ("batch", "seq", None), mesh)
@@ -490,11 +506,11 @@ def layer_out(w, x_btd, o_bthe, *, c: ModelConfig, mesh, valid_bt, is_moe=False,
     if is_moe:
         mlp_btd, stats = moe.block(w, h_btd, valid_bt, c, mesh, replay_btk)
     else:
-        gate_btf = projection.dense(h_btd, w["w_gate"], mesh=mesh)
-        up_btf = projection.dense(h_btd, w["w_up"], mesh=mesh)
+        gate_btf = lora.adapted(h_btd, w, "w_gate", c, mesh=mesh)
+        up_btf = lora.adapted(h_btd, w, "w_up", c, mesh=mesh)
         act_btf = sharding.constrain(jax.nn.silu(gate_btf) * up_btf, ("batch", "seq", "mlp"),
                                      mesh)
-        mlp_btd = projection.dense(act_btf, w["w_down"], mesh=mesh)
+        mlp_btd = lora.adapted(act_btf, w, "w_down", c, mesh=mesh)
     x_btd = x_btd + mlp_btd
     return sharding.constrain(x_btd, ("batch", "seq", None), mesh), stats
 

@@ -235,7 +235,8 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
     if resolved.critic is not None:
         critic = _abstract_state(lambda: critic_lib.Critic(mc, rngs=nnx.Rngs(0), mesh=mesh),
                                  mesh, step_lib.make_optimizer(config.critic.optim, **optim)[0])
-    ref = policy["params"] if config.kl.coef > 0 else None  # the learner's copy of params
+    # The learner's copy of the params (with LoRA none: the base, adapters off, is the reference).
+    ref = policy["params"] if config.kl.coef > 0 and not mc.lora_rank else None
     held_ref = None if config.kl.ref_offload else ref  # offloaded: on the host between uses
     # sampling.decode_dtype: the engines' inference copy (ptrain/generate/decode_weights.py), made at a
     # step's first generation and kept until the next step's: live beside every program.
@@ -290,6 +291,8 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
                           "engine": bool(s.engine)},
         "programs": programs, "step_peak": peaks[peak_program],
         "params_bytes": _device_bytes(policy["params"]),
+        # LoRA: the adapters' bytes (what the optimizer state mirrors); else every parameter's.
+        "trainable_bytes": _device_bytes(step_lib.split_trainable(policy["params"])[0]),
         "opt_state_bytes": _device_bytes(policy["opt_state"]),
         "reference_bytes": _device_bytes(ref),
         "critic_bytes": _device_bytes(critic_state),
@@ -348,12 +351,14 @@ def rl_batch(mesh, *, rows, prompt_len, length, routing=None) -> dict:
 
 
 def _abstract_state(make, mesh, tx) -> dict:
-    """graphdef, params and opt_state (ShapeDtypeStructs with the learner's shardings), tx."""
+    """graphdef, params and opt_state (ShapeDtypeStructs with the learner's shardings), tx;
+    with LoRA the optimizer state is the adapters' (`step.split_trainable`)."""
     graphdef, params = sharding.abstract(make, mesh)
-    shardings = step_lib.opt_state_shardings(tx, params, jax.tree.map(lambda x: x.sharding,
-                                                                      params), mesh)
+    trainable = step_lib.split_trainable(params)[0]
+    shardings = step_lib.opt_state_shardings(tx, trainable, jax.tree.map(
+        lambda x: x.sharding, trainable), mesh)
     opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                             jax.eval_shape(tx.init, params), shardings)
+                             jax.eval_shape(tx.init, trainable), shardings)
     return {"graphdef": graphdef, "params": params, "opt_state": opt_state, "tx": tx}
 
 

@@ -13,6 +13,10 @@
                   over `sequence`): packed SFT (`learner.sft` with sft.packing), and the
                   long-context step `ptrain.plan` compiles, both through `jit_packed_update`
 
+LoRA (`ptrain.lora`, parameters holding `LoraParam`s): the updates differentiate with respect
+to the adapters only and the optimizer state mirrors them (`split_trainable`); the base
+passes through unchanged, and `prepare` takes the base (adapters zeroed) as the reference.
+
 The static settings of each program are a `ptrain.config.StepSettings` (`config.resolve`).
 Shapes are fixed by the config, so every program compiles once.
 
@@ -34,6 +38,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from ptrain import lora
 from ptrain import losses
 from ptrain import moe
 from ptrain import sharding
@@ -216,6 +221,8 @@ def prepare(params, ref_params, critic_params, batch, kl_coef, *, graphdef, crit
                                  replayed=s.router_replay)
         metrics.update({k: v for k, v in agreement.items() if "agreement" in k})
     if s.kl_loss or s.kl_in_reward:
+        if ref_params is None and lora.has_adapters(params):  # LoRA: the base is the reference
+            ref_params = lora.disabled(params)
         out["ref_logp_bn"] = _microbatched(lambda x: logp(ref_params, batch=x)[0], batch, s,
                                            mesh)
     scores_bn = jnp.where(_last_token_onehot(mask_bn), batch["rewards_b"][:, None], 0.0)
@@ -379,20 +386,23 @@ def update(params, opt_state, batch, kl_coef, *, graphdef, s: StepSettings, tx, 
     split = {name: split(x) for name, x in batch.items() if name != "rewards_b"}
     loss_fn, prefix, loss_key = ((_critic_loss, "critic", "critic/vf_loss")
                                  if s.kind == "critic" else (_rl_loss, "optim", "optim/loss"))
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef, s=s),
-                                 has_aux=True)
+    trainable, frozen = split_trainable(params)
+    grad_fn = jax.value_and_grad(
+        lambda t, *args: loss_fn(join_trainable(t, frozen), *args, graphdef=graphdef, s=s),
+        has_aux=True)
 
     model_config = None if s.kind == "critic" else nnx.merge(graphdef, params).config
     totals = (model_config is not None and k > 1 and model_config.n_experts > 0
               and model_config.router_loss_scope == "global")
 
     def minibatch(carry, i):
-        params, opt_state = carry
+        params, opt_state = carry  # (the trainable ones)
         mb = jax.tree.map(lambda x: x[i], split)
         mb_mask = mb["loss_mask_bn"]
         num_tokens = mb_mask.sum()
         num_seqs = (mb_mask.sum(-1) > 0).sum()
-        router_totals = _router_totals(params, mb, graphdef, s) if totals else None
+        router_totals = (_router_totals(join_trainable(params, frozen), mb, graphdef, s)
+                         if totals else None)
 
         def accumulate(grads, x):
             (loss, metrics), g = grad_fn(params, x, num_tokens, num_seqs, kl_coef,
@@ -407,15 +417,30 @@ def update(params, opt_state, batch, kl_coef, *, graphdef, s: StepSettings, tx, 
         return (optax.apply_updates(params, updates), opt_state), metrics
 
     order = jnp.tile(jnp.arange(m), s.epochs)
-    (params, opt_state), metrics = jax.lax.scan(minibatch, (params, opt_state), order)
-    params, opt_state = _as_they_came(params, opt_state, tx, mesh)
-    return params, opt_state, jax.tree.map(lambda v: v.mean(0), metrics)
+    (trainable, opt_state), metrics = jax.lax.scan(minibatch, (trainable, opt_state), order)
+    trainable, opt_state = _as_they_came(trainable, opt_state, tx, mesh)
+    return join_trainable(trainable, frozen), opt_state, jax.tree.map(lambda v: v.mean(0),
+                                                                      metrics)
+
+
+def split_trainable(params):
+    """(what the optimizer updates, what stays frozen): with LoRA (`ptrain.lora`) the
+    adapters and the base, which gets no gradient and no optimizer state; else all the
+    parameters and None."""
+    if lora.has_adapters(params):
+        return lora.split(params)
+    return params, None
+
+
+def join_trainable(trainable, frozen):
+    return trainable if frozen is None else lora.join(trainable, frozen)
 
 
 def _as_they_came(params, opt_state, tx, mesh):
-    """The updated state sharded by its `axes`, as it came in: left to the partitioner, some
-    leaves come out sharded otherwise (norm scales over fsdp), and every program that takes
-    them (sampler, prepare, the update) would compile a second time at step 2."""
+    """The updated (trainable) state sharded by its `axes`, as it came in: left to the
+    partitioner, some leaves come out sharded otherwise (norm scales over fsdp), and every
+    program that takes them (sampler, prepare, the update) would compile a second time at
+    step 2."""
     if mesh is None:
         return params, opt_state
     shardings = sharding.state_shardings(params, mesh)
@@ -457,8 +482,10 @@ def packed_update(params, opt_state, batch, *, graphdef, tx, chunk, mesh=None):
     MoE "optim/loss" (NLL + router losses) and the `moe/*` metrics of `moe.metrics`); with a
     mesh the state comes out sharded as it came in."""
 
-    def loss_fn(params):
-        model = nnx.merge(graphdef, params)
+    trainable, frozen = split_trainable(params)
+
+    def loss_fn(trainable):
+        model = nnx.merge(graphdef, join_trainable(trainable, frozen))
         h_btd, _, routing = model.forward(batch["tokens_bt"], batch["positions_bt"],
                                           batch["segment_ids_bt"])
         logp_bt = losses.chunked_logprobs(h_btd, model.unembedding_vd().T, batch["targets_bt"],
@@ -469,11 +496,12 @@ def packed_update(params, opt_state, batch, *, graphdef, tx, chunk, mesh=None):
         loss = nll + moe.router_loss(routing, model.config)
         return loss, {"loss": nll, "optim/loss": loss, **moe.metrics(routing)}
 
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+    updates, opt_state = tx.update(grads, opt_state, trainable)
     metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
-    params, opt_state = _as_they_came(optax.apply_updates(params, updates), opt_state, tx, mesh)
-    return params, opt_state, metrics
+    trainable, opt_state = _as_they_came(optax.apply_updates(trainable, updates), opt_state,
+                                         tx, mesh)
+    return join_trainable(trainable, frozen), opt_state, metrics
 
 
 @functools.cache

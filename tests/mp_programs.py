@@ -332,7 +332,7 @@ def _on_mesh(host, mesh):
 
 # The learner's phases, in order. Each RL phase but multiturn (another vocabulary) starts
 # from SFT's parameters.
-PHASES = ("sft", "sft_packed", "grpo", "ppo", "multiturn", "multiturn_engine")
+PHASES = ("sft", "sft_packed", "sft_lora", "grpo", "ppo", "multiturn", "multiturn_engine")
 # Where a process may SIGKILL itself in a step (the step under way: updates finished + 1):
 # entering a producer.generate call, a reward (producer.score), the update, or the
 # checkpoint save (after the step's metrics are written). With rl.staleness=1 (the ppo
@@ -432,6 +432,8 @@ def learner_program(workdir: str, phases=PHASES, kills=None, split_sft=True,
     sft   three SFT steps (with `split_sft`: two, then a third resumed from the step-2
           checkpoint in a new `learner.sft` call);
     sft_packed  the same with sft.packing (records back to back in 8 rows of 32 tokens);
+    sft_lora  the same unpacked with LoRA (rank-4 adapters attached to the base, trained
+          alone; checkpoints hold the adapters);
     grpo  three GRPO steps from SFT's parameters, DAPO dynamic sampling (groups kept and
           filled globally), KL (with `ref_offload`, kl.ref_offload), a checkpoint each step;
     ppo   three PPO steps from SFT's parameters: the critic (GAE), rl.staleness=1, KL;
@@ -476,7 +478,8 @@ def learner_program(workdir: str, phases=PHASES, kills=None, split_sft=True,
         return nnx.state(L.build_model(_toy_config(), mesh))
 
     sft_configs = {"sft": {"sft.batch_size": 16},
-                   "sft_packed": {"sft.batch_size": 8, "sft.packing": True, "sft.seq_len": 32}}
+                   "sft_packed": {"sft.batch_size": 8, "sft.packing": True, "sft.seq_len": 32},
+                   "sft_lora": {"sft.batch_size": 16, "lora.rank": 4, "lora.alpha": 16.0}}
     for phase, changes in sft_configs.items():
         if phase not in phases or done(phase):
             continue

@@ -1,6 +1,6 @@
 """A tiny GRPO run SIGKILLed at points drawn from a seed and restarted, for test_resume.
 
-`python tests/resume_program.py ROOT STALENESS STEPS SEED KILLS [INTERRUPT]` imports everything
+`python tests/resume_program.py ROOT STALENESS STEPS SEED KILLS [INTERRUPT [LORA]]` imports everything
 once, then
 forks one child per run (the parent never starts JAX, so forking is safe): the uninterrupted
 run in ROOT/reference, then one child per kill point in ROOT/killed, each resuming from what
@@ -28,6 +28,8 @@ INTERRUPT=1: rl.interrupt on the engine (sampling.engine=True), the swap forced 
 first decode round of 4 tokens (`interrupt.Switch.at_round`, so that it does not depend on
 the threads' timing); a resumed run trains on the finished batches its checkpoint saved,
 so its n-th generate (and score) call is batch s + k + n's, at step s + n.
+LORA=1: the policy trains rank-4 adapters on a frozen base (`ptrain.lora`); checkpoints hold
+the adapters (and their optimizer state) only.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ EVERY = 2  # checkpoint every 2 steps, keep 1: a kill during a save must not los
 
 
 INTERRUPT = False  # set by main (every child inherits it)
+LORA = False
 
 
 def config(staleness: int, steps: int):
@@ -64,6 +67,8 @@ def config(staleness: int, steps: int):
     if INTERRUPT:
         c.sampling.update(engine=True, engine_slots=8)
         c.rl.interrupt = True
+    if LORA:
+        c.lora.update(rank=4, alpha=16.0)
     c.steps = steps
     c.rl.staleness = staleness
     if staleness > 1:
@@ -173,8 +178,9 @@ def _in_child(fn):
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def main(root, staleness, steps, seed, kills, interrupted=0):
-    global INTERRUPT
+def main(root, staleness, steps, seed, kills, interrupted=0, lora=0):
+    global INTERRUPT, LORA
+    LORA = bool(lora)
     if interrupted:
         INTERRUPT = True
         interrupt.Switch.at_round, interrupt.Switch.every = 1, 4
@@ -191,4 +197,4 @@ def main(root, staleness, steps, seed, kills, interrupted=0):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *map(int, sys.argv[2:7]))
+    main(sys.argv[1], *map(int, sys.argv[2:8]))

@@ -306,3 +306,21 @@ def test_the_rl_step_plan_counts_the_engines_decode_copy():
     assert with_copy["step_peak"] == pytest.approx(without["step_peak"] + copy, abs=1024)
     assert "decode copy" in plan.summary(with_copy)
     assert "decode copy" not in plan.summary(without)
+
+
+def test_the_rl_step_plan_with_lora_holds_no_reference_and_adapter_sized_optimizer_state():
+    """lora.rank > 0: the optimizer state mirrors the adapters only and no reference copy is
+    held (the base, adapters off, is the reference); the policy is the base plus adapters."""
+    from configs import grpo_toy
+    config = grpo_toy.get_config()
+    config.kl.coef = 0.01
+    mesh = {"fsdp": 2}
+    full = plan.compile_rl_step(config, mesh)
+    config.lora.update(rank=4, alpha=8.0)
+    with_lora = plan.compile_rl_step(config, mesh)
+    assert full["reference_bytes"] == full["params_bytes"] and with_lora["reference_bytes"] == 0
+    adapters = with_lora["trainable_bytes"]
+    assert 0 < adapters < 0.3 * with_lora["params_bytes"]
+    assert with_lora["params_bytes"] == full["params_bytes"] + adapters
+    assert 2 * adapters <= with_lora["opt_state_bytes"] <= 2 * adapters + 64  # Adam's mu, nu
+    assert full["opt_state_bytes"] >= 2 * full["params_bytes"]

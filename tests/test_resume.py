@@ -4,7 +4,8 @@ after each kill writes the same metrics.jsonl and rollouts.jsonl (timings aside)
 never interrupted, with rl.staleness=0, 1 and 2 (batch t+k generated at step t, from the
 parameters before update t, each batch scored in a thread meanwhile), and with 2 and
 rl.interrupt (the generation in flight switches to the new weights after its first
-round). The runs are in tests/resume_program.py."""
+round); the staleness-1 run trains LoRA adapters on a frozen base (its checkpoints hold the
+adapters only). The runs are in tests/resume_program.py."""
 
 import json
 import os
@@ -31,15 +32,15 @@ def _logs(workdir):
     return untimed, read_jsonl(os.path.join(workdir, "rollouts.jsonl"))
 
 
-@pytest.mark.parametrize("staleness,seed,interrupt", [(0, 0, 0), (1, 3, 0), (2, 7, 0),
-                                                      (2, 5, 1)])
+@pytest.mark.parametrize("staleness,seed,interrupt,lora", [(0, 0, 0, 0), (1, 3, 0, 1),
+                                                           (2, 7, 0, 0), (2, 5, 1, 0)])
 def test_sigkill_at_seeded_points_then_resume_equals_the_uninterrupted_run(
-        tmp_path, staleness, seed, interrupt):
+        tmp_path, staleness, seed, interrupt, lora):
     # (The runs read their programs from the test run's compilation cache, conftest.py.)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
     out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "resume_program.py"),
                           str(tmp_path), str(staleness), str(STEPS), str(seed), str(KILLS),
-                          str(interrupt)],
+                          str(interrupt), str(lora)],
                          env=env, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -52,6 +53,11 @@ def test_sigkill_at_seeded_points_then_resume_equals_the_uninterrupted_run(
     assert [r["step"] for r in metrics] == list(range(1, STEPS + 1)), points
     reference = _logs(tmp_path / "reference")
     assert metrics == reference[0], points
+    if lora:  # the checkpoint holds the adapters, not the frozen base
+        from ptrain.checkpoint import Checkpointer
+        with Checkpointer(str(tmp_path / "killed" / "checkpoints")) as ckpt:
+            saved = ckpt.param_shapes()
+        assert saved and all(path[-1].endswith(("_lora_a", "_lora_b")) for path in saved)
     assert rollouts == reference[1], points
     if staleness:  # each row's version within k of the learner's: k after the first steps
         for r in metrics:

@@ -32,17 +32,22 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from ptrain import lora
 from ptrain import sharding
 
 
-def decode_copy(params, dtype: str, mesh=None):
+def decode_copy(params, dtype: str, mesh=None, lora_scale: float | None = None):
     """The decode copy of `params` (a Module or its state): floating-point arrays cast to
     `dtype`, and with a mesh resharded by `decode_shardings`; ready when it returns.
     Parameters spread over several processes are gathered whole onto each first (a
-    collective: every process calls it), for a `mesh` of this process's devices."""
+    collective: every process calls it), for a `mesh` of this process's devices. LoRA
+    (`lora_scale`: alpha / rank): the adapters merged into their weights first, so the copy
+    is the base model's shape and a decode step runs no adapter matmul."""
     params = nnx.state(params) if isinstance(params, nnx.Module) else params
     if mesh is not None and not spans_processes(mesh):
         params = jax.tree.map(_whole_here, params)
+    if lora_scale is not None and lora.has_adapters(params):
+        params = lora.merge_adapters(params, lora_scale)
     dtype = jnp.dtype(dtype)
     cast = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
                         else x, params)
@@ -97,12 +102,13 @@ def _ref(x):
 
 class DecodeWeights:
     """The decode copy of whatever parameters `get` was last given (see the module
-    docstring). mesh: where to place it; default the parameters' own mesh."""
+    docstring). mesh: where to place it; default the parameters' own mesh. lora_scale:
+    LoRA's alpha / rank, the adapters merged into the copy (`decode_copy`)."""
 
-    def __init__(self, dtype: str, mesh=None):
+    def __init__(self, dtype: str, mesh=None, lora_scale: float | None = None):
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"decode_dtype must be float32 or bfloat16, got {dtype!r}")
-        self.dtype, self.mesh = dtype, mesh
+        self.dtype, self.mesh, self.lora_scale = dtype, mesh, lora_scale
         self.params = None
         self.syncs, self.sync_s = 0, 0.0  # totals
         self._source = []  # weak references to the leaves the copy was made from
@@ -125,7 +131,8 @@ class DecodeWeights:
         start = time.perf_counter()
         state = _state(params)
         self.params, self._source = None, []
-        self.params = decode_copy(state, self.dtype, self.mesh or mesh_of(state))
+        self.params = decode_copy(state, self.dtype, self.mesh or mesh_of(state),
+                                  self.lora_scale)
         self._source = [_ref(x) for x in jax.tree.leaves(state)]
         seconds = time.perf_counter() - start
         self.syncs += 1

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ptrain import lora
 from ptrain import model as model_lib
 from ptrain.generate import interrupt
 from ptrain.generate import kv_slots
@@ -164,6 +165,9 @@ class Engine:
         self.prefill_buckets = buckets(min(self.prefill_rows, self.slots))
         self.decode_dtype, self.mesh = decode_dtype, mesh
         dc = c if decode_dtype is None else c.replace(dtype=decode_dtype, param_dtype=decode_dtype)
+        if decode_dtype is not None and c.lora_rank:  # the decode copy has them merged in
+            dc = lora.base_config(dc)
+        self.lora_scale = lora.scale(c) if c.lora_rank else None
         # Activation constraints off: rows come in buckets that need not divide the mesh.
         self.graphdef = nnx.graphdef(nnx.eval_shape(
             lambda: model_lib.Transformer(dc, rngs=nnx.Rngs(0), mesh=None)))
@@ -185,7 +189,8 @@ class Engine:
         """Refreshes the decode copy from the learner's parameters; returns its seconds."""
         start = time.perf_counter()
         self.params = decode_copy(params, self.decode_dtype or "float32",
-                                  self.mesh or mesh_of(params))  # default: the params' own
+                                  self.mesh or mesh_of(params),  # default: the params' own
+                                  self.lora_scale)
         seconds = time.perf_counter() - start
         self.tallies["weight_sync_s"] += seconds
         self.tallies["weight_syncs"] += 1

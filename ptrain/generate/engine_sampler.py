@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from ptrain import chat
+from ptrain import lora
 from ptrain import model as model_lib
 from ptrain import rewards as rewards_lib
 from ptrain import routing
@@ -68,8 +69,10 @@ class EngineSampler:
             self.decode_dtype = self.decode_dtype or model.config.param_dtype
             if mesh is None or decode_weights.spans_processes(mesh):
                 mesh = decode_weights.local_mesh()
-        self.weights = (decode_weights.DecodeWeights(self.decode_dtype, mesh)
-                        if self.decode_dtype else None)
+        c = model.config  # (LoRA: the copy has the adapters merged in)
+        self.weights = (decode_weights.DecodeWeights(
+            self.decode_dtype, mesh, lora_scale=lora.scale(c) if c.lora_rank else None)
+            if self.decode_dtype else None)
         self._taken = collections.Counter()  # totals at the last take_counters
 
     def engine(self, *, max_len: int, max_new_tokens: int, num_samples: int = 1,
