@@ -1,4 +1,4 @@
-"""ptrain/mixed_producer.py: records routed to their producers by kind, the episodes packed
+"""ptrain/rollout/mixed.py: records routed to their producers by kind, the episodes packed
 into one batch with whole GRPO groups, unique group ids and each row's domain."""
 
 import jax

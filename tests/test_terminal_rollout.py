@@ -1,8 +1,8 @@
-"""ptrain/terminal_rollout.py and ptrain/terminal_tasks.py on docker: generated Harbor tasks
+"""ptrain/envs/terminal/episodes.py and ptrain/envs/terminal/generated.py on docker: generated Harbor tasks
 pass their oracle and fail nop; the producer's episodes (turns batched through a sampler,
 tool calls in each task's shell) are rewarded by the tasks' own tests and packed for the
 learner with the loss mask on the model's tokens only; the closed loop's terminal domain
-(ptrain/terminal_domain.py) from config, alone and mixed with another domain."""
+(ptrain/envs/terminal/__init__.py) from config, alone and mixed with another domain."""
 
 import random
 import re
@@ -89,11 +89,11 @@ def test_producer_rewards_episodes_by_the_tasks_tests(terminal, generated):
     picked = folders + plain
     tok = terminal_tasks.tokenizer()
     sampler = ScriptedSampler(tok, {g.instruction: g for g in picked})
-    config = terminal_rollout.TerminalRolloutConfig(num_samples=4, max_new_tokens=56,
+    config = terminal_episodes.TerminalRolloutConfig(num_samples=4, max_new_tokens=56,
                                                     max_turns=2, max_len=96, threads=4,
                                                     system="")
     with terminal.Harness() as h:
-        producer = terminal_rollout.TerminalProducer(
+        producer = terminal_episodes.TerminalProducer(
             sampler, tok, harness=h, fmt=chat.PLAIN, stop_ids=(tok.eos_token_id,),
             config=config, prompt_len=24)
         try:
@@ -145,7 +145,7 @@ def test_the_producer_at_staleness_1_on_bwrap(generated):
     picked = [g for g in train if g.triggered][:1] + [g for g in train if not g.triggered][:1]
     tok = terminal_tasks.tokenizer()
     sampler = ScriptedSampler(tok, {g.instruction: g for g in picked})
-    config = terminal_rollout.TerminalRolloutConfig(num_samples=2, max_new_tokens=56,
+    config = terminal_episodes.TerminalRolloutConfig(num_samples=2, max_new_tokens=56,
                                                     max_turns=2, max_len=96, threads=4,
                                                     system="")
     records = [{"task_dir": g.task_dir, "domain": "terminal"} for g in picked]
@@ -164,7 +164,7 @@ def test_the_producer_at_staleness_1_on_bwrap(generated):
     with terminal.Harness(backend="bwrap", max_idle=8) as h:
         new = h._new
         h._new = lambda task, key: made.append(1) or new(task, key)
-        producer = terminal_rollout.TerminalProducer(
+        producer = terminal_episodes.TerminalProducer(
             sampler, tok, harness=h, fmt=chat.PLAIN, stop_ids=(tok.eos_token_id,),
             config=config, prompt_len=24)
         ahead = lookahead.LookAhead(1, producer, Stream(), jax.random.key(0), steps=steps,
@@ -238,19 +238,19 @@ def test_terminal_domain_config_tasks_and_demonstrations(tmp_path):
     longest = max(len(d["completion_ids"]) for d in demos)
     assert longest <= config.sft.max_completion_len and longest <= config.rollout.max_len
     assert max(len(d["prompt_ids"]) for d in demos) <= config.data.max_prompt_len
-    rc = terminal_domain.rollout_config(resolved)
+    rc = terminal_env.rollout_config(resolved)
     assert (rc.system, rc.num_samples, rc.max_turns, rc.max_len, rc.max_output_chars,
             rc.call_timeout_s) == ("", config.sampling.num_samples, 2, 96, 200, 10.0)
     own = terminal_toy.get_config("short").unlock()
     own.terminal.max_len = 120  # the terminal episodes' own cap (0: rollout.max_len)
     closed_loop.check_config(own)
-    assert terminal_domain.rollout_config(own).max_len == 120
+    assert terminal_env.rollout_config(own).max_len == 120
     mixed = terminal_toy.get_config("short").unlock()
     mixed.tasks.update(domains=("files", "terminal"), weights=(1.0, 1.0))
     closed_loop.check_config(mixed)
     pieces = set(closed_loop.make_tokenizer(mixed).pieces)
     assert pieces == set(terminal_tasks.tokenizer().pieces) | set(
-        closed_loop.synthetic_tasks.WordTokenizer.for_tasks().pieces)
+        closed_loop.synthetic.WordTokenizer.for_tasks().pieces)
 
 
 def test_a_directory_of_tasks_is_the_terminal_domains_prompt_source(tmp_path):
@@ -292,15 +292,15 @@ def test_a_directory_of_tasks_is_the_terminal_domains_prompt_source(tmp_path):
     own = resolved.unlock()
     own.terminal.update(tasks_dir=str(files_only), heldout_dir=str(files_only / "hello-file"))
     with pytest.raises(ValueError, match="also training tasks'"):
-        terminal_domain.from_directory(own)
+        terminal_env.from_directory(own)
     from sandbox.terminal import bwrap
     if bwrap.unavailable() is None:
         own.terminal.update(heldout_dir="", backend="bwrap")
-        tr, he = terminal_domain.from_directory(own)
+        tr, he = terminal_env.from_directory(own)
         assert len(tr) + len(he) == 5 and len(he) == 2
         own.terminal.tasks_dir = bundled
         with pytest.raises(ValueError, match="cannot run 10 task.*RUN"):
-            terminal_domain.from_directory(own)
+            terminal_env.from_directory(own)
 
 
 def test_the_closed_loop_mixes_terminal_tasks_with_another_domain(terminal, tmp_path):

@@ -20,9 +20,9 @@ import random
 import re
 
 from ptrain import chat
-from ptrain import synthetic_tasks
+from ptrain.envs import synthetic
 
-WORDS = synthetic_tasks.WORDS
+WORDS = synthetic.WORDS
 TEMPLATE_TEXT = ("terminal: write", "to", "done", "name", "bash", "arguments", "command",
                  "mkdir -p", "echo", "txt", "exit status", "No such file or directory",
                  "line", "timed out after", "no exit status", "the shell was restarted")
@@ -30,7 +30,7 @@ TASK_TOML = """version = "1.0"
 
 [metadata]
 category = "file-operations"
-generated_by = "ptrain.terminal_tasks"
+generated_by = "ptrain.envs.terminal.generated"
 
 [verifier]
 timeout_sec = 30.0
@@ -62,14 +62,23 @@ class Generated:
     good: str  # the right command
     bad: str  # the demonstrations' systematic mistake (== good when not triggered)
     triggered: bool
+    domain: str = "terminal"  # its environment's name
+
+    @property
+    def id(self) -> str:
+        return self.task_dir
+
+    def to_record(self) -> dict:
+        """What the task file holds of it (the producer takes it, or this record)."""
+        return {"task_dir": self.task_dir, "domain": self.domain}
 
 
-def tokenizer() -> synthetic_tasks.WordTokenizer:
+def tokenizer() -> synthetic.WordTokenizer:
     """Every piece the tasks, the calls and the shell's usual answers are made of, plus each
     printable ASCII character (anything else is spelled or becomes '?')."""
     text = " ".join(WORDS + TEMPLATE_TEXT)
     singles = [chr(i) for i in range(33, 127)]
-    return synthetic_tasks.WordTokenizer(re.findall(r"[A-Za-z]+", text) + singles +
+    return synthetic.WordTokenizer(re.findall(r"[A-Za-z]+", text) + singles +
                                          [" " * n for n in range(1, 9)] + ["\n"])
 
 
@@ -132,14 +141,15 @@ def demonstration(g: Generated, rng: random.Random, bug_rate: float) -> tuple[st
     return g.good, "[exit status 0]"
 
 
-def demo_record(g: Generated, tok, command: str, output: str, *, system: str = "") -> dict:
+def demo_record(g: Generated, tok, command: str, output: str, *, system: str = "",
+                domain: str = "terminal") -> dict:
     """An SFT record of the plain format: the prompt, then the call + EOS (a plain turn ends
     at EOS; trained on), the shell's answer (not), and "done" + EOS (trained on)."""
-    from ptrain import terminal_agent
+    from ptrain.envs.terminal import agent as terminal_agent
     turn = chat.encode(tok, call_text(command)) + [tok.eos_token_id]
     obs = chat.encode(tok, chat.observation(chat.PLAIN, [output], closed=True))
     done = chat.encode(tok, "done") + [tok.eos_token_id]
     return {"prompt_ids": terminal_agent.render_prompt(chat.PLAIN, tok, g.instruction, system),
             "completion_ids": turn + obs + done,
             "completion_mask": [1] * len(turn) + [0] * len(obs) + [1] * len(done),
-            "domain": "terminal"}
+            "domain": domain}

@@ -8,8 +8,9 @@ each batch in a thread while the next ones are generated. Three producers:
 
   SingleTurn    G samples per prompt record, scored by `reward_fn(record, completion_ids,
                 completion_text)` (the learner's default, `config.reward_fn`)
-  Tasks         `ptrain.tasks.Task`s (or task records): multi-turn episodes with tool
-                calls, verdicts from the sandbox pool (the closed loop's)
+  Tasks         `ptrain.tasks.Task`s (or task records) of environments (`ptrain.envs`):
+                multi-turn episodes with their tools' calls, verdicts from each task's
+                environment (the sandbox pool's; the closed loop's)
   FromFunction  a `rollout_fn(params, records, key) -> Batch` (generate and score in one)
 
 Token in, token out. An episode's history is a list of token ids that only ever grows: the
@@ -51,11 +52,12 @@ from ptrain import rewards as rewards_lib
 from ptrain import routing as routing_lib
 from ptrain import sharding
 from ptrain import tasks as tasks_lib
-from ptrain import turns
 from ptrain.batch import Batch
+from ptrain.envs import base as envs_base
 from ptrain.generate import engine_sampler
 from ptrain.generate.sampler import Sampler
-from ptrain.tasks import Files, Task
+from ptrain.rollout import turns
+from ptrain.tasks import Task
 
 ATTEMPT_REWARDS = ("final", "first", "mean", "discounted")
 FINISHES = ("answered", "truncated", "max_turns", "max_len")  # Episode.finish
@@ -105,7 +107,7 @@ class Episode:
     logp: list[float]
     prompt_len: int
     answers: list[str] = dataclasses.field(default_factory=list)  # the final text per attempt
-    verdicts: list = dataclasses.field(default_factory=list)  # a rewards.Verdict per attempt
+    verdicts: list = dataclasses.field(default_factory=list)  # an envs.Verdict per attempt
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -117,6 +119,7 @@ class Episode:
     # rl.interrupt (the engine): the policy version of each token (aligned with `tokens`;
     # ptrain.generate.interrupt.UNSAMPLED where mask is 0), or None
     versions: list | None = None
+    env: envs_base.Environment | None = None  # the task's environment (its tools, verifier)
 
     @property
     def attempts(self) -> int:
@@ -142,11 +145,33 @@ class Episode:
 
 # ----------------------------------------------------------------------------- rendering
 
-def render_prompt(task: Task, tokenizer, fmt: chat.ChatFormat = chat.PLAIN) -> list[int]:
-    """The task's prompt ids, ending where the model's first turn begins (`chat.render_prompt`:
-    the tokenizer's chat template with the task's tools, or plain text)."""
+def render_prompt(task: Task, tokenizer, fmt: chat.ChatFormat = chat.PLAIN,
+                  env: envs_base.Environment | None = None) -> list[int]:
+    """The task's prompt ids, ending where the model's first turn begins: its environment's
+    `prompt_ids`, or `chat.render_prompt` (the tokenizer's chat template with the schemas of
+    the task's tools, or plain text)."""
+    env = env or builtin(task.domain)
+    if env.prompt_ids is not None:
+        return list(env.prompt_ids(task, tokenizer, fmt))
     return chat.render_prompt(fmt, tokenizer, prompt=task.prompt, messages=task.messages,
-                              tools=task.tools)
+                              tools=[env.tool(name) for name in task.tools])
+
+
+def builtin(name: str) -> envs_base.Environment:
+    """The environment of tasks with built-in verifiers and the sandbox's tools (what a task
+    needs without one of its own: `generate` uses it for domains `envs` does not name)."""
+    return envs_base.Environment(
+        name=name, tasks=lambda ctx: envs_base.Splits((), ()), verify=rewards_lib.verify_all,
+        tools=envs_base.sandbox_tools_named(*tasks_lib.TOOLS),
+        opens_session=rewards_lib.needs_session)
+
+
+def _environments(tasks, envs) -> list[envs_base.Environment]:
+    envs = dict(envs or {})
+    for task in tasks:
+        if task.domain not in envs:
+            envs[task.domain] = builtin(task.domain)
+    return [envs[task.domain] for task in tasks]
 
 
 # ----------------------------------------------------------------------------- episodes
@@ -154,9 +179,11 @@ def render_prompt(task: Task, tokenizer, fmt: chat.ChatFormat = chat.PLAIN) -> l
 def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
              config: RolloutConfig = RolloutConfig(), fmt: chat.ChatFormat = chat.PLAIN,
              pool=None, reward_config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
-             first_group_id: int = 0, verify_now: bool | None = None) -> list[Episode]:
+             first_group_id: int = 0, verify_now: bool | None = None,
+             envs=None) -> list[Episode]:
     """Runs `num_samples` episodes of every task; rows are task-major (task i owns rows
-    i*G .. i*G+G-1, group id `first_group_id + i`).
+    i*G .. i*G+G-1, group id `first_group_id + i`). `envs`: the tasks' environments by name
+    (their tools, prompts and verifiers); a domain it does not name has `builtin`'s.
 
     Verdicts come from `verify_episodes` (the sandbox pool); with one attempt they can be
     left to the caller (`verify_now=False`) so that judging overlaps the next generation.
@@ -177,23 +204,26 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
     verify_now = c.max_attempts > 1 if verify_now is None else verify_now
     if c.max_attempts > 1 and not verify_now:
         raise ValueError("self-correction (max_attempts > 1) needs verdicts during the episode")
-    prompts = [render_prompt(task, tokenizer, fmt) for task in tasks]
+    task_envs = _environments(tasks, envs)
+    prompts = [render_prompt(task, tokenizer, fmt, env) for task, env in zip(tasks, task_envs)]
     episodes = [Episode(task=task, group_id=first_group_id + i, tokens=list(prompt),
                         mask=[0] * len(prompt), logp=[0.0] * len(prompt),
-                        prompt_len=len(prompt))
-                for i, (task, prompt) in enumerate(zip(tasks, prompts))
+                        prompt_len=len(prompt), env=env)
+                for i, (task, prompt, env) in enumerate(zip(tasks, prompts, task_envs))
                 for _ in range(c.num_samples)]
     # On a Ray fleet pool the sessions run there too (their work dirs travel with each turn).
     make_session = sandbox.Session if pool is None else fleet.session_factory(pool)
     for episode in episodes:
-        if episode.task.tools or _needs_session(episode.task):
+        if episode.env.opens_session(episode.task):
             episode.session = make_session(backend=c.session_backend,
                                            files=dict(episode.task.files) or None)
     try:
         if isinstance(sampler, engine_sampler.EngineSampler):  # episodes keep their slots
-            engine_sampler.run_episodes(sampler, params, episodes, prompts, key, tokenizer,
-                                        fmt, c, pool=pool, reward_config=reward_config,
-                                        verify_now=verify_now)
+            engine_sampler.run_episodes(
+                sampler, params, episodes, prompts, key, tokenizer, fmt, c,
+                verify=lambda es: verify_episodes(es, pool=pool, config=reward_config,
+                                                  close_sessions=False),
+                verify_now=verify_now)
         else:
             _run_attempts(sampler, params, episodes, prompts, key, tokenizer, fmt, c,
                           pool=pool, reward_config=reward_config, verify_now=verify_now)
@@ -253,10 +283,6 @@ def sample_across(sampler, params, histories, *, num_samples=1, **kwargs):
         prompt_experts=None if out.prompt_experts is None else out.prompt_experts[prompts])
 
 
-def _needs_session(task: Task) -> bool:
-    return isinstance(task.verifier, Files) and not task.verifier.run
-
-
 def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *, first,
                  prompts):
     """Model turns until each episode answers (a turn without a tool call) or hits a cap."""
@@ -300,12 +326,19 @@ def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *,
 def verify_episodes(episodes: Sequence[Episode], *, pool=None,
                     config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
                     close_sessions: bool = True) -> None:
-    """Judges each episode's latest answer (adds a verdict), then removes the work dirs."""
+    """Judges each episode's latest answer by its environment (adds a verdict, checked:
+    `envs.base.verdicts`), then removes the work dirs."""
     todo = [e for e in episodes if len(e.verdicts) < len(e.answers)]
-    verdicts = rewards_lib.verify_all([e.task for e in todo], [e.answers[-1] for e in todo],
-                                      pool=pool, sessions=[e.session for e in todo], config=config)
-    for e, v in zip(todo, verdicts):
-        e.verdicts.append(v)
+    by_env: dict = {}
+    for e in todo:
+        env = e.env or builtin(e.task.domain)
+        by_env.setdefault(env.name, (env, []))[1].append(e)
+    for env, mine in by_env.values():
+        verdicts = envs_base.verdicts(env, [e.task for e in mine], [e.answers[-1] for e in mine],
+                                      pool=pool, sessions=[e.session for e in mine],
+                                      config=config)
+        for e, v in zip(mine, verdicts):
+            e.verdicts.append(v)
     if close_sessions:
         close(episodes)
 
@@ -468,8 +501,9 @@ class Tasks:
     judges the answers in the sandbox pool and packs the rows (the learner may run the two in
     different threads, overlapping batch t's scoring with batch t+1's generation)."""
 
-    def __init__(self, sampler, tokenizer, config, pool):
+    def __init__(self, sampler, tokenizer, config, pool, envs=None):
         self.sampler, self.tokenizer, self.pool = sampler, tokenizer, pool
+        self.envs = dict(envs or {})  # name -> Environment (`generate`'s envs)
         self.rollout_config = rollout_config(config)
         self.reward_config = reward_config(config)
         self.fmt = chat.FORMATS[config.rollout.chat_format]
@@ -489,7 +523,7 @@ class Tasks:
             tasks.append(r if isinstance(r, Task) else tasks_lib.from_record(r))
         return generate(self.sampler, params, tasks, tokenizer=self.tokenizer, key=key,
                         config=self.rollout_config, fmt=self.fmt, pool=self.pool,
-                        reward_config=self.reward_config)
+                        reward_config=self.reward_config, envs=self.envs)
 
     def score(self, episodes) -> Batch:
         verify_episodes(episodes, pool=self.pool, config=self.reward_config)
