@@ -22,6 +22,7 @@ import sandbox
 from sandbox import judge
 
 from ptrain import answers
+from ptrain.envs.base import submit
 from ptrain.envs.verdict import Verdict
 from ptrain.tasks import Answer, Files, Format, Stdio, Task, UnitTests
 
@@ -145,14 +146,6 @@ def from_report(report: judge.Report) -> Verdict:
 
 # ----------------------------------------------------------------------------- judging a batch
 
-def _submit(pool, fn, *args, **kwargs) -> concurrent.futures.Future:
-    if pool is None:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        future.set_result(fn(*args, **kwargs))
-        return future
-    return pool.submit(fn, *args, **kwargs)
-
-
 def needs_session(task: Task) -> bool:
     """Whether a task's episode needs a sandbox session: it calls tools, or its verifier
     judges the work dir its tool calls left (`Files(run="")`)."""
@@ -164,14 +157,14 @@ def needs_session(task: Task) -> bool:
 
 def _start_unit_tests(task, completion, session, pool, c):
     v = task.verifier
-    return _submit(pool, judge.unit_tests, program(v, completion), v.tests,
+    return submit(pool, judge.unit_tests, program(v, completion), v.tests,
                    entry_point=v.entry_point or None, timeout_s=c.timeout_s,
                    test_timeout_s=c.test_timeout_s, memory_mb=c.memory_mb, backend=c.backend)
 
 
 def _start_stdio(task, completion, session, pool, c):
     v = task.verifier
-    return _submit(pool, judge.stdio, extract_code(completion), list(v.cases),
+    return submit(pool, judge.stdio, extract_code(completion), list(v.cases),
                    float_tol=v.float_tol, timeout_s=c.timeout_s,
                    case_timeout_s=c.test_timeout_s, memory_mb=c.memory_mb, backend=c.backend)
 
@@ -179,7 +172,7 @@ def _start_stdio(task, completion, session, pool, c):
 def _start_files(task, completion, session, pool, c):
     v = task.verifier
     if v.run:
-        return _submit(pool, sandbox.run, extract_code(completion, v.run), language=v.run,
+        return submit(pool, sandbox.run, extract_code(completion, v.run), language=v.run,
                        files=dict(task.files), return_files=True, timeout_s=c.timeout_s,
                        memory_mb=c.memory_mb, backend=c.backend)
     if session is None:

@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from ptrain import chat, terminal_agent
+from ptrain import chat
+from ptrain.envs.terminal import agent as terminal_agent
 from sandbox.terminal.shell import ShellResult
 from tests.test_terminal_load import TASKS_DIR
 

@@ -36,6 +36,7 @@ the tools' schemas; every error names what to fix.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import importlib
 from collections.abc import Callable, Mapping, Sequence
@@ -93,7 +94,12 @@ class Environment:
     evaluate: Callable | None = None
 
     def tool(self, name: str):
-        return next(t for t in self.tools if t.name == name)
+        """The tool named `name` (a task names the ones it offers in `Task.tools`)."""
+        found = [t for t in self.tools if t.name == name]
+        if not found:
+            raise ValueError(f"environment {self.name!r} has no tool {name!r}; its tools: "
+                             f"{', '.join(t.name for t in self.tools) or 'none'}")
+        return found[0]
 
 
 def sandbox_tools_named(*names: str) -> tuple:
@@ -103,6 +109,16 @@ def sandbox_tools_named(*names: str) -> tuple:
     if unknown:
         raise ValueError(f"unknown sandbox tools {unknown}; known: {sorted(by_name)}")
     return tuple(by_name[n] for n in names)
+
+
+def submit(pool, fn, *args, **kwargs) -> concurrent.futures.Future:
+    """fn(*args, **kwargs) on `pool` (a verifier's sandbox pool: run its sandbox calls there,
+    e.g. `sandbox.run`), or here and now without one; a Future either way."""
+    if pool is None:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(fn(*args, **kwargs))
+        return future
+    return pool.submit(fn, *args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- loading

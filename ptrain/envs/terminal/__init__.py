@@ -190,16 +190,14 @@ def producer(s: Settings, config, sampler, tokenizer, heldout):
     """A `TerminalProducer` in its harness (closed on leaving), warm containers started for
     one batch when it steps episodes in threads."""
     from sandbox import terminal
-    if config.sampling.max_new_tokens > (s.max_len or config.rollout.max_len):
-        raise ValueError(f"terminal environment: max_len={s.max_len} must be 0 "
-                         f"(rollout.max_len) or >= sampling.max_new_tokens")
+    rollout = rollout_config(s, config)  # its caps checked before the harness starts
     t = s
     with terminal.Harness(image_map=terminal.parse_image_map(list(t.image_map)),
                           max_idle=t.max_idle, backend=t.backend,
                           call_timeout_s=config.rollout.tool_timeout_s) as harness:
         out = terminal_episodes.TerminalProducer(
             sampler, tokenizer, harness=harness, fmt=chat.FORMATS[config.rollout.chat_format],
-            stop_ids=tuple(config.sampling.stop_token_ids), config=rollout_config(s, config),
+            stop_ids=tuple(config.sampling.stop_token_ids), config=rollout,
             prompt_len=config.data.max_prompt_len, pad_id=tokenizer.pad_token_id)
         try:
             if t.threads > 1 and heldout:
