@@ -26,7 +26,6 @@ checkpoints, evaluations that are already in eval.jsonl are not repeated.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import random

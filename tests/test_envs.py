@@ -1,16 +1,15 @@
 """ptrain/envs/: environments named by import path, checked before anything runs (each bad
 input of docs/environments.md a clear error naming what to fix), the verdict and its rubric,
 and the SQL worked example (examples/sql_env.py): its verdicts on right and wrong queries,
-its `sql` tool in an episode, its rewards in the batch, and a closed-loop run."""
+its `sql` tool in an episode, its rewards in the batch (tests/test_readme.py trains it through
+the closed loop)."""
 
-import json
 import math
-import os
 
 import jax
 import pytest
 
-from ptrain import chat, closed_loop, envs, metrics, rewards, rollout
+from ptrain import chat, closed_loop, envs, rewards, rollout
 from ptrain.envs import Environment, Splits, Tool, TurnPolicy, Verdict
 from ptrain.envs import base as envs_base
 from ptrain.envs import verdict as verdict_lib
@@ -216,28 +215,3 @@ def test_sql_tool_in_an_episode_and_rewards_in_the_batch(sql):
     assert [m["tool_calls"] for m in batch.meta] == [1, 1]
     assert batch.meta[1]["error_type"] == "wrong_rows"
     assert "\n8\n" in batch.meta[0]["completion"]  # the tool's answer: 8 people
-
-
-def test_sql_environment_trains_through_the_closed_loop(tmp_path):
-    """The worked example as a user runs it: the config names it by import path; a tiny
-    random model, two RL steps and the held-out evaluations, per-environment metrics."""
-    from configs import quickstart
-    c = quickstart.get_config("short")
-    c.unlock()
-    c.update_from_flattened_dict({
-        "steps": 2, "sft.steps": 0, "eval.n": 2, "data.prompts_per_step": 2,
-        "sampling.num_samples": 4, "rl.num_minibatches": 1, "sampling.max_new_tokens": 16,
-        "rollout.max_len": 32,
-        "data.max_prompt_len": 40, "dapo.overlong_buffer": 8, "sandbox.backend": "process",
-        "checkpoint.every": 100, "checkpoint.async_save": False, "model.d_model": 32,
-        "model.n_layers": 1, "model.n_heads": 2, "model.n_kv_heads": 1, "model.d_ff": 64})
-    c.tasks.envs = ({"env": SQL, "args": {"n_train": 8, "n_heldout": 2}, "weight": 1.0},)
-    c.lock()
-    lines = closed_loop.run(c, str(tmp_path))
-    assert [(x["stage"], x["domain"], x["n"]) for x in lines] == [("rl", "sql", 2)]
-    rows = metrics.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all("reward/sql/mean" in r for r in rows)
-    with open(os.path.join(tmp_path, "tasks", "sql.heldout.jsonl")) as f:
-        held = [json.loads(line) for line in f]
-    assert len(held) == 2 and held[0]["verifier"]["kind"] == "examples.sql_env:Rows"
