@@ -121,6 +121,23 @@ def submit(pool, fn, *args, **kwargs) -> concurrent.futures.Future:
     return pool.submit(fn, *args, **kwargs)
 
 
+def distinct(draw: Callable[[int], Any], n: int, *, key: Callable, exclude=(),
+             what: str = "tasks") -> list:
+    """n values of draw(index) whose key differs from each other's and from `exclude` (another
+    split's keys): a generated environment's split, drawn at most 100 * n times."""
+    out, seen = [], set(exclude)
+    for _ in range(100 * n):
+        if len(out) == n:
+            break
+        x = draw(len(out))
+        if key(x) not in seen:
+            seen.add(key(x))
+            out.append(x)
+    if len(out) < n:
+        raise ValueError(f"cannot draw {n} distinct {what}; lower n")
+    return out
+
+
 # ----------------------------------------------------------------------------- loading
 
 def resolve(path: str, *, key: str):

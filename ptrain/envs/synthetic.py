@@ -175,17 +175,8 @@ GENERATORS = {"code": code_task, "arith": arith_task, "files": files_task}
 def generate(domain: str, n: int, *, seed: int, split: str, exclude=frozenset()):
     """n distinct tasks of a domain whose prompts are not in `exclude` (another split's)."""
     rng = random.Random(f"{seed}/{domain}/{split}")
-    out, seen = [], set(exclude)
-    attempts = 0
-    while len(out) < n:
-        attempts += 1
-        if attempts > 100 * n:
-            raise ValueError(f"cannot draw {n} distinct {domain} tasks; lower n")
-        g = GENERATORS[domain](rng, len(out), split)
-        if g.task.prompt not in seen:
-            seen.add(g.task.prompt)
-            out.append(g)
-    return out
+    return base.distinct(lambda i: GENERATORS[domain](rng, i, split), n,
+                         key=lambda g: g.task.prompt, exclude=exclude, what=f"{domain} tasks")
 
 
 def demonstration(g: Generated, rng: random.Random, bug_rate: float) -> tuple[str, ...]:

@@ -108,20 +108,15 @@ def write_task(task_dir: str, instruction: str, path: str, words: str, solution:
 def generate(root: str, n: int, *, seed: int, split: str, exclude=frozenset()) -> list[Generated]:
     """n distinct tasks under root/<split>/<index>/ whose instructions are not in `exclude`
     (another split's)."""
+    from ptrain.envs import base
     rng = random.Random(f"{seed}/terminal/{split}")
-    out, seen = [], set(exclude)
-    for _ in range(100 * n):
-        if len(out) == n:
-            break
-        instruction, path, words, good, bad, triggered = _task(rng)
-        if instruction in seen:
-            continue
-        seen.add(instruction)
-        task_dir = os.path.join(root, split, f"{len(out):04d}")
+    out = []
+    for i, (instruction, path, words, good, bad, triggered) in enumerate(base.distinct(
+            lambda i: _task(rng), n, key=lambda t: t[0], exclude=exclude,
+            what="terminal tasks")):
+        task_dir = os.path.join(root, split, f"{i:04d}")
         write_task(task_dir, instruction, path, words, good)
         out.append(Generated(task_dir, instruction, good, bad if triggered else good, triggered))
-    if len(out) < n:
-        raise ValueError(f"cannot draw {n} distinct terminal tasks; lower n")
     return out
 
 
