@@ -54,13 +54,13 @@ import rl_bench  # noqa: E402
 from ptrain import hf  # noqa: E402
 from ptrain import model as model_lib  # noqa: E402
 from ptrain import rollout  # noqa: E402
-from ptrain import synthetic_tasks  # noqa: E402
+from ptrain.envs import synthetic  # noqa: E402
 from ptrain import tasks as tasks_lib  # noqa: E402
 from ptrain.generate import engine as engine_lib  # noqa: E402
 from ptrain.generate import engine_sampler  # noqa: E402
 from ptrain.generate import sampler as sampler_lib  # noqa: E402
 
-WORDS = synthetic_tasks.WordTokenizer.for_tasks()  # the producer workload's tokenizer
+WORDS = synthetic.WordTokenizer.for_tasks()  # the producer workload's tokenizer
 
 
 def long_tail_workload(args):
@@ -204,7 +204,7 @@ def producer_multi_turn(model, task_list, args, sampler):
     config = rollout.RolloutConfig(
         num_samples=args.samples, max_new_tokens=args.turn_tokens, max_turns=1,
         max_attempts=args.turns, max_len=args.turns * (args.turn_tokens + 64), greedy=True,
-        stop_token_ids=(synthetic_tasks.EOS,))
+        stop_token_ids=(synthetic.EOS,))
 
     def run():
         for engine in getattr(sampler, "engines", {}).values():
@@ -271,7 +271,7 @@ def main():
         hf.save(model_lib.init(config, seed=0), config, model_dir)
         model, _ = hf.load(model_dir)
         word_model = model_lib.init(config.replace(vocab_size=WORDS.vocab_size,
-                                                   eos_token_ids=(synthetic_tasks.EOS,)))
+                                                   eos_token_ids=(synthetic.EOS,)))
         tasks = producer_tasks(args)
         for r in range(args.rounds):
             if "long-tail" in args.workloads:

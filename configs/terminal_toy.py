@@ -1,7 +1,7 @@
 """RL on terminal tasks on a laptop CPU: a tiny model learns, from the tasks' own tests run in
 docker, to create the folder it writes into.
 
-Generated Harbor-layout tasks (`ptrain.terminal_tasks`: "terminal: write red fox to
+Generated Harbor-layout tasks (`ptrain.envs.terminal.generated`: "terminal: write red fox to
 lake/cat.txt", each a task directory with instruction.md, task.toml, environment/Dockerfile,
 tests/test.sh, solution/solve.sh) run in the real docker environment (`sandbox.terminal`):
 warm task containers reset between episodes, the agent's bash tool calls in a persistent
@@ -9,8 +9,8 @@ shell, the reward from each task's verifier. A 0.4M-parameter decoder with a wor
 is first trained on demonstrations that usually forget `mkdir -p` when the path has a
 folder, then with GRPO on the verifiers' rewards; the greedy held-out pass rate (32 tasks
 never trained on) is measured after SFT and after RL: the closed loop (`ptrain/closed_loop.py`)
-with the terminal domain alone (`ptrain/terminal_domain.py`); add other domains to
-tasks.domains (the union of the word tokenizers, weights in tasks.weights) to mix them.
+with the terminal environment alone (`ptrain.envs.terminal`); add other environments to
+tasks.envs (the union of their word tokenizers, each with its weight) to mix them.
 
 Command:  python -m launch.train --config=configs/terminal_toy.py --workdir=runs/terminal_toy
           (the smoke variant first, every stage at the smallest size: terminal_toy.py:smoke)
@@ -48,10 +48,10 @@ def get_config(arg: str = ""):
     c.sft.optim.update(lr=3e-3, warmup_steps=20)
     c.log.num_rollouts = 8
     c.checkpoint.update(every=10, keep=2)
-    # The terminal domain alone (ptrain/terminal_domain.py); its episodes' caps in rollout.*
-    # (terminal.max_len 0: rollout.max_len)
-    c.tasks.update(domains=("terminal",), weights=(1.0,), n_train=40 if short else 400,
-                   n_heldout=8 if short else 32)
+    # The terminal environment alone (ptrain.envs.terminal); its episodes' caps in rollout.*
+    # (its arg max_len 0: rollout.max_len)
+    c.tasks.envs = (dict(env="ptrain.envs.terminal:make", weight=1.0, args=dict(
+        n_train=40 if short else 400, n_heldout=8 if short else 32)),)
     c.rollout.update(max_turns=2, max_len=96, max_tool_output_chars=200, tool_timeout_s=10.0)
     c.eval.n = 8 if short else 32
     return config_lib.smoke(c) if arg == "smoke" else c

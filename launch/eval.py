@@ -10,7 +10,7 @@
 sub-directory; `sandbox.terminal`), or a JSONL task file in a format of `ptrain.tasks.FORMATS`
 (--format, detected from the first record when not given), judged by `ptrain.rewards`.
 --agent=model: a local Hugging Face directory (--model) acting through its chat format's tool
-calls in the task's persistent shell (`ptrain.terminal_agent`), or answering code tasks in one
+calls in the task's persistent shell (`ptrain.envs.terminal.agent`), or answering code tasks in one
 turn (`ptrain.code_eval.ModelAgent`); or a launch/train.py work dir, exported first, which on
 the synthetic tasks' word tokenizer (the quickstart's, configs/terminal_toy.py's) acts with
 that tokenizer, the run's chat format and its terminal system prompt.
@@ -62,7 +62,7 @@ flags.mark_flags_as_required(["tasks", "agent", "out"])
 
 def load_model():
     """(sampler, params, tokenizer, chat format, stop ids, system prompt) of --model."""
-    from ptrain import terminal_agent
+    from ptrain.envs.terminal import agent as terminal_agent
     path, run_config = _MODEL.value, None
     if not path:
         raise app.UsageError("--agent=model needs --model=DIR (a Hugging Face model directory "
@@ -86,10 +86,10 @@ def load_model():
            for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         model, tokenizer, fmt, stop = terminal_agent.load_hf(path,
                                                              chat_format=_CHAT_FORMAT.value)
-    elif run_config is not None and "tasks" in run_config and \
-            run_config.tasks.source == "synthetic":
+    elif run_config is not None and "tasks" in run_config and not run_config.tokenizer:
         model, tokenizer, fmt, stop = word_tokenizer_model(path, run_config)
-        system = run_config.terminal.system
+        system = next((e["args"]["system"] for e in run_config.tasks.envs
+                       if "system" in e.get("args", {})), "")  # the run's agent prompt
     else:
         raise app.UsageError(f"--model={_MODEL.value}: no Hugging Face tokenizer, and not the "
                              "work dir of a run on the synthetic tasks' word tokenizer; the "
@@ -110,7 +110,7 @@ def word_tokenizer_model(path, run_config):
         raise app.UsageError(f"--chat_format={_CHAT_FORMAT.value}: the run at {_MODEL.value} "
                              f"was trained in {run_config.rollout.chat_format!r}")
     model, config = hf.load(path)
-    tokenizer = closed_loop.make_tokenizer(run_config)
+    tokenizer = closed_loop.make_tokenizer(run_config, closed_loop.environments(run_config))
     chat.check_vocab(tokenizer, config.vocab_size)
     fmt = chat.get(run_config.rollout.chat_format)
     stop = chat.stop_ids(fmt, tokenizer, vocab_size=config.vocab_size)
@@ -119,7 +119,7 @@ def word_tokenizer_model(path, run_config):
 
 
 def terminal_model_agent():
-    from ptrain import terminal_agent
+    from ptrain.envs.terminal import agent as terminal_agent
     sampler, params, tokenizer, fmt, stop, system = load_model()
     policy = terminal_agent.SamplerPolicy(
         sampler, params, stop_ids=stop, max_new_tokens=_MAX_NEW_TOKENS.value,

@@ -64,11 +64,12 @@ def tokenizer_dir(config) -> str | None:
 def stop_ids(config, tokenizer) -> tuple[int, ...]:
     """Where the run's sampler ended a turn: the chat format's end of turn and the eos ids
     (`chat.stop_ids`), and sampling.stop_token_ids."""
-    from ptrain import chat, hf, synthetic_tasks
+    from ptrain import chat, hf
+    from ptrain.envs import synthetic
     extra = tuple(config.sampling.stop_token_ids)
     if tokenizer is None:
-        if "tasks" in config and config.tasks.source == "synthetic":  # the word tokenizer's eos
-            extra += (synthetic_tasks.WordTokenizer.for_tasks().eos_token_id,)
+        if "tasks" in config and not config.tokenizer:  # the environments' word tokenizer's eos
+            extra += (synthetic.EOS,)
         return tuple(dict.fromkeys(int(i) for i in extra))
     fmt = chat.get(config.rollout.chat_format) if "rollout" in config else chat.PLAIN
     eos = hf.eos_token_ids(config.hf_model) if config.hf_model else {}

@@ -43,7 +43,7 @@ log = logging.getLogger("ptrain.alerts")
 
 ACTIONS = ("stop", "warn", "off")
 STALL_EXIT_CODE = 75  # EX_TEMPFAIL: a restart may well succeed
-# Error types of a rewards.Verdict that mean the sandbox failed rather than the program.
+# Error types of an envs.Verdict that mean the sandbox failed rather than the program.
 SANDBOX_ERRORS = ("timeout", "judge_error", "worker_error", "WorkerLost", "sandbox_error")
 _ENTROPY_KEYS = ("actor/entropy",)  # SFT may well end near-deterministic
 _KL_KEYS = ("kl/k1", "actor/ppo_kl")

@@ -191,17 +191,18 @@ def encode(tokenizer, text: str) -> list[int]:
         return list(tokenizer.encode(text))
 
 
-def tool_schemas(tools: Iterable[str]) -> list[dict]:
-    """The function-calling schemas of the named sandbox tools, in the order given."""
+def tool_schemas(tools: Iterable) -> list[dict]:
+    """The function-calling schemas of the tools, in the order given: `sandbox.tools.Tool`s
+    (an environment's), or names of the sandbox's own tools."""
     by_name = {t.name: t for t in sandbox_tools.TOOLS}
-    unknown = [t for t in tools if t not in by_name]
+    unknown = [t for t in tools if isinstance(t, str) and t not in by_name]
     if unknown:
         raise ValueError(f"unknown tools {unknown}; known: {sorted(by_name)}")
-    return sandbox_tools.schemas([by_name[t] for t in tools])
+    return sandbox_tools.schemas([by_name[t] if isinstance(t, str) else t for t in tools])
 
 
 def render_prompt(fmt: ChatFormat, tokenizer, *, prompt: str = "",
-                  messages: Sequence[Mapping] = (), tools: Sequence[str] = ()) -> list[int]:
+                  messages: Sequence[Mapping] = (), tools: Sequence = ()) -> list[int]:
     """The prompt's token ids, ending where the model's first turn begins: the tokenizer's chat
     template with the generation prompt (and the tools' schemas), or plain text."""
     if not fmt.uses_template:
@@ -371,13 +372,14 @@ def verifier_text(tokenizer, ids: Sequence[int], stop_ids_: Iterable[int] = ()) 
 
 # ----------------------------------------------------------------------------- the check
 
-def probe(fmt: ChatFormat, tokenizer, *, tools: Sequence[str] = ("python",),
+def probe(fmt: ChatFormat, tokenizer, *, tools: Sequence = ("python",),
           closed: bool = True) -> tuple[list[int], list[int]]:
     """(ours, the template's): a conversation rendered append-only by `fmt` (prompt, a tool
     call, its result, an answer, retry feedback, a second answer) and the same conversation
     rendered whole by the tokenizer's chat template. `closed`: whether the model's turns end
     with their sampled end-of-turn token."""
-    call = ToolCall(tools[0], {"code": "print(1 + 2)"} if tools[0] == "python" else {}) \
+    first_tool = getattr(tools[0], "name", tools[0]) if tools else ""
+    call = ToolCall(first_tool, {"code": "print(1 + 2)"} if first_tool == "python" else {}) \
         if tools else None
     first = [{"role": "user", "content": "What is 1 + 2?"}]
     eot = list(end_of_turn_ids(fmt, tokenizer)[:1]) if closed else []
@@ -402,7 +404,7 @@ def probe(fmt: ChatFormat, tokenizer, *, tools: Sequence[str] = ("python",),
     return ours, encode(tokenizer, text)
 
 
-def check(fmt: ChatFormat, tokenizer, *, tools: Sequence[str] = ("python",)) -> None:
+def check(fmt: ChatFormat, tokenizer, *, tools: Sequence = ("python",)) -> None:
     """Raises unless `fmt` appends exactly what the tokenizer's chat template writes (see
     `probe`). A plain format has no template to agree with."""
     if not fmt.uses_template:
@@ -412,7 +414,8 @@ def check(fmt: ChatFormat, tokenizer, *, tools: Sequence[str] = ("python",)) -> 
         ours, theirs = probe(fmt, tokenizer, tools=tools)
     except Exception as e:  # a template that cannot render tools or tool turns
         raise ValueError(f"chat format {fmt.name!r}: the tokenizer's chat template cannot "
-                         f"render a conversation with tools {list(tools)} ({e})") from e
+                         f"render a conversation with tools "
+                         f"{[getattr(t, 'name', t) for t in tools]} ({e})") from e
     if ours == theirs:
         return
     at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),

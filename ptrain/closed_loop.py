@@ -2,19 +2,21 @@
 
 `run(config, workdir)` reads top to bottom:
 
-  tasks     per domain, a training split and a held-out split (instances never trained on):
-            generated (`ptrain.synthetic_tasks`, the quickstart's default) or read from
-            task files in their formats (`ptrain.tasks`); mixed by the config's domain
-            weights; prompt lengths and the vocabulary checked before anything runs
+  tasks     per environment (`ptrain.envs`, named by import path in tasks.envs), a
+            training split and a held-out split (instances never trained on): generated
+            (the quickstart's default, `ptrain.envs.synthetic`) or read from task files in
+            their formats; mixed by the environments' weights; prompt lengths and the
+            vocabulary checked before anything runs
   eval      a brought model (hf_model) first: its baseline at step 0
   SFT       a warm start on demonstrations, loss on the model's own turns only
-  eval      greedy pass@1 on the held-out split, per domain (and sampled pass@1 / pass@k
+  eval      greedy pass@1 on the held-out split, per environment (and sampled pass@1 / pass@k
             with eval.sample) -> <workdir>/eval.jsonl, rows keyed by (stage, step)
   RL        `learner.train` with the `rollout.Tasks` producer: multi-turn episodes whose tool
-            calls run in the sandbox, verdicts from the sandbox pool (`ptrain.rewards`),
-            scoring of batch t overlapped with generating batch t+1 when rl.staleness=1;
-            the terminal domain's episodes in docker task containers, rewarded by each
-            task's own tests (`ptrain.terminal_domain`), packed into the same batch
+            calls run in the sandbox, verdicts from each task's environment (run in the
+            sandbox pool), scoring of batch t overlapped with generating batch t+1 when
+            rl.staleness=1; an environment that runs its own episodes (the terminal tasks'
+            docker containers, `ptrain.envs.terminal`) gives its own producer, and its
+            episodes are packed into the same batch
   eval      again, after RL; a reward-curve PNG
 
 Everything lands in the work dir and the job resumes where it stopped: SFT and RL from their
@@ -24,7 +26,6 @@ checkpoints, evaluations that are already in eval.jsonl are not repeated.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import random
@@ -38,20 +39,17 @@ from sandbox import fleet
 from ptrain import chat
 from ptrain import config as config_lib
 from ptrain import eval_rows
+from ptrain import envs as envs_lib
 from ptrain import jsonl
 from ptrain import learner as learner_lib
 from ptrain import metrics as metrics_lib
-from ptrain import mixed_producer
 from ptrain import model as model_lib
 from ptrain import rollout as rollout_lib
 from ptrain import run_record
 from ptrain import sharding
-from ptrain import synthetic_tasks
 from ptrain import tasks as tasks_lib
-from ptrain import terminal_domain
-from ptrain import terminal_tasks
-
-TERMINAL = terminal_domain.DOMAIN  # generated terminal tasks in docker (tasks.domains)
+from ptrain.envs import synthetic
+from ptrain.rollout import mixed
 
 
 # ==================================================================================== config
@@ -70,51 +68,37 @@ def check_config(config) -> None:
 # ===================================================================================== tasks
 
 
-def make_tasks(config, tokenizer, workdir):
-    """(train, heldout): {domain: [Task]} each (the terminal domain's: [terminal_tasks.
-    Generated]); written under <workdir>/tasks/, plus the SFT demonstrations of the synthetic
-    source (token ids with their loss masks)."""
-    t = config.tasks
+def environments(config) -> list:
+    """The config's environments (`envs.load_all`: each entry's import path, args, name)."""
+    return envs_lib.load_all(config.tasks.envs, key="tasks.envs")
+
+
+def make_tasks(config, envs, tokenizer, workdir):
+    """(train, heldout): {env name: [task]} each, written under <workdir>/tasks/, and whether
+    any environment gave SFT demonstrations (<workdir>/tasks/sft.jsonl: token ids with their
+    loss masks). Checked before anything runs: no held-out prompt among the training ones, a
+    held-out split for each environment when evaluation is on (eval.n > 0), the chat format
+    against the tokenizer with the tasks' tools, every prompt's and demonstration's length."""
     os.makedirs(os.path.join(workdir, "tasks"), exist_ok=True)
-    train, heldout, demos, terminal_rows = {}, {}, [], []
-    for i, domain in enumerate(t.domains):
-        if domain == TERMINAL:
-            train[domain], heldout[domain], terminal_rows = terminal_domain.make_tasks(
-                config, tokenizer, workdir, train_file=_task_file(workdir, domain, "train"),
-                heldout_file=_task_file(workdir, domain, "heldout"))
-            continue
-        if t.source == "synthetic":
-            held = synthetic_tasks.generate(domain, t.n_heldout, seed=config.seed,
-                                            split="heldout")
-            gen = synthetic_tasks.generate(domain, t.n_train, seed=config.seed, split="train",
-                                           exclude={g.task.prompt for g in held})
-            train[domain], heldout[domain] = [g.task for g in gen], [g.task for g in held]
-            rng = random.Random(f"{config.seed}/demos/{domain}")
-            demos += [(g.task, synthetic_tasks.demonstration(g, rng, t.bug_rate)) for g in gen]
-        else:
-            train[domain] = tasks_lib.load_entry(t.train[i], key=f"tasks.train[{i}]",
-                                                 domain=domain)
-            heldout[domain] = tasks_lib.load_entry(t.heldout[i], key=f"tasks.heldout[{i}]",
-                                                   domain=domain)
-            if t.tools:
-                train[domain], heldout[domain] = (
-                    [dataclasses.replace(x, tools=tuple(t.tools)) for x in found]
-                    for found in (train[domain], heldout[domain]))
-        overlap = {x.prompt for x in train[domain]} & {x.prompt for x in heldout[domain]}
-        if overlap:
-            raise ValueError(f"{len(overlap)} {domain} held-out prompt(s) also appear in its "
-                             f"training split, e.g. {sorted(overlap)[0]!r}")
-        tasks_lib.write_jsonl(train[domain], _task_file(workdir, domain, "train"))
-        tasks_lib.write_jsonl(heldout[domain], _task_file(workdir, domain, "heldout"))
     fmt = chat.FORMATS[config.rollout.chat_format]
-    check_format(fmt, tokenizer, {name for domain, found in train.items() if domain != TERMINAL
-                                  for x in found for name in x.tools})
-    for domain, found in train.items():  # before anything is generated
+    train, heldout, rows, tools = {}, {}, [], {}
+    for env in envs:
+        splits = env.tasks(envs_lib.Context(name=env.name, seed=config.seed, workdir=workdir,
+                                            tokenizer=tokenizer, fmt=fmt))
+        train[env.name], heldout[env.name] = list(splits.train), list(splits.heldout)
+        _check_splits(env, train[env.name], heldout[env.name], config.eval.n)
+        for split, found in (("train", train[env.name]), ("heldout", heldout[env.name])):
+            jsonl.write([x.to_record() if hasattr(x, "to_record") else tasks_lib.to_record(x)
+                         for x in found], _task_file(workdir, env.name, split))
+        rows += list(splits.demonstrations)
+        tools.update({t.name: t for x in train[env.name] for t in env.tools
+                      if t.name in getattr(x, "tools", ())})
+    check_format(fmt, tokenizer, [tools[name] for name in sorted(tools)])
+    for env in envs:  # before anything is generated
         tasks_lib.check_lengths(
-            terminal_domain.prompt_lengths(config, tokenizer, found) if domain == TERMINAL
-            else {x.id: len(rollout_lib.render_prompt(x, tokenizer, fmt)) for x in found},
-            config.data.max_prompt_len, key="data.max_prompt_len", what=f"{domain} prompt")
-    rows = [demo_record(task, demo, tokenizer, fmt) for task, demo in demos] + terminal_rows
+            {x.id: len(rollout_lib.render_prompt(x, tokenizer, fmt, env))
+             for x in train[env.name]},
+            config.data.max_prompt_len, key="data.max_prompt_len", what=f"{env.name} prompt")
     if rows:
         for part, key in (("prompt", "max_prompt_len"), ("completion", "max_completion_len")):
             tasks_lib.check_lengths({f"demonstration {i} ({r['domain']})": len(r[f"{part}_ids"])
@@ -122,15 +106,33 @@ def make_tasks(config, tokenizer, workdir):
                                     key=f"sft.{key}", what=f"SFT {part}")
         random.Random(config.seed).shuffle(rows)
         jsonl.write(rows, os.path.join(workdir, "tasks", "sft.jsonl"))
-    return train, heldout
+    return train, heldout, bool(rows)
 
 
-def prompt_sources(config, train, workdir) -> list:
-    """The RL prompt stream's sources, each domain with its weight: the training Tasks
-    themselves, served as they are (tasks/<domain>.train.jsonl holds the same); the terminal
-    domain's records ({"task_dir": ...}) from its task file."""
-    return [(_task_file(workdir, d, "train") if d == TERMINAL else train[d], float(w))
-            for d, w in zip(config.tasks.domains, config.tasks.weights)]
+def _check_splits(env, train, heldout, eval_n) -> None:
+    where = f"environment {env.name!r}"
+    if not train:
+        raise ValueError(f"{where}: its training split is empty; give it tasks")
+    if eval_n > 0 and not heldout:
+        raise ValueError(f"{where}: its held-out split is empty and evaluation is on "
+                         f"(eval.n={eval_n}): give it held-out tasks (its args), or set "
+                         "eval.n=0")
+    wrong = {getattr(x, "domain", None) for x in (*train, *heldout)} - {env.name}
+    if wrong:
+        raise ValueError(f"{where}: its tasks have domain(s) {sorted(map(str, wrong))}; a "
+                         "task's domain is its environment's name (Context.name)")
+    overlap = {x.prompt for x in train if hasattr(x, "prompt")} & {
+        x.prompt for x in heldout if hasattr(x, "prompt")}
+    if overlap:
+        raise ValueError(f"{len(overlap)} {env.name} held-out prompt(s) also appear in its "
+                         f"training split, e.g. {sorted(overlap)[0]!r}")
+
+
+def prompt_sources(config, train) -> list:
+    """The RL prompt stream's sources: each environment's training tasks, served as they are
+    (tasks/<name>.train.jsonl holds their records), with its weight."""
+    return [(train[env_name], float(entry.get("weight", 1.0)))
+            for env_name, entry in zip(train, config.tasks.envs)]
 
 
 def check_format(fmt, tokenizer, tools) -> None:
@@ -147,54 +149,37 @@ def _task_file(workdir, domain, split):
     return os.path.join(workdir, "tasks", f"{domain}.{split}.jsonl")
 
 
-def demo_record(task, demo, tokenizer, fmt) -> dict:
-    """A demonstration as an SFT record: the prompt's ids, then the model's turns (trained
-    on, each ending with the format's end-of-turn token; in the plain format only the last,
-    with EOS, as a call turn ends at its closing tag) and the tool outputs rendered as
-    observations (not trained on), exactly as a rollout appends them."""
-    ids, mask = [], []
-    end = list(chat.end_of_turn_ids(fmt, tokenizer)[:1])
-    for i, text in enumerate(demo):
-        if i % 2:  # a tool's output
-            part = chat.encode(tokenizer, chat.observation(fmt, [text], closed=True))
-        else:
-            part = chat.encode(tokenizer, text)
-            if fmt.end_of_turn or i == len(demo) - 1:
-                part += end
-        ids += part
-        mask += [1 - i % 2] * len(part)
-    return {"prompt_ids": rollout_lib.render_prompt(task, tokenizer, fmt),
-            "completion_ids": ids, "completion_mask": mask, "domain": task.domain}
-
-
 # ================================================================================ evaluation
 
 
-def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step,
-             terminal=None, skip=(), on_line=None):
-    """Pass rates on the held-out split, per domain: greedy pass@1, and with eval.sample
+def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step, envs,
+             producers, skip=(), on_line=None):
+    """Pass rates on the held-out split, per environment: greedy pass@1, and with eval.sample
     pass@1 and pass@k at the sampling temperature from sampling.num_samples samples per task
     (the unbiased estimator of Chen et al. 2021, `sandbox.terminal.evaluate.pass_at_k`).
     Returns eval.jsonl lines. With many processes each runs and scores its block of the
     tasks (one sampler call over all of them per turn) and the summary is of all episodes.
-    The terminal domain's episodes run in `terminal` (its producer, `terminal_domain`).
-    (domain, decoding) pairs in `skip` are not run; `on_line(line)` follows each that is."""
+    An environment that runs its own episodes evaluates them (`Environment.evaluate`, with its
+    producer from `producers`). (environment, decoding) pairs in `skip` are not run;
+    `on_line(line)` follows each that is."""
     lines, mesh = [], getattr(sampler, "mesh", None)
     decodings = [("greedy", dict(greedy=True, num_samples=1))]
     if config.eval.sample:
         decodings.append(("sample", dict(num_samples=config.sampling.num_samples)))
     for decoding, change in decodings:
         rc = rollout_lib.rollout_config(config, **change)
-        for domain, tasks in heldout.items():
-            if (domain, decoding) in skip:
+        for env in envs:
+            if (env.name, decoding) in skip:
                 continue
-            tasks = tasks[:config.eval.n]
-            line = {"stage": stage, "step": step, "split": "heldout", "domain": domain,
+            tasks = heldout[env.name][:config.eval.n]
+            if not tasks:
+                continue
+            line = {"stage": stage, "step": step, "split": "heldout", "domain": env.name,
                     "decoding": decoding}
-            if domain == TERMINAL:
-                lines.append({**line, **terminal_domain.evaluate(
-                    terminal, params, tasks, seed=config.seed, num_samples=rc.num_samples,
-                    greedy=rc.greedy, summarize=eval_summary)})
+            if env.evaluate is not None:
+                lines.append({**line, **env.evaluate(
+                    producers[env.name], params, tasks, seed=config.seed,
+                    num_samples=rc.num_samples, greedy=rc.greedy, summarize=eval_summary)})
                 if on_line:
                     on_line(lines[-1])
                 continue
@@ -203,7 +188,8 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step,
             episodes = rollout_lib.generate(
                 sampler, params, mine, tokenizer=tokenizer, key=jax.random.key(config.seed),
                 config=rc, fmt=chat.FORMATS[config.rollout.chat_format], pool=pool,
-                reward_config=rollout_lib.reward_config(config), verify_now=rc.max_attempts > 1)
+                reward_config=rollout_lib.reward_config(config), verify_now=rc.max_attempts > 1,
+                envs={env.name: env})
             rollout_lib.verify_episodes(episodes, pool=pool,
                                         config=rollout_lib.reward_config(config))
             if blocks > 1:  # what eval_summary reads, of every process's episodes
@@ -255,29 +241,38 @@ def run(config, workdir, *, mesh=None):
         return []
 
     # ------------------------------------------------------------ set-up
-    tokenizer = make_tokenizer(config)
-    config = derive_config(config, workdir, tokenizer)
-    train, heldout = make_tasks(config, tokenizer, workdir)
+    check_config(config)
+    envs = environments(config)
+    tokenizer = make_tokenizer(config, envs)
+    train, heldout, demonstrations = make_tasks(config, envs, tokenizer, workdir)
+    config = derive_config(config, workdir, tokenizer, demonstrations=demonstrations)
     mesh = sharding.mesh_from_config(config.mesh) if mesh is None else mesh
     sampler = make_sampler(config, mesh, tokenizer)
     eval_path = os.path.join(workdir, "eval.jsonl")
 
-    box, domains = config.sandbox, config.tasks.domains
+    box = config.sandbox
     with contextlib.ExitStack() as stack:
-        # The producers of the domains: ptrain tasks (the sandbox pool's verdicts) and
-        # terminal tasks (docker); records of both mix in one batch by their weights.
-        producers, pool, terminal = {}, None, None
-        if set(domains) - {TERMINAL}:
+        # The producers: the environments that run their own episodes each give one, the
+        # others share `rollout.Tasks` (their verdicts in the sandbox pool); records of all
+        # mix in one batch by their weights.
+        producers, pool, producer_of = {}, None, {}
+        shared = [env for env in envs if env.producer is None]
+        if shared:
             pool = stack.enter_context(fleet.open_pool(
                 box.cluster, workers=box.workers, backend=box.backend, address=box.address))
-            producers["tasks"] = rollout_lib.Tasks(sampler, tokenizer, config, pool)
-        if TERMINAL in domains:
-            terminal = producers[TERMINAL] = stack.enter_context(
-                terminal_domain.producer(config, sampler, tokenizer, heldout[TERMINAL]))
+            producers["tasks"] = rollout_lib.Tasks(sampler, tokenizer, config, pool,
+                                                   envs={env.name: env for env in shared})
+            producer_of.update({env.name: "tasks" for env in shared})
+        for env in envs:
+            if env.producer is not None:
+                producers[env.name] = stack.enter_context(
+                    env.producer(config, sampler, tokenizer, heldout[env.name]))
+                producer_of[env.name] = env.name
         producer = (next(iter(producers.values())) if len(producers) == 1 else
-                    mixed_producer.MixedProducer(producers, pad_id=rollout_lib.pad_id(tokenizer)))
+                    mixed.MixedProducer(producers, route=mixed.by_domain(producer_of),
+                                        pad_id=rollout_lib.pad_id(tokenizer)))
         ev = dict(sampler=sampler, heldout=heldout, tokenizer=tokenizer, config=config,
-                  pool=pool, terminal=terminal)
+                  pool=pool, envs=envs, producers=producers)
         # -------------------------------------------------------- a brought model's baseline
         if config.hf_model:
             _evaluate_once(eval_path, "base", params=learner_lib.build_model(config, mesh), step=0,
@@ -291,16 +286,18 @@ def run(config, workdir, *, mesh=None):
         # -------------------------------------------------------- RL, then its evaluation
         params = learner_lib.train(config, workdir, params=params, producer=producer,
                                    mesh=mesh, tokenizer=tokenizer,
-                                   prompt_sources=prompt_sources(config, train, workdir))
+                                   prompt_sources=prompt_sources(config, train))
         _evaluate_once(eval_path, "rl", params=params, step=config.steps, **ev)
-    metrics_lib.plot_rewards(workdir, config.tasks.domains)
+    metrics_lib.plot_rewards(workdir, [env.name for env in envs])
     return jsonl.read(eval_path)
 
 
-def derive_config(config, workdir, tokenizer) -> ml_collections.ConfigDict:
+def derive_config(config, workdir, tokenizer, *,
+                  demonstrations: bool = False) -> ml_collections.ConfigDict:
     """A copy with what the run derives filled in: the vocabulary (model.vocab_size 0 means
     the tokenizer's, len(tokenizer) with its added tokens), checked against the tokenizer;
-    the synthetic SFT demonstrations' file, and the stop ids of a turn (`chat.stop_ids`: the chat format's end of
+    the environments' SFT demonstrations as its SFT data (`demonstrations`: make_tasks
+    wrote them), and the stop ids of a turn (`chat.stop_ids`: the chat format's end of
     turn, the eos ids of hf_model's config.json / generation_config.json, the tokenizer's
     eos), each checked to exist in the vocabulary."""
     out = ml_collections.ConfigDict(config.to_dict())
@@ -309,7 +306,7 @@ def derive_config(config, workdir, tokenizer) -> ml_collections.ConfigDict:
     vocab = learner_lib.model_config(out).vocab_size
     chat.check_vocab(tokenizer, vocab, what=f"{out.hf_model}/config.json" if out.hf_model
                      else "config.model.vocab_size")
-    if out.tasks.source == "synthetic":
+    if demonstrations:
         out.sft.sources = (os.path.join(workdir, "tasks", "sft.jsonl"),)
         out.sft.records_fn = None
     from ptrain import hf
@@ -328,17 +325,20 @@ def make_sampler(config, mesh, tokenizer):
     return rollout_lib.make_sampler(abstract_model, config, tokenizer)
 
 
-def make_tokenizer(config):
-    """config.tokenizer (a brought model's, whatever the task source), else the synthetic
-    source's word tokenizer (the quickstart's; the terminal tasks' for the terminal domain
-    alone; the union of their pieces for both)."""
-    if config.tasks.source == "synthetic" and not config.tokenizer:
-        domains = config.tasks.domains
-        parts = ([synthetic_tasks.WordTokenizer.for_tasks()] if set(domains) - {TERMINAL}
-                 else []) + ([terminal_tasks.tokenizer()] if TERMINAL in domains else [])
-        return parts[0] if len(parts) == 1 else synthetic_tasks.WordTokenizer(
-            [p for tok in parts for p in tok.pieces])
-    if not config.tokenizer:
-        raise ValueError("tasks.source='jsonl' needs config.tokenizer (a local HF directory)")
-    from ptrain import hf
-    return hf.load_tokenizer(config.tokenizer)
+def make_tokenizer(config, envs):
+    """config.tokenizer (a local HF directory), else the environments' own: their generated
+    tasks' word tokenizers (one, or the union of their pieces)."""
+    if config.tokenizer:
+        from ptrain import hf
+        return hf.load_tokenizer(config.tokenizer)
+    parts = {}
+    for env in envs:
+        if env.tokenizer is not None:
+            tok = env.tokenizer()
+            parts.setdefault(tuple(tok.pieces), tok)
+    if not parts:
+        raise ValueError(f"environments {[env.name for env in envs]} bring no tokenizer: set "
+                         "config.tokenizer (a local HF directory)")
+    found = list(parts.values())
+    return found[0] if len(found) == 1 else synthetic.WordTokenizer(
+        [p for tok in found for p in tok.pieces])

@@ -30,6 +30,7 @@ from sandbox.terminal.evaluate import read_rows, summarize, write_transcript
 from ptrain import jsonl
 from ptrain import rewards as rewards_lib
 from ptrain import tasks as tasks_lib
+from ptrain.envs.verdict import Verdict
 
 
 @dataclasses.dataclass
@@ -38,7 +39,7 @@ class Attempt:
     steps: list = dataclasses.field(default_factory=list)  # [{"role", "text"}] for the report
     turns: int = 1
     tool_calls: int = 0
-    verdict: rewards_lib.Verdict | None = None  # None: judged by `evaluate`
+    verdict: Verdict | None = None  # None: judged by `evaluate`
     error: str | None = None
 
 

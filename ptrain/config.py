@@ -4,8 +4,8 @@ only what the experiment changes).
 
   defaults()                  the learner's keys: model, data, sampling, rl, critic, kl, dapo,
                               optim, sft, log, checkpoint
-  defaults(closed_loop=True)  plus the closed loop's sections: tasks, rollout, reward,
-                              sandbox, eval, terminal
+  defaults(closed_loop=True)  plus the closed loop's sections: tasks (its environments),
+                              rollout, reward, sandbox, eval
   plan_defaults()             a memory plan's keys (launch/plan.py)
   resolve(config)             the static settings of the device programs (`StepSettings`
                               for the RL, critic and SFT updates), resolved once
@@ -31,13 +31,14 @@ CRITIC_INITS = ("policy", "random")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 SCHEDULES = ("cosine", "constant")
 CHAT_FORMATS = ("plain", "qwen", "llama3")  # rollout.chat_format: ptrain.chat.FORMATS
-TASK_SOURCES = ("synthetic", "jsonl")
-SANDBOX_BACKENDS = ("auto", "docker", "bwrap", "process")  # sandbox.pick_backend's names
 # The closed loop's sections, beyond the learner's.
-LOOP_SECTIONS = ("tasks", "rollout", "reward", "sandbox", "eval", "terminal")
+LOOP_SECTIONS = ("tasks", "rollout", "reward", "sandbox", "eval")
+# The quickstart's generated environments (tasks.envs' default; ptrain.envs.synthetic)
+GENERATED = ("ptrain.envs.code:generated", "ptrain.envs.math:arith",
+             "ptrain.envs.files:generated")
+SANDBOX_BACKENDS = ("auto", "docker", "bwrap", "process")  # sandbox.pick_backend's names
 # lora.targets: the projections adapters may go on (Hugging Face module names, `ptrain.lora`)
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-TERMINAL = "terminal"  # the domain of generated terminal tasks run in docker (tasks.domains)
 
 
 # ================================================================================ defaults
@@ -190,19 +191,10 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
 
 
 def _closed_loop_sections(c):
-    c.tasks = dict(
-        source="synthetic",  # TASK_SOURCES
-        # synthetic: a subset of synthetic_tasks.DOMAINS and "terminal" (Harbor tasks in
-        # docker, the `terminal` section)
-        domains=("code", "arith", "files"),
-        weights=(1.0, 1.0, 1.0),  # sampling weight of each domain in RL
-        n_train=3000, n_heldout=100,  # synthetic: instances per domain
-        bug_rate=0.7,  # synthetic: how often a triggered demonstration carries its bug
-        # jsonl: one task file per domain, a path (ptrain.tasks records) or (path, format),
-        # format one of ptrain.tasks.FORMATS ("humaneval", "mbpp", "gsm8k", ...)
-        train=(), heldout=(),
-        tools=(),  # jsonl: tools every task may call (e.g. ("python",)); (): the file's own
-    )
+    # The environments (ptrain/envs/, docs/environments.md), each named by import path:
+    # {"env": "module:function", "args": {...} (its own, held-out split included), "weight":
+    # its sampling weight in RL, "name": another name than its own (optional)}.
+    c.tasks = dict(envs=tuple(dict(env=env, args={}, weight=1.0) for env in GENERATED))
     c.rollout = dict(max_turns=3, max_attempts=1, attempt_reward="final", discount=0.5,
                      max_len=72,  # tokens after the prompt (turns, observations, feedback)
                      max_tool_output_chars=1000, tool_timeout_s=5.0,
@@ -215,18 +207,6 @@ def _closed_loop_sections(c):
                      address="local")  # with cluster="ray": "local" or a Ray address
     c.eval = dict(n=100,  # held-out tasks per domain (at most the held-out split)
                   sample=False)  # also pass@1, pass@k at the sampling temperature (num_samples)
-    # The "terminal" domain (ptrain/terminal_domain.py): its episodes take rollout.max_turns,
-    # max_tool_output_chars and tool_timeout_s; the rest are its own and the docker harness's.
-    c.terminal = dict(max_len=0,  # tokens after the prompt of an episode; 0: rollout.max_len
-                      threads=16,  # episodes opened, stepped and verified at once
-                      max_idle=64,  # warm task containers kept
-                      image_map=(),  # ("FROM=LOCAL", ...) for task images not on this machine
-                      system="",  # the agent's system prompt; "": the instruction alone
-                      # A directory of Harbor / Terminal-Bench tasks as the prompt source
-                      # ("": generated tasks); held out: heldout_dir's tasks, or ("") a
-                      # seeded split of tasks_dir (tasks.n_heldout, at most half of them).
-                      tasks_dir="", heldout_dir="",
-                      backend="docker")  # or "bwrap": tasks that need only files
     c.tasks.adaptive = adaptive_defaults()
 
 
@@ -275,11 +255,23 @@ def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         c.sandbox.workers = 1
         c.rollout.update(max_turns=min(c.rollout.max_turns, 2),
                          max_len=min(c.rollout.max_len, 4 * c.sampling.max_new_tokens))
-        c.terminal.threads = min(c.terminal.threads, 4)
         c.dapo.overlong_buffer = min(c.dapo.overlong_buffer, c.rollout.max_len)
-        if c.tasks.source == "synthetic":
-            c.tasks.update(n_train=min(c.tasks.n_train, 64), n_heldout=min(c.tasks.n_heldout, 4))
+        c.tasks.envs = tuple(_smoke_env(dict(entry)) for entry in c.tasks.envs)
     return c
+
+
+# Smoke sizes of the built-in generated environments' args (a user's environment keeps its
+# own args, capped where it names the same ones).
+_SMOKE_CAPS = {"n_train": 64, "n_heldout": 4, "threads": 4}
+_GENERATED_ARGS = {**{env: ("n_train", "n_heldout") for env in GENERATED},
+                   "ptrain.envs.terminal:make": ("n_train", "n_heldout", "threads")}
+
+
+def _smoke_env(entry: dict) -> dict:
+    args = dict(entry.get("args") or {})
+    for key in {*args, *_GENERATED_ARGS.get(entry.get("env"), ())} & set(_SMOKE_CAPS):
+        args[key] = min(args.get(key, _SMOKE_CAPS[key]), _SMOKE_CAPS[key])
+    return {**entry, "args": args}
 
 
 def plan_defaults() -> ml_collections.ConfigDict:
@@ -509,36 +501,17 @@ def overlong_max_len(config) -> int:
 
 
 def _check_loop_values(config):
-    from ptrain import synthetic_tasks  # its domains
-    t = config.tasks
-    check_adaptive(t.adaptive, "tasks.adaptive")
+    from ptrain import envs  # imports each environment's module: errors name the entry
+    loaded = envs.load_all(config.tasks.envs, key="tasks.envs")
+    check_adaptive(config.tasks.adaptive, "tasks.adaptive")
+    no_retries = [env.name for env in loaded if not env.turns.retries]
     _raise_first([
-        (t.source in TASK_SOURCES, "tasks.source must be 'synthetic' or 'jsonl'"),
-        (len(t.weights) == len(t.domains), "tasks.weights needs one weight per domain"),
-        (t.source != "synthetic" or set(t.domains) <= {*synthetic_tasks.DOMAINS, TERMINAL},
-         f"synthetic domains are {(*synthetic_tasks.DOMAINS, TERMINAL)}"),
-        (len(set(t.domains)) == len(t.domains), f"tasks.domains {t.domains} repeats a domain"),
-        (TERMINAL not in t.domains or t.source == "synthetic",
-         "the terminal domain generates its tasks or reads terminal.tasks_dir, not task "
-         "files: set tasks.source='synthetic' (a brought model keeps its tokenizer, "
-         "config.tokenizer, and its rollout.chat_format)"),
-        (TERMINAL not in t.domains or config.rollout.max_attempts == 1,
-         "the terminal domain has no self-correction: set rollout.max_attempts=1"),
-        (config.terminal.threads >= 1 and config.terminal.max_idle >= 0,
-         "terminal.threads must be >= 1 and terminal.max_idle >= 0"),
+        (config.rollout.max_attempts == 1 or not no_retries,
+         f"environments {no_retries} have no retries with feedback: set "
+         "rollout.max_attempts=1"),
         (config.sandbox.backend in SANDBOX_BACKENDS,
          f"sandbox.backend={config.sandbox.backend!r}: use one of {SANDBOX_BACKENDS} (auto: "
          "the strongest that runs here)"),
-        (config.terminal.backend in ("docker", "bwrap"),
-         f"terminal.backend={config.terminal.backend!r} must be 'docker' or 'bwrap'"),
-        (not config.terminal.heldout_dir or config.terminal.tasks_dir,
-         "terminal.heldout_dir needs terminal.tasks_dir (the training tasks' directory)"),
-        (config.terminal.max_len == 0 or
-         config.terminal.max_len >= config.sampling.max_new_tokens,
-         f"terminal.max_len={config.terminal.max_len} must be 0 (rollout.max_len) or >= "
-         f"sampling.max_new_tokens={config.sampling.max_new_tokens}"),
-        (t.source != "jsonl" or len(t.train) == len(t.heldout) == len(t.domains),
-         "tasks.train and tasks.heldout need one task file per domain"),
         (config.rollout.chat_format in CHAT_FORMATS,
          f"rollout.chat_format must be one of {sorted(CHAT_FORMATS)}"),
         (config.rollout.max_attempts == 1 or not config.rl.staleness,

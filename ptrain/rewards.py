@@ -1,4 +1,6 @@
-"""Rewards from running what the model wrote: a task's verifier -> reward + feedback.
+"""The built-in verifiers' judges: a task's verifier (`ptrain.tasks`: UnitTests, Stdio, Answer,
+Files, Format) and an answer -> an `envs.Verdict` with reward and feedback. The environments of
+tasks with these verifiers (code, math, files, task files) verify with `verify_all`.
 
 Every verifier that executes anything goes through the sandbox (`sandbox.judge` for unit
 tests and stdin/stdout cases, `sandbox.run` for scripts judged by the files they leave), one
@@ -21,23 +23,9 @@ from sandbox import judge
 
 from ptrain import answers
 from ptrain import quiet
+from ptrain.envs.base import submit
+from ptrain.envs.verdict import Verdict
 from ptrain.tasks import Answer, Files, Format, Stdio, Task, UnitTests
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    """How one answer fared. `fraction_passed` is the fraction of checks passed; `reward` is
-    what the learner gets (that fraction with partial credit, else 1.0 only when everything
-    passed)."""
-
-    reward: float
-    passed: bool
-    fraction_passed: float
-    feedback: str
-    error_type: str = ""  # "" when passed; an exception name, "timeout", "wrong_answer", ...
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,17 +156,63 @@ def from_report(report: judge.Report) -> Verdict:
 
 # ----------------------------------------------------------------------------- judging a batch
 
-def _submit(pool, fn, *args, **kwargs) -> concurrent.futures.Future:
-    if pool is None:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        future.set_result(fn(*args, **kwargs))
-        return future
-    return pool.submit(fn, *args, **kwargs)
+def needs_session(task: Task) -> bool:
+    """Whether a task's episode needs a sandbox session: it calls tools, or its verifier
+    judges the work dir its tool calls left (`Files(run="")`)."""
+    return bool(task.tools) or (isinstance(task.verifier, Files) and not task.verifier.run)
+
+
+# Each verifier kind: start(task, completion, session, pool, config) -> a Future of what the
+# sandbox returned, or the Verdict itself; finish(verifier, result) -> Verdict.
+
+def _start_unit_tests(task, completion, session, pool, c):
+    v = task.verifier
+    return submit(pool, judge.unit_tests, program(v, completion), v.tests,
+                   entry_point=v.entry_point or None, timeout_s=c.timeout_s,
+                   test_timeout_s=c.test_timeout_s, memory_mb=c.memory_mb, backend=c.backend)
+
+
+def _start_stdio(task, completion, session, pool, c):
+    v = task.verifier
+    return submit(pool, judge.stdio, extract_code(completion), list(v.cases),
+                   float_tol=v.float_tol, timeout_s=c.timeout_s,
+                   case_timeout_s=c.test_timeout_s, memory_mb=c.memory_mb, backend=c.backend)
+
+
+def _start_files(task, completion, session, pool, c):
+    v = task.verifier
+    if v.run:
+        return submit(pool, sandbox.run, extract_code(completion, v.run), language=v.run,
+                       files=dict(task.files), return_files=True, timeout_s=c.timeout_s,
+                       memory_mb=c.memory_mb, backend=c.backend)
+    if session is None:
+        raise ValueError(f"task {task.id}: Files(run='') judges an episode's work dir; "
+                         "pass its session")
+    try:
+        return session.listing()
+    except ValueError as e:  # more than read_files returns: not all of it is seen
+        return _binary(False, f"The work dir cannot be verified: {e}.", "files_truncated")
+
+
+def _finish_files(v, item):
+    result = item.result() if isinstance(item, concurrent.futures.Future) else None
+    files, others = (result.files, None) if result is not None else item
+    return check_files(v, files, result, others)
+
+
+JUDGES = {
+    UnitTests: (_start_unit_tests, lambda v, item: from_report(item.result())),
+    Stdio: (_start_stdio, lambda v, item: from_report(item.result())),
+    Files: (_start_files, _finish_files),
+    Answer: (lambda task, completion, *_: check_answer(task.verifier, completion), None),
+    Format: (lambda task, completion, *_: check_format(task.verifier, completion), None),
+}
 
 
 def verify_all(tasks_: Sequence[Task], completions: Sequence[str], *, pool=None,
                sessions=None, config: RewardConfig = RewardConfig()) -> list[Verdict]:
-    """Verdicts for a batch, judged concurrently on `pool` (in this process without one).
+    """Verdicts for a batch of tasks with built-in verifiers (`JUDGES`), judged concurrently
+    on `pool` (in this process without one).
 
     sessions: for tasks judged by the files their episode left (`Files(run="")`), the
     episode's `sandbox.Session`, aligned with the tasks (None elsewhere).
@@ -186,55 +220,20 @@ def verify_all(tasks_: Sequence[Task], completions: Sequence[str], *, pool=None,
     if len(tasks_) != len(completions):
         raise ValueError(f"{len(tasks_)} tasks but {len(completions)} completions")
     sessions = sessions if sessions is not None else [None] * len(tasks_)
-    c = config
-    pending = []
-    for task, completion, session in zip(tasks_, completions, sessions):
-        v = task.verifier
-        if isinstance(v, UnitTests):
-            pending.append(_submit(pool, judge.unit_tests, program(v, completion), v.tests,
-                                   entry_point=v.entry_point or None, timeout_s=c.timeout_s,
-                                   test_timeout_s=c.test_timeout_s, memory_mb=c.memory_mb,
-                                   backend=c.backend))
-        elif isinstance(v, Stdio):
-            pending.append(_submit(pool, judge.stdio, extract_code(completion), list(v.cases),
-                                   float_tol=v.float_tol, timeout_s=c.timeout_s,
-                                   case_timeout_s=c.test_timeout_s, memory_mb=c.memory_mb,
-                                   backend=c.backend))
-        elif isinstance(v, Files) and v.run:
-            script = extract_code(completion, v.run)
-            pending.append(_submit(pool, sandbox.run, script, language=v.run,
-                                   files=dict(task.files), return_files=True,
-                                   timeout_s=c.timeout_s, memory_mb=c.memory_mb,
-                                   backend=c.backend))
-        elif isinstance(v, Files):
-            if session is None:
-                raise ValueError(f"task {task.id}: Files(run='') judges an episode's work dir; "
-                                 "pass its session")
-            try:
-                pending.append(session.listing())
-            except ValueError as e:  # more than read_files returns: not all of it is seen
-                pending.append(_binary(False, f"The work dir cannot be verified: {e}.",
-                                       "files_truncated"))
-        elif isinstance(v, Answer):
-            pending.append(check_answer(v, completion))
-        elif isinstance(v, Format):
-            pending.append(check_format(v, completion))
-        else:
-            raise TypeError(f"task {task.id}: unknown verifier {type(v).__name__}")
-
+    for task in tasks_:
+        if type(task.verifier) not in JUDGES:
+            raise TypeError(f"task {task.id}: verifier {type(task.verifier).__name__} is not "
+                            f"a built-in kind ({[k.__name__ for k in JUDGES]}); its "
+                            "environment verifies it")
+    pending = [JUDGES[type(task.verifier)][0](task, completion, session, pool, config)
+               for task, completion, session in zip(tasks_, completions, sessions)]
     verdicts = []
     for task, item in zip(tasks_, pending):
-        v = task.verifier
         if isinstance(item, Verdict):
             verdicts.append(item)
             continue
-        if isinstance(v, Files):
-            result = item.result() if isinstance(item, concurrent.futures.Future) else None
-            files, others = (result.files, None) if result is not None else item
-            verdict = check_files(v, files, result, others)
-        else:
-            verdict = from_report(item.result())
-        if not c.partial_credit:
+        verdict = JUDGES[type(task.verifier)][1](task.verifier, item)
+        if not config.partial_credit:
             verdict = dataclasses.replace(verdict, reward=float(verdict.passed))
         verdicts.append(verdict)
     return verdicts

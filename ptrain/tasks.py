@@ -96,11 +96,11 @@ class Task:
     """One problem. `prompt` is plain text; `messages` (role/content dicts) is a chat prompt."""
 
     id: str
-    domain: str
-    verifier: Verifier
+    domain: str  # the name of its environment
+    verifier: Verifier  # a built-in kind, or any dataclass its environment verifies with
     prompt: str = ""
     messages: tuple[Mapping[str, str], ...] = ()
-    tools: tuple[str, ...] = ()  # tools the episode may call; () = single turn, no tools
+    tools: tuple[str, ...] = ()  # names of its environment's tools it may call; (): no tools
     files: Mapping[str, str] = dataclasses.field(default_factory=dict)  # laid into the work dir
     metadata: Mapping = dataclasses.field(default_factory=dict)
 
@@ -109,9 +109,6 @@ class Task:
             raise ValueError("a task needs a non-empty id and domain")
         if not self.prompt and not self.messages:
             raise ValueError(f"task {self.id}: give a prompt or chat messages")
-        unknown = set(self.tools) - set(TOOLS)
-        if unknown:
-            raise ValueError(f"task {self.id}: unknown tools {sorted(unknown)}; known: {TOOLS}")
         object.__setattr__(self, "tools", tuple(self.tools))
         object.__setattr__(self, "messages", tuple(dict(m) for m in self.messages))
 
@@ -123,7 +120,12 @@ def to_record(task: Task) -> dict:
     return {"id": task.id, "domain": task.domain, "prompt": task.prompt,
             "messages": list(task.messages), "tools": list(task.tools),
             "files": dict(task.files), "metadata": dict(task.metadata),
-            "verifier": {"kind": _KIND[type(task.verifier)], **verifier}}
+            "verifier": {"kind": _kind(type(task.verifier)), **verifier}}
+
+
+def _kind(cls) -> str:
+    """A verifier's kind in a record: a built-in's name, else its class's import path."""
+    return _KIND.get(cls) or f"{cls.__module__}:{cls.__qualname__}"
 
 
 def from_record(record: Mapping, where: str = "") -> Task:
@@ -135,7 +137,7 @@ def from_record(record: Mapping, where: str = "") -> Task:
     try:
         spec = dict(record["verifier"])
         kind = spec.pop("kind")
-        cls = VERIFIERS[kind]
+        cls = VERIFIERS[kind] if ":" not in kind else _import(kind)
     except (KeyError, TypeError) as e:
         raise ValueError(f"{at}task record needs a verifier with a kind in {sorted(VERIFIERS)} "
                          f"(missing {e})") from None
@@ -149,6 +151,15 @@ def from_record(record: Mapping, where: str = "") -> Task:
                     metadata=dict(record.get("metadata", {})))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{at}bad task record ({type(e).__name__}: {e})") from None
+
+
+def _import(path: str):
+    import importlib
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise KeyError(f"{path} ({e})") from None
 
 
 def write_jsonl(tasks: Iterable[Task], path: str) -> int:

@@ -208,7 +208,8 @@ class ScriptedPolicy:
         self.by_instruction, self.at_once, self.calls = by_instruction, answers_at_once, []
 
     def sample(self, params, prompts, *, max_new_tokens, stop_token_ids, **kwargs):
-        from ptrain import chat, terminal_tasks
+        from ptrain import chat
+        from ptrain.envs.terminal import generated as terminal_tasks
         out = self.sampler.sample(params, prompts, max_new_tokens=max_new_tokens,
                                   stop_token_ids=stop_token_ids, **kwargs)
         self.calls.append(len(prompts))
@@ -235,9 +236,12 @@ def terminal_program(root: str) -> dict:
     import os
     from flax import nnx
     from ptrain import batch as batch_lib
-    from ptrain import chat, closed_loop, mixed_producer, terminal_domain, terminal_rollout
+    from ptrain import chat, closed_loop
+    from ptrain.envs import terminal as terminal_env
+    from ptrain.envs.terminal import episodes as terminal_episodes
+    from ptrain.rollout import mixed as mixed_producer
     from ptrain import model as M
-    from ptrain import terminal_tasks
+    from ptrain.envs.terminal import generated as terminal_tasks
     from ptrain.generate import sampler as S
     from sandbox import terminal
     tasks = terminal_tasks.generate(os.path.join(root, f"p{jax.process_index()}"), 4, seed=0,
@@ -252,12 +256,12 @@ def terminal_program(root: str) -> dict:
                for g, d in zip(tasks, ("terminal", "short", "terminal", "terminal"))]
     block, blocks = sharding.row_block(mesh)
     mine = records[len(records) * block // blocks:len(records) * (block + 1) // blocks]
-    config = terminal_rollout.TerminalRolloutConfig(num_samples=2, max_new_tokens=56,
+    config = terminal_episodes.TerminalRolloutConfig(num_samples=2, max_new_tokens=56,
                                                     max_turns=3, max_len=96, threads=4,
                                                     system="")
     params = nnx.state(model)
     with terminal.Harness(backend="bwrap", max_idle=8) as harness:
-        producers = {name: terminal_rollout.TerminalProducer(
+        producers = {name: terminal_episodes.TerminalProducer(
             policy, tok, harness=harness, fmt=chat.PLAIN, stop_ids=(tok.eos_token_id,),
             config=dataclasses.replace(config, max_turns=turns), prompt_len=24)
             for name, turns in (("terminal", 3), ("short", 1))}
@@ -266,7 +270,7 @@ def terminal_program(root: str) -> dict:
             batch = batch_lib.gather(mixed.score(mixed.generate(params, mine,
                                                                 jax.random.key(5))), mesh)
             train_calls = list(policy.calls)
-            line = terminal_domain.evaluate(producers["terminal"], params, tasks[:3], seed=0,
+            line = terminal_env.evaluate(producers["terminal"], params, tasks[:3], seed=0,
                                             num_samples=1, greedy=True,
                                             summarize=closed_loop.eval_summary)
         finally:
@@ -534,7 +538,7 @@ def tool_tokenizer():
     from ptrain import chat
     from ptrain import rewards
     from ptrain import tasks as T
-    from ptrain.synthetic_tasks import WordTokenizer
+    from ptrain.envs.synthetic import WordTokenizer
     calls = [chat.format_turn(chat.PLAIN, "", [chat.ToolCall("python", {"code": f"print({k})"})])
              for k in range(CALLS)]
     feedback = rewards.check_format(T.Format("^$"), "x").feedback

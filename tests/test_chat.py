@@ -9,7 +9,8 @@ import pytest
 transformers = pytest.importorskip("transformers", reason="pip install '.[test]'")
 
 import hf_fixtures  # noqa: E402
-from ptrain import chat, hf, rewards, synthetic_tasks, tasks  # noqa: E402
+from ptrain import chat, hf, rewards, tasks  # noqa: E402
+from ptrain.envs import synthetic  # noqa: E402
 
 FAMILIES = {"qwen2.5-instruct": chat.QWEN, "qwen2.5-base": chat.QWEN,
             "llama3.1-instruct": chat.LLAMA3}
@@ -134,8 +135,8 @@ def test_plain_format_is_text_completion(hf_dir):
     assert chat.feedback(chat.PLAIN, "1/3 tests passed", closed=True) == \
         "\n<feedback>\n1/3 tests passed\n</feedback>\n"
     chat.check(chat.PLAIN, tok)  # nothing to agree with
-    words = synthetic_tasks.WordTokenizer.for_tasks()
-    assert chat.end_of_turn_ids(chat.PLAIN, words) == (synthetic_tasks.EOS,)
+    words = synthetic.WordTokenizer.for_tasks()
+    assert chat.end_of_turn_ids(chat.PLAIN, words) == (synthetic.EOS,)
     assert chat.render_prompt(chat.PLAIN, words, prompt="code: x") == words.encode("code: x")
 
 
@@ -252,9 +253,9 @@ def test_verifier_text_is_exactly_what_was_sampled(hf_dir):
 
 
 def test_texts_with_the_word_tokenizer():
-    words = synthetic_tasks.WordTokenizer.for_tasks()
+    words = synthetic.WordTokenizer.for_tasks()
     stops = chat.stop_ids(chat.PLAIN, words)
-    ids = words.encode("answer: 42") + [synthetic_tasks.EOS]
+    ids = words.encode("answer: 42") + [synthetic.EOS]
     assert chat.verifier_text(words, ids, stops) == "answer: 42"
     call = '<tool_call>{"name":"python","arguments":{"code":"print(1)"}}</tool_call>'
     assert chat.parse_tool_calls(chat.PLAIN, chat.turn_text(words, words.encode(call))) == [

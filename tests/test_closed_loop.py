@@ -31,7 +31,8 @@ def _tiny_config(staleness, steps=4):
     c.steps = steps
     c.model.update(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
     c.sft.steps = 0
-    c.tasks.update(domains=("code", "arith"), weights=(1.0, 1.0), n_train=16, n_heldout=2)
+    c.tasks.envs = tuple(dict(env=env, args=dict(n_train=16, n_heldout=2))
+                         for env in ("ptrain.envs.code:generated", "ptrain.envs.math:arith"))
     c.eval.n = 2
     c.data.prompts_per_step = 2
     c.sampling.num_samples = 4
@@ -174,7 +175,8 @@ def test_staleness_zero_is_exactly_on_policy_and_equals_the_plain_loop(tmp_path,
     step = type(p).profile
     assert step.reentered == [], step.reentered[:3]
     # (The jitted programs of step.py run from jax's cached C++ path: no Python frame.)
-    assert {"ptrain/learner.py", "ptrain/rollout.py", "ptrain/batch.py", "ptrain/rewards.py",
+    assert {"ptrain/learner.py", "ptrain/rollout/producers.py", "ptrain/rollout/episodes.py",
+            "ptrain/batch.py", "ptrain/rewards.py",
             "ptrain/metrics.py", "sandbox/pool.py"} <= step.entered, sorted(step.entered)
     ev = p.events
     for i in range(1, config.steps):  # strictly serial: score(i) ends before generate(i+1)
@@ -223,7 +225,7 @@ def test_quickstart_short_end_to_end_and_resume(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     evals = metrics.read_jsonl(os.path.join(workdir, "eval.jsonl"))
-    domains = config.tasks.domains
+    domains = [env.name for env in closed_loop.environments(config)]
     assert [(e["stage"], e["domain"]) for e in evals] == \
         [(s, d) for s in ("sft", "rl") for d in domains]
     for e in evals:
@@ -272,10 +274,10 @@ def test_quickstart_short_end_to_end_and_resume(tmp_path):
 # --------------------------------------------------------------- load-time checks, evaluation
 
 
-def _jsonl_config(tmp_path, train, heldout, **changes):
+def _jsonl_config(tmp_path, train, heldout, tools=(), **changes):
     c = closed_loop.defaults()
-    c.tasks.update(source="jsonl", domains=("code",), weights=(1.0,), train=(train,),
-                   heldout=(heldout,))
+    c.tasks.envs = (dict(env="ptrain.envs.files:records", name="code", args=dict(
+        train=train, heldout=heldout, tools=tools)),)
     for key, value in changes.items():
         section, name = key.split(".")
         c[section][name] = value
@@ -289,24 +291,28 @@ def _task_file(path, prompts):
     return str(path)
 
 
+def _make_tasks(config, tokenizer, tmp_path):
+    return closed_loop.make_tasks(config, closed_loop.environments(config), tokenizer,
+                                  str(tmp_path / "w"))
+
+
 def test_task_files_are_checked_when_loaded_naming_the_key(tmp_path):
-    from ptrain import synthetic_tasks
-    tok = synthetic_tasks.WordTokenizer.for_tasks()
+    from ptrain.envs import synthetic
+    tok = synthetic.WordTokenizer.for_tasks()
     human_eval = tmp_path / "he.jsonl"
     human_eval.write_text(json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n    \"\"\"One.\"\"\"\n",
                                       "test": "def check(c): pass", "entry_point": "f"}) + "\n")
     held = _task_file(tmp_path / "held.jsonl", ["code: 1 plus 1"])
-    with pytest.raises(ValueError, match=r"tasks.train\[0\]: .*set the file's format: "
-                                         r"tasks.train\[0\]=\(.*he.jsonl', 'humaneval'\)"):
-        closed_loop.make_tasks(_jsonl_config(tmp_path, str(human_eval), held), tok,
-                               str(tmp_path / "w"))
-    train, _ = closed_loop.make_tasks(
-        _jsonl_config(tmp_path, (str(human_eval), "humaneval"), held), tok, str(tmp_path / "w"))
+    with pytest.raises(ValueError, match=r"environment 'code' args.train: .*set the file's "
+                                         r"format: .*args.train=\(.*he.jsonl', 'humaneval'\)"):
+        _make_tasks(_jsonl_config(tmp_path, str(human_eval), held), tok, tmp_path)
+    train, _, _ = _make_tasks(
+        _jsonl_config(tmp_path, (str(human_eval), "humaneval"), held), tok, tmp_path)
     assert train["code"][0].id == "HumanEval/0" and train["code"][0].domain == "code"
     long = _task_file(tmp_path / "long.jsonl", ["code: 2 plus 2", "code: " + "1 plus " * 40])
     with pytest.raises(ValueError, match=r"1 of 2 code prompts are longer than "
                                          r"data.max_prompt_len=64 tokens \(the longest, 't1'"):
-        closed_loop.make_tasks(_jsonl_config(tmp_path, long, held), tok, str(tmp_path / "w"))
+        _make_tasks(_jsonl_config(tmp_path, long, held), tok, tmp_path)
 
 
 def test_derive_config_counts_added_tokens_and_stops_where_a_chat_turn_ends(hf_dir, tmp_path):
@@ -334,15 +340,14 @@ def test_a_chat_format_its_template_does_not_write_is_refused_when_tasks_load(hf
     from ptrain import hf
     tok = hf.load_tokenizer(hf_dir("qwen2.5-base"))
     c = _jsonl_config(tmp_path, _task_file(tmp_path / "t.jsonl", ["code: 1 plus 1"]),
-                      _task_file(tmp_path / "h.jsonl", ["code: 2 plus 2"]),
+                      _task_file(tmp_path / "h.jsonl", ["code: 2 plus 2"]), tools=("python",),
                       **{"rollout.chat_format": "qwen", "data.max_prompt_len": 512})
-    c.tasks.tools = ("python",)
-    closed_loop.make_tasks(c, tok, str(tmp_path / "w"))
+    _make_tasks(c, tok, tmp_path)
     assert "'<|im_end|>' + '\\n'" in tok.chat_template
     tok.chat_template = tok.chat_template.replace("'<|im_end|>' + '\\n'", "'<|im_end|>'")
     with pytest.raises(ValueError, match=r"rollout.chat_format='qwen': .* does not match this "
                                          r"tokenizer's chat template"):
-        closed_loop.make_tasks(c, tok, str(tmp_path / "w"))
+        _make_tasks(c, tok, tmp_path)
 
 
 def test_eval_summary_pass_at_k_and_truncated_turns():

@@ -21,7 +21,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "colabs", "quickstart.ipynb")
 DOMAINS = ("code", "arith", "files")
 EVAL_N = 6
-OVERRIDES = {"steps": 3, "sft.steps": 30, "tasks.n_train": 60, "tasks.n_heldout": EVAL_N,
+ENVS = tuple({"env": env, "args": {"n_train": 60, "n_heldout": EVAL_N}} for env in (
+    "ptrain.envs.code:generated", "ptrain.envs.math:arith", "ptrain.envs.files:generated"))
+OVERRIDES = {"steps": 3, "sft.steps": 30, "tasks.envs": ENVS,
              "eval.n": EVAL_N, "data.prompts_per_step": 4, "sampling.num_samples": 4,
              "log.rollouts_every": 1, "log.num_rollouts": 2, "checkpoint.every": 3}
 

@@ -17,7 +17,7 @@ from ptrain import model as M
 from ptrain import rollout, tasks
 from ptrain.generate import engine_sampler, kv_slots
 from ptrain.generate.sampler import Sampler
-from ptrain.synthetic_tasks import EOS, WordTokenizer
+from ptrain.envs.synthetic import EOS, WordTokenizer
 
 pytestmark = pytest.mark.xdist_group("sandbox")
 

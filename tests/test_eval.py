@@ -125,8 +125,9 @@ def test_cli_model_agent_on_a_word_tokenizer_run(tmp_path):
     env = multiprocess.env_for(1)
     p = subprocess.run([sys.executable, "-m", "launch.train",
                         "--config=configs/terminal_toy.py:short", "--config.steps=0",
-                        "--config.sft.steps=4", "--config.tasks.n_train=8",
-                        "--config.tasks.n_heldout=2", "--config.eval.n=2", f"--workdir={work}"],
+                        "--config.sft.steps=4", "--config.tasks.envs=({'env': "
+                        "'ptrain.envs.terminal:make', 'args': {'n_train': 8, 'n_heldout': 2}},)",
+                        "--config.eval.n=2", f"--workdir={work}"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     run_eval(f"--tasks={work}/tasks/terminal/heldout", "--agent=model", f"--model={work}",

@@ -348,5 +348,5 @@ def test_save_without_a_generation_config_writes_the_model_eos(tmp_path, checkpo
         if len(config.eos_token_ids) > 1 else config.eos_token_ids[0])
     transformers.GenerationConfig.from_pretrained(out)
     with pytest.raises(TypeError, match="has no save_pretrained"):
-        from ptrain import synthetic_tasks
-        hf.save(model, config, out, tokenizer=synthetic_tasks.WordTokenizer.for_tasks())
+        from ptrain.envs import synthetic
+        hf.save(model, config, out, tokenizer=synthetic.WordTokenizer.for_tasks())

@@ -414,7 +414,8 @@ def _mixed_run(workdir, weights=None, scored=None):
     mixed batches, in the order they were scored."""
     import os
     from configs import grpo_toy
-    from ptrain import learner, lookahead, mixed_producer, rollout, sharding
+    from ptrain import learner, lookahead, rollout, sharding
+    from ptrain.rollout import mixed as mixed_producer
     c = grpo_toy.get_config()
     c.sampling.update(engine=True, engine_slots=8, num_samples=4)
     c.rl.update(staleness=MIX_K, interrupt=True, tis_cap=2.0, num_minibatches=1,
@@ -524,7 +525,8 @@ def test_a_terminal_episode_goes_on_with_the_new_weights_at_its_next_turn(tmp_pa
     are kept in the batch, the prompt and the tool's output UNSAMPLED, and the token
     staleness metrics read them."""
     import dataclasses
-    from ptrain import chat, terminal_rollout, terminal_tasks
+    from ptrain import chat
+    from ptrain.envs.terminal import episodes as terminal_episodes, generated as terminal_tasks
     from sandbox import terminal
     from sandbox.terminal import bwrap
     from tests.test_terminal_rollout import ScriptedSampler
@@ -546,14 +548,14 @@ def test_a_terminal_episode_goes_on_with_the_new_weights_at_its_next_turn(tmp_pa
             return dataclasses.replace(out, versions=versions,  # a log-prob per version
                                        logp_temp=out.logp_temp + 0.25 * (versions - 3))
     sampler = LiveScripted(tok, {g.instruction: g for g in train})
-    config = terminal_rollout.TerminalRolloutConfig(num_samples=2, max_new_tokens=56,
+    config = terminal_episodes.TerminalRolloutConfig(num_samples=2, max_new_tokens=56,
                                                     max_turns=2, max_len=96, threads=4,
                                                     system="")
     switch = interrupt.Switch(every=EVERY)
     switch.publish(4, "the weights of version 4")
     live = interrupt.Live("the weights of version 3", 3, switch)
     with terminal.Harness(backend="bwrap", max_idle=4) as h:
-        producer = terminal_rollout.TerminalProducer(
+        producer = terminal_episodes.TerminalProducer(
             sampler, tok, harness=h, fmt=chat.PLAIN, stop_ids=(tok.eos_token_id,),
             config=config, prompt_len=24)
         try:

@@ -1,4 +1,4 @@
-"""ptrain/mixed_producer.py: records routed to their producers by kind, the episodes packed
+"""ptrain/rollout/mixed.py: records routed to their producers by environment, the episodes packed
 into one batch with whole GRPO groups, unique group ids and each row's domain."""
 
 import jax
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from ptrain import batch as batch_lib
-from ptrain import learner, mixed_producer
+from ptrain import learner
+from ptrain.rollout import mixed as mixed_producer
 
 
 class Fake:
@@ -33,11 +34,16 @@ class Fake:
             meta=[{"domain": self.domain, "passed": r["i"] % 2 == 0} for r, _ in rows])
 
 
+ROUTE = mixed_producer.by_domain({"terminal": "terminal", "code": "tasks", "arith": "tasks"})
+
+
 def test_records_are_routed_and_episodes_packed_with_whole_groups():
     term, tasks = Fake("terminal", 6), Fake("code", 3)
-    mixed = mixed_producer.MixedProducer({"terminal": term, "tasks": tasks})
-    records = [{"task_dir": "/t/a", "i": 0}, {"id": "x", "i": 1}, {"task_dir": "/t/b", "i": 2},
-               {"id": "y", "i": 3}, {"id": "z", "i": 4}]
+    mixed = mixed_producer.MixedProducer({"terminal": term, "tasks": tasks}, route=ROUTE)
+    records = [{"task_dir": "/t/a", "domain": "terminal", "i": 0},
+               {"id": "x", "domain": "code", "i": 1},
+               {"task_dir": "/t/b", "domain": "terminal", "i": 2},
+               {"id": "y", "domain": "arith", "i": 3}, {"id": "z", "domain": "code", "i": 4}]
     episodes = mixed.score(mixed.generate(None, records, jax.random.key(0)))
     assert term.seen == [[0, 2]] and tasks.seen == [[1, 3, 4]]
     assert len(episodes) == 10 and episodes.tokens_bn.shape == (10, 6)
@@ -56,12 +62,14 @@ def test_records_are_routed_and_episodes_packed_with_whole_groups():
 
 def test_a_batch_of_one_kind_and_an_unknown_route():
     term = Fake("terminal", 4)
-    mixed = mixed_producer.MixedProducer({"terminal": term, "tasks": Fake("code", 4)})
-    episodes = mixed.score(mixed.generate(None, [{"task_dir": "a", "i": 1}], jax.random.key(0)))
+    mixed = mixed_producer.MixedProducer({"terminal": term, "tasks": Fake("code", 4)},
+                                         route=ROUTE)
+    record = {"task_dir": "a", "domain": "terminal", "i": 1}
+    episodes = mixed.score(mixed.generate(None, [record], jax.random.key(0)))
     assert len(episodes) == 2 and episodes.group_ids_b.tolist() == [0, 0]
-    only = mixed_producer.MixedProducer({"tasks": Fake("code", 4)})
+    only = mixed_producer.MixedProducer({"tasks": Fake("code", 4)}, route=ROUTE)
     with pytest.raises(ValueError, match="routed to 'terminal'"):
-        only.generate(None, [{"task_dir": "a", "i": 1}], jax.random.key(0))
+        only.generate(None, [record], jax.random.key(0))
     wide = Fake("code", 4)
     wide.score = lambda records: learner.Episodes.from_rows(
         [[1]], [[2]], [[1]], [[0.0]], [0.0], [0], prompt_len=8, length=4)
@@ -83,7 +91,7 @@ def test_each_producers_cap_counts_for_its_own_episodes():
     episode against 96 not at all, and refuse the 88-token terminal one against 72), and
     dapo.filter_overlong masks the rows cut at their own cap."""
     from ptrain import closed_loop, rewards, rollout, tasks
-    from ptrain.synthetic_tasks import WordTokenizer
+    from ptrain.envs.synthetic import WordTokenizer
     config = closed_loop.defaults()
     config.update_from_flattened_dict({
         "data.prompts_per_step": 2, "sampling.num_samples": 2, "sampling.max_new_tokens": 16,

@@ -426,8 +426,9 @@ def _mixed_rollout(*, engine):
     single-turn prompt records, sampled from the initial parameters; the learner's config is
     closed_loop's."""
     from ptrain import closed_loop as CL
-    from ptrain import mixed_producer, tasks
-    from ptrain.synthetic_tasks import WordTokenizer
+    from ptrain import tasks
+    from ptrain.rollout import mixed as mixed_producer
+    from ptrain.envs.synthetic import WordTokenizer
     tok = WordTokenizer.for_tasks()
     c = _loop_config(tok, max_prompt_len=16, prompts_per_step=4)
     c.rollout.update(max_turns=1, max_attempts=2, max_len=64)
@@ -535,7 +536,8 @@ def test_the_terminal_producer_records_routing_and_replay_restores_it(tmp_path):
     observation after the last turn, which no sampler forward consumed, is unrecorded.
     (On bwrap where it can run, else on docker.)"""
     import dataclasses
-    from ptrain import chat, closed_loop as CL, routing, terminal_rollout, terminal_tasks
+    from ptrain import chat, closed_loop as CL, routing
+    from ptrain.envs.terminal import episodes as terminal_episodes, generated as terminal_tasks
     from sandbox import terminal
     backend = "bwrap" if terminal.bwrap.unavailable() is None else "docker"
     if backend == "docker":
@@ -550,11 +552,11 @@ def test_the_terminal_producer_records_routing_and_replay_restores_it(tmp_path):
         chat.PLAIN, name="every-turn-a-call",
         parse_calls=lambda text: [chat.ToolCall("bash", {"command": "echo routed"})])
     generated = terminal_tasks.generate(str(tmp_path), 2, seed=0, split="train")
-    config = terminal_rollout.TerminalRolloutConfig(num_samples=2, max_new_tokens=6,
+    config = terminal_episodes.TerminalRolloutConfig(num_samples=2, max_new_tokens=6,
                                                     max_turns=2, max_len=64, threads=4,
                                                     system="")
     with terminal.Harness(backend=backend) as h:
-        producer = terminal_rollout.TerminalProducer(
+        producer = terminal_episodes.TerminalProducer(
             sampler, tok, harness=h, fmt=always_calls, stop_ids=(tok.eos_token_id,),
             config=config, prompt_len=24, pad_id=learner.pad_id)
         try:
@@ -582,7 +584,8 @@ def test_the_terminal_producer_records_routing_and_replay_restores_it(tmp_path):
 def test_replay_refuses_rows_whose_producer_records_no_routing(mixed_rollout):
     """A mixed batch with one producer that records nothing (a producer that records none, or routing dropped): the
     concat marks its rows unrecorded, the learner refuses to replay them and names them."""
-    from ptrain import mixed_producer, routing
+    from ptrain import routing
+    from ptrain.rollout import mixed as mixed_producer
     learner, batch = mixed_rollout
     rows = np.arange(len(batch))
     tasks_rows = rows[:4] if batch.meta[0].get("attempts") else rows[4:]

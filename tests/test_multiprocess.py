@@ -97,9 +97,10 @@ def test_the_terminal_domain_on_two_processes_equals_one(tmp_path):
 
 # configs/terminal_toy.py:short cut to a few steps (no learning is asserted here).
 _TERMINAL_RUN = ["-m", "launch.train", "--config=configs/terminal_toy.py:short",
-                 "--config.terminal.backend=bwrap", "--config.sft.steps=6", "--config.steps=2",
-                 "--config.checkpoint.every=1", "--config.tasks.n_train=8",
-                 "--config.tasks.n_heldout=4", "--config.eval.n=4"]
+                 "--config.tasks.envs=({'env': 'ptrain.envs.terminal:make', 'args': "
+                 "{'backend': 'bwrap', 'n_train': 8, 'n_heldout': 4}},)",
+                 "--config.sft.steps=6", "--config.steps=2",
+                 "--config.checkpoint.every=1", "--config.eval.n=4"]
 
 
 def _run_logs(workdir):

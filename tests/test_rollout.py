@@ -10,7 +10,7 @@ import pytest
 
 from ptrain import chat, hf, rewards, rollout, tasks
 from ptrain.generate.sampler import Samples
-from ptrain.synthetic_tasks import EOS, WordTokenizer
+from ptrain.envs.synthetic import EOS, WordTokenizer
 
 pytestmark = pytest.mark.xdist_group("sandbox")
 

@@ -196,8 +196,11 @@ def test_bad_task_records(tmp_path):
                     + "\n")
     with pytest.raises(ValueError, match=r"t.jsonl:2: task record needs a verifier with a kind"):
         tasks.read_jsonl(str(path))
-    with pytest.raises(ValueError, match=r"unknown tools \['browser'\]"):
-        tasks.Task("a", "code", tasks.Format("x"), prompt="p", tools=("browser",))
+    with pytest.raises(ValueError, match=r"environment 'code' has no tool 'browser'; its "
+                                         r"tools: python, bash, write_file, read_file"):
+        from ptrain import rollout
+        rollout.render_prompt(tasks.Task("a", "code", tasks.Format("x"), prompt="p",
+                                         tools=("browser",)), tokenizer=None)
     with pytest.raises(ValueError, match="give a prompt or chat messages"):
         tasks.Task("a", "code", tasks.Format("x"))
     with pytest.raises(ValueError, match="unknown task format 'csv'"):

@@ -1,4 +1,4 @@
-"""ptrain/terminal_agent.py: a model acting through its chat format's tool calls in a task's
+"""ptrain/envs/terminal/agent.py: a model acting through its chat format's tool calls in a task's
 persistent shell. A scripted policy (fixed token ids, parsed by the same path as a model's)
 solves bundled tasks on docker; a fake episode checks the turn loop without docker; a tiny
 random Hugging Face model runs end to end through `launch.eval --agent=model`."""
@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from ptrain import chat, terminal_agent
+from ptrain import chat
+from ptrain.envs.terminal import agent as terminal_agent
 from sandbox.terminal.shell import ShellResult
 from tests.test_terminal_load import TASKS_DIR
 

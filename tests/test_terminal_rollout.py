@@ -1,8 +1,8 @@
-"""ptrain/terminal_rollout.py and ptrain/terminal_tasks.py on docker: generated Harbor tasks
+"""ptrain/envs/terminal/episodes.py and ptrain/envs/terminal/generated.py on docker: generated Harbor tasks
 pass their oracle and fail nop; the producer's episodes (turns batched through a sampler,
 tool calls in each task's shell) are rewarded by the tasks' own tests and packed for the
-learner with the loss mask on the model's tokens only; the closed loop's terminal domain
-(ptrain/terminal_domain.py) from config, alone and mixed with another domain."""
+learner with the loss mask on the model's tokens only; the closed loop's terminal environment
+(ptrain/envs/terminal/__init__.py) from config, alone and mixed with another environment."""
 
 import random
 import re
@@ -10,7 +10,9 @@ import re
 import numpy as np
 import pytest
 
-from ptrain import chat, learner, terminal_rollout, terminal_tasks
+from ptrain import chat, learner
+from ptrain.envs.terminal import episodes as terminal_episodes
+from ptrain.envs.terminal import generated as terminal_tasks
 from ptrain.generate import sampler as sampler_lib
 
 pytestmark = pytest.mark.xdist_group("terminal")
@@ -89,11 +91,11 @@ def test_producer_rewards_episodes_by_the_tasks_tests(terminal, generated):
     picked = folders + plain
     tok = terminal_tasks.tokenizer()
     sampler = ScriptedSampler(tok, {g.instruction: g for g in picked})
-    config = terminal_rollout.TerminalRolloutConfig(num_samples=4, max_new_tokens=56,
+    config = terminal_episodes.TerminalRolloutConfig(num_samples=4, max_new_tokens=56,
                                                     max_turns=2, max_len=96, threads=4,
                                                     system="")
     with terminal.Harness() as h:
-        producer = terminal_rollout.TerminalProducer(
+        producer = terminal_episodes.TerminalProducer(
             sampler, tok, harness=h, fmt=chat.PLAIN, stop_ids=(tok.eos_token_id,),
             config=config, prompt_len=24)
         try:
@@ -145,7 +147,7 @@ def test_the_producer_at_staleness_1_on_bwrap(generated):
     picked = [g for g in train if g.triggered][:1] + [g for g in train if not g.triggered][:1]
     tok = terminal_tasks.tokenizer()
     sampler = ScriptedSampler(tok, {g.instruction: g for g in picked})
-    config = terminal_rollout.TerminalRolloutConfig(num_samples=2, max_new_tokens=56,
+    config = terminal_episodes.TerminalRolloutConfig(num_samples=2, max_new_tokens=56,
                                                     max_turns=2, max_len=96, threads=4,
                                                     system="")
     records = [{"task_dir": g.task_dir, "domain": "terminal"} for g in picked]
@@ -164,7 +166,7 @@ def test_the_producer_at_staleness_1_on_bwrap(generated):
     with terminal.Harness(backend="bwrap", max_idle=8) as h:
         new = h._new
         h._new = lambda task, key: made.append(1) or new(task, key)
-        producer = terminal_rollout.TerminalProducer(
+        producer = terminal_episodes.TerminalProducer(
             sampler, tok, harness=h, fmt=chat.PLAIN, stop_ids=(tok.eos_token_id,),
             config=config, prompt_len=24)
         ahead = lookahead.LookAhead(1, producer, Stream(), jax.random.key(0), steps=steps,
@@ -202,120 +204,135 @@ def test_demonstrations_carry_the_mistake_at_the_bug_rate(generated):
     assert tok.decode(record["prompt_ids"]) == g.instruction
 
 
-def test_terminal_domain_config_tasks_and_demonstrations(tmp_path):
-    """configs/terminal_toy.py is a closed-loop config whose one domain is "terminal": the
-    checker knows its section, and the tasks, RL records and demonstrations are made."""
+TERMINAL = "ptrain.envs.terminal:make"
+FILES = "ptrain.envs.files:generated"
+
+
+def _with_envs(config, *entries):
+    config.tasks.envs = tuple(entries)
+    return config
+
+
+def test_terminal_environment_config_tasks_and_demonstrations(tmp_path):
+    """configs/terminal_toy.py is a closed-loop config whose one environment is the terminal
+    one: its args are checked, and the tasks, RL records and demonstrations are made."""
     from configs import terminal_toy
-    from ptrain import closed_loop, jsonl, terminal_domain
+    from ptrain import closed_loop, jsonl
+    from ptrain.envs import terminal as terminal_env
     config = terminal_toy.get_config("short")
     closed_loop.check_config(config)
     ahead = terminal_toy.get_config("short").unlock()
     ahead.rl.staleness = 1  # its episodes under the look-ahead: test_..._at_staleness_1
     closed_loop.check_config(ahead)
-    for key, value, message in [("rollout.max_attempts", 2, "self-correction"),
-                                ("tasks.source", "jsonl", "generates its tasks"),
-                                ("terminal.max_len", 8, "terminal.max_len=8 must be 0"),
-                                ("terminal.n_tasks", 3, "unknown keys \\['terminal.n_tasks'\\]")]:
-        bad = terminal_toy.get_config("short").unlock()
-        section, name = key.split(".")
-        bad[section][name] = value
+    retries = terminal_toy.get_config("short").unlock()
+    retries.rollout.max_attempts = 2
+    with pytest.raises(ValueError, match=r"environments \['terminal'\] have no retries"):
+        closed_loop.check_config(retries)
+    for args, message in [(dict(n_tasks=3), r"unknown args \['n_tasks'\]"),
+                          (dict(backend="podman"), "backend='podman' must be one of"),
+                          (dict(heldout_dir="x"), "heldout_dir needs tasks_dir")]:
+        bad = _with_envs(terminal_toy.get_config("short").unlock(),
+                         dict(env=TERMINAL, args=args))
         with pytest.raises(ValueError, match=message):
             closed_loop.check_config(bad)
-    tok = closed_loop.make_tokenizer(config)
+    envs = closed_loop.environments(config)
+    tok = closed_loop.make_tokenizer(config, envs)
     assert tok.pieces == terminal_tasks.tokenizer().pieces
-    resolved = closed_loop.derive_config(config, str(tmp_path), tok)
+    train, held, demos = closed_loop.make_tasks(config, envs, tok, str(tmp_path))
+    resolved = closed_loop.derive_config(config, str(tmp_path), tok, demonstrations=demos)
     assert resolved.model.vocab_size == tok.vocab_size
     assert resolved.sampling.stop_token_ids == (tok.eos_token_id,)
-    train, held = closed_loop.make_tasks(resolved, tok, str(tmp_path))
-    task_file = str(tmp_path / "tasks" / "terminal.train.jsonl")
-    assert closed_loop.prompt_sources(resolved, train, str(tmp_path)) == [(task_file, 1.0)]
+    assert closed_loop.prompt_sources(resolved, train) == [(train["terminal"], 1.0)]
     train, held = train["terminal"], held["terminal"]
-    assert len(train) == config.tasks.n_train and len(held) == config.tasks.n_heldout
-    records = jsonl.read(task_file)
+    assert len(train) == 40 and len(held) == 8  # the short config's args
+    records = jsonl.read(str(tmp_path / "tasks" / "terminal.train.jsonl"))
     assert records == [{"task_dir": g.task_dir, "domain": "terminal"} for g in train]
     demos = jsonl.read(resolved.sft.sources[0])
     assert len(demos) == len(train) and {d["domain"] for d in demos} == {"terminal"}
     longest = max(len(d["completion_ids"]) for d in demos)
     assert longest <= config.sft.max_completion_len and longest <= config.rollout.max_len
     assert max(len(d["prompt_ids"]) for d in demos) <= config.data.max_prompt_len
-    rc = terminal_domain.rollout_config(resolved)
+    rc = terminal_env.rollout_config(terminal_env.Settings(), resolved)
     assert (rc.system, rc.num_samples, rc.max_turns, rc.max_len, rc.max_output_chars,
             rc.call_timeout_s) == ("", config.sampling.num_samples, 2, 96, 200, 10.0)
-    own = terminal_toy.get_config("short").unlock()
-    own.terminal.max_len = 120  # the terminal episodes' own cap (0: rollout.max_len)
-    closed_loop.check_config(own)
-    assert terminal_domain.rollout_config(own).max_len == 120
-    mixed = terminal_toy.get_config("short").unlock()
-    mixed.tasks.update(domains=("files", "terminal"), weights=(1.0, 1.0))
+    # the terminal episodes' own cap (0: rollout.max_len), at least a turn's tokens
+    assert terminal_env.rollout_config(terminal_env.Settings(max_len=120), resolved).max_len \
+        == 120
+    with pytest.raises(ValueError, match="max_new_tokens=56 exceeds max_len=8"):
+        terminal_env.rollout_config(terminal_env.Settings(max_len=8), resolved)
+    mixed = _with_envs(terminal_toy.get_config("short").unlock(), dict(env=FILES),
+                       dict(env=TERMINAL))
     closed_loop.check_config(mixed)
-    pieces = set(closed_loop.make_tokenizer(mixed).pieces)
+    pieces = set(closed_loop.make_tokenizer(mixed, closed_loop.environments(mixed)).pieces)
     assert pieces == set(terminal_tasks.tokenizer().pieces) | set(
-        closed_loop.synthetic_tasks.WordTokenizer.for_tasks().pieces)
+        closed_loop.synthetic.WordTokenizer.for_tasks().pieces)
 
 
-def test_a_directory_of_tasks_is_the_terminal_domains_prompt_source(tmp_path):
-    """terminal.tasks_dir: the bundled Harbor / TB 1.0 tasks as the domain's training and
-    held-out tasks (a seeded split, or heldout_dir's), mixed with another domain by
-    tasks.weights; on bwrap a task that needs its image is an error before anything runs."""
+def test_a_directory_of_tasks_is_the_terminal_environments_prompt_source(tmp_path):
+    """tasks_dir: the bundled Harbor / TB 1.0 tasks as the environment's training and
+    held-out tasks (a seeded split, or heldout_dir's), mixed with another environment by
+    weight; on bwrap a task that needs its image is an error before anything runs."""
     import os
     import shutil
     from configs import terminal_toy
-    from ptrain import closed_loop, jsonl, terminal_domain
+    from ptrain import closed_loop, jsonl
+    from ptrain.envs import terminal as terminal_env
     from sandbox import terminal
     bundled = terminal.BUNDLED_TASKS
-    config = terminal_toy.get_config("short").unlock()
-    config.tasks.update(domains=("files", "terminal"), weights=(1.0, 3.0), n_heldout=4)
-    config.terminal.tasks_dir = bundled
+    config = _with_envs(terminal_toy.get_config("short").unlock(),
+                        dict(env=FILES, args=dict(n_train=40, n_heldout=8), weight=1.0),
+                        dict(env=TERMINAL, args=dict(tasks_dir=bundled, n_heldout=4),
+                             weight=3.0))
     config.data.max_prompt_len = 4096  # the bundled instructions, partly spelled out
     closed_loop.check_config(config)
-    tok = closed_loop.make_tokenizer(config)
-    resolved = closed_loop.derive_config(config, str(tmp_path), tok)
-    train, held = closed_loop.make_tasks(resolved, tok, str(tmp_path))
+    envs = closed_loop.environments(config)
+    tok = closed_loop.make_tokenizer(config, envs)
+    train, held, _ = closed_loop.make_tasks(config, envs, tok, str(tmp_path))
     names = lambda found: sorted(os.path.basename(x.task_dir) for x in found)  # noqa: E731
     assert len(held["terminal"]) == 4 and len(train["terminal"]) == 11
     assert sorted(names(train["terminal"]) + names(held["terminal"])) == sorted(
         os.listdir(bundled))
-    again = closed_loop.make_tasks(resolved, tok, str(tmp_path / "again"))
+    again = closed_loop.make_tasks(config, envs, tok, str(tmp_path / "again"))
     assert names(again[1]["terminal"]) == names(held["terminal"])  # the split is seeded
-    task_file = str(tmp_path / "tasks" / "terminal.train.jsonl")
-    sources = closed_loop.prompt_sources(resolved, train, str(tmp_path))
+    sources = closed_loop.prompt_sources(config, train)
     assert sources[0][0] is train["files"] and [w for _, w in sources] == [1.0, 3.0]
-    assert sources[1][0] == task_file
-    assert jsonl.read(task_file) == [{"task_dir": x.task_dir, "domain": "terminal"}
-                                     for x in train["terminal"]]
-    demos = jsonl.read(resolved.sft.sources[0])
+    assert sources[1][0] is train["terminal"]
+    assert jsonl.read(str(tmp_path / "tasks" / "terminal.train.jsonl")) == [
+        {"task_dir": x.task_dir, "domain": "terminal"} for x in train["terminal"]]
+    demos = jsonl.read(str(tmp_path / "tasks" / "sft.jsonl"))
     assert {d["domain"] for d in demos} == {"files"}  # no demonstrations for listed tasks
     # A held-out directory of its own; on bwrap, the five tasks that need only files.
     files_only = tmp_path / "files_only"
     for name in ("csv-column-sum", "csv-to-json", "fix-stats-bug", "hello-file",
                  "tcp-upper-service"):
         shutil.copytree(os.path.join(bundled, name), files_only / name)
-    own = resolved.unlock()
-    own.terminal.update(tasks_dir=str(files_only), heldout_dir=str(files_only / "hello-file"))
+    own = terminal_env.Settings(tasks_dir=str(files_only),
+                                heldout_dir=str(files_only / "hello-file"), n_heldout=4)
     with pytest.raises(ValueError, match="also training tasks'"):
-        terminal_domain.from_directory(own)
+        terminal_env.from_directory(own, 0)
     from sandbox.terminal import bwrap
     if bwrap.unavailable() is None:
-        own.terminal.update(heldout_dir="", backend="bwrap")
-        tr, he = terminal_domain.from_directory(own)
+        own = terminal_env.Settings(tasks_dir=str(files_only), backend="bwrap", n_heldout=4)
+        tr, he = terminal_env.from_directory(own, 0)
         assert len(tr) + len(he) == 5 and len(he) == 2
-        own.terminal.tasks_dir = bundled
         with pytest.raises(ValueError, match="cannot run 10 task.*RUN"):
-            terminal_domain.from_directory(own)
+            terminal_env.from_directory(terminal_env.Settings(tasks_dir=bundled,
+                                                              backend="bwrap"), 0)
 
 
 def test_the_closed_loop_mixes_terminal_tasks_with_another_domain(terminal, tmp_path):
-    """One closed-loop run with the files domain and the terminal domain by weight: SFT on
-    both domains' demonstrations, RL batches holding episodes of both (sandbox verdicts and
+    """One closed-loop run with the files environment and the terminal one by weight: SFT on
+    both environments' demonstrations, RL batches holding episodes of both (sandbox verdicts and
     the terminal tasks' own tests in docker), per-domain metrics and held-out evals."""
     from configs import terminal_toy
     from ptrain import closed_loop, jsonl
-    c = terminal_toy.get_config("short").unlock()
-    c.tasks.update(domains=("files", "terminal"), weights=(1.0, 1.0), n_train=8, n_heldout=2)
+    c = _with_envs(terminal_toy.get_config("short").unlock(),
+                   dict(env=FILES, args=dict(n_train=8, n_heldout=2)),
+                   dict(env=TERMINAL, args=dict(n_train=8, n_heldout=2, threads=4,
+                                                max_idle=8)))
     c.update_from_flattened_dict({"steps": 2, "sft.steps": 2, "sampling.num_samples": 4,
                                   "sampling.max_new_tokens": 24, "eval.n": 2,
-                                  "checkpoint.async_save": False, "terminal.threads": 4,
-                                  "terminal.max_idle": 8})
+                                  "checkpoint.async_save": False})
     c.lock()
     lines = closed_loop.run(c, str(tmp_path))
     assert {(x["stage"], x["domain"]) for x in lines} == {

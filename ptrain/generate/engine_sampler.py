@@ -26,10 +26,9 @@ import numpy as np
 from ptrain import chat
 from ptrain import lora
 from ptrain import model as model_lib
-from ptrain import rewards as rewards_lib
 from ptrain import routing
 from ptrain import sharding
-from ptrain import turns
+from ptrain.rollout import turns
 from ptrain.generate import decode_weights
 from ptrain.generate import interrupt
 from ptrain.generate import sampler as sampler_lib
@@ -272,15 +271,15 @@ def _routing(trajs, n_prompts, prompt_len, max_new_tokens):
 
 
 def run_episodes(sampler: EngineSampler, params, episodes, prompts, key, tokenizer, fmt, c,
-                 *, pool, reward_config, verify_now: bool) -> None:
+                 *, verify, verify_now: bool) -> None:
     """rollout.generate's episodes (task i's G at i*G ..., prompts[i] its prompt; c its
     RolloutConfig) on the engine (sampling.engine=True): a task's G episodes share
     its prompt's prefill, and each keeps its slot and cache across turns and attempts: the
     observation (or retry feedback) after a turn is prefilled alone, never the history, and
     an episode's next turn starts as soon as its own tools (or verdict) come back, whatever
-    the others do. Turns, calls, caps and retries are rollout._run_attempt's (ptrain/turns.py):
+    the others do. Turns, calls, caps and retries are rollout.episodes._run_attempt's (ptrain/rollout/turns.py):
     greedily the episodes equal the per-turn path's token for token. Verdicts (with
-    verify_now) come per episode as its attempt ends, not per batch."""
+    verify_now: `verify([episode])`) come per episode as its attempt ends, not per batch."""
     stop_ids, stop_strings = turns.turn_stops(fmt, tokenizer, c.stop_token_ids,
                                               tools=any(e.task.tools for e in episodes))
     text = turns.TurnText.of(tokenizer, fmt, c)
@@ -307,8 +306,7 @@ def run_episodes(sampler: EngineSampler, params, episodes, prompts, key, tokeniz
                 e.answers.append("")
         if not verify_now:  # the attempt ended
             return None
-        e.verdicts += rewards_lib.verify_all([e.task], [e.answers[-1]], pool=pool,
-                                             sessions=[e.session], config=reward_config)
+        verify([e])
         if (e.verdicts[-1].passed or e.attempts >= c.max_attempts
                 or e.finish not in ("answered", "truncated")):
             return None

@@ -1,7 +1,7 @@
 """What a task's own tests gave (`VerifierResult`): reward, and feedback a model can learn from.
 
-The terminal domain's form of a judge report: ptrain turns it into a `rewards.Verdict`
-(`terminal_rollout.verdict`) and that into a batch row, as for the other domains.
+The terminal domain's form of a judge report: ptrain turns it into a `ptrain.envs.Verdict`
+(`terminal_episodes.verdict`) and that into a batch row, as for the other domains.
 
 Harbor tasks write their reward to /logs/verifier/reward.json (a table of numbers; "reward"
 is the one that counts) or reward.txt (one number), as harbor reads them. TB 1.0 tasks are
@@ -50,7 +50,7 @@ class VerifierResult:
         return {**dataclasses.asdict(self), "failures": list(self.failures)}
 
 
-Verdict = VerifierResult  # the old name (ptrain.rewards.Verdict is the learner's verdict)
+Verdict = VerifierResult  # the old name (ptrain.envs.Verdict is the learner's verdict)
 
 
 def parse_reports(reports: dict[str, bytes]) -> tuple[dict, tuple[str, ...], list[int]]:

@@ -1,11 +1,12 @@
 """One RL batch from several producers: records routed by kind, episodes packed together.
 
     producer = MixedProducer({"terminal": terminal_producer, "tasks": task_producer},
-                             route=by_task_dir)
+                             route=by_domain({"terminal": "terminal", "code": "tasks"}))
     learner.train(config, workdir, producer=producer, ...)
 
-The learner draws one batch of records from its weighted mixture of sources (terminal task
-records {"task_dir": ...} next to ptrain task records, each source with its domain weight);
+The learner draws one batch of records from its weighted mixture of sources (each
+environment's tasks with its weight); `route(record)` names the producer of each (the closed
+loop's: the terminal environment's own, and `rollout.Tasks` for the others);
 `generate` hands each producer its records (in the order given) and `score` packs what they
 return into one `batch.Batch`: rows padded to the widest continuation, group ids made
 unique (each producer numbers its groups from 0), the meta (with each row's domain, for the
@@ -33,14 +34,20 @@ from ptrain import sharding
 from ptrain.generate import interrupt
 
 
-def by_task_dir(record) -> str:
-    """"terminal" for a terminal task record ({"task_dir": ...}), else "tasks" (a
-    `ptrain.tasks.Task`, or its record)."""
-    return "terminal" if isinstance(record, dict) and "task_dir" in record else "tasks"
+def domain(record) -> str:
+    """The environment a record is of: its `domain` (a `ptrain.tasks.Task`'s, an environment's
+    own task's, or a record dict's)."""
+    return record["domain"] if isinstance(record, dict) else record.domain
+
+
+def by_domain(producer_of: dict):
+    """A route: each record to the producer that runs its environment (`producer_of`: env
+    name -> producer name)."""
+    return lambda record: producer_of[domain(record)]
 
 
 class MixedProducer:
-    def __init__(self, producers: dict, route=by_task_dir, pad_id: int = 0):
+    def __init__(self, producers: dict, route, pad_id: int = 0):
         self.producers, self.route, self.pad_id = dict(producers), route, pad_id
 
     def generate(self, params, records, key):

@@ -20,9 +20,9 @@ import random
 import re
 
 from ptrain import chat
-from ptrain import synthetic_tasks
+from ptrain.envs import synthetic
 
-WORDS = synthetic_tasks.WORDS
+WORDS = synthetic.WORDS
 TEMPLATE_TEXT = ("terminal: write", "to", "done", "name", "bash", "arguments", "command",
                  "mkdir -p", "echo", "txt", "exit status", "No such file or directory",
                  "line", "timed out after", "no exit status", "the shell was restarted")
@@ -30,7 +30,7 @@ TASK_TOML = """version = "1.0"
 
 [metadata]
 category = "file-operations"
-generated_by = "ptrain.terminal_tasks"
+generated_by = "ptrain.envs.terminal.generated"
 
 [verifier]
 timeout_sec = 30.0
@@ -62,14 +62,23 @@ class Generated:
     good: str  # the right command
     bad: str  # the demonstrations' systematic mistake (== good when not triggered)
     triggered: bool
+    domain: str = "terminal"  # its environment's name
+
+    @property
+    def id(self) -> str:
+        return self.task_dir
+
+    def to_record(self) -> dict:
+        """What the task file holds of it (the producer takes it, or this record)."""
+        return {"task_dir": self.task_dir, "domain": self.domain}
 
 
-def tokenizer() -> synthetic_tasks.WordTokenizer:
+def tokenizer() -> synthetic.WordTokenizer:
     """Every piece the tasks, the calls and the shell's usual answers are made of, plus each
     printable ASCII character (anything else is spelled or becomes '?')."""
     text = " ".join(WORDS + TEMPLATE_TEXT)
     singles = [chr(i) for i in range(33, 127)]
-    return synthetic_tasks.WordTokenizer(re.findall(r"[A-Za-z]+", text) + singles +
+    return synthetic.WordTokenizer(re.findall(r"[A-Za-z]+", text) + singles +
                                          [" " * n for n in range(1, 9)] + ["\n"])
 
 
@@ -99,20 +108,15 @@ def write_task(task_dir: str, instruction: str, path: str, words: str, solution:
 def generate(root: str, n: int, *, seed: int, split: str, exclude=frozenset()) -> list[Generated]:
     """n distinct tasks under root/<split>/<index>/ whose instructions are not in `exclude`
     (another split's)."""
+    from ptrain.envs import base
     rng = random.Random(f"{seed}/terminal/{split}")
-    out, seen = [], set(exclude)
-    for _ in range(100 * n):
-        if len(out) == n:
-            break
-        instruction, path, words, good, bad, triggered = _task(rng)
-        if instruction in seen:
-            continue
-        seen.add(instruction)
-        task_dir = os.path.join(root, split, f"{len(out):04d}")
+    out = []
+    for i, (instruction, path, words, good, bad, triggered) in enumerate(base.distinct(
+            lambda i: _task(rng), n, key=lambda t: t[0], exclude=exclude,
+            what="terminal tasks")):
+        task_dir = os.path.join(root, split, f"{i:04d}")
         write_task(task_dir, instruction, path, words, good)
         out.append(Generated(task_dir, instruction, good, bad if triggered else good, triggered))
-    if len(out) < n:
-        raise ValueError(f"cannot draw {n} distinct terminal tasks; lower n")
     return out
 
 
@@ -132,14 +136,15 @@ def demonstration(g: Generated, rng: random.Random, bug_rate: float) -> tuple[st
     return g.good, "[exit status 0]"
 
 
-def demo_record(g: Generated, tok, command: str, output: str, *, system: str = "") -> dict:
+def demo_record(g: Generated, tok, command: str, output: str, *, system: str = "",
+                domain: str = "terminal") -> dict:
     """An SFT record of the plain format: the prompt, then the call + EOS (a plain turn ends
     at EOS; trained on), the shell's answer (not), and "done" + EOS (trained on)."""
-    from ptrain import terminal_agent
+    from ptrain.envs.terminal import agent as terminal_agent
     turn = chat.encode(tok, call_text(command)) + [tok.eos_token_id]
     obs = chat.encode(tok, chat.observation(chat.PLAIN, [output], closed=True))
     done = chat.encode(tok, "done") + [tok.eos_token_id]
     return {"prompt_ids": terminal_agent.render_prompt(chat.PLAIN, tok, g.instruction, system),
             "completion_ids": turn + obs + done,
             "completion_mask": [1] * len(turn) + [0] * len(obs) + [1] * len(done),
-            "domain": "terminal"}
+            "domain": domain}

@@ -30,7 +30,7 @@ Many processes: each opens and steps the episodes of its own records; every turn
 sampler call over the histories of all processes (`rollout.sample_across`), made while any
 episode on any process is still going, so all processes issue the same programs and sample
 what one process holding every record would. `evaluate` runs this process's block of the
-held-out tasks; `terminal_domain.evaluate` gathers the verdicts.
+held-out tasks; `terminal_env.evaluate` gathers the verdicts.
 
 The learner's producer interface (`generate(params, records, key)`, `score(generated) ->
 Batch`) is all this module needs of the training loop.
@@ -47,11 +47,11 @@ import numpy as np
 
 from ptrain import batch as batch_lib
 from ptrain import chat
-from ptrain import rewards
+from ptrain.envs.verdict import Verdict
 from ptrain import rollout as rollout_lib
 from ptrain import routing
 from ptrain import sharding
-from ptrain import terminal_agent
+from ptrain.envs.terminal import agent as terminal_agent
 from ptrain.generate import interrupt
 
 
@@ -84,7 +84,7 @@ class Rollout:
     tokens: terminal_agent.Tokens | None = None
     done: bool = False
     result: object = None  # sandbox.terminal.VerifierResult: what the task's tests gave
-    verdict: rewards.Verdict | None = None  # the learner's form of it (`verdict`)
+    verdict: Verdict | None = None  # the learner's form of it (`verdict`)
     error: str = ""  # the harness could not run this episode (it scores 0)
     turns: int = 0  # kept from the episode when it closes
     tool_calls: int = 0
@@ -93,6 +93,7 @@ class Rollout:
     # rl.interrupt: the policy version of each token (aligned with tokens.ids;
     # interrupt.UNSAMPLED where the model did not sample it), or None
     versions: list | None = None
+    domain: str = "terminal"  # the environment's name (the rows' meta)
 
 
 class _Tasks:
@@ -111,19 +112,23 @@ class _Tasks:
 
 def generate(sampler, params, tasks, *, harness, agent: terminal_agent.ShellAgent, key,
              config: TerminalRolloutConfig, first_group_id: int = 0,
-             pool: concurrent.futures.Executor) -> list[Rollout]:
+             pool: concurrent.futures.Executor, domains=None) -> list[Rollout]:
     """`config.num_samples` episodes of every task, their agent turns done (see the module
-    docstring); the episodes stay open for `verify_rollouts`."""
+    docstring); the episodes stay open for `verify_rollouts`. `domains`: each task's
+    environment name (default "terminal")."""
     c = config
-    specs = [(task, first_group_id + i) for i, task in enumerate(tasks)
+    domains = domains or ["terminal"] * len(tasks)
+    specs = [(task, first_group_id + i, domain)
+             for i, (task, domain) in enumerate(zip(tasks, domains))
              for _ in range(c.num_samples)]
 
     def open_one(spec):
-        task, group = spec
+        task, group, domain = spec
         try:
-            return Rollout(task, group, harness.episode(task))
+            return Rollout(task, group, harness.episode(task), domain=domain)
         except Exception as e:  # noqa: BLE001 (no environment: this episode scores 0)
-            return Rollout(task, group, None, done=True, error=f"{type(e).__name__}: {e}")
+            return Rollout(task, group, None, done=True, error=f"{type(e).__name__}: {e}",
+                           domain=domain)
 
     rollouts = list(pool.map(open_one, specs))
     interruptible = isinstance(params, interrupt.Live)  # rl.interrupt: each token's version
@@ -209,9 +214,9 @@ def passed(r: Rollout) -> bool:
     return bool(r.verdict is not None and r.verdict.passed)
 
 
-def verdict(result) -> rewards.Verdict:
+def verdict(result) -> Verdict:
     """A task verifier's result (`sandbox.terminal.VerifierResult`: this domain's judge
-    report) as the learner's `rewards.Verdict`: its reward and pass, the fraction of its tests
+    report) as the learner's `Verdict`: its reward and pass, the fraction of its tests
     that passed (the reward where no pytest ran), its feedback, and an error type ("" when
     solved; "timeout", "verifier_error" when the tests gave no usable result, else the first
     failing test's status, or "wrong_answer")."""
@@ -227,7 +232,7 @@ def verdict(result) -> rewards.Verdict:
     else:
         bad = [s for s in tests.values() if s in ("FAILED", "ERROR")]
         error_type = bad[0].lower() if bad else "wrong_answer"
-    return rewards.Verdict(float(result.reward), bool(result.passed), fraction,
+    return Verdict(float(result.reward), bool(result.passed), fraction,
                            result.feedback, error_type)
 
 
@@ -242,7 +247,7 @@ def to_batch(rollouts: list[Rollout], *, tokenizer, prompt_len: int, length: int
     meta = []
     for r in rollouts:
         t, v = r.tokens, r.verdict
-        meta.append({"task_id": r.task.name, "domain": "terminal", "passed": passed(r),
+        meta.append({"task_id": r.task.name, "domain": r.domain, "passed": passed(r),
                      "turns": r.turns, "tool_calls": r.tool_calls, "finish": t.finish,
                      "error": r.error or (r.result.error if r.result else "") or "",
                      "error_type": v.error_type if v else "harness_error",
@@ -279,13 +284,17 @@ class TerminalProducer:
         self.tasks = _Tasks()
 
     def generate(self, params, records, key, *, config: TerminalRolloutConfig | None = None):
+        """records: the environment's tasks (with `task_dir` and `domain`), or their
+        records ({"task_dir": PATH, "domain": NAME})."""
+        records = [r if isinstance(r, dict) else r.to_record() for r in records]
         for r in records:
             if "task_dir" not in r:
                 raise ValueError(f"a terminal record names its task directory as "
                                  f"'task_dir'; got keys {sorted(r)}")
         tasks = [self.tasks.get(r["task_dir"]) for r in records]
         return generate(self.sampler, params, tasks, harness=self.harness, agent=self.agent,
-                        key=key, config=config or self.config, pool=self.pool)
+                        key=key, config=config or self.config, pool=self.pool,
+                        domains=[r.get("domain", "terminal") for r in records])
 
     def score(self, rollouts):
         verify_rollouts(rollouts, self.pool)

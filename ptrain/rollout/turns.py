@@ -1,5 +1,5 @@
-"""A model turn of an episode (ptrain/rollout.py's `Episode`) and what follows it, shared by
-the per-turn path (rollout.generate) and the engine's (engine_sampler.run_episodes).
+"""A model turn of an episode (`ptrain.rollout.Episode`) and what follows it, shared by the
+per-turn path (rollout.generate) and the engine's (engine_sampler.run_episodes).
 
   turn_stops   the stop ids and strings of a model turn in a chat format
   take_turn    appends the turn's tokens (mask 1, their log-probs) and returns its tool
@@ -90,6 +90,7 @@ def call_tool(e, call, c) -> str:
         allowed = ", ".join(e.task.tools)
         return f"Error: tool {call.name!r} is not available here; use one of: {allowed}."
     output = sandbox_tools.call_tool(e.session, call.name, call.arguments,
+                                     tools=e.env.tools if e.env else sandbox_tools.TOOLS,
                                      timeout_s=c.tool_timeout_s,
                                      max_output_chars=c.max_tool_output_chars)
     if output.startswith("Error:"):

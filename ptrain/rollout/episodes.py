@@ -1,16 +1,5 @@
-"""Producers of a step's batch, and the episodes they run: single- and multi-turn, with tool
-calls run in the sandbox, and retries.
-
-One protocol, `Producer`: `generate(params, records, key)` is the device part (sampling,
-tool calls), `score(generated) -> batch.Batch` the host part (rewards or sandbox verdicts,
-packing). `learner.train` draws every batch through one; with rl.staleness=k it scores
-each batch in a thread while the next ones are generated. Three producers:
-
-  SingleTurn    G samples per prompt record, scored by `reward_fn(record, completion_ids,
-                completion_text)` (the learner's default, `config.reward_fn`)
-  Tasks         `ptrain.tasks.Task`s (or task records): multi-turn episodes with tool
-                calls, verdicts from the sandbox pool (the closed loop's)
-  FromFunction  a `rollout_fn(params, records, key) -> Batch` (generate and score in one)
+"""Episodes of environments' tasks: the `Episode` record, the one turn loop (per-turn
+sampler, or the rollout engine's slots), verdicts from each task's environment, and `to_batch`.
 
 Token in, token out. An episode's history is a list of token ids that only ever grows: the
 prompt (rendered by the chat format, `ptrain.chat`, through the tokenizer's own template),
@@ -23,10 +12,11 @@ A turn ends at the format's end-of-turn token (Qwen's <|im_end|>, Llama 3's <|eo
 in the plain format (no turn token), at the closing tag of a tool call or at the eos. The
 turn's calls (`chat.parse_tool_calls`: several Hermes calls per turn, or Llama 3's one) run
 in order in the episode's `sandbox.Session` (one work dir per episode, kept across its turns,
-removed after it), and their outputs come back as one observation. A malformed call (not
-JSON, no name, an unknown or disallowed tool) becomes an error observation the model can learn
-from, never an exception. A verifier sees the answer turn's text without special tokens
-(`chat.verifier_text`): the stop token is trained on, never judged.
+removed after it) with its environment's tools, and their outputs come back as one
+observation. A malformed call (not JSON, no name, an unknown or disallowed tool) becomes an
+error observation the model can learn from, never an exception. A verifier sees the answer
+turn's text without special tokens (`chat.verifier_text`): the stop token is trained on,
+never judged.
 
 Self-correction: after a final answer fails its verifier, the feedback is appended and the
 model tries again, up to `max_attempts`; `attempt_reward` says how attempts make a reward.
@@ -37,7 +27,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -46,16 +35,17 @@ import sandbox
 from sandbox import fleet
 
 from ptrain import chat
-from ptrain import data as data_lib
 from ptrain import rewards as rewards_lib
 from ptrain import routing as routing_lib
 from ptrain import sharding
 from ptrain import tasks as tasks_lib
-from ptrain import turns
 from ptrain.batch import Batch
+from ptrain.envs import base as envs_base
+from ptrain.envs import verdict as verdict_lib
 from ptrain.generate import engine_sampler
-from ptrain.generate.sampler import Sampler
-from ptrain.tasks import Files, Task
+from ptrain.rollout import turns
+from ptrain.tasks import Task
+
 
 ATTEMPT_REWARDS = ("final", "first", "mean", "discounted")
 FINISHES = ("answered", "truncated", "max_turns", "max_len")  # Episode.finish
@@ -105,7 +95,7 @@ class Episode:
     logp: list[float]
     prompt_len: int
     answers: list[str] = dataclasses.field(default_factory=list)  # the final text per attempt
-    verdicts: list = dataclasses.field(default_factory=list)  # a rewards.Verdict per attempt
+    verdicts: list = dataclasses.field(default_factory=list)  # an envs.Verdict per attempt
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -117,6 +107,7 @@ class Episode:
     # rl.interrupt (the engine): the policy version of each token (aligned with `tokens`;
     # ptrain.generate.interrupt.UNSAMPLED where mask is 0), or None
     versions: list | None = None
+    env: envs_base.Environment | None = None  # the task's environment (its tools, verifier)
 
     @property
     def attempts(self) -> int:
@@ -142,11 +133,33 @@ class Episode:
 
 # ----------------------------------------------------------------------------- rendering
 
-def render_prompt(task: Task, tokenizer, fmt: chat.ChatFormat = chat.PLAIN) -> list[int]:
-    """The task's prompt ids, ending where the model's first turn begins (`chat.render_prompt`:
-    the tokenizer's chat template with the task's tools, or plain text)."""
+def render_prompt(task: Task, tokenizer, fmt: chat.ChatFormat = chat.PLAIN,
+                  env: envs_base.Environment | None = None) -> list[int]:
+    """The task's prompt ids, ending where the model's first turn begins: its environment's
+    `prompt_ids`, or `chat.render_prompt` (the tokenizer's chat template with the schemas of
+    the task's tools, or plain text)."""
+    env = env or builtin(task.domain)
+    if env.prompt_ids is not None:
+        return list(env.prompt_ids(task, tokenizer, fmt))
     return chat.render_prompt(fmt, tokenizer, prompt=task.prompt, messages=task.messages,
-                              tools=task.tools)
+                              tools=[env.tool(name) for name in task.tools])
+
+
+def builtin(name: str) -> envs_base.Environment:
+    """The environment of tasks with built-in verifiers and the sandbox's tools (what a task
+    needs without one of its own: `generate` uses it for domains `envs` does not name)."""
+    return envs_base.Environment(
+        name=name, tasks=lambda ctx: envs_base.Splits((), ()), verify=rewards_lib.verify_all,
+        tools=envs_base.sandbox_tools_named(*tasks_lib.TOOLS),
+        opens_session=rewards_lib.needs_session)
+
+
+def _environments(tasks, envs) -> list[envs_base.Environment]:
+    envs = dict(envs or {})
+    for task in tasks:
+        if task.domain not in envs:
+            envs[task.domain] = builtin(task.domain)
+    return [envs[task.domain] for task in tasks]
 
 
 # ----------------------------------------------------------------------------- episodes
@@ -154,9 +167,11 @@ def render_prompt(task: Task, tokenizer, fmt: chat.ChatFormat = chat.PLAIN) -> l
 def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
              config: RolloutConfig = RolloutConfig(), fmt: chat.ChatFormat = chat.PLAIN,
              pool=None, reward_config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
-             first_group_id: int = 0, verify_now: bool | None = None) -> list[Episode]:
+             first_group_id: int = 0, verify_now: bool | None = None,
+             envs=None) -> list[Episode]:
     """Runs `num_samples` episodes of every task; rows are task-major (task i owns rows
-    i*G .. i*G+G-1, group id `first_group_id + i`).
+    i*G .. i*G+G-1, group id `first_group_id + i`). `envs`: the tasks' environments by name
+    (their tools, prompts and verifiers); a domain it does not name has `builtin`'s.
 
     Verdicts come from `verify_episodes` (the sandbox pool); with one attempt they can be
     left to the caller (`verify_now=False`) so that judging overlaps the next generation.
@@ -177,23 +192,26 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
     verify_now = c.max_attempts > 1 if verify_now is None else verify_now
     if c.max_attempts > 1 and not verify_now:
         raise ValueError("self-correction (max_attempts > 1) needs verdicts during the episode")
-    prompts = [render_prompt(task, tokenizer, fmt) for task in tasks]
+    task_envs = _environments(tasks, envs)
+    prompts = [render_prompt(task, tokenizer, fmt, env) for task, env in zip(tasks, task_envs)]
     episodes = [Episode(task=task, group_id=first_group_id + i, tokens=list(prompt),
                         mask=[0] * len(prompt), logp=[0.0] * len(prompt),
-                        prompt_len=len(prompt))
-                for i, (task, prompt) in enumerate(zip(tasks, prompts))
+                        prompt_len=len(prompt), env=env)
+                for i, (task, prompt, env) in enumerate(zip(tasks, prompts, task_envs))
                 for _ in range(c.num_samples)]
     # On a Ray fleet pool the sessions run there too (their work dirs travel with each turn).
     make_session = sandbox.Session if pool is None else fleet.session_factory(pool)
     for episode in episodes:
-        if episode.task.tools or _needs_session(episode.task):
+        if episode.env.opens_session(episode.task):
             episode.session = make_session(backend=c.session_backend,
                                            files=dict(episode.task.files) or None)
     try:
         if isinstance(sampler, engine_sampler.EngineSampler):  # episodes keep their slots
-            engine_sampler.run_episodes(sampler, params, episodes, prompts, key, tokenizer,
-                                        fmt, c, pool=pool, reward_config=reward_config,
-                                        verify_now=verify_now)
+            engine_sampler.run_episodes(
+                sampler, params, episodes, prompts, key, tokenizer, fmt, c,
+                verify=lambda es: verify_episodes(es, pool=pool, config=reward_config,
+                                                  close_sessions=False),
+                verify_now=verify_now)
         else:
             _run_attempts(sampler, params, episodes, prompts, key, tokenizer, fmt, c,
                           pool=pool, reward_config=reward_config, verify_now=verify_now)
@@ -253,10 +271,6 @@ def sample_across(sampler, params, histories, *, num_samples=1, **kwargs):
         prompt_experts=None if out.prompt_experts is None else out.prompt_experts[prompts])
 
 
-def _needs_session(task: Task) -> bool:
-    return isinstance(task.verifier, Files) and not task.verifier.run
-
-
 def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *, first,
                  prompts):
     """Model turns until each episode answers (a turn without a tool call) or hits a cap."""
@@ -300,14 +314,31 @@ def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *,
 def verify_episodes(episodes: Sequence[Episode], *, pool=None,
                     config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
                     close_sessions: bool = True) -> None:
-    """Judges each episode's latest answer (adds a verdict), then removes the work dirs."""
+    """Judges each episode's latest answer by its environment (adds a verdict, checked:
+    `judge`), then removes the work dirs."""
     todo = [e for e in episodes if len(e.verdicts) < len(e.answers)]
-    verdicts = rewards_lib.verify_all([e.task for e in todo], [e.answers[-1] for e in todo],
-                                      pool=pool, sessions=[e.session for e in todo], config=config)
-    for e, v in zip(todo, verdicts):
-        e.verdicts.append(v)
+    by_env: dict = {}
+    for e in todo:
+        env = e.env or builtin(e.task.domain)
+        by_env.setdefault(env.name, (env, []))[1].append(e)
+    for env, mine in by_env.values():
+        verdicts = judge(env, [e.task for e in mine], [e.answers[-1] for e in mine],
+                         pool=pool, sessions=[e.session for e in mine], config=config)
+        for e, v in zip(mine, verdicts):
+            e.verdicts.append(v)
     if close_sessions:
         close(episodes)
+
+
+def judge(env: envs_base.Environment, tasks, answers, **kwargs) -> list:
+    """env.verify's verdicts, one per answer, each checked (`envs.verdict.check`: a reward
+    that is not a finite number, a rubric whose weights do not sum to 1, is an error naming
+    the environment)."""
+    out = list(env.verify(tasks, answers, **kwargs))
+    if len(out) != len(answers):
+        raise ValueError(f"environment {env.name!r}: verify returned {len(out)} verdicts for "
+                         f"{len(answers)} answers")
+    return [verdict_lib.check(v, env=env.name) for v in out]
 
 
 def close(episodes: Sequence[Episode]) -> None:
@@ -350,171 +381,3 @@ def to_batch(episodes: Sequence[Episode], config: RolloutConfig, *, prompt_len: 
             v = e.versions[e.prompt_len:]
             batch.versions_bn[i, :len(v)] = v
     return batch
-
-
-# ============================================================================ producers
-
-
-class Producer(Protocol):
-    """What `learner.train` draws a step's batch from (see the module docstring)."""
-
-    def generate(self, params, records: list[dict], key) -> Any: ...
-
-    def score(self, generated) -> Batch: ...
-
-
-def make_sampler(model, config, tokenizer=None):
-    """A sampler for `model` (concrete or abstract: parameters come with each call), with the
-    tokenizer's pad id and decode (stop strings) and config.sampling.stop_check_every; with
-    config.sampling.engine the rollout engine behind the same `sample` interface (with
-    sampling.decode_dtype, decoding its own copy of the weights, `ptrain.generate.decode_weights`)."""
-    common = dict(seed=config.seed, pad_id=pad_id(tokenizer),
-                  decode=tokenizer.decode if tokenizer is not None else None,
-                  stop_check_every=config.sampling.stop_check_every)
-    if config.sampling.engine:
-        return engine_sampler.EngineSampler(model, slots=config.sampling.engine_slots,
-                                            decode_dtype=config.sampling.decode_dtype, **common)
-    return Sampler(model, **common)
-
-
-def pad_id(tokenizer) -> int:
-    pad = getattr(tokenizer, "pad_token_id", None)
-    return int(pad) if pad is not None else 0
-
-
-def decode(tokenizer, ids) -> str:
-    """Text of token ids; without a tokenizer, the ids themselves (records carry ids)."""
-    if tokenizer is None:
-        return " ".join(str(int(i)) for i in ids)
-    return tokenizer.decode(list(ids))
-
-
-class SingleTurn:
-    """G samples per prompt record, each scored by reward_fn(record, completion_ids,
-    completion_text) -> reward, or (reward, feedback text). Rows of prompt i form group i."""
-
-    def __init__(self, config, sampler, *, tokenizer=None, reward_fn=None):
-        self.config, self.sampler, self.tokenizer = config, sampler, tokenizer
-        self.reward_fn = reward_fn or config.reward_fn
-        if self.reward_fn is None:
-            raise ValueError("config.reward_fn is not set: give a callable "
-                             "reward_fn(record, completion_ids, completion_text)")
-
-    def generate(self, params, records, key):
-        c, s = self.config, self.config.sampling
-        prompts = [data_lib.record_ids(r, "prompt_ids", "prompt", self.tokenizer)
-                   for r in records]
-        for record, prompt in zip(records, prompts):
-            if len(prompt) > c.data.max_prompt_len:
-                raise ValueError(f"prompt {data_lib.short(record)} has {len(prompt)} tokens, "
-                                 f"more than data.max_prompt_len={c.data.max_prompt_len}")
-        out = self.sampler.sample(
-            params, prompts, max_new_tokens=s.max_new_tokens, num_samples=s.num_samples,
-            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-            stop_token_ids=tuple(s.stop_token_ids), stop_strings=tuple(s.stop_strings),
-            key=key, prompt_len=c.data.max_prompt_len, batch_size=len(prompts))
-        return records, prompts, out
-
-    def score(self, generated) -> Batch:
-        records, prompts, out = generated
-        c = self.config
-        completions = out.completions()
-        rewards, meta = [], []
-        for r, completion in enumerate(completions):
-            i = out.prompt_index[r]
-            text = decode(self.tokenizer, completion)
-            reward, feedback = _reward_and_feedback(
-                self.reward_fn(records[i], completion, text))
-            rewards.append(reward)
-            meta.append({"prompt": decode(self.tokenizer, prompts[i]), "completion": text,
-                         "feedback": feedback, "finish_reason": out.finish_reasons[r]})
-        batch = Batch.from_rows(
-            [prompts[i] for i in out.prompt_index], completions,
-            [[1] * len(x) for x in completions], [out.logp_temp[r, :len(x)]
-                                                   for r, x in enumerate(completions)],
-            rewards, out.prompt_index, prompt_len=c.data.max_prompt_len,
-            length=c.sampling.max_new_tokens, meta=meta, pad_id=pad_id(self.tokenizer))
-        batch.versions_bn = out.versions  # rl.interrupt: each token's policy version
-        if out.experts is not None:  # MoE: the sampler's routing, for replay and agreement
-            batch.experts_bnlk = out.experts
-            batch.prompt_experts_bplk = out.prompt_experts[out.prompt_index]
-        return batch
-
-
-def _reward_and_feedback(value):
-    if isinstance(value, tuple):
-        if len(value) != 2:
-            raise ValueError(f"reward_fn returned {value!r}; return a number or "
-                             "(reward, feedback)")
-        return float(value[0]), value[1]
-    return float(value), None
-
-
-class FromFunction:
-    """rollout_fn(params, records, key) -> Batch as a producer: `generate` does it all."""
-
-    def __init__(self, rollout_fn):
-        self.rollout_fn = rollout_fn
-
-    def generate(self, params, records, key) -> Batch:
-        return self.rollout_fn(params, records, key)
-
-    def score(self, batch: Batch) -> Batch:
-        return batch
-
-
-class Tasks:
-    """`ptrain.tasks.Task`s: `generate` runs the model and its tool calls, `score`
-    judges the answers in the sandbox pool and packs the rows (the learner may run the two in
-    different threads, overlapping batch t's scoring with batch t+1's generation)."""
-
-    def __init__(self, sampler, tokenizer, config, pool):
-        self.sampler, self.tokenizer, self.pool = sampler, tokenizer, pool
-        self.rollout_config = rollout_config(config)
-        self.reward_config = reward_config(config)
-        self.fmt = chat.FORMATS[config.rollout.chat_format]
-        self.prompt_len = config.data.max_prompt_len
-        self.length = config.rollout.max_len
-        self.pad_id = pad_id(tokenizer)
-
-    def generate(self, params, records, key):
-        """records: `ptrain.tasks.Task`s (the closed loop's prompt stream serves them), or
-        task records as a ptrain task file holds them (dicts, read by `tasks.from_record`:
-        the one conversion, for prompt sources that yield records, e.g. data.records_fn)."""
-        tasks = []
-        for r in records:
-            if not isinstance(r, (Task, dict)):
-                raise TypeError(f"rollout.Tasks.generate takes ptrain.tasks.Task objects (or "
-                                f"their records, dicts); got {type(r).__name__}: {r!r:.80}")
-            tasks.append(r if isinstance(r, Task) else tasks_lib.from_record(r))
-        return generate(self.sampler, params, tasks, tokenizer=self.tokenizer, key=key,
-                        config=self.rollout_config, fmt=self.fmt, pool=self.pool,
-                        reward_config=self.reward_config)
-
-    def score(self, episodes) -> Batch:
-        verify_episodes(episodes, pool=self.pool, config=self.reward_config)
-        return to_batch(episodes, self.rollout_config, prompt_len=self.prompt_len,
-                        length=self.length, tokenizer=self.tokenizer, pad_id=self.pad_id,
-                        max_len=self.length)
-
-
-def rollout_config(config, **changes) -> RolloutConfig:
-    """The closed-loop config's episode settings (rollout.*, sampling.*, sandbox.backend)."""
-    r, s = config.rollout, config.sampling
-    fields = dict(
-        num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, max_turns=r.max_turns,
-        max_attempts=r.max_attempts, attempt_reward=r.attempt_reward, discount=r.discount,
-        max_len=r.max_len, max_tool_output_chars=r.max_tool_output_chars,
-        tool_timeout_s=r.tool_timeout_s, temperature=s.temperature, top_k=s.top_k,
-        top_p=s.top_p, stop_token_ids=tuple(s.stop_token_ids),
-        session_backend=config.sandbox.backend)
-    fields.update(changes)
-    return RolloutConfig(**fields)
-
-
-def reward_config(config) -> rewards_lib.RewardConfig:
-    """The closed-loop config's verifier settings (reward.*, sandbox.backend)."""
-    r = config.reward
-    return rewards_lib.RewardConfig(partial_credit=r.partial_credit, timeout_s=r.timeout_s,
-                                    test_timeout_s=r.test_timeout_s, memory_mb=r.memory_mb,
-                                    backend=config.sandbox.backend)

@@ -1,4 +1,5 @@
-"""Synthetic tasks in three domains, their demonstrations, and a word-level tokenizer.
+"""Synthetic tasks in three domains, their demonstrations, and a word-level tokenizer: the
+environments `code`, `arith` and `files` (`ptrain.envs.synthetic:code`, ...).
 
 The quickstart's embedded default: everything is generated locally from a seed, so the main
 job runs with no download. Code and scripts the model writes really run, in the sandbox:
@@ -23,6 +24,9 @@ import json
 import random
 import re
 
+from ptrain import chat
+from ptrain import rewards
+from ptrain.envs import base
 from ptrain.tasks import Answer, Files, Task, UnitTests
 
 DOMAINS = ("code", "arith", "files")
@@ -171,19 +175,75 @@ GENERATORS = {"code": code_task, "arith": arith_task, "files": files_task}
 def generate(domain: str, n: int, *, seed: int, split: str, exclude=frozenset()):
     """n distinct tasks of a domain whose prompts are not in `exclude` (another split's)."""
     rng = random.Random(f"{seed}/{domain}/{split}")
-    out, seen = [], set(exclude)
-    attempts = 0
-    while len(out) < n:
-        attempts += 1
-        if attempts > 100 * n:
-            raise ValueError(f"cannot draw {n} distinct {domain} tasks; lower n")
-        g = GENERATORS[domain](rng, len(out), split)
-        if g.task.prompt not in seen:
-            seen.add(g.task.prompt)
-            out.append(g)
-    return out
+    return base.distinct(lambda i: GENERATORS[domain](rng, i, split), n,
+                         key=lambda g: g.task.prompt, exclude=exclude, what=f"{domain} tasks")
 
 
 def demonstration(g: Generated, rng: random.Random, bug_rate: float) -> tuple[str, ...]:
     """The buggy demonstration with probability `bug_rate` when the task is triggered."""
     return g.bad if g.triggered and rng.random() < bug_rate else g.good
+
+
+# ----------------------------------------------------------------------------- environments
+
+def environment(domain: str, *, n_train: int = 3000, n_heldout: int = 100,
+                bug_rate: float = 0.7) -> base.Environment:
+    """The generated tasks of `domain` (DOMAINS) as an environment: n_train training and
+    n_heldout held-out instances (no prompt in both), and the partly wrong demonstrations of
+    the training tasks (a triggered one carries its bug with probability `bug_rate`)."""
+    if domain not in GENERATORS:
+        raise ValueError(f"synthetic domain {domain!r}; use one of {DOMAINS}")
+
+    def tasks(ctx: base.Context) -> base.Splits:
+        held = generate(domain, n_heldout, seed=ctx.seed, split="heldout")
+        gen = generate(domain, n_train, seed=ctx.seed, split="train",
+                       exclude={g.task.prompt for g in held})
+        rng = random.Random(f"{ctx.seed}/demos/{domain}")
+        demos = [demo_record(g.task, demonstration(g, rng, bug_rate), ctx.tokenizer, ctx.fmt)
+                 for g in gen]
+        rename = (lambda t: t) if ctx.name == domain else (
+            lambda t: dataclasses.replace(t, domain=ctx.name))
+        return base.Splits([rename(g.task) for g in gen], [rename(g.task) for g in held],
+                           demos)
+
+    return base.Environment(
+        name=domain, tasks=tasks, verify=rewards.verify_all,
+        tools=base.sandbox_tools_named("python") if domain == "arith" else (),
+        opens_session=rewards.needs_session, tokenizer=WordTokenizer.for_tasks)
+
+
+def code(**kwargs) -> base.Environment:
+    """Write name(x) returning x <op> k, judged by hidden unit tests in the sandbox."""
+    return environment("code", **kwargs)
+
+
+def arith(**kwargs) -> base.Environment:
+    """Compute a <op> b by calling the python tool, then answer."""
+    return environment("arith", **kwargs)
+
+
+def files(**kwargs) -> base.Environment:
+    """A bash script that writes words to a file, judged by the files it leaves."""
+    return environment("files", **kwargs)
+
+
+def demo_record(task, demo, tokenizer, fmt) -> dict:
+    """A demonstration as an SFT record: the prompt's ids, then the model's turns (trained
+    on, each ending with the format's end-of-turn token; in the plain format only the last,
+    with EOS, as a call turn ends at its closing tag) and the tool outputs rendered as
+    observations (not trained on), exactly as a rollout appends them."""
+    ids, mask = [], []
+    end = list(chat.end_of_turn_ids(fmt, tokenizer)[:1])
+    for i, text in enumerate(demo):
+        if i % 2:  # a tool's output
+            part = chat.encode(tokenizer, chat.observation(fmt, [text], closed=True))
+        else:
+            part = chat.encode(tokenizer, text)
+            if fmt.end_of_turn or i == len(demo) - 1:
+                part += end
+        ids += part
+        mask += [1 - i % 2] * len(part)
+    prompt = chat.render_prompt(fmt, tokenizer, prompt=task.prompt, messages=task.messages,
+                                tools=base.sandbox_tools_named(*task.tools))
+    return {"prompt_ids": prompt, "completion_ids": ids, "completion_mask": mask,
+            "domain": task.domain}

@@ -1,0 +1,45 @@
+"""Environments of task files: a training and a held-out file in a format of
+`ptrain.tasks.FORMATS` (ptrain's own records, HumanEval, MBPP, APPS, CodeContests, GSM8K,
+MATH), judged by their built-in verifiers (`ptrain.rewards`).
+
+    dict(env="ptrain.envs.code:mbpp", args=dict(train="mbpp.jsonl", heldout="mbpp_test.jsonl"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ptrain import rewards
+from ptrain import tasks as tasks_lib
+from ptrain.envs import base
+
+
+def make(train, heldout, *, format: str = "ptrain", tools=(),
+         name: str = "") -> base.Environment:
+    """The tasks of `train` and `heldout`: paths of files in `format`, or (path, format)
+    pairs; `tools`: the sandbox tools every task may call (e.g. ("python",)); (): each task's
+    own. Named `name`, else after the format ("tasks" for ptrain records)."""
+    if format not in tasks_lib.FORMATS:
+        raise ValueError(f"format={format!r}: use one of {list(tasks_lib.FORMATS)}")
+    name = name or ("tasks" if format == "ptrain" else format)
+
+    def tasks(ctx: base.Context) -> base.Splits:
+        found = [tasks_lib.load_entry(
+            tuple(path) if isinstance(path, (tuple, list)) else (path, format),
+            key=f"environment {ctx.name!r} args.{split}", domain=ctx.name)
+            for split, path in (("train", train), ("heldout", heldout))]
+        if tools:
+            found = [[dataclasses.replace(x, tools=tuple(tools)) for x in f] for f in found]
+        return base.Splits(*found)
+
+    return base.Environment(name=name, tasks=tasks, verify=rewards.verify_all,
+                            tools=base.sandbox_tools_named(*tasks_lib.TOOLS),
+                            opens_session=rewards.needs_session)
+
+
+def reader(format: str, name: str):
+    """make() for one format, named `name` by default."""
+    def made(train, heldout, *, tools=(), name: str = name) -> base.Environment:
+        return make(train, heldout, format=format, tools=tools, name=name)
+    made.__doc__ = f"{format} task files (`ptrain.tasks.from_{format}`) as an environment."
+    return made
