@@ -245,6 +245,11 @@ def run(config, workdir, *, mesh=None):
     envs = environments(config)
     tokenizer = make_tokenizer(config, envs)
     train, heldout, demonstrations = make_tasks(config, envs, tokenizer, workdir)
+    if config.sft.steps and not (demonstrations or config.sft.sources or config.sft.records_fn):
+        raise ValueError(f"config: sft.steps={config.sft.steps} but no SFT records: environments "
+                         f"{[env.name for env in envs]} bring no demonstrations; set sft.sources "
+                         "(JSONL of prompt/completion, e.g. from launch/sft_data.py) or "
+                         "sft.steps=0")
     config = derive_config(config, workdir, tokenizer, demonstrations=demonstrations)
     mesh = sharding.mesh_from_config(config.mesh) if mesh is None else mesh
     sampler = make_sampler(config, mesh, tokenizer)

@@ -369,9 +369,6 @@ def _check_sizes(config):
                          "rollout.max_turns": config.rollout.max_turns,
                          "rollout.max_attempts": config.rollout.max_attempts,
                          "rollout.max_len": config.rollout.max_len})
-        if config.tasks.source == "synthetic":
-            positive.update({"tasks.n_train": config.tasks.n_train,
-                             "tasks.n_heldout": config.tasks.n_heldout})
     checks = []
     for bound, keys in ((1, positive), (0, at_least_zero)):
         for key, value in keys.items():

@@ -17,10 +17,12 @@ import re
 KNOWN = (
     (r"No module named '?docker'?",
      "the docker backend needs the docker SDK: pip install -e '.[terminal]' (or run tasks "
-     "that need only files with --backend=bwrap / terminal.backend='bwrap')"),
+     "that need only files with --backend=bwrap / the terminal environment's arg "
+     "backend='bwrap')"),
     (r"is not present locally|ImageError|ImageNotFound",
      "the task's image is not on this machine: map it to a local one with "
-     "--image_map=FROM=LOCAL (terminal.image_map in a config), or load it (docker load)"),
+     "--image_map=FROM=LOCAL (the terminal environment's arg image_map in a config), or "
+     "load it (docker load)"),
     (r"No module named '?pytest'?|pytest: (command )?not found",
      "the task's tests run pytest, which neither its image nor the verifier has: pip install "
      "pytest on this host (the verifier lends the host's pytest to images without one)"),

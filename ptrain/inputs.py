@@ -10,7 +10,10 @@ from __future__ import annotations
 import gzip
 import os
 
-TERMINAL = "terminal"  # (ptrain.config.TERMINAL: the terminal domain)
+# The args of an environment entry (tasks.envs[i].args) that name files or directories: the
+# built-in environments' (task files: train / heldout; terminal: tasks_dir / heldout_dir).
+FILE_ARGS = ("train", "heldout")
+DIR_ARGS = ("tasks_dir", "heldout_dir")
 
 
 def check(config, workdir) -> None:
@@ -28,7 +31,7 @@ def check(config, workdir) -> None:
     for key, path in _dirs(config):
         if not os.path.isdir(path):
             raise ValueError(f"config: {key}={path!r} is not a directory{_cwd(path)}; set "
-                             f"--config.{key} to a directory of tasks")
+                             f"{_flag(key)} to a directory of tasks")
 
 
 def check_workdir(workdir) -> None:
@@ -40,12 +43,12 @@ def check_workdir(workdir) -> None:
 
 
 def _check_sources(config) -> None:
-    """SFT steps need SFT records (the closed loop's generated tasks bring their own), and the
-    learner alone needs prompts (the closed loop's come from its tasks)."""
+    """SFT steps need SFT records (in the closed loop its environments may bring
+    demonstrations: checked when their tasks are made), and the learner alone needs prompts
+    (the closed loop's come from its environments)."""
     loop = "tasks" in config
-    own_demos = loop and config.tasks.source == "synthetic"
     sc = config.sft
-    if sc.steps and not own_demos and not sc.sources and sc.records_fn is None:
+    if sc.steps and not loop and not sc.sources and sc.records_fn is None:
         raise ValueError(f"config: sft.steps={sc.steps} but no SFT records: set sft.sources "
                          "(JSONL of prompt/completion, e.g. from launch/sft_data.py) or "
                          "sft.records_fn, or sft.steps=0")
@@ -53,6 +56,12 @@ def _check_sources(config) -> None:
     if not loop and config.steps and not d.sources and d.records_fn is None:
         raise ValueError(f"config: steps={config.steps} but no prompts: set data.sources "
                          "(JSONL / ArrayRecord files) or data.records_fn")
+
+
+def _flag(key) -> str:
+    """Where a key is set: --config.KEY, or an environment's args in tasks.envs."""
+    return ("the environment's args in --config.tasks.envs (or the config file)"
+            if key.startswith("tasks.envs[") else f"--config.{key.split('[')[0]}")
 
 
 def _cwd(path) -> str:
@@ -71,24 +80,31 @@ def _files(config):
     if config.sft.steps:
         out += [(f"sft.sources[{i}]", _path(e)) for i, e in enumerate(config.sft.sources)
                 if isinstance(_path(e), str)]
-    if "tasks" in config and config.tasks.source == "jsonl":
-        for split in ("train", "heldout"):
-            out += [(f"tasks.{split}[{i}]", _path(e))
-                    for i, e in enumerate(config.tasks[split]) if isinstance(_path(e), str)]
-    return out
+    return out + _env_args(config, FILE_ARGS)
 
 
 def _dirs(config):
-    if "tasks" not in config or TERMINAL not in config.tasks.domains:
+    return _env_args(config, DIR_ARGS)
+
+
+def _env_args(config, names):
+    """(key, path) of each environment entry's arg in `names` that names a path."""
+    if "tasks" not in config:
         return []
-    return [(f"terminal.{k}", config.terminal[k]) for k in ("tasks_dir", "heldout_dir")
-            if config.terminal[k]]
+    out = []
+    for i, entry in enumerate(config.tasks.envs):
+        args = (entry.get("args") or {}) if hasattr(entry, "get") else {}
+        for name in names:
+            path = _path(args.get(name)) if args.get(name) else None
+            if isinstance(path, str):
+                out.append((f"tasks.envs[{i}].args.{name}", path))
+    return out
 
 
 def _check_file(key, path) -> None:
     if not os.path.exists(path):
         raise ValueError(f"config: {key}: {path!r} does not exist{_cwd(path)}; put the file "
-                         f"there or set --config.{key.split('[')[0]} to where it is")
+                         f"there or set {_flag(key)} to where it is")
     if os.path.isdir(path):
         raise ValueError(f"config: {key}: {path!r} is a directory; give a file")
     if os.path.getsize(path) == 0 or (_is_text(path) and not _has_line(path)):

@@ -6,10 +6,11 @@ the cause and the fix (`ptrain.eval_failures` gives the same fixes to launch.eva
 
   sandbox.backend pinned        that backend runs here (`sandbox.backends.unavailable_reason`)
   terminal, backend docker      the docker SDK, a reachable engine, and the base image of each
-                                task in terminal.tasks_dir / heldout_dir (after image_map)
+                                task in its tasks_dir / heldout_dir args (after image_map)
   terminal, backend bwrap       the bwrap binary
   terminal                      pytest on this host (lent to task images without their own):
                                 a warning, since images that have it need none
+(terminal: an entry of tasks.envs naming `TERMINAL_ENV`, its args as the environment reads them)
 """
 
 from __future__ import annotations
@@ -21,17 +22,21 @@ import shutil
 from ptrain import eval_failures
 
 log = logging.getLogger("ptrain.preflight")
-TERMINAL = "terminal"
+TERMINAL_ENV = "ptrain.envs.terminal:make"
 
 
 def check(config) -> None:
     if "tasks" not in config:
         return
-    domains = set(config.tasks.domains)
-    if domains - {TERMINAL} and config.sandbox.backend != "auto":
+    entries = [dict(e) for e in config.tasks.envs]
+    terminal = [(i, e) for i, e in enumerate(entries) if e.get("env") == TERMINAL_ENV]
+    if len(terminal) < len(entries) and config.sandbox.backend != "auto":
         _check_sandbox(config.sandbox.backend)
-    if TERMINAL in domains:
-        _check_terminal(config.terminal)
+    for i, entry in terminal:
+        from ptrain.envs import terminal as terminal_env
+        args = dict(entry.get("args") or {})
+        settings = terminal_env.Settings(**{**args, "image_map": tuple(args.get("image_map", ()))})
+        _check_terminal(settings, f"tasks.envs[{i}].args")
 
 
 def _refuse(key, cause):
@@ -47,25 +52,25 @@ def _check_sandbox(name):
                          "another backend or set 'auto' (the strongest that runs here)")
 
 
-def _check_terminal(t):
+def _check_terminal(t, at):
     if importlib.util.find_spec("pytest") is None:
         log.warning("pytest is not installed on this host: terminal tasks whose image lacks "
                     "pytest will score 0; fix: %s", eval_failures.fix("No module named pytest"))
     if t.backend == "bwrap":
         if shutil.which("bwrap") is None:
-            _refuse("terminal.backend='bwrap'", "No such file or directory: 'bwrap'")
+            _refuse(f"{at}.backend='bwrap'", "No such file or directory: 'bwrap'")
         return
     if importlib.util.find_spec("docker") is None:
-        _refuse("terminal.backend='docker'", "No module named 'docker'")
+        _refuse(f"{at}.backend='docker'", "No module named 'docker'")
     from sandbox.terminal import container
     try:
         client = container.docker_client()
         client.ping()
     except Exception as e:  # noqa: BLE001 (any failure to reach the engine)
-        _refuse("terminal.backend='docker'", f"Cannot connect to the Docker daemon ({e})")
+        _refuse(f"{at}.backend='docker'", f"Cannot connect to the Docker daemon ({e})")
     for key in ("tasks_dir", "heldout_dir"):
-        if t[key]:
-            _check_images(client, t[key], t.image_map, f"terminal.{key}")
+        if getattr(t, key):
+            _check_images(client, getattr(t, key), t.image_map, f"{at}.{key}")
 
 
 def _check_images(client, root, image_map, key):

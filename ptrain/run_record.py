@@ -31,10 +31,8 @@ REFUSED = {
     "model.": _SHAPES, "hf_model": _SHAPES, "tokenizer": _SHAPES + " and the vocabulary",
     "seed": "the data order and the sampling keys of the steps already trained",
     "data.sources": _DATA, "data.records_fn": _DATA, "data.prompts_per_step": _DATA,
-    "tasks.source": _DATA, "tasks.domains": _DATA, "tasks.weights": _DATA,
-    "tasks.train": _DATA, "tasks.heldout": "the held-out split of the evaluations so far",
-    "tasks.n_train": _DATA, "tasks.n_heldout": "the held-out split of the evaluations so far",
-    "terminal.tasks_dir": _DATA, "terminal.heldout_dir": _DATA,
+    # the environments, their args (tasks, held-out splits) and weights
+    "tasks.envs": _DATA + " and the held-out splits of the evaluations so far",
     "sampling.num_samples": "the batch's shape (groups of sampling.num_samples rows)",
     "rl.estimator": _ALGO, "rl.loss": _ALGO, "critic.init": _ALGO,
     "rl.staleness": _ALGO + " (the parameters of its pending batches)",

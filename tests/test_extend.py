@@ -79,7 +79,7 @@ def test_the_table_of_what_may_change():
                 "model.remat", "model.attention_impl", "sampling.temperature", "sft.steps"):
         assert run_record.refusal(key) is None, key
     for key in ("model.n_layers", "hf_model", "seed", "rl.loss", "data.prompts_per_step",
-                "tasks.domains", "sft.batch_size"):
+                "tasks.envs", "sft.batch_size"):
         assert run_record.refusal(key), key
     assert run_record.changes({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}, "d": 0}) == [
         ("a.c", 2, 3), ("d", None, 0)]

@@ -57,8 +57,8 @@ def test_a_bad_count_fails_naming_the_key(tmp_path, key, value, needle):
 def test_the_readmes_default_data_path_missing_names_the_key(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no data/ here
     config = byo_qwen.get_config("")
-    message = _refused(config, tmp_path / "run", "tasks.train[0]", "'data/mbpp.jsonl'",
-                       "does not exist", "--config.tasks.train")
+    message = _refused(config, tmp_path / "run", "tasks.envs[0].args.train",
+                       "'data/mbpp.jsonl'", "does not exist", "--config.tasks.envs")
     assert str(tmp_path) in message  # relative to where it was looked for
 
 
@@ -68,10 +68,10 @@ def test_an_empty_training_file_fails_naming_the_key(tmp_path):
     held.write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
     config = quickstart.get_config("short")
     config.update_from_flattened_dict({
-        "tasks.source": "jsonl", "tasks.domains": ("math",), "tasks.weights": (1.0,),
-        "tasks.train": ((str(empty), "gsm8k"),), "tasks.heldout": ((str(held), "gsm8k"),),
+        "tasks.envs": (dict(env="ptrain.envs.math:gsm8k",
+                            args=dict(train=str(empty), heldout=str(held))),),
         "tokenizer": str(tmp_path), "sft.steps": 0})
-    _refused(config, tmp_path / "run", "tasks.train[0]", "is empty")
+    _refused(config, tmp_path / "run", "tasks.envs[0].args.train", "is empty")
 
 
 def test_an_empty_prompt_file_of_the_learner_fails_naming_the_key(tmp_path):
@@ -105,10 +105,12 @@ def test_a_terminal_task_whose_image_is_missing_refuses_to_start(tmp_path):
     dockerfile.write_text(dockerfile.read_text().replace("FROM ptrain-term-base:latest",
                                                          "FROM python:3.12-slim"))
     config = terminal_toy.get_config()
-    config.terminal.tasks_dir = str(tmp_path / "tasks")
-    _refused(config, tmp_path / "run", "terminal.tasks_dir", "'python:3.12-slim' is not present",
-             "--image_map=FROM=LOCAL")
-    config.terminal.image_map = ("python:3.12-slim=ptrain-term-base:latest",)
+    args = dict(tasks_dir=str(tmp_path / "tasks"))
+    config.tasks.envs = (dict(env="ptrain.envs.terminal:make", args=args),)
+    _refused(config, tmp_path / "run", "tasks.envs[0].args.tasks_dir",
+             "'python:3.12-slim' is not present", "--image_map=FROM=LOCAL")
+    config.tasks.envs = (dict(env="ptrain.envs.terminal:make", args=dict(
+        args, image_map=("python:3.12-slim=ptrain-term-base:latest",))),)
     from ptrain import preflight
     preflight.check(config)  # mapped to a local image: it starts
 
@@ -122,7 +124,7 @@ def test_a_pinned_sandbox_backend_that_cannot_run_refuses_to_start(tmp_path, mon
 
 
 def test_sft_steps_without_sft_records_and_rl_without_prompts_fail_naming_the_keys(tmp_path):
-    config = _changed(byo_qwen, "", **{"sft.steps": 10})
+    config = _changed(grpo_toy, **{"sft.steps": 10})
     _refused(config, tmp_path / "a", "sft.steps=10 but no SFT records", "sft.sources")
     _refused(_changed(grpo_toy, **{"data.records_fn": None}), tmp_path / "b",
              "steps=30 but no prompts", "data.sources")

@@ -1,6 +1,6 @@
 """A brought Hugging Face model trains on a directory of your own terminal tasks: its tokenizer
 and chat format (not the generated tasks' word tokenizer), the directory's seeded split, on
-bwrap with terminal.image_map honoured in training as launch.eval honours it (the tasks' FROM
+bwrap with the environment's image_map honoured in training as launch.eval honours it (the tasks' FROM
 image exists only through the map). tests/hf_fixtures.py's tiny Qwen2.5-style model."""
 
 import os
@@ -35,10 +35,10 @@ def test_a_brought_model_trains_on_a_task_directory_on_bwrap_with_an_image_map(h
     c.data.update(prompts_per_step=1, max_prompt_len=1024)
     c.sampling.update(num_samples=2, max_new_tokens=8)
     c.rl.num_minibatches = 1
-    c.tasks.update(domains=("terminal",), weights=(1.0,), n_heldout=1)
+    c.tasks.envs = (dict(env="ptrain.envs.terminal:make", args=dict(
+        tasks_dir=str(tasks), n_heldout=1, backend="bwrap", threads=2,
+        image_map=("python:3.12-slim=ptrain-term-base:latest",))),)
     c.rollout.update(max_turns=1, max_len=16, chat_format="qwen")
-    c.terminal.update(tasks_dir=str(tasks), backend="bwrap", threads=2,
-                      image_map=("python:3.12-slim=ptrain-term-base:latest",))
     c.eval.n = 1
     c.log.rollouts_every = 1
     workdir = str(tmp_path / "run")
