@@ -28,6 +28,9 @@ EXTRAS = {
     # Terminal tasks (sandbox/terminal/): docker, and TB 1.0's task.yaml.
     "terminal": ["docker>=7.0,<8", "pyyaml>=6,<7", "tomli>=2; python_version < '3.11'"],
     "ray": ["ray>=2.40,<3"],
+    # CAD (sandbox/cad/): CadQuery where the process backend runs it; the isolating backends
+    # use the venv sandbox/setup_host.sh builds. trimesh + manifold3d measure the meshes.
+    "cad": ["cadquery==2.8.0", "trimesh>=5.2,<6", "manifold3d>=3.5,<4", "scipy>=1.11"],
 }
 EXTRAS["test"] = [
     "pytest>=8,<10",
@@ -42,6 +45,8 @@ EXTRAS["test"] = [
     *EXTRAS["hf"],
     *EXTRAS["terminal"],
     *EXTRAS["ray"],  # tests/test_fleet.py: a local cluster of several nodes
+    # tests/test_cad.py measures meshes on the host (CadQuery itself runs in the CAD venv)
+    "trimesh>=5.2,<6", "manifold3d>=3.5,<4", "scipy>=1.11",
 ]
 
 setuptools.setup(
@@ -52,6 +57,10 @@ setuptools.setup(
     # Every package under these roots (a hand list once missed sub-packages).
     packages=setuptools.find_packages(include=["ptrain*", "sandbox*", "long_context*", "configs*",
                                                "launch*"]),
+    # Files read at run time that are not modules (tests/test_install.py installs the wheel
+    # and reads them): the host set-up script, the bundled terminal tasks, the launch scripts.
+    package_data={"sandbox": ["setup_host.sh"], "sandbox.terminal": ["tasks/**/*"],
+                  "launch": ["*.sh"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
 )

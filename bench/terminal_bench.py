@@ -33,7 +33,7 @@ sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 
 from sandbox import terminal  # noqa: E402 (after the path set-up, to run from a checkout)
 
-TASKS_DIR = os.path.join(__file__.rsplit("/bench/", 1)[0], "tasks", "terminal")
+TASKS_DIR = terminal.BUNDLED_TASKS
 DIRT = ("mkdir -p /app/out /opt/tool && for i in $(seq 50); do echo $i > /app/out/f$i; done; "
         "echo x >> /etc/bash.bashrc; rm -f /usr/bin/bc; cp -r /usr/share/misc /tmp/misc; "
         "mkdir -p /tests /logs/verifier && echo 1 > /logs/verifier/reward.txt; "

@@ -1,10 +1,10 @@
 """Evaluate an agent on a directory of terminal tasks, or on a file of code / math tasks.
 
-    python -m launch.eval --tasks=tasks/terminal --agent=oracle --out=runs/oracle
+    python -m launch.eval --tasks=sandbox/terminal/tasks --agent=oracle --out=runs/oracle
     python -m launch.eval --tasks=tb2/ --agent=nop --out=runs/nop --attempts=3 \\
         --image_map=python:3.12-slim=ptrain-term-base:latest
     python -m launch.eval --tasks=HumanEval.jsonl.gz --agent=oracle --out=runs/he
-    python -m launch.eval --tasks=tasks/terminal --agent=model --model=HF_DIR --out=runs/m
+    python -m launch.eval --tasks=sandbox/terminal/tasks --agent=model --model=HF_DIR --out=runs/m
 
 --tasks: a directory of terminal tasks (Harbor or Terminal-Bench 1.0 layout, each task a
 sub-directory; `sandbox.terminal`), or a JSONL task file in a format of `ptrain.tasks.FORMATS`

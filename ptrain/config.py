@@ -193,6 +193,33 @@ def _closed_loop_sections(c):
                      address="local")  # with cluster="ray": "local" or a Ray address
     c.eval = dict(n=100,  # held-out tasks per domain (at most the held-out split)
                   sample=False)  # also pass@1, pass@k at the sampling temperature (num_samples)
+    c.tasks.adaptive = adaptive_defaults()
+
+
+# ============================================================ the mixture's adaptive sampler
+# `ptrain.envs.adaptive`: weights by learning progress or pass-rate band, and the filter of
+# tasks every sample solves or none does. The section sits beside the mixture's weights.
+
+
+def adaptive_defaults() -> dict:
+    return dict(mode="off",  # ptrain.envs.adaptive.MODES: "off", "progress" or "band"
+                fast=0.3, slow=0.05,  # EMA rates of each environment's pass rate
+                band=(0.2, 0.8),  # mode "band": the pass rates drawn more
+                floor=0.2,  # the share of the draw that always follows the weights (> 0)
+                # > 0: skip a task after this many all-pass or all-fail groups in a row
+                filter_patience=0)
+
+
+def check_adaptive(section, where: str) -> None:
+    """A clear error for a bad option of an adaptive section (`adaptive_defaults`)."""
+    from ptrain.envs import adaptive
+    if section.filter_patience < 0:
+        raise ValueError(f"config: {where}.filter_patience={section.filter_patience} must be "
+                         ">= 0 (0: no task filter)")
+    try:
+        adaptive.from_config(("check",), (1.0,), section, seed=0)
+    except ValueError as e:
+        raise ValueError(f"config: {where}: {e}") from None
 
 
 def plan_defaults() -> ml_collections.ConfigDict:
@@ -361,6 +388,7 @@ def _check_loop_values(config):
     from ptrain import envs  # imports each environment's module: errors name the entry
     loaded = envs.load_all(config.tasks.envs, key="tasks.envs")
     no_retries = [env.name for env in loaded if not env.turns.retries]
+    check_adaptive(config.tasks.adaptive, "tasks.adaptive")
     _raise_first([
         (config.rollout.max_attempts == 1 or not no_retries,
          f"environments {no_retries} have no retries with feedback: set "

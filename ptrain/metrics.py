@@ -2,7 +2,19 @@
 
 Layout: `<workdir>/metrics.jsonl` (one {"step", key: value} line per step),
 `<workdir>/rollouts.jsonl` (one line per sample), `<workdir>/tb/` (TensorBoard) and
-`<workdir>/plots/<key>.png`. `write_run_record` keeps the config a run was started with
+`<workdir>/plots/<key>.png`.
+
+Per-domain metrics (`batch.domain_metrics`: reward/<domain>/mean, episode/<domain>/<field>)
+go to metrics.jsonl as they are, and to TensorBoard in one group, `domain/<domain>/<field>`
+(field "reward" for the mean reward), with per-step summaries across the step's domains that
+stay readable at hundreds of them: `domains/count` (domains in the step), `domains/seen` (in
+the run so far), and for reward and passed `domains/<field>/{mean,min,max}`, the best and
+worst TOP_K (`domains/<field>/best_1`..., `worst_1`...; `domains/<field>/ranking`, a text,
+names them) and a histogram `domains/<field>` of the per-domain values. `write_eval`
+writes eval.jsonl lines to <workdir>/tb/eval/ summarised the same way. The default `plot()`
+leaves per-domain keys out (one PNG each).
+
+`write_run_record` keeps the config a run was started with
 (`<workdir>/config.json`, overrides applied) and every command line that started it
 (`<workdir>/command.txt`); `read_run_config` reads the config back. A progress bar with ETA goes to stderr when it is a terminal.
 
@@ -54,6 +66,50 @@ def _figure(figsize):
 
 ROLLOUT_KEYS = ("prompt", "completion", "reward")  # also: feedback, domain, anything else
 DEFAULT_PLOT_PATTERN = re.compile(r"reward|kl|entropy|length")
+# The per-domain keys of `batch.domain_metrics`.
+DOMAIN_KEY = re.compile(
+    r"^(?:reward/(?P<reward>.+)/mean|episode/(?P<domain>.+)/(?P<field>[^/]+))$")
+TOP_K = 5  # best and worst domains named per step
+SUMMARISED = ("reward", "passed", "pass_rate")  # the per-domain fields summarised across domains
+
+
+def split_domain_key(key: str) -> tuple[str, str] | None:
+    """(domain, field) of a per-domain metric key, else None: reward/<d>/mean -> (d,
+    "reward"), episode/<d>/<field> -> (d, field)."""
+    m = DOMAIN_KEY.match(key)
+    if m is None:
+        return None
+    return (m["reward"], "reward") if m["reward"] is not None else (m["domain"], m["field"])
+
+
+def domain_summary(values: dict[str, float], k: int = TOP_K) -> tuple[dict, list]:
+    """Across domains ({domain: value}): ({"mean", "min", "max", "best_1".., "worst_1"..}
+    scalars, [(rank, domain, value)] of the best k then the worst k), best first, ties by
+    name."""
+    ranked = sorted(values.items(), key=lambda kv: (-kv[1], kv[0]))
+    array = np.asarray([v for _, v in ranked])
+    k = min(k, len(ranked))
+    scalars = {"mean": float(array.mean()), "min": float(array.min()), "max": float(array.max())}
+    named = []
+    for i in range(k):
+        scalars[f"best_{i + 1}"] = ranked[i][1]
+        scalars[f"worst_{i + 1}"] = ranked[-1 - i][1]
+        named.append((f"best {i + 1}", *ranked[i]))
+    named += [(f"worst {i + 1}", *ranked[-1 - i]) for i in range(k)]
+    return scalars, named
+
+
+def _write_summaries(tb, prefix, values, step):
+    """`domain_summary` of {domain: value} as <prefix>/<stat> scalars, the histogram <prefix>
+    and the text <prefix>/ranking."""
+    scalars, named = domain_summary(values)
+    for stat, value in scalars.items():
+        tb.add_scalar(f"{prefix}/{stat}", value, global_step=step)
+    tb.add_histogram(prefix, np.asarray(list(values.values()), dtype=np.float64),
+                     global_step=step)
+    rows = "\n".join(f"| {rank} | {domain} | {value:.4g} |" for rank, domain, value in named)
+    tb.add_text(f"{prefix}/ranking", f"| rank | domain | value |\n|---|---|---|\n{rows}",
+                global_step=step)
 
 
 CONFIG_FILE, COMMAND_FILE = "config.json", "command.txt"
@@ -124,6 +180,9 @@ class MetricsWriter:
             jsonl.truncate(path, start_step)
         self._tb = _import_tensorboardx().SummaryWriter(
             os.path.join(self.workdir, "tb"), purge_step=start_step + 1 if start_step else None)
+        # The domains logged so far (`domains/seen`), those of the kept lines on a resume.
+        self._domains = {split[0] for row in read_jsonl(self.metrics_path) for key in row
+                         if (split := split_domain_key(key)) is not None}
         show = sys.stderr.isatty() if progress is None else bool(progress)
         self._bar = tqdm.tqdm(total=total_steps, initial=start_step, disable=not show,
                               file=progress if hasattr(progress, "write") else None,
@@ -138,16 +197,33 @@ class MetricsWriter:
         if not self.primary:
             return
         jsonl.append([{"step": int(step), **values}], self.metrics_path)
+        by_field: dict[str, dict[str, float]] = {}  # field -> {domain: value}
         for key, value in values.items():
+            split = None if isinstance(value, list) else split_domain_key(key)
             if isinstance(value, list):
                 self._tb.add_histogram(key, np.asarray(value), global_step=int(step))
+            elif split is not None:
+                self._tb.add_scalar(f"domain/{split[0]}/{split[1]}", value,
+                                    global_step=int(step))
+                by_field.setdefault(split[1], {})[split[0]] = value
             else:
                 self._tb.add_scalar(key, value, global_step=int(step))
+        if by_field:
+            self._write_domain_summaries(by_field, int(step))
         self._bar.update(int(step) - self._step)
         self._step = int(step)
         shown = {k: f"{v:.3g}" for k, v in values.items()
                  if DEFAULT_PLOT_PATTERN.search(k) and not isinstance(v, list)}
         self._bar.set_postfix(shown, refresh=False)
+
+    def _write_domain_summaries(self, by_field, step):
+        domains = {d for values in by_field.values() for d in values}
+        self._domains |= domains
+        self._tb.add_scalar("domains/count", len(domains), global_step=step)
+        self._tb.add_scalar("domains/seen", len(self._domains), global_step=step)
+        for field in SUMMARISED:
+            if field in by_field:
+                _write_summaries(self._tb, f"domains/{field}", by_field[field], step)
 
     def write_rollouts(self, step, samples):
         """Appends samples: dicts with prompt, completion, reward (and feedback, domain, ...)."""
@@ -169,7 +245,9 @@ class MetricsWriter:
         records = read_jsonl(self.metrics_path)
         logged = sorted({k for r in records for k, v in r.items() if not isinstance(v, list)}
                         - {"step"})
-        keys = [k for k in logged if DEFAULT_PLOT_PATTERN.search(k)] if keys is None else keys
+        if keys is None:  # per-domain keys: in TensorBoard and `plot_rewards`, not one PNG each
+            keys = [k for k in logged
+                    if DEFAULT_PLOT_PATTERN.search(k) and split_domain_key(k) is None]
         unknown = sorted(set(keys) - set(logged))
         if unknown:
             raise ValueError(f"no metric named {unknown} in {self.metrics_path}")
@@ -199,6 +277,39 @@ class MetricsWriter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+EVAL_LABELS = ("stage", "step", "domain", "decoding", "split")  # an eval line's non-metrics
+
+
+def write_eval(workdir, lines) -> None:
+    """eval.jsonl lines (`closed_loop.evaluate`: stage, step, domain, decoding, pass_rate,
+    pass@k, ...) to TensorBoard, <workdir>/tb/eval/ (a run beside the training's): per domain
+    `eval_domain/<domain>/<stage>_<decoding>/<key>`, and across the domains of each (stage,
+    step, decoding) `eval/<stage>_<decoding>/count` and the summaries of pass_rate
+    (`eval/<stage>_<decoding>/pass_rate/...`, as `MetricsWriter.write`'s). One writer per
+    run's lines: call it where the lines are appended to eval.jsonl."""
+    groups: dict[tuple, dict[str, dict[str, float]]] = {}
+    tb = _import_tensorboardx().SummaryWriter(os.path.join(os.fspath(workdir), "tb", "eval"))
+    try:
+        for line in lines:
+            run, step = f"{line['stage']}_{line['decoding']}", int(line["step"])
+            for key, value in line.items():
+                if key in EVAL_LABELS or isinstance(value, (dict, list, str, bool)) or \
+                        value is None:
+                    continue
+                tb.add_scalar(f"eval_domain/{line['domain']}/{run}/{key}", value,
+                              global_step=step)
+                if key in SUMMARISED:
+                    groups.setdefault((run, step), {}).setdefault(key, {})[line["domain"]] = \
+                        float(value)
+        for (run, step), by_field in groups.items():
+            domains = {d for values in by_field.values() for d in values}
+            tb.add_scalar(f"eval/{run}/count", len(domains), global_step=step)
+            for field, values in by_field.items():
+                _write_summaries(tb, f"eval/{run}/{field}", values, step)
+    finally:
+        tb.close()
 
 
 def _to_json(value):

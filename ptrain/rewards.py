@@ -100,8 +100,12 @@ def check_format(v: Format, completion: str) -> Verdict:
                    "format")
 
 
-def check_files(v: Files, files: dict[str, bytes] | None, run_result=None) -> Verdict:
-    """Compare the work dir's final files with the expected ones."""
+def check_files(v: Files, files: dict[str, bytes] | None, run_result=None,
+                others: dict[str, str] | None = None) -> Verdict:
+    """Compare the work dir's final files with the expected ones. `others`: the kinds of its
+    other entries (symlinks, fifos, directories, ...; `run_result.other_files` by default):
+    an expected file must be a regular file, and a path that must not exist holds nothing
+    at all (`sandbox.entry_at`)."""
     if run_result is not None and run_result.status in ("timeout", "oom", "signal"):
         return _binary(False, f"The script did not finish: {run_result.describe()}",
                        run_result.status)
@@ -110,13 +114,18 @@ def check_files(v: Files, files: dict[str, bytes] | None, run_result=None) -> Ve
                        "listing's size cap, or unreadable): the files cannot be verified.",
                        "files_truncated")
     files = files or {}
+    if others is None and run_result is not None:
+        others = run_result.other_files
     wrong = []
     for path, want in v.expected.items():
-        have = files.get(path)
+        have = sandbox.entry_at(files, others or {}, path)
+        kind = "" if have is None or isinstance(have, bytes) else have
         if want is None and have is not None:
-            wrong.append(f"{path} should not exist")
+            wrong.append(f"{path} should not exist" + (f" (a {kind} is there)" if kind else ""))
         elif want is not None and have is None:
             wrong.append(f"{path} is missing")
+        elif want is not None and kind:
+            wrong.append(f"{path} is a {kind}, not a regular file")
         elif want is not None and have != want.encode():
             wrong.append(f"{path} has the wrong content: {have[:80]!r}")
     total = len(v.expected)
@@ -179,14 +188,15 @@ def _start_files(task, completion, session, pool, c):
         raise ValueError(f"task {task.id}: Files(run='') judges an episode's work dir; "
                          "pass its session")
     try:
-        return session.read_files()
+        return session.listing()
     except ValueError as e:  # more than read_files returns: not all of it is seen
         return _binary(False, f"The work dir cannot be verified: {e}.", "files_truncated")
 
 
 def _finish_files(v, item):
     result = item.result() if isinstance(item, concurrent.futures.Future) else None
-    return check_files(v, result.files if result is not None else item, result)
+    files, others = (result.files, None) if result is not None else item
+    return check_files(v, files, result, others)
 
 
 JUDGES = {

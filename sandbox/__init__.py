@@ -19,7 +19,8 @@ Public API
   Session(*, backend="auto", files=None, pinned=False, max_state_bytes=16 MiB,
           max_state_files=10000, **limits)
       .run(code=None, **options) -> Result (options: the fields of `Request`),
-      .write_files(files), .read_files(max_bytes) -> dict[str, bytes], .close(), .backend,
+      .write_files(files), .read_files(max_bytes) -> dict[str, bytes], .listing(max_bytes)
+      -> (files, other_files), .close(), .backend,
       .pinned, .sandbox: unpinned, the work dir lives on the host between runs and each run
       borrows a warm sandbox; pinned, it holds one sandbox (and /tmp) for its life
   warm(n, *, backend, **limits): start n idle sandboxes now
@@ -59,6 +60,9 @@ Result fields (a frozen dataclass; `to_dict()` / `Result.from_dict()` round-trip
   backend: str                "process", "bwrap" or "docker": which one really ran it
   files: dict[str, bytes] | None   regular files left in the work dir (return_files=True)
   files_truncated: bool       some files were left out (over max_files_bytes)
+  other_files: dict[str, str] | None   every other entry (directory, symlink, fifo, socket,
+                              device) by path; entry_at(files, other_files, path) is what a
+                              verifier must see at a path (None only for nothing at all)
   ok / status / describe()    exit 0 / "ok"|"error"|"timeout"|"oom"|"signal" / a sentence
   to_dict(): bytes that are UTF-8 go as text under their name ("stdout"), others as base64
   under name + "_b64" ("stdout_b64"); files as "files" (text) and "files_b64".
@@ -75,11 +79,12 @@ from sandbox.result import Result
 from sandbox.sandbox import Sandbox, SandboxError
 from sandbox.session import Session, run
 from sandbox.warm_sandboxes import live_sandboxes, shutdown, warm
+from sandbox.workdir import entry_at
 
 __all__ = [
     "BackendUnavailable", "Bwrap", "Docker", "Limits", "Pool", "PoolFull", "Process", "Request",
     "Result", "Sandbox", "SandboxError", "Session", "WorkerLost", "judge", "live_sandboxes",
-    "pick_backend", "run", "shutdown", "tools", "unavailable_reason", "warm",
+    "entry_at", "pick_backend", "run", "shutdown", "tools", "unavailable_reason", "warm",
 ]
 
 # Deprecated names (a "worker" is now only a pool's process or Ray actor), for one release.

@@ -91,6 +91,7 @@ class Cgroup:
         name = f"{_PREFIX}{os.getpid()}-{next(_counter)}"
         self.top = {c: os.path.join(p, name) for c, p in parents.items()}
         self.made: list[str] = []
+        self.peak_fds: list[int] = []  # the run's memory peaks (`reset_peaks`)
         try:
             for top in self.top.values():
                 self._mkdir(top)
@@ -99,6 +100,8 @@ class Cgroup:
                 self._mkdir(os.path.join(top, "server"))
                 self._mkdir(os.path.join(top, "run"))
             self._set_limits(memory_bytes, pids_max)
+            if self.version == "v1":
+                self.peak_fds = open_peaks(os.path.dirname(self._file("memory", "run", "x")))
         except OSError:
             self.remove()
             raise
@@ -160,16 +163,49 @@ class Cgroup:
             pass
         return 0
 
+    def reset_peaks(self) -> None:
+        """Reset the run cgroup's memory peak and fail counts (v1; v2's memory.peak has no
+        reset for all readers), so that no run reads the one before's."""
+        reset_peaks(self.peak_fds)
+
     def kill_run(self) -> None:
         """Kill every process of the run cgroup (the cgroups stay, for the next run)."""
         _kill_all(os.path.dirname(self.procs_file()))
 
     def remove(self) -> None:
         """Kill whatever is left in any of the cgroups, then remove them."""
+        for fd in self.peak_fds:
+            os.close(fd)
+        self.peak_fds = []
         for path in reversed(self.made):
             _kill_all(path)
             _rmdir(path)
         self.made = []
+
+
+_PEAKS = ("memory.max_usage_in_bytes", "memory.memsw.max_usage_in_bytes", "memory.failcnt",
+          "memory.memsw.failcnt")
+
+
+def open_peaks(memory_dir: str) -> list[int]:
+    """The v1 memory controller's peak and fail counters in `memory_dir` (those this kernel
+    has: without swap accounting, no memsw files), opened for writing: `reset_peaks` writes
+    0 to each, ~40x cheaper than opening them every time. The caller closes them."""
+    fds = []
+    for name in _PEAKS:
+        try:
+            fds.append(os.open(os.path.join(memory_dir, name), os.O_WRONLY | os.O_CLOEXEC))
+        except OSError:
+            pass
+    return fds
+
+
+def reset_peaks(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.write(fd, b"0")
+        except OSError:
+            pass
 
 
 def kill_until_gone(list_pids, timeout_s: float) -> None:

@@ -170,13 +170,17 @@ class Session:
 
     def read_files(self, max_bytes: int = 16 << 20) -> dict[str, bytes]:
         """The regular files now in the work dir (read here: no round trip)."""
+        return self.listing(max_bytes)[0]
+
+    def listing(self, max_bytes: int = 16 << 20) -> tuple[dict[str, bytes], dict[str, str]]:
+        """As `sandbox.Session.listing` (read here: no round trip)."""
         with self._lock:
             self._check_open()
-            files = self._workdir.files()
+            files, others = self._workdir.files(), self._workdir.others()
         if sum(map(len, files.values())) > max_bytes:
             raise ValueError(f"the work dir holds more than max_bytes={max_bytes}; "
                              "raise it to read everything")
-        return files
+        return files, others
 
     def close(self) -> None:
         with self._lock:

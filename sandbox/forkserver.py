@@ -436,10 +436,13 @@ def _put_back(changed, why):
 
 def list_files(root, max_bytes):
     """[(relative path, size)] of the regular files under `root` (no symlinks followed; in
-    each directory its files by name, then its subdirectories), up to `max_bytes` in total;
-    whether some were left out (past `max_bytes`, or unreadable); and the modes opened up to
-    read them, [(path, mode)], to put back (`_put_back`) once they are stashed."""
-    files, total, truncated, changed = [], 0, False, []
+    each directory its files by name, then its subdirectories), up to `max_bytes` in total
+    (with the other entries' names); [[relative path, kind]] of every other entry
+    (`_kind`: directory, symlink, fifo, socket, device), so that a verifier sees all that is
+    there; whether some were left out (past `max_bytes`, or unreadable); and the modes
+    opened up to read them, [(path, mode)], to put back (`_put_back`) once they are
+    stashed."""
+    files, others, total, truncated, changed = [], [], 0, False, []
     stack = [""]
     while stack:
         top = stack.pop()
@@ -449,9 +452,16 @@ def list_files(root, max_bytes):
             subdirs = []
             for item in items:
                 st = item.stat(follow_symlinks=False)
+                rel = os.path.join(top, item.name) if top else item.name
+                if not stat.S_ISREG(st.st_mode):
+                    total += len(rel) + 16
+                    if total > max_bytes:
+                        truncated = True
+                        continue
+                    others.append([rel, _kind(st.st_mode)])
                 if stat.S_ISDIR(st.st_mode):
                     need = 0o500
-                    subdirs.append(os.path.join(top, item.name) if top else item.name)
+                    subdirs.append(rel)
                 elif stat.S_ISREG(st.st_mode) and total + st.st_size <= max_bytes:
                     need = 0o400
                     total += st.st_size
@@ -467,7 +477,16 @@ def list_files(root, max_bytes):
             stack.extend(reversed(subdirs))
         except OSError:
             truncated = True  # a directory it cannot read (deeper than PATH_MAX, ...)
-    return files, truncated, changed
+    return files, others, truncated, changed
+
+
+def _kind(mode):
+    """The kind of a work dir entry that is not a regular file, as a verifier names it."""
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink"),
+                       (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "device"
 
 
 def stash_files(root, files):
@@ -571,6 +590,38 @@ def _clear_dir(fd):
     except OSError:
         pass
     return subdirs
+
+
+def _root_state(path):
+    """(mode, (atime_ns, mtime_ns)) of a scratch dir as the sandbox started it."""
+    st = os.stat(path)
+    return stat.S_IMODE(st.st_mode), (st.st_atime_ns, st.st_mtime_ns)
+
+
+def _clear_root(path, times):
+    """Remove the extended attributes a run can set (user.*, ACLs) from the scratch dir
+    `path` and put its times back; False if one stays. (security.* and trusted.* need
+    capabilities a run lacks; an SELinux label is the host's.) Where the dir is not the
+    sandbox's own (docker's /dev/shm is root's), a run could set neither, and its times stay
+    as the wipe left them; its ctime always does (the kernel sets it)."""
+    for name in _run_xattrs(path):
+        try:
+            os.removexattr(path, name, follow_symlinks=False)
+        except OSError:
+            pass
+    try:
+        os.utime(path, ns=times, follow_symlinks=False)
+    except OSError:
+        pass
+    return not _run_xattrs(path)
+
+
+def _run_xattrs(path):
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return []  # no xattrs on this file system
+    return [n for n in names if n.startswith(("user.", "system.posix_acl_"))]
 
 
 def remove_posix_mqueues(path):
@@ -862,23 +913,27 @@ class Parked:
     def start(self, chan_fd, size):
         """Pass the request payload (`size` bytes on the host socket) to the child. The
         payload is always consumed, so that the stream stays in step even if the child is
-        gone (the run then reports how it ended)."""
+        gone (the run then reports how it ended). The buffer is zeroed at once: the payload
+        (a judge's key and tests in its stdin) is not in the server's memory while it runs."""
         ctl, alive = self.ctl.fileno(), True
         try:
             _write_all(ctl, struct.pack(">Q", size))
         except (BrokenPipeError, ConnectionResetError):
             alive = False
         left = size
-        while left:
-            got = _used(os.readv(chan_fd, [_VIEW[:min(left, len(_BUF))]]))
-            if not got:
-                raise EOFError("stream ended inside a payload")
-            left -= got
-            if alive:
-                try:
-                    _write_all(ctl, _VIEW[:got])
-                except (BrokenPipeError, ConnectionResetError):
-                    alive = False
+        try:
+            while left:
+                got = _used(os.readv(chan_fd, [_VIEW[:min(left, len(_BUF))]]))
+                if not got:
+                    raise EOFError("stream ended inside a payload")
+                left -= got
+                if alive:
+                    try:
+                        _write_all(ctl, _VIEW[:got])
+                    except (BrokenPipeError, ConnectionResetError):
+                        alive = False
+        finally:
+            _zero_buffer()
 
     def setup_error(self):
         """What the child reported if it could not set the run up (None if nothing)."""
@@ -975,15 +1030,18 @@ _PUT_TIMEOUT_S = 8.0  # the host gives up on a put after 10 s (sandbox._WATCHDOG
 
 
 def reset(cfg, modes):
-    """Back to a clean state after a run: scratch dirs emptied (and their modes restored, a
-    run may have chmod-ed them), SysV IPC objects removed. False if that failed."""
+    """Back to a clean state after a run: scratch dirs emptied, and what a run may have set
+    on them put back (`modes`: from `_root_state`: mode, times, no extended attributes),
+    SysV IPC objects removed. False if that failed."""
     clean = True
     for path in cfg["wipe"]:
+        mode, times = modes[path]
         try:
-            os.chmod(path, modes[path])
+            os.chmod(path, mode)
         except OSError:
             pass
         clean = wipe(path) and clean
+        clean = _clear_root(path, times) and clean
     if cfg.get("sysv_ipc"):
         remove_sysv_ipc()
     if cfg.get("mqueue"):
@@ -992,11 +1050,13 @@ def reset(cfg, modes):
 
 
 def _return_files(cfg, max_bytes, result, blobs, sizes):
-    """The work dir's regular files into the reply: names in `files`, contents as blobs."""
-    files, truncated, changed = list_files(cfg["workdir"], max_bytes)
+    """The work dir's regular files into the reply: names in `files`, contents as blobs;
+    every other entry's name and kind in `other_files`."""
+    files, others, truncated, changed = list_files(cfg["workdir"], max_bytes)
     fd, total, whole = stash_files(cfg["workdir"], files)
     _put_back(changed, None)
     result["files"] = [name for name, _ in files]
+    result["other_files"] = others
     result["files_truncated"] = truncated or not whole
     blobs.append((fd, total))
     sizes += [size for _, size in files]
@@ -1049,7 +1109,7 @@ def serve(cfg):
     killer = Killer(cfg)
     for path in [cfg["workdir"]] + list(cfg["wipe"]):
         os.makedirs(path, exist_ok=True)
-    modes = {path: stat.S_IMODE(os.stat(path).st_mode) for path in cfg["wipe"]}
+    modes = {path: _root_state(path) for path in cfg["wipe"]}
     gc.collect()
     if hasattr(gc, "freeze"):
         gc.freeze()  # keep the children's copy-on-write pages shared

@@ -30,6 +30,9 @@ class Result:
         `return_files=True` was asked, else None. Symlinks and special files are not
         followed or returned.
       files_truncated: some files were left out because they passed `max_files_bytes`.
+      other_files: with `files`, every other entry of the work dir (path -> "directory",
+        "symlink", "fifo", "socket" or "device"): what a verifier must see besides the
+        regular files (`sandbox.entry_at`).
     """
 
     stdout: bytes = b""
@@ -44,6 +47,7 @@ class Result:
     backend: str = ""
     files: dict[str, bytes] | None = None
     files_truncated: bool = False
+    other_files: dict[str, str] | None = None
 
     @property
     def ok(self) -> bool:

@@ -103,12 +103,14 @@ class Sandbox:
             "collect": {"max_bytes": max_bytes, "max_files": max_files}}, _WATCHDOG_GRACE_S)
         return _take_state(reply, blobs)
 
-    def read_files(self, max_bytes: int) -> tuple[dict[str, bytes], bool]:
-        """The regular files in the work dir, and whether some passed `max_bytes`."""
+    def read_files(self, max_bytes: int) -> tuple[dict[str, bytes], dict[str, str], bool]:
+        """The regular files in the work dir, the kinds of its other entries (`Result.
+        other_files`), and whether some passed `max_bytes`."""
         with self._lock:
             reply, blobs = self._call({"op": "files", "max_bytes": max_bytes}, b"",
                                       _WATCHDOG_GRACE_S)
-        return dict(zip(reply["files"], blobs)), reply["files_truncated"]
+        return (dict(zip(reply["files"], blobs)), dict(reply["other_files"]),
+                reply["files_truncated"])
 
     def processes(self) -> list[int]:
         """Host pids of every process in the sandbox besides the fork server and the child it
@@ -150,6 +152,7 @@ class Sandbox:
             reply, blobs = self._call({"op": op, "payload": len(payload), **header}, payload,
                                       timeout_s)
             oom_after = handle.oom_kills()
+            handle.after_run()
             self.runs += op == "run"
         if not reply.pop("clean", True):
             log.warning("sandbox: the %s sandbox could not clean up after a run; closing it",
@@ -248,4 +251,5 @@ def _to_result(reply: dict, blobs: list[bytes], backend: str, oom: bool | None) 
         stderr_truncated=reply["stderr_truncated"], exit_code=reply["exit_code"],
         signal=reply["signal"], timed_out=reply["timed_out"], oom=oom,
         duration_s=reply["duration_s"], backend=backend, files=files,
-        files_truncated=reply.get("files_truncated", False))
+        files_truncated=reply.get("files_truncated", False),
+        other_files=dict(reply["other_files"]) if "other_files" in reply else None)

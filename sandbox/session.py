@@ -147,17 +147,22 @@ class Session:
     def read_files(self, max_bytes: int = 16 << 20) -> dict[str, bytes]:
         """The regular files now in the work dir (relative path -> bytes). Raises ValueError
         if they pass `max_bytes` in total."""
+        return self.listing(max_bytes)[0]
+
+    def listing(self, max_bytes: int = 16 << 20) -> tuple[dict[str, bytes], dict[str, str]]:
+        """(`read_files`, the kind of every other entry: `Result.other_files`): all that is
+        in the work dir, for a verifier (`sandbox.entry_at`)."""
         with self._lock:
             self._check_open()
             if self._held:
-                files, truncated = self._held[0].read_files(max_bytes)
+                files, others, truncated = self._held[0].read_files(max_bytes)
             else:
-                files = self._workdir.files()
+                files, others = self._workdir.files(), self._workdir.others()
                 truncated = sum(map(len, files.values())) > max_bytes
         if truncated:
             raise ValueError(f"the work dir holds more than max_bytes={max_bytes}; "
                              "raise it to read everything")
-        return files
+        return files, others
 
     def close(self) -> None:
         """Remove the work dir (and empty and hand back a pinned session's sandbox)."""

@@ -4,13 +4,15 @@
 # registry: each is a rootfs made of this host's own Debian packages, loaded with `docker
 # import`):
 #   ptrain-sandbox:latest    python3, bash, coreutils, gzip and tar: the docker backend's image
-#   ptrain-term-base:latest  the base of terminal tasks (tasks/terminal/, sandbox/terminal/):
+#   ptrain-term-base:latest  the base of terminal tasks (sandbox/terminal/tasks/, sandbox/terminal/):
 #                            bash, coreutils, gzip/tar/xz/bzip2/zip, procps, python3, jq, ...
 #                            (no curl or wget: there is no network to fetch from)
 # and, where bwrap is installed, the same rootfs as ptrain-term-base unpacked in a directory
 # for the terminal tasks' bubblewrap backend (no docker needed for that one):
 #   $PTRAIN_TERM_ROOTFS_DIR/ptrain-term-base/  (default /var/lib/ptrain/rootfs), with
 #   ptrain-term-base.json beside it (the image's name, PATH, LANG and WORKDIR)
+# and, for CAD runs (sandbox/cad/), a venv of Debian's python3 with CadQuery at
+# $PTRAIN_CAD_VENV (default /opt/ptrain/cad) and the image ptrain-cad:latest that holds it.
 #
 # Idempotent and quick when all is there; never fails (a backend that cannot run is skipped
 # by the tests, with the reason). Called by `make test` as `bash sandbox/setup_host.sh`.
@@ -23,6 +25,13 @@ TERM_IMAGE="${PTRAIN_TERM_BASE_IMAGE:-ptrain-term-base:latest}"
 ROOTFS_DIR="${PTRAIN_TERM_ROOTFS_DIR:-/var/lib/ptrain/rootfs}"
 TERM_ROOTS="$SANDBOX_ROOTS xz-utils bzip2 zip unzip procps psmisc patch bc jq mawk"
 TERM_ROOTS="$TERM_ROOTS file sqlite3 make less debianutils"
+# CAD runs (sandbox/cad/): CadQuery and the meshing packages in a venv of Debian's python3 that
+# the sandbox's unprivileged uid can read (bound read-only into bwrap; copied into the docker
+# image ptrain-cad), and the shared libraries OCP and VTK link to.
+CAD_VENV="${PTRAIN_CAD_VENV:-/opt/ptrain/cad}"
+CAD_IMAGE="${PTRAIN_CAD_IMAGE:-ptrain-cad:latest}"
+CAD_PACKAGES="cadquery==2.8.0 cadquery-ocp==7.9.3.1.1 trimesh==5.2.0 manifold3d==3.5.4 scipy"
+CAD_ROOTS="$SANDBOX_ROOTS libgl1 libx11-6 libexpat1"
 say() { echo "setup_host: $*"; }
 
 install_packages() {
@@ -86,6 +95,24 @@ package_closure() {
   printf '%s\n' "${!seen[@]}" | sort
 }
 
+# The CAD venv: rebuilt when CAD_PACKAGES change (its marker file), left alone otherwise.
+build_cad_venv() {
+  [ "${PTRAIN_SETUP_CAD:-1}" = 1 ] || return 1
+  [ -x /usr/bin/python3 ] || { say "no /usr/bin/python3: no CAD venv"; return 1; }
+  grep -qsxF "$CAD_PACKAGES" "$CAD_VENV/ptrain-packages" && return 0
+  say "building the CAD venv in $CAD_VENV ($CAD_PACKAGES)"
+  # (a venv finds its packages from where its bin/python is: it can be built aside and moved)
+  rm -rf "$CAD_VENV.new" && mkdir -p "$(dirname "$CAD_VENV")" \
+    && /usr/bin/python3 -m venv "$CAD_VENV.new" \
+    && "$CAD_VENV.new/bin/python" -m pip install -q --no-cache-dir $CAD_PACKAGES \
+      >/tmp/ptrain-cad-venv.log 2>&1 \
+    && "$CAD_VENV.new/bin/python" -I -c 'import cadquery, trimesh, manifold3d, scipy.spatial' \
+    && chmod -R a+rX "$CAD_VENV.new" && echo "$CAD_PACKAGES" >"$CAD_VENV.new/ptrain-packages" \
+    && rm -rf "$CAD_VENV" && mv "$CAD_VENV.new" "$CAD_VENV" && say "built the CAD venv" \
+    || { say "could not build the CAD venv (see /tmp/ptrain-cad-venv.log)"
+         rm -rf "$CAD_VENV.new"; return 1; }
+}
+
 # build_image IMAGE ROOTS WORKDIR [DIR:MODE ...]: a rootfs of ROOTS' package closure, tagged
 # IMAGE once it runs python3 and bash (where docker runs), and unpacked for bwrap in
 # $ROOTFS_DIR (where bwrap is installed and PTRAIN_ROOTFS=1: the terminal base only);
@@ -97,7 +124,8 @@ build_image() {
   command -v dpkg-query >/dev/null || { say "no dpkg: cannot build $image"; return 1; }
   local pkgs hash have want_docker=0 want_rootfs=0 rootfs_name="${image%%:*}"
   pkgs=$(package_closure "$roots")
-  hash=$( (dpkg-query -W $pkgs; sha256sum "$0"; echo "$image $workdir $*") | sha256sum | cut -c1-16)
+  hash=$( (dpkg-query -W $pkgs; sha256sum "$0"; echo "$image $workdir $* ${EXTRA_TREE:-}";
+          [ -n "${EXTRA_TREE:-}" ] && cat "$EXTRA_TREE/ptrain-packages") | sha256sum | cut -c1-16)
   if [ "$DOCKER_OK" = 1 ]; then
     have=$(docker image inspect -f '{{index .Config.Labels "ptrain.hash"}}' "$image" 2>/dev/null)
     [ "$have" = "$hash" ] || want_docker=1
@@ -155,6 +183,8 @@ build_image() {
   tar -C / -cf "$tmp/rootfs.tar" --no-recursion -T "$tmp/files" 2>/dev/null
   tar -C "$tmp" -rf "$tmp/rootfs.tar" etc/passwd etc/group root "${dirs[@]}" \
     $(cd "$tmp" && ls -d bin sbin lib lib64 2>/dev/null)
+  # EXTRA_TREE: a host directory copied whole (the CAD venv)
+  [ -n "${EXTRA_TREE:-}" ] && tar -C / -rf "$tmp/rootfs.tar" "${EXTRA_TREE#/}"
   if [ $want_rootfs = 1 ]; then  # the same files, unpacked for bwrap (checked the same way)
     local dest="$ROOTFS_DIR/$rootfs_name"
     mkdir -p "$ROOTFS_DIR" && rm -rf "$dest.new" && mkdir "$dest.new" \
@@ -188,6 +218,8 @@ install_packages
 DOCKER_OK=0  # PTRAIN_SETUP_DOCKER=0: leave docker and its images alone (the bwrap rootfs only)
 [ "${PTRAIN_SETUP_DOCKER:-1}" = 1 ] && start_dockerd && DOCKER_OK=1
 [ $DOCKER_OK = 1 ] && build_image "$IMAGE" "$SANDBOX_ROOTS" /work work:1777 tmp:1777
+build_cad_venv && [ $DOCKER_OK = 1 ] \
+  && EXTRA_TREE="$CAD_VENV" build_image "$CAD_IMAGE" "$CAD_ROOTS" /work work:1777 tmp:1777
 PTRAIN_ROOTFS=1 build_image "$TERM_IMAGE" "$TERM_ROOTS" / tmp:1777 var/tmp:1777 \
   usr/local/bin:755 usr/local/sbin:755 usr/local/lib:755 usr/local/share:755 home:755 \
   opt:755 srv:755 mnt:755 run:755 var/log:755 var/lib:755

@@ -38,6 +38,12 @@ class WorkDir:
         out.update(self.pending)
         return out
 
+    def others(self) -> dict[str, str]:
+        """The kind of every entry that is not a regular file (as `Result.other_files`)."""
+        kinds = {"d": "directory", "l": "symlink", "p": "fifo"}
+        return {e[0]: kinds[e[1]] for e in self.entries
+                if e[1] in kinds and e[0] != "." and e[0] not in self.pending}
+
     def with_files(self, files: Mapping[str, bytes]) -> "WorkDir | None":
         """This work dir with `files` (validated, normalised paths) added as pending, or
         None when writing them could go differently than into a plain directory tree (a
@@ -63,6 +69,24 @@ class WorkDir:
         the contents of the entries' files, then of the pending ones)."""
         pending = [[path, len(data)] for path, data in self.pending.items()]
         return list(self.entries), pending, [self.data, *self.pending.values()]
+
+
+def entry_at(files: Mapping[str, bytes], others: Mapping[str, str], path: str):
+    """What a work dir holds at `path` (a relative path): the bytes of a regular file, the
+    kind of any other entry ("directory", "symlink", "fifo", "socket", "device"; "symlink"
+    too for a path whose parent is a symlink, which may lead anywhere), or None only where
+    there is nothing at all. `files`, `others`: `Result.files` and `Result.other_files`, or
+    `Session.listing()`. `path` is normalised first ("./a", "a/" and "a//b" name "a" and
+    "a/b")."""
+    path = posixpath.normpath(path)
+    if path in files:
+        return files[path]
+    if path in others:
+        return others[path]
+    for parent in _parents(path):
+        if others.get(parent) == "symlink":
+            return "symlink"
+    return None
 
 
 def _parents(path: str):

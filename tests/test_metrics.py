@@ -123,3 +123,79 @@ def test_only_the_primary_process_writes(tmp_path):
         assert w.primary
         w.write(1, {"reward/mean": 0.5})
     assert read_jsonl(tmp_path / "one" / "metrics.jsonl") == [{"step": 1, "reward/mean": 0.5}]
+
+
+def tb_events(directory):
+    """{tag: [(step, summary value)]} of every event file in `directory`."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(directory, "events.*"))):
+        for e in read_events(path):
+            for v in e.summary.value:
+                out.setdefault(v.tag, []).append((e.step, v))
+    return out
+
+
+def test_250_domains_stay_readable_in_tensorboard_and_complete_in_jsonl(tmp_path):
+    """Per-domain metrics of 250 domains (batch.domain_metrics' keys): every one in
+    metrics.jsonl, grouped under domain/ in TensorBoard, with the per-step count, best and
+    worst k, a histogram and the ranking text; held-out eval lines summarised alike."""
+    import types
+
+    from ptrain import batch, metrics
+    names = [f"env{i:03d}" for i in range(250)]
+    rewards = {d: (i * 37 % 250) / 249 for i, d in enumerate(names)}  # distinct, shuffled
+    steps = {1: names, 2: names[:100]}  # step 2 sees 100 of them
+    with MetricsWriter(tmp_path, total_steps=2) as w:
+        for step, seen in steps.items():
+            episodes = types.SimpleNamespace(  # two rows per domain, as a producer leaves them
+                meta=[{"domain": d, "passed": float(rewards[d] > 0.5), "turns": 1} for d in seen
+                      for _ in range(2)],
+                rewards_b=np.asarray([rewards[d] for d in seen for _ in range(2)]))
+            w.write(step, {"reward/mean": 0.5, **batch.domain_metrics(episodes)})
+        assert [os.path.basename(p) for p in w.plot()] == ["reward_mean.png"]
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    for line, seen in zip(lines, steps.values()):
+        assert {k for k in line if k.startswith("reward/env")} == {
+            f"reward/{d}/mean" for d in seen}
+        assert all(line[f"reward/{d}/mean"] == pytest.approx(rewards[d]) for d in seen)
+        assert all(f"episode/{d}/passed" in line and f"episode/{d}/turns" in line for d in seen)
+    tb = tb_events(tmp_path / "tb")
+    assert {t for t in tb if t.startswith("domain/") and t.endswith("/reward")} == {
+        f"domain/{d}/reward" for d in names}
+    assert not any(t.startswith("reward/env") for t in tb)  # not 250 curves among the others
+    assert [(s, v.simple_value) for s, v in tb["domains/count"]] == [(1, 250), (2, 100)]
+    assert [(s, v.simple_value) for s, v in tb["domains/seen"]] == [(1, 250), (2, 250)]
+    ranked = sorted(rewards.values())
+    for k in (1, 5):
+        assert tb[f"domains/reward/best_{k}"][0][1].simple_value == pytest.approx(ranked[-k])
+        assert tb[f"domains/reward/worst_{k}"][0][1].simple_value == pytest.approx(ranked[k - 1])
+    assert "domains/reward/best_6" not in tb
+    assert tb["domains/reward/mean"][0][1].simple_value == pytest.approx(np.mean(ranked))
+    histo = tb["domains/reward"][0][1].histo  # one value per domain
+    assert histo.num == 250 and histo.min == 0 and histo.max == pytest.approx(1.0)
+    assert tb["domains/passed"][0][1].histo.num == 250
+    best = max(rewards, key=rewards.get)
+    text = tb["domains/reward/ranking/text_summary"][0][1].tensor.string_val[0].decode()
+    worst = min(rewards, key=rewards.get)
+    assert f"| best 1 | {best} |" in text and f"| worst 1 | {worst} |" in text
+    # Resumed after step 1: the domains seen so far come from the kept lines.
+    with MetricsWriter(tmp_path, start_step=1) as w:
+        w.write(2, {"reward/fresh/mean": 1.0})
+    tb = tb_events(tmp_path / "tb")
+    assert tb["domains/seen"][-1][0] == 2 and tb["domains/seen"][-1][1].simple_value == 251
+
+    # Held-out evaluation, one line per domain and decoding (closed_loop.evaluate's lines).
+    evals = [{"stage": "rl", "step": 7, "split": "heldout", "domain": d, "decoding": dec,
+              "pass_rate": rewards[d], "pass@1": rewards[d], "n": 4, "samples": 1,
+              "truncated": 0.0, "finish": {"answer": 4}}
+             for d in names for dec in ("greedy", "sample")]
+    metrics.write_eval(tmp_path, evals)
+    tb = tb_events(tmp_path / "tb" / "eval")
+    per_domain = {t for t in tb if t.startswith("eval_domain/")}
+    assert {t for t in per_domain if t.endswith("/rl_greedy/pass_rate")} == {
+        f"eval_domain/{d}/rl_greedy/pass_rate" for d in names}
+    for run in ("rl_greedy", "rl_sample"):
+        assert [(s, v.simple_value) for s, v in tb[f"eval/{run}/count"]] == [(7, 250)]
+        assert tb[f"eval/{run}/pass_rate"][0][1].histo.num == 250
+        assert tb[f"eval/{run}/pass_rate/worst_1"][0][1].simple_value == pytest.approx(0.0)
+    assert not any("finish" in t or "/split" in t for t in tb)

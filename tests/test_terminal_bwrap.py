@@ -21,7 +21,7 @@ from sandbox.terminal import bwrap
 _REASON = bwrap.unavailable()
 pytestmark = [pytest.mark.skipif(_REASON is not None, reason=str(_REASON)),
               pytest.mark.xdist_group("terminal")]
-TASKS = os.path.join(os.path.dirname(__file__), "..", "tasks", "terminal")
+TASKS = terminal.BUNDLED_TASKS
 FILES_ONLY = {"csv-column-sum", "csv-to-json", "fix-stats-bug", "hello-file",
               "tcp-upper-service"}
 

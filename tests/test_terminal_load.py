@@ -13,7 +13,7 @@ import pytest
 from sandbox import terminal
 from sandbox.terminal import image, verify
 
-TASKS_DIR = os.path.join(os.path.dirname(__file__), "..", "tasks", "terminal")
+TASKS_DIR = terminal.BUNDLED_TASKS
 
 HARBOR_TOML = """\
 version = "1.0"

@@ -277,7 +277,8 @@ def test_a_directory_of_tasks_is_the_terminal_environments_prompt_source(tmp_pat
     from configs import terminal_toy
     from ptrain import closed_loop, jsonl
     from ptrain.envs import terminal as terminal_env
-    bundled = os.path.join(os.path.dirname(__file__), "..", "tasks", "terminal")
+    from sandbox import terminal
+    bundled = terminal.BUNDLED_TASKS
     config = _with_envs(terminal_toy.get_config("short").unlock(),
                         dict(env=FILES, args=dict(n_train=40, n_heldout=8), weight=1.0),
                         dict(env=TERMINAL, args=dict(tasks_dir=bundled, n_heldout=4),

@@ -1,4 +1,4 @@
-"""Every bundled terminal task (tasks/terminal/) on docker: the oracle (the task's own
+"""Every bundled terminal task (sandbox/terminal/tasks/) on docker: the oracle (the task's own
 solution) scores 1 and nop (doing nothing) scores 0. A task nop solves tests nothing; a task
 its oracle fails is broken."""
 

@@ -1,7 +1,8 @@
 """Environments: a domain in one value (`Environment`), its verdicts (`Verdict`), and the
 built-in ones, a module each: code, math, files (task files and generated tasks), terminal
-(task containers); `synthetic` holds the quickstart's generated tasks. A config names each by
-import path (`load`). docs/environments.md walks through writing one."""
+(task containers), cad (CadQuery parts measured against a target); `synthetic` holds the
+quickstart's generated tasks, `adaptive` the mixture's adaptive sampler. A config names each
+by import path (`load`). docs/environments.md walks through writing one."""
 
 from ptrain.envs.base import (Context, Environment, Splits, Tool, TurnPolicy, load,  # noqa: F401
                               load_all)

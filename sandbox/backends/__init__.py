@@ -9,7 +9,9 @@ returns that backend's `Server` handle) and what the fork server resets after ev
 - `Bwrap()`: bubblewrap namespaces, an unprivileged uid of its own per sandbox.
 - `Docker()`: a warm container per sandbox.
 
-`pick_backend("auto")` picks the strongest available: docker, then bwrap, then process.
+`pick_backend("auto")` picks the strongest available: docker, then bwrap, then process, but
+never process for a root caller (`auto_refusal`: as root it is no boundary at all, not even
+for the judge's verdict); `backend="process"` still asks for it by name.
 `backend="bwrap"` and `backend=Bwrap()` mean the same; pass an instance to change its
 settings (`Docker(image="my-image:tag")`). Every `backend=` argument of the package goes
 through `pick_backend`, the one place a backend's name becomes its spec.
@@ -17,6 +19,7 @@ through `pick_backend`, the one place a backend's name becomes its spec.
 
 import functools
 import logging
+import os
 import sys
 
 from sandbox.backends.base import BackendUnavailable, Server, server_argv
@@ -27,8 +30,8 @@ from sandbox.backends.process import Process
 from sandbox.request import Limits
 
 __all__ = ["BackendUnavailable", "Bwrap", "Docker", "Limits", "PREIMPORT", "Process",
-           "STRONGEST_FIRST", "Server", "docker_client", "pick_backend", "seccomp_filter",
-           "server_argv", "start", "unavailable_reason"]
+           "STRONGEST_FIRST", "Server", "auto_refusal", "docker_client", "pick_backend",
+           "seccomp_filter", "server_argv", "start", "unavailable_reason"]
 
 log = logging.getLogger("sandbox")
 
@@ -46,7 +49,7 @@ def pick_backend(backend="auto"):
         reasons = {}
         for spec_class in STRONGEST_FIRST:
             spec = spec_class()
-            reasons[spec.name] = unavailable_reason(spec)
+            reasons[spec.name] = auto_refusal(spec) or unavailable_reason(spec)
             if reasons[spec.name] is None:
                 _log_auto_once(spec.name, tuple((k, v) for k, v in reasons.items() if v))
                 return spec
@@ -72,6 +75,18 @@ def __getattr__(name):
                       "spec of a name", DeprecationWarning, stacklevel=2)
         return {c.name: c for c in _SPECS}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def auto_refusal(spec) -> str | None:
+    """Why "auto" never picks `spec` on this machine, though it may run here; else None. A
+    root caller's `process` runs are root on the host: they can read the judge's signing key
+    and tests from its trusted process's memory (ptrace, /proc/<pid>/mem) and forge a verdict
+    (docs/sandbox.md). Asked for by name, it still runs."""
+    if isinstance(spec, Process) and os.geteuid() == 0:
+        return ("not picked by 'auto' for a root caller: runs would be root on the host and "
+                "could forge the judge's verdicts (install bubblewrap or docker: bash "
+                "sandbox/setup_host.sh; or pass backend='process' to accept that)")
+    return None
 
 
 @functools.lru_cache(maxsize=None)

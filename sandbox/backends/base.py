@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 
 from sandbox import cgroups, forkserver
 from sandbox.request import Limits
@@ -40,6 +41,10 @@ class Server:
     def oom_kills(self) -> int | None:
         """OOM kills in this sandbox so far, or None where it cannot be known."""
         return None
+
+    def after_run(self) -> None:
+        """Called after every run: resets what the host can reset and a run could read (the
+        cgroup's memory peak and fail counts)."""
 
     def processes(self) -> list[int]:
         """Host pids of everything in the sandbox except the fork server (between runs, only
@@ -79,6 +84,10 @@ class LocalServer(Server):
 
     def oom_kills(self) -> int | None:
         return self.cgroup.oom_kills() if self.cgroup is not None else None
+
+    def after_run(self) -> None:
+        if self.cgroup is not None:
+            self.cgroup.reset_peaks()
 
     def processes(self) -> list[int]:
         if self.cgroup is not None:
@@ -195,6 +204,40 @@ def shield_from_oom(pid: int) -> None:
             f.write("-1000")
     except OSError as e:  # no CAP_SYS_RESOURCE (a container without it)
         log.debug("sandbox: the fork server keeps oom_score_adj 0: %s", e)
+
+
+def no_time_wait(pid: int) -> bool:
+    """Set `net.ipv4.tcp_max_tw_buckets` to 0 in the network namespace of `pid`, a sandbox's
+    own (never the host's: where `pid` shares ours, nothing is written): a connection a run
+    closes leaves no TIME_WAIT socket, whose port the next run could see. From a thread of
+    its own that enters that namespace (setns moves only the calling thread) and ends there;
+    True if done. The caller may: root, or the owner of the sandbox's user namespace."""
+    target = f"/proc/{pid}/ns/net"
+    try:
+        want = os.stat(target).st_ino
+        if want == os.stat("/proc/self/ns/net").st_ino:
+            return False
+    except OSError:
+        return False
+    done = []
+
+    def inside():
+        import ctypes
+        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+                return
+        finally:
+            os.close(fd)
+        if os.stat("/proc/thread-self/ns/net").st_ino == want:
+            with open("/proc/sys/net/ipv4/tcp_max_tw_buckets", "w") as f:
+                f.write("0")
+            done.append(True)
+
+    thread = threading.Thread(target=inside, name="sandbox-netns")
+    thread.start()
+    thread.join()
+    return bool(done)
 
 
 def new_cgroup(limits: Limits) -> cgroups.Cgroup | None:

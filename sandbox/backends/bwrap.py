@@ -83,7 +83,10 @@ class Bwrap:
                 os.close(passwd_r)
                 os.close(seccomp_r)
 
-        return base.start_local(server, popen, server_end)
+        server = base.start_local(server, popen, server_end)
+        if not limits.network:
+            base.no_time_wait(server.server_pid)
+        return server
 
     def _argv(self, limits, prefix, passwd_fd, seccomp_fd=None) -> list[str]:
         """The bwrap command line: no part of cgroupfs or /sys is visible; /dev/mqueue is the

@@ -14,6 +14,7 @@ import socket
 import tempfile
 import time
 
+from sandbox import cgroups
 from sandbox.backends import base
 from sandbox.backends.preimport import PREIMPORT
 
@@ -74,9 +75,10 @@ class Docker:
                 auto_remove=True, network_mode="host" if limits.network else "none",
                 mem_limit=f"{mb + _SERVER_MEMORY_MB}m", memswap_limit=f"{mb + _SERVER_MEMORY_MB}m",
                 pids_limit=limits.max_processes + 1, read_only=True, user=f"{uid}:{uid}",
-                tmpfs={"/work": f"size={mb // 2}m,mode=1777,exec",
-                       "/tmp": f"size={mb // 4}m,mode=1777"},
+                tmpfs={"/work": f"size={mb // 2}m,mode=1777,uid={uid},gid={uid},exec",
+                       "/tmp": f"size={mb // 4}m,mode=1777,uid={uid},gid={uid}"},
                 shm_size=f"{mb // 4}m", cap_drop=["ALL"], security_opt=["no-new-privileges"],
+                sysctls=None if limits.network else {"net.ipv4.tcp_max_tw_buckets": "0"},
                 hostname=None if limits.network else "sandbox",
                 working_dir="/work", environment={"PATH": base.PATH},
                 volumes={chan_dir: {"bind": "/chan", "mode": "rw"}},
@@ -117,12 +119,15 @@ class DockerServer(base.Server):
         self.container = container
         self.oom_control: str | None = None  # the container's memory.oom_control
         self.pids_file: str | None = None  # the container's cgroup.procs
+        self.peak_fds: list[int] = []  # the container's v1 memory peaks (cgroups.open_peaks)
 
     def find_cgroup(self) -> None:
         cid = self.container.id
         for top in ("/sys/fs/cgroup/memory/docker", "/sys/fs/cgroup/system.slice"):
             if os.path.isdir(os.path.join(top, cid)):
                 self.oom_control = os.path.join(top, cid, "memory.oom_control")
+                if top.startswith("/sys/fs/cgroup/memory/"):  # v1: peaks reset by writing 0
+                    self.peak_fds = cgroups.open_peaks(os.path.join(top, cid))
         pids_dir = f"/sys/fs/cgroup/pids/docker/{cid}"
         if os.path.isdir(pids_dir):
             self.pids_file = os.path.join(pids_dir, "cgroup.procs")
@@ -133,6 +138,11 @@ class DockerServer(base.Server):
                 pass
         if self.server_pid is not None:
             base.shield_from_oom(self.server_pid)
+
+    def after_run(self) -> None:
+        """The container's cgroup is visible (read-only) in it: its memory peak and fail
+        counts go back to 0 after every run (cgroup v1)."""
+        cgroups.reset_peaks(self.peak_fds)
 
     def oom_kills(self) -> int | None:
         if self.oom_control is not None:
@@ -171,6 +181,9 @@ class DockerServer(base.Server):
         if self.container is not None:
             _remove_container(self.container)
             self.container = None
+        for fd in self.peak_fds:
+            os.close(fd)
+        self.peak_fds = []
 
 
 def _remove_container(container) -> None:

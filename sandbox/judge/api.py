@@ -160,13 +160,15 @@ def unit_tests(code: str, tests: str, *, entry_point: Optional[str] = None,
     """
     _check_str("code", code)
     _check_str("tests", tests)
-    _, units, _ = split.split_tests(tests, entry_point, style)
+    style, units, _ = split.split_tests(tests, entry_point, style)
     names = [name for name, _ in units]
     payload = {"tests": tests, "entry_point": entry_point, "style": style,
                "test_timeout_s": _positive("test_timeout_s", test_timeout_s),
                "time_budget_s": _positive("timeout_s", timeout_s),
                "max_output_bytes": 1 << 16}
     report, run_result = _execute("unit", code, payload, timeout_s, memory_mb, backend, run)
+    if not isinstance(report, str):
+        report = _check_test_names(report, style, names)
     if isinstance(report, str):
         return _harness_failure(report, names, run_result)
     results = tuple(TestResult(**{k: t[k] for k in _TEST_FIELDS}) for t in report["tests"])
@@ -189,6 +191,9 @@ def stdio(code: str, cases: Sequence, *, float_tol: Optional[float] = 1e-6,
                "time_budget_s": _positive("timeout_s", timeout_s)}
     report, run_result = _execute("stdio", code, payload, timeout_s, memory_mb, backend, run)
     names = [f"case {i}" for i in range(len(pairs))]
+    if not isinstance(report, str) and (type(report.get("cases")) is not list
+                                        or len(report["cases"]) != len(pairs)):
+        report = "the report's cases are not the cases that were sent"
     if isinstance(report, str):
         return _harness_failure(report, names, run_result)
     results = []
@@ -244,6 +249,25 @@ def parse_report(stdout: bytes, key: bytes):
         return json.loads(body)
     except ValueError:
         return "the report is not JSON"
+
+
+def _check_test_names(report, style, names):
+    """The report if it names exactly the tests that were sent (assert style: the units, in
+    order; pytest: each function unit at least once, as itself or its parametrized cases,
+    and nothing else), else a string saying what is wrong."""
+    try:
+        got = [str(t["name"]) for t in report["tests"]]
+        if not all(t["status"] in STATUSES for t in report["tests"]):
+            return "the report's tests have an unknown status"
+    except (KeyError, TypeError):
+        return "the report's tests are malformed"
+    if style == "assert":
+        ok = got == names
+    else:
+        base = [re.sub(r"\[[^\]]*\]\Z", "", name).split("::")[0] for name in got]
+        ok = (len(set(got)) == len(got) and set(base) <= set(names)
+              and {n for n in names if not n[:1].isupper()} <= set(base))
+    return report if ok else "the report's test names are not the tests that were sent"
 
 
 def _execute(mode, code, payload, timeout_s, memory_mb, backend, run):

@@ -251,17 +251,24 @@ class _ImportFailed(Exception):
         self.info = info
 
 
-def _bind_solution(ns, module, bound, ep, names, referenced, candidate, entry_point):
+def _bind_solution(ns, module, bound, ep, names, tests, candidate, entry_point):
     """Binds the solution's top-level names into the tests' namespace and module `solution`
     (the same module object every time, so `import solution` in the tests stays valid).
 
     Builtins are never shadowed, and a standard-library module name always means the real
-    module: a solution cannot redefine `abs` or `math.isclose` for the tests. A name goes
-    into the tests' namespace only if the tests have not bound it themselves: `bound` maps
-    each name this function put there to the object it put, and after a restart a name is
-    rebound only where it still holds that object. The tests' own constants, helpers and
-    `pytest` are never overwritten, by the first solution process or a restarted one."""
-    before = dict(bound)  # what the previous solution process's names were bound to
+    module: a solution cannot redefine `abs` or `math.isclose` for the tests. Which names go
+    where is decided by name, from the tests' source (`tests`: split.test_bindings), never by
+    comparing values: a name the tests bind themselves (their constants, helpers, fixtures,
+    `pytest`) never receives a solution's value, from the first solution process or a
+    restarted one. `bound` maps the names this function put into `ns` to their values; one
+    the tests have bound to something else since (dynamically, or by a star import), is
+    theirs from then on. Aliases the tests made of the solution's names (`from solution
+    import f as g`) follow the new solution."""
+    owned, aliases, referenced = tests
+    owned = owned | {a for a, (name, _) in aliases.items() if a != name}
+    for name, value in list(bound.items()):
+        if ns.get(name) is not value:
+            del bound[name]
     for name in list(vars(module)):
         if not name.startswith("__"):
             delattr(module, name)
@@ -279,23 +286,30 @@ def _bind_solution(ns, module, bound, ep, names, referenced, candidate, entry_po
         else:
             value = ep.decode(enc)
         setattr(module, name, value)
-        _bind(ns, bound, name, value)
+        _bind(ns, bound, owned, name, value)
+    for name in set(bound) - set(vars(module)) - {candidate}:  # gone from the new solution
+        ns.pop(name, None)
+        del bound[name]
     sys.modules["solution"] = module
     if candidate is not None:
         value = getattr(module, entry_point, None)
-        _bind(ns, bound, candidate, _missing(entry_point) if value is None else value)
-    # Aliases the tests made of the old names (`from solution import f as g`) follow them.
-    was = {id(v): name for name, v in before.items()}
-    for key, value in list(ns.items()):
-        name = was.get(id(value))
-        if name is not None and key not in bound and before[name] is value and name in bound:
-            ns[key] = bound[name]
+        _bind(ns, bound, owned, candidate, _missing(entry_point) if value is None else value)
+    for alias in aliases:
+        if alias in ns and alias in owned:  # the tests' alias ran: it follows the solution
+            name, imported = aliases[alias]
+            for _ in range(len(aliases)):  # g = f, f an alias itself
+                if name not in aliases or aliases[name][0] == name:
+                    break
+                name, imported = aliases[name]
+            value = getattr(module, name, None)
+            if value is not None and (imported or name in bound):
+                ns[alias] = value
 
 
-def _bind(ns, bound, name, value):
-    if name not in ns or (name in bound and ns[name] is bound[name]):
-        ns[name] = value
-        bound[name] = value
+def _bind(ns, bound, owned, name, value):
+    """`ns[name] = value` unless the tests bind `name` themselves or it is the harness's."""
+    if name not in owned and (name not in ns or name in bound):
+        ns[name] = bound[name] = value
 
 
 def _missing(name):
@@ -362,6 +376,10 @@ def _run_unit_tests(judge, payload):
     rpc.SOURCES[split.TESTS_FILE] = lines
     tree = ast.parse(source, split.TESTS_FILE)
     referenced = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    owned, aliases, stars = split.test_bindings(tree)
+    for star in filter(None, map(_import_real, stars)):  # `from math import *`: the tests'
+        owned |= set(getattr(star, "__all__", None) or [n for n in vars(star)
+                                                         if not n.startswith("_")])
     ns = {"__name__": "tests", "__builtins__": builtins, "__judge_compare__": _judge_compare}
     module, bound = type(sys)("solution"), {}
     module.__file__ = rpc.SOLUTION_FILE
@@ -379,7 +397,8 @@ def _run_unit_tests(judge, payload):
                 import_failure.append(e)
                 judge.stop_child()
                 raise
-            _bind_solution(ns, module, bound, ep, names, referenced, candidate, entry_point)
+            _bind_solution(ns, module, bound, ep, names, (owned, aliases, referenced),
+                           candidate, entry_point)
         code(ns) if kind == "pytest" else exec(code, ns)
 
     if style == "pytest":
@@ -395,7 +414,9 @@ def _run_unit_tests(judge, payload):
         start = time.monotonic()
         limit = min(test_timeout, judge.deadline - start)
         if limit <= 0.01:
-            results.append(_result(name, "timeout", "not run: the judge's time budget ran out"))
+            not_run = [unit for unit, _ in units] if kind == "collect" else [name]
+            results += [_result(n, "timeout", "not run: the judge's time budget ran out")
+                        for n in not_run]
             continue
         out_mark = len(judge.output)
         outcome = ("passed", "", "")
@@ -428,7 +449,7 @@ def _run_unit_tests(judge, payload):
                                     outcome[2]) for unit, _ in units]
                 break
             queue = [("pytest", tname, fn)
-                     for tname, fn in pytest_module.collect(ns, units)] + queue
+                     for tname, fn in pytest_module.collect(ns, units, owned)] + queue
             continue
         results.append(_result(name, *outcome, excerpt, time.monotonic() - start))
     judge.stop_child(wait=False)

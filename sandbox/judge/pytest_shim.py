@@ -2,7 +2,8 @@
 
 Runs in the judge's trusted process only (see judge/harness.py): `shim()` is the module the
 tests get as `pytest` (raises, approx, mark.parametrize/skip, skip, fail, fixture), `collect`
-expands the test functions. Fixtures are those defined in the test file.
+expands the test functions. Fixtures are those defined in the test file: a name the tests
+bind themselves, holding a function of theirs (never a solution's name or object).
 """
 
 import builtins
@@ -114,24 +115,41 @@ def shim():
     return module
 
 
-def collect(ns, units):
-    """Yields (name, run(ns)) for each test function, parametrize expanded, in file order."""
+def collect(ns, units, owned):
+    """Yields (name, run(ns)) for each test function, parametrize expanded, in file order.
+    `owned`: the names the tests bind themselves (split.test_bindings); only those, holding
+    the tests' own functions and classes, are tests or fixtures."""
     for unit_name, _ in units:
-        obj = ns.get(unit_name)
-        if isinstance(obj, type):
+        obj = ns.get(unit_name) if unit_name in owned else None
+        if not _tests_own(obj, ns):  # the module setup did not define it (or not as a def)
+            yield unit_name, _not_defined(unit_name)
+        elif isinstance(obj, type):
             for attr in sorted(vars(obj), key=lambda a: _lineno(getattr(obj, a))):
                 if attr.startswith("test") and callable(getattr(obj, attr)):
                     fn = getattr(obj, attr)
-                    yield from _expand(f"{unit_name}::{attr}", fn, obj)
-        elif callable(obj):
-            yield from _expand(unit_name, obj, None)
+                    yield from _expand(f"{unit_name}::{attr}", fn, obj, owned)
+        else:
+            yield from _expand(unit_name, obj, None, owned)
+
+
+def _not_defined(name):
+    def run(ns):
+        raise NameError(f"the tests' module setup did not define {name!r} as a test")
+    return run
+
+
+def _tests_own(obj, ns):
+    """Whether `obj` is a function or class the tests' code made (its globals are theirs)."""
+    if type(obj) is types.FunctionType:
+        return obj.__globals__ is ns
+    return type(obj) is type and getattr(obj, "__module__", None) == ns.get("__name__")
 
 
 def _lineno(fn):
     return getattr(getattr(fn, "__code__", None), "co_firstlineno", 0)
 
 
-def _expand(name, fn, cls):
+def _expand(name, fn, cls, owned):
     cases = [((), {})]
     for mark, args, kwargs in reversed(getattr(fn, "__judge_marks__", [])):
         if mark in ("skip", "skipif") and (mark == "skip" or (args and args[0])):
@@ -146,12 +164,14 @@ def _expand(name, fn, cls):
         params = [(tuple(v) if len(names) > 1 else (v,)) for v in values]
         cases = [(ids + (str(i),), {**bound, **dict(zip(names, p))})
                  for (ids, bound), (i, p) in itertools.product(cases, enumerate(params))]
+    if not cases:  # as pytest: a test over an empty parameter set is skipped
+        yield name, lambda ns: _skip("got empty parameter set")
     for ids, bound in cases:
         label = f"{name}[{'-'.join(ids)}]" if ids else name
-        yield label, (lambda b: lambda ns: _call_test(fn, cls, b, ns))(bound)
+        yield label, (lambda b: lambda ns: _call_test(fn, cls, b, ns, owned))(bound)
 
 
-def _call_test(fn, cls, bound, ns):
+def _call_test(fn, cls, bound, ns, owned):
     params = list(inspect.signature(fn).parameters)
     if cls is not None:
         params = params[1:]
@@ -159,8 +179,8 @@ def _call_test(fn, cls, bound, ns):
     for p in params:
         if p in kwargs:
             continue
-        fixture = ns.get(p)
-        if not getattr(fixture, "__judge_fixture__", False):
+        fixture = ns.get(p) if p in owned else None
+        if not (_tests_own(fixture, ns) and getattr(fixture, "__judge_fixture__", False)):
             raise TypeError(f"fixture {p!r} is not available (the judge supports "
                             "parametrize and fixtures defined in the test file)")
         value = fixture()

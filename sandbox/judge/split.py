@@ -77,6 +77,67 @@ def split_tests(source, entry_point=None, style="auto"):
     return style, units, candidate
 
 
+def test_bindings(tree):
+    """(owned, aliases, stars) of the tests' module `tree`, read from its source, never from
+    values: `owned`, the names the tests bind in their module namespace themselves (assignments,
+    `def`, `class`, imports, loop and `with` targets, `global` names, ..., anywhere they bind
+    the tests' globals: module statements, HumanEval's unrolled `check` body); `aliases`,
+    {name: (name it stands for, whether by `from solution import`)} for each name the tests
+    bind only as an alias (`from solution import f as g`; `g = f` with `f` not the tests'
+    own, which follows `f` only where `f` is the solution's). The harness never
+    puts a solution's value under an owned name, and after a restart re-binds aliases by
+    these names: which object a name holds (a small int, None, True are shared by
+    everyone) never decides it. `from module import *` (not the solution) owns every public
+    name of the module: `stars` lists those modules, which the harness imports to list
+    them. Names the tests bind only dynamically (`globals()[...]`, `exec`) are not seen."""
+    import ast
+    counts, aliases, stars, todo = {}, {}, [], list(tree.body)
+
+    def bind(name, alias_of=None, imported=False):
+        counts[name] = counts.get(name, 0) + 1
+        if alias_of is not None:
+            aliases[name] = (alias_of, imported)
+
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            if not isinstance(node, ast.Lambda):
+                bind(node.name)
+                if node.name == "check":  # unrolled into module statements (split_tests)
+                    todo.extend(node.body)
+            for sub in ast.walk(node):  # `global x` anywhere binds the module's x
+                if isinstance(sub, ast.Global):
+                    for name in sub.names:
+                        bind(name)
+            continue
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bind(node.id)
+        elif isinstance(node, ast.ImportFrom):
+            if node.module and node.module != "solution" and not node.level and any(
+                    a.name == "*" for a in node.names):
+                stars.append(node.module)
+            for a in node.names:
+                if a.name != "*":
+                    solution = node.module == "solution" and not node.level
+                    bind(a.asname or a.name, a.name if solution else None, solution)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                bind(a.asname or a.name.split(".")[0])
+        elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
+            bind(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            bind(node.rest)
+        elif (isinstance(node, ast.Assign) and len(node.targets) == 1
+              and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Name)):
+            bind(node.targets[0].id, node.value.id)
+            todo.append(node.value)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    aliases = {k: v for k, v in aliases.items() if counts[k] == 1 and (
+        v[1] or v[0] not in counts or v[0] in aliases)}
+    return set(counts) - set(aliases), aliases, stars
+
+
 CMP = {"Eq": "==", "NotEq": "!=", "Lt": "<", "LtE": "<=", "Gt": ">", "GtE": ">=",
         "In": "in", "NotIn": "not in", "Is": "is", "IsNot": "is not"}
 CMP_FUNCS = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le,

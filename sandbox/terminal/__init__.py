@@ -3,7 +3,7 @@
 Plain host Python (docker SDK, PyYAML for TB 1.0); nothing from ptrain, no JAX.
 
     from sandbox import terminal
-    loaded = terminal.load_tasks("tasks/terminal")     # both layouts; .skipped says why
+    loaded = terminal.load_tasks(terminal.BUNDLED_TASKS)  # both layouts; .skipped says why
     print(loaded.summary())
     with terminal.Harness(image_map={"python:3.12-slim": "ptrain-term-base:latest"}) as h:
         with h.episode(loaded.tasks[0]) as ep:         # clean warm container + fresh shell
@@ -19,8 +19,11 @@ persistent shell), verify.py (reward and feedback), host_pytest.py (the real pyt
 images without it), episode.py (Harness, Episode), agents.py (oracle, nop), evaluate.py
 (results.jsonl, pass@k), report.py (the HTML report), bwrap.py and bwrap_plan.py (the
 bubblewrap backend, `Harness(backend="bwrap")`: tasks that need only files, no docker).
+tasks/: the bundled tasks (`BUNDLED_TASKS`, shipped in the package), both layouts.
 What each guarantees: docs/terminal.md.
 """
+
+import os
 
 from sandbox.terminal import bwrap
 from sandbox.terminal.agents import nop, oracle
@@ -33,9 +36,14 @@ from sandbox.terminal.shell import Shell, ShellResult
 from sandbox.terminal.task import Loaded, Task, TaskError, load_task, load_tasks
 from sandbox.terminal.verify import Verdict, VerifierResult
 
+# The bundled tasks (package data): a directory for `load_tasks`, launch.eval --tasks, or
+# the closed loop's terminal.tasks_dir.
+BUNDLED_TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
+
 __all__ = [
-    "BASE_IMAGE", "Container", "ContainerGone", "Episode", "ExecResult", "Harness",
-    "HealthcheckFailed", "ImageError", "Limits", "Loaded", "Shell", "ShellResult", "Task",
+    "BASE_IMAGE", "BUNDLED_TASKS", "Container", "ContainerGone", "Episode", "ExecResult",
+    "Harness", "HealthcheckFailed", "ImageError", "Limits", "Loaded", "Shell", "ShellResult",
+    "Task",
     "TaskError", "TimeUp", "Verdict", "VerifierResult", "ensure_image", "evaluate", "load_task", "load_tasks", "nop",
     "oracle", "parse_image_map", "pass_at_k", "remove_orphans", "run_attempt", "summarize",
 ]

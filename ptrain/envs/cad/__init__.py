@@ -1,0 +1,1 @@
+"""CAD: parts built with CadQuery in the sandbox, measured against their targets."""
