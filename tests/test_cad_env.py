@@ -95,17 +95,8 @@ def env(cache, tmp_path_factory):
                         artefacts_dir=str(tmp_path_factory.mktemp("artefacts")))
 
 
-def test_the_oracle_scores_one_and_bad_scripts_get_verdicts_with_their_cause(env, cache):
-    tasks = cad_env.brought(EXAMPLE)
-    block, plate = tasks[0], tasks[1]  # a brought mesh; reference code built and cached
-    answers = [cad_env.answer(t.verifier.code) for t in tasks]
-    verdicts = env.verify(tasks, answers)
-    assert [v.reward for v in verdicts] == [1.0, 1.0, 1.0] and all(v.passed for v in verdicts)
-    assert "IoU 1.000" in verdicts[0].feedback
-    assert verdicts[2].components["checks"] == 1.0 and verdicts[2].components["collisions"] == 0
-    png, step = verdicts[1].artefacts["render"], verdicts[1].artefacts["step"]
-    assert open(png, "rb").read(4) == b"\x89PNG" and open(step, "rb").read(12) == b"ISO-10303-21"
-    assert len(os.listdir(cache)) == 2  # plate and pin-in-hole references, by hash
+def test_bad_scripts_get_verdicts_with_their_cause_and_a_wrong_part_its_iou(env):
+    block = cad_env.brought(EXAMPLE)[0]  # its target: a brought mesh
     bad = {
         "no result": ("import cadquery as cq\npart = cq.Workplane().box(1, 1, 1)\n",
                       "did not set `result`"),
@@ -172,4 +163,11 @@ def test_launch_eval_oracle_scores_one_and_nop_zero_on_a_brought_file(tmp_path, 
         assert [r["task"] for r in rows] == ["block", "plate", "pin-in-hole"]
         assert all(r["reward"] == want and r["layout"] == "cad" and r["category"] == "cad"
                    for r in rows), rows
+    with open(tmp_path / "oracle" / "transcripts" / "pin-in-hole" / "0.json") as f:
+        pin = json.load(f)["verdict"]
+    assert pin["components"]["checks"] == 1.0 and pin["components"]["collisions"] == 0
+    assert "IoU 1.000" in pin["feedback"] and "pin and plate: clearance" in pin["feedback"]
+    png, step = pin["artefacts"]["render"], pin["artefacts"]["step"]
+    assert open(png, "rb").read(4) == b"\x89PNG" and open(step, "rb").read(12) == b"ISO-10303-21"
     assert len(os.listdir(tmp_path / "oracle" / "artefacts")) == 3
+    assert len(os.listdir(cache)) == 2  # the plate's and the assembly's references, by hash

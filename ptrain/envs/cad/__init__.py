@@ -1,7 +1,7 @@
 """The CAD environment: the model writes a CadQuery script, the sandbox builds it and measures
 the part against the task's target (docs/cad.md).
 
-    dict(env="ptrain.envs.cad:make", args=dict(n_train=200, n_heldout=20, tools=True))
+    dict(env="ptrain.envs.cad:make", args=dict(n_train=60, n_heldout=20, tools=True))
     dict(env="ptrain.envs.cad:make", args=dict(train="parts.jsonl", heldout="held.jsonl"))
 
 Tasks: the part families (`families.py`, seeded by the run's seed, held-out parameters the
@@ -190,7 +190,7 @@ def write_artefacts(out_dir: str, task_id: str, script: str, report) -> dict:
 
 # ----------------------------------------------------------------------------- the environment
 
-def make(n_train: int = 200, n_heldout: int = 20, *, train: str = "", heldout: str = "",
+def make(n_train: int = 60, n_heldout: int = 20, *, train: str = "", heldout: str = "",
          families_: tuple = (), tools: bool = False, mode: str = "iou",
          backend: str = "auto", build_timeout_s: float = 60.0, cache_dir: str = "",
          artefacts_dir: str = "") -> base.Environment:
@@ -250,9 +250,9 @@ def make(n_train: int = 200, n_heldout: int = 20, *, train: str = "", heldout: s
                config: rewards.RewardConfig = rewards.RewardConfig()) -> list[Verdict]:
         del sessions, config  # judged from the answer alone, with this environment's limits
         scripts = [rewards.extract_code(a, "python") for a in answers]
-        pending = [None if not s.strip() else base.submit(
-            pool, judge, s, targets(t.verifier), t.verifier.checks, backend=backend,
-            timeout_s=build_timeout_s) for t, s in zip(tasks_, scripts)]
+        pending = [base.submit(pool, judge, s, targets(t.verifier), t.verifier.checks,
+                               backend=backend, timeout_s=build_timeout_s)
+                   if s.strip() else None for t, s in zip(tasks_, scripts)]
         out = []
         for t, s, p in zip(tasks_, scripts, pending):
             if p is None:
