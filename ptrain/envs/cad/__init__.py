@@ -191,10 +191,10 @@ def write_artefacts(out_dir: str, task_id: str, script: str, report) -> dict:
 # ----------------------------------------------------------------------------- the environment
 
 def make(n_train: int = 60, n_heldout: int = 20, *, train: str = "", heldout: str = "",
-         families_: tuple = (), tools: bool = False, mode: str = "iou",
+         family_names: tuple = (), tools: bool = False, mode: str = "iou",
          backend: str = "auto", build_timeout_s: float = 60.0, cache_dir: str = "",
          artefacts_dir: str = "") -> base.Environment:
-    """The CAD environment. Tasks: generated from the part families (`families_`: their
+    """The CAD environment. Tasks: generated from the part families (`family_names`: their
     names, () all), or the task files `train` and `heldout` (both). `tools`: offer the `cad`
     tool (build and measure inside the episode). `mode`: the reward's ("iou" or "pass",
     `reward.score`; rewards.partial_credit does not apply). `backend`: the CAD sandbox's
@@ -205,7 +205,7 @@ def make(n_train: int = 60, n_heldout: int = 20, *, train: str = "", heldout: st
         raise ValueError(f"mode={mode!r}: use one of {reward.MODES}")
     if bool(train) != bool(heldout):
         raise ValueError("give both task files, train and heldout, or neither (generated)")
-    unknown = sorted(set(families_) - set(families.FAMILIES))
+    unknown = sorted(set(family_names) - set(families.FAMILIES))
     if unknown:
         raise ValueError(f"unknown CAD families {unknown}; known: {sorted(families.FAMILIES)}")
     targets = Targets(cache_dir or CACHE_DIR, backend)
@@ -236,7 +236,7 @@ def make(n_train: int = 60, n_heldout: int = 20, *, train: str = "", heldout: st
             if clash:
                 raise ValueError(f"{heldout}: {len(clash)} held-out prompts are also in {train}")
         else:
-            splits = [generated(n, ctx.seed, split, tools, families_ or None)
+            splits = [generated(n, ctx.seed, split, tools, family_names or None)
                       for n, split in ((n_train, "train"), (n_heldout, "heldout"))]
         splits = [[dataclasses.replace(t, domain=ctx.name) for t in s] for s in splits]
         for t in splits[0] + splits[1]:
