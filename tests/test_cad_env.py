@@ -128,21 +128,12 @@ def test_bad_scripts_get_verdicts_with_their_cause_and_a_wrong_part_its_iou(env)
     assert "is below the 0.95 a pass needs" in half[0].feedback
 
 
-class _Session:
-    """What the tool reads of an episode's session: its work dir's files, from the host."""
-
-    def __init__(self, files):
-        self.files = {k: v.encode() for k, v in files.items()}
-
-    def read_files(self):
-        return dict(self.files)
-
-
 def test_the_cad_tool_measures_against_the_task_s_target_which_the_script_never_sees(env):
+    import sandbox
     from sandbox import tools as sandbox_tools
     ctx = base.Context(name="cad", seed=0, workdir="/unused")
     task = env.tasks(ctx).heldout[0]
-    session = _Session(task.files)
+    session = sandbox.Session(files=task.files)  # as a rollout opens the episode's
     seen = "import os\nprint('SEEN', sorted(os.listdir('.')))\n"
     out = sandbox_tools.call_tool(session, "cad", {"script": seen + task.verifier.code},
                                   tools=env.tools, timeout_s=20.0)
@@ -152,6 +143,8 @@ def test_the_cad_tool_measures_against_the_task_s_target_which_the_script_never_
     assert wrong.startswith("Build failed") and "cq.Workplane or cq.Shape" in wrong
     assert sandbox_tools.call_tool(session, "cad", {"code": "x"}, tools=env.tools).startswith(
         "Error: bad arguments for cad")
+    assert session.read_files() == {cad_env.TASK_FILE: task.id.encode()}  # no target there
+    session.close()
 
 
 def test_launch_eval_oracle_scores_one_and_nop_zero_on_a_brought_file(tmp_path, cache, env):
