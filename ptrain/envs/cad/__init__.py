@@ -143,10 +143,10 @@ def _read(path):
 
 # ----------------------------------------------------------------------------- judging
 
-def judge(script: str, target: dict, checks, *, backend, timeout_s: float):
+def judge(script: str, target: dict, checks, *, backend, timeout_s: float, render: bool):
     """One answer's build and measurement (`sandbox.cad.Report`); run on a verifier's pool."""
     from sandbox import cad
-    return cad.build_and_measure(script, target, list(checks), backend=backend,
+    return cad.build_and_measure(script, target, list(checks), render=render, backend=backend,
                                  build_timeout_s=timeout_s)
 
 
@@ -193,14 +193,15 @@ def write_artefacts(out_dir: str, task_id: str, script: str, report) -> dict:
 def make(n_train: int = 60, n_heldout: int = 20, *, train: str = "", heldout: str = "",
          family_names: tuple = (), tools: bool = False, mode: str = "iou",
          backend: str = "auto", build_timeout_s: float = 60.0, cache_dir: str = "",
-         artefacts_dir: str = "") -> base.Environment:
+         artefacts_dir: str = "", artefacts: bool = True) -> base.Environment:
     """The CAD environment. Tasks: generated from the part families (`family_names`: their
     names, () all), or the task files `train` and `heldout` (both). `tools`: offer the `cad`
     tool (build and measure inside the episode). `mode`: the reward's ("iou" or "pass",
     `reward.score`; rewards.partial_credit does not apply). `backend`: the CAD sandbox's
     (`sandbox.cad.spec`). Targets are cached under `cache_dir` (default $PTRAIN_CAD_CACHE or
     ~/.cache/ptrain/cad); renders and STEP files go under `artefacts_dir` (default the
-    environment's directory of the run's work dir, /artefacts)."""
+    environment's directory of the run's work dir, /artefacts); `artefacts=False` renders
+    and keeps nothing (each verdict a little cheaper, no files growing with the run)."""
     if mode not in reward.MODES:
         raise ValueError(f"mode={mode!r}: use one of {reward.MODES}")
     if bool(train) != bool(heldout):
@@ -251,7 +252,7 @@ def make(n_train: int = 60, n_heldout: int = 20, *, train: str = "", heldout: st
         del sessions, config  # judged from the answer alone, with this environment's limits
         scripts = [rewards.extract_code(a, "python") for a in answers]
         pending = [base.submit(pool, judge, s, targets(t.verifier), t.verifier.checks,
-                               backend=backend, timeout_s=build_timeout_s)
+                               backend=backend, timeout_s=build_timeout_s, render=artefacts)
                    if s.strip() else None for t, s in zip(tasks_, scripts)]
         out = []
         for t, s, p in zip(tasks_, scripts, pending):
@@ -262,7 +263,7 @@ def make(n_train: int = 60, n_heldout: int = 20, *, train: str = "", heldout: st
                 continue
             report = p.result()
             out.append(verdict(t.verifier, report, mode=mode, artefacts=write_artefacts(
-                state["artefacts"], t.id, s, report)))
+                state["artefacts"] if artefacts else "", t.id, s, report)))
         return out
 
     return base.Environment(name=NAME, tasks=tasks, verify=verify, tools=(tool,),
