@@ -175,10 +175,11 @@ def main():
         config.sampling.update(engine=args.engine, decode_dtype=args.decode_dtype)
         if args.workers:
             config.sandbox.workers = args.workers
-        tokenizer = closed_loop.make_tokenizer(config)
-        config = closed_loop.derive_config(config, root, tokenizer)
-        train, _ = closed_loop.make_tasks(config, tokenizer, root)
-        sources = closed_loop.prompt_sources(config, train, root)
+        envs = closed_loop.environments(config)
+        tokenizer = closed_loop.make_tokenizer(config, envs)
+        train, _, demos = closed_loop.make_tasks(config, envs, tokenizer, root)
+        config = closed_loop.derive_config(config, root, tokenizer, demonstrations=demos)
+        sources = closed_loop.prompt_sources(config, train)
         mesh = sharding.mesh_from_config(config.mesh)
         sampler = closed_loop.make_sampler(config, mesh, tokenizer)
         backend = sandbox.backends.pick_backend(config.sandbox.backend)
@@ -195,7 +196,8 @@ def main():
         load = os.getloadavg()[0]
         start = time.perf_counter()
         with sandbox.Pool(config.sandbox.workers, backend=config.sandbox.backend) as pool:
-            producer = rollout.Tasks(sampler, tokenizer, config, pool)
+            producer = rollout.Tasks(sampler, tokenizer, config, pool,
+                                     envs={env.name: env for env in envs})
             for _ in range(args.repeats):
                 for s in modes:
                     total = args.warmup + args.steps + s  # + the last s steps, left out

@@ -119,7 +119,7 @@ def session(backend: str, turns: int, pinned: bool):
 
 def concurrent_step(backend: str, n: int, turns: int, pinned: bool,
                     threads: int) -> tuple[float, int]:
-    """The tool episodes of one RL step, as ptrain/rollout/__init__.py runs them: `n` Sessions opened
+    """The tool episodes of one RL step, as ptrain/rollout/episodes.py runs them: `n` Sessions opened
     one after the other (each with its task's files), `turns` turns in which every session
     runs one program (spread over `threads` threads), then all closed. Returns the wall time
     and the most workers alive at once."""

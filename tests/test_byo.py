@@ -20,6 +20,15 @@ pytestmark = pytest.mark.xdist_group("closed_loop")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+
+def _envs(code_train, gsm_train, held, gsm_held):
+    """configs/byo_qwen.py's two environments on these files."""
+    return ({"env": "ptrain.envs.files:records", "name": "code", "args": {
+                "train": code_train, "heldout": (held["humaneval"], "humaneval"),
+                "tools": ("python",)}},
+            {"env": "ptrain.envs.math:gsm8k", "name": "math", "args": {
+                "train": gsm_train, "heldout": gsm_held, "tools": ("python",)}})
+
 def test_byo_config_runs_end_to_end_on_a_hugging_face_directory(hf_dir, tmp_path):
     import hf_fixtures
     model_dir = hf_dir("qwen2.5-instruct")
@@ -41,8 +50,7 @@ def test_byo_config_runs_end_to_end_on_a_hugging_face_directory(hf_dir, tmp_path
         "model.remat": "none", "mesh.fsdp": 1,
         "eval.n": 2, "sandbox.workers": 1, "sandbox.backend": "process",
         "checkpoint.every": 1, "log.rollouts_every": 1,
-        "tasks.train": ((files["humaneval"], "humaneval"), (files["gsm8k"], "gsm8k")),
-        "tasks.heldout": ((held["humaneval"], "humaneval"), (gsm_held, "gsm8k")),
+        "tasks.envs": _envs((files["humaneval"], "humaneval"), files["gsm8k"], held, gsm_held),
     }
     env = dict(os.environ, XLA_FLAGS=" ".join(  # one CPU device (conftest's other flags kept)
         f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f))
@@ -125,8 +133,7 @@ def test_llama3_run_through_the_launcher_scripted_correct_answers_get_reward_1(h
         "rl.microbatch_size": 0, "model.remat": "none", "mesh.fsdp": 1, "eval.n": 2,
         "eval.sample": False, "sandbox.workers": 1, "sandbox.backend": "process",
         "checkpoint.every": 2, "log.rollouts_every": 1, "log.num_rollouts": 4,
-        "tasks.train": ((files["mbpp"], "mbpp"), (files["gsm8k"], "gsm8k")),
-        "tasks.heldout": ((held["humaneval"], "humaneval"), (gsm_held, "gsm8k")),
+        "tasks.envs": _envs((files["mbpp"], "mbpp"), files["gsm8k"], held, gsm_held),
     }
     env = dict(os.environ, XLA_FLAGS=" ".join(  # one CPU device (conftest's other flags kept)
         f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f))

@@ -175,7 +175,8 @@ def test_staleness_zero_is_exactly_on_policy_and_equals_the_plain_loop(tmp_path,
     step = type(p).profile
     assert step.reentered == [], step.reentered[:3]
     # (The jitted programs of step.py run from jax's cached C++ path: no Python frame.)
-    assert {"ptrain/learner.py", "ptrain/rollout/__init__.py", "ptrain/batch.py", "ptrain/rewards.py",
+    assert {"ptrain/learner.py", "ptrain/rollout/producers.py", "ptrain/rollout/episodes.py",
+            "ptrain/batch.py", "ptrain/rewards.py",
             "ptrain/metrics.py", "sandbox/pool.py"} <= step.entered, sorted(step.entered)
     ev = p.events
     for i in range(1, config.steps):  # strictly serial: score(i) ends before generate(i+1)

@@ -100,18 +100,18 @@ def test_a_verifier_returning_a_reward_that_is_not_a_finite_number_is_refused(re
                       verify=lambda tasks, answers, **k: [Verdict(reward, False, 0.0, "")])
     with pytest.raises(ValueError, match=r"environment 'odd': its verifier returned reward .*; "
                                          r"a reward must be a finite number"):
-        envs_base.verdicts(env, ["t"], ["a"])
+        rollout.episodes.judge(env, ["t"], ["a"])
 
 
 def test_a_verifier_returning_no_verdict_or_too_few():
     env = Environment(name="odd", tasks=lambda ctx: Splits((), ()),
                       verify=lambda tasks, answers, **k: [1.0])
     with pytest.raises(TypeError, match=r"environment 'odd': its verifier returned float"):
-        envs_base.verdicts(env, ["t"], ["a"])
+        rollout.episodes.judge(env, ["t"], ["a"])
     env = Environment(name="odd", tasks=lambda ctx: Splits((), ()),
                       verify=lambda tasks, answers, **k: [])
     with pytest.raises(ValueError, match="returned 0 verdicts for 1 answers"):
-        envs_base.verdicts(env, ["t"], ["a"])
+        rollout.episodes.judge(env, ["t"], ["a"])
 
 
 def test_a_rubric_is_the_weighted_sum_of_its_components_whose_weights_sum_to_one():
@@ -167,7 +167,7 @@ def test_sql_verdicts_of_right_and_wrong_queries(sql):
     city = task.prompt.split()[-1]
     right = f"```sql\nSELECT name FROM people WHERE city = '{city}'\n```"
     everyone = "SELECT name FROM people"
-    got = envs_base.verdicts(env, [task] * 4, [right, everyone, "SELEC name", "SELECT 1, 2"],
+    got = rollout.episodes.judge(env, [task] * 4, [right, everyone, "SELEC name", "SELECT 1, 2"],
                              sessions=[None] * 4, pool=None, config=CFG)
     assert [v.passed for v in got] == [True, False, False, False]
     assert [v.reward for v in got] == [1.0, 0.0, 0.0, 0.0]

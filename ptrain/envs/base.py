@@ -31,7 +31,8 @@ An environment has:
             **how) the fields of its held-out eval line
 
 `load(entry)` builds one from a config entry and checks it: the import path, the protocol,
-the tools' schemas; every error names what to fix.
+the tools' schemas; every error names what to fix. The episodes check each verdict
+(`rollout.episodes.judge`).
 """
 
 from __future__ import annotations
@@ -251,13 +252,3 @@ def load_all(entries: Sequence[Mapping], *, key: str = "tasks.envs") -> list[Env
             raise ValueError(f"{key}[{i}].weight={weight!r} must be a number > 0")
         envs.append(env)
     return envs
-
-
-def verdicts(env: Environment, tasks, answers, **kwargs) -> list:
-    """env.verify's verdicts, each checked (`verdict.check`), one per answer."""
-    from ptrain.envs import verdict as verdict_lib
-    out = list(env.verify(tasks, answers, **kwargs))
-    if len(out) != len(answers):
-        raise ValueError(f"environment {env.name!r}: verify returned {len(out)} verdicts for "
-                         f"{len(answers)} answers")
-    return [verdict_lib.check(v, env=env.name) for v in out]

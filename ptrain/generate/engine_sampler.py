@@ -274,7 +274,7 @@ def run_episodes(sampler: EngineSampler, params, episodes, prompts, key, tokeniz
     its prompt's prefill, and each keeps its slot and cache across turns and attempts: the
     observation (or retry feedback) after a turn is prefilled alone, never the history, and
     an episode's next turn starts as soon as its own tools (or verdict) come back, whatever
-    the others do. Turns, calls, caps and retries are rollout._run_attempt's (ptrain/rollout/turns.py):
+    the others do. Turns, calls, caps and retries are rollout.episodes._run_attempt's (ptrain/rollout/turns.py):
     greedily the episodes equal the per-turn path's token for token. Verdicts (with
     verify_now: `verify([episode])`) come per episode as its attempt ends, not per batch."""
     stop_ids, stop_strings = turns.turn_stops(fmt, tokenizer, c.stop_token_ids,

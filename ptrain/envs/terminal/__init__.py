@@ -191,18 +191,17 @@ def producer(s: Settings, config, sampler, tokenizer, heldout):
     one batch when it steps episodes in threads."""
     from sandbox import terminal
     rollout = rollout_config(s, config)  # its caps checked before the harness starts
-    t = s
-    with terminal.Harness(image_map=terminal.parse_image_map(list(t.image_map)),
-                          max_idle=t.max_idle, backend=t.backend,
+    with terminal.Harness(image_map=terminal.parse_image_map(list(s.image_map)),
+                          max_idle=s.max_idle, backend=s.backend,
                           call_timeout_s=config.rollout.tool_timeout_s) as harness:
         out = terminal_episodes.TerminalProducer(
             sampler, tokenizer, harness=harness, fmt=chat.FORMATS[config.rollout.chat_format],
             stop_ids=tuple(config.sampling.stop_token_ids), config=rollout,
             prompt_len=config.data.max_prompt_len, pad_id=tokenizer.pad_token_id)
         try:
-            if t.threads > 1 and heldout:
+            if s.threads > 1 and heldout:
                 harness.warm(terminal.load_task(heldout[0].task_dir),
-                             min(t.max_idle,
+                             min(s.max_idle,
                                  config.data.prompts_per_step * config.sampling.num_samples))
             yield out
         finally:
