@@ -5,10 +5,13 @@
         --image_map=python:3.12-slim=ptrain-term-base:latest
     python -m launch.eval --tasks=HumanEval.jsonl.gz --agent=oracle --out=runs/he
     python -m launch.eval --tasks=sandbox/terminal/tasks --agent=model --model=HF_DIR --out=runs/m
+    python -m launch.eval --tasks=examples/cad_tasks.jsonl --agent=oracle --out=runs/cad
 
 --tasks: a directory of terminal tasks (Harbor or Terminal-Bench 1.0 layout, each task a
 sub-directory; `sandbox.terminal`), or a JSONL task file in a format of `ptrain.tasks.FORMATS`
-(--format, detected from the first record when not given), judged by `ptrain.rewards`.
+(--format, detected from the first record when not given), judged by `ptrain.rewards`, or a
+CAD task file (`ptrain.envs.cad.task_file`: records with a "target"; --format=cad), each
+answer built and measured in the CAD sandbox (renders and STEP files in OUT/artefacts/).
 --agent=model: a local Hugging Face directory (--model) acting through its chat format's tool
 calls in the task's persistent shell (`ptrain.envs.terminal.agent`), or answering code tasks in one
 turn (`ptrain.code_eval.ModelAgent`); or a launch/train.py work dir, exported first, which on
@@ -30,8 +33,8 @@ import time
 from absl import app, flags
 
 _TASKS = flags.DEFINE_string("tasks", None, "A directory of terminal tasks, or a task file.")
-_FORMAT = flags.DEFINE_string("format", "", "The task file's format (ptrain.tasks.FORMATS); "
-                              "'' detects it. Not used for a directory of terminal tasks.")
+_FORMAT = flags.DEFINE_string("format", "", "The task file's format (ptrain.tasks.FORMATS, or "
+                              "cad); '' detects it. Not used for a directory of terminal tasks.")
 _AGENT = flags.DEFINE_enum("agent", None, ["oracle", "nop", "model"],
                            "oracle: the task's own solution; nop: nothing; model: --model.")
 _OUT = flags.DEFINE_string("out", None, "The output directory.")
@@ -182,6 +185,21 @@ def evaluate_code(path, agent_name, out, progress):
                                   progress=progress)
 
 
+def evaluate_cad(path, agent_name, out, progress):
+    import concurrent.futures
+    import dataclasses
+    from ptrain import code_eval
+    from ptrain.envs import cad
+    items = [(dataclasses.replace(t, metadata={**t.metadata, "format": "cad"}),
+              t.verifier.code or None) for t in cad.brought(path)]
+    env = cad.make(artefacts_dir=os.path.join(out, "artefacts"))
+    agent = (code_model_agent() if agent_name == "model" else
+             {"oracle": code_eval.oracle, "nop": code_eval.nop}[agent_name])
+    with concurrent.futures.ThreadPoolExecutor(_WORKERS.value) as pool:
+        return code_eval.evaluate(items, agent, out, attempts=_ATTEMPTS.value, pool=pool,
+                                  progress=progress, verify=env.verify)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -192,7 +210,10 @@ def main(argv):
         raise app.UsageError("--format names a task file's format; --tasks is a directory of "
                              "terminal tasks")
     os.makedirs(out, exist_ok=True)
-    run = evaluate_terminal if os.path.isdir(path) else evaluate_code
+    from ptrain.envs.cad import task_file
+    run = (evaluate_terminal if os.path.isdir(path) else evaluate_cad
+           if _FORMAT.value == "cad" or (not _FORMAT.value and task_file.is_cad_file(path))
+           else evaluate_code)
     t0 = time.monotonic()
     from ptrain import eval_failures
     try:

@@ -164,9 +164,11 @@ class ModelAgent:
 
 def evaluate(items: Sequence, agent, out_dir: str, *, attempts: int = 1, pool=None,
              config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
-             progress=None) -> dict:
+             progress=None, verify=None) -> dict:
     """Runs `agent` `attempts` times on every item, writes OUT (see the module docstring),
-    returns the summary. `progress(done, total, row)` is called after each attempt."""
+    returns the summary. `progress(done, total, row)` is called after each attempt.
+    `verify`: an environment's verifier (`ptrain.envs.Environment.verify`) for tasks that
+    have no built-in one (CAD); None: `rewards.verify_all`."""
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     os.makedirs(os.path.join(out_dir, "transcripts"), exist_ok=True)
@@ -185,9 +187,9 @@ def evaluate(items: Sequence, agent, out_dir: str, *, attempts: int = 1, pool=No
             raise ValueError(f"agent {name} returned {len(results)} attempts for "
                              f"{len(todo)} tasks")
         judge = [i for i, a in enumerate(results) if a.verdict is None and a.error is None]
-        verdicts = rewards_lib.verify_all([todo[i][0] for i in judge],
-                                          [results[i].completion for i in judge], pool=pool,
-                                          config=config)
+        verdicts = (verify or rewards_lib.verify_all)(
+            [todo[i][0] for i in judge], [results[i].completion for i in judge], pool=pool,
+            config=config)
         for i, v in zip(judge, verdicts):
             results[i].verdict = v
         per = (time.monotonic() - t0) / len(todo)

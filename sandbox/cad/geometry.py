@@ -60,9 +60,11 @@ def solid(mesh):
 
 def summary(mesh, m) -> dict:
     lo, hi = mesh.bounds
+    # repair=False: repairing a broken mesh's pieces needs networkx, which CAD runs lack
+    bodies = len(mesh.split(only_watertight=False, repair=False))
     return {"volume": float(m.volume()) if m is not None else float(abs(mesh.volume)),
             "area": float(mesh.area), "bbox_min": lo.tolist(), "bbox_max": hi.tolist(),
-            "size": (hi - lo).tolist(), "bodies": int(len(mesh.split(only_watertight=False))),
+            "size": (hi - lo).tolist(), "bodies": int(bodies),
             "watertight": m is not None, "triangles": int(len(mesh.faces))}
 
 
