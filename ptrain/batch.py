@@ -336,8 +336,10 @@ def truncated(meta: dict) -> bool:
 
 
 def domain_metrics(episodes: Batch) -> dict[str, float]:
-    """Per-domain means when the rows' meta name a domain: reward/<domain>/mean, and the
-    numeric episode fields a producer reports (pass rate, turns, tool calls and errors)."""
+    """Per-domain means when the rows' meta name a domain: reward/<domain>/mean, the numeric
+    episode fields a producer reports (pass rate, turns, tool calls and errors), and each
+    rubric component of the verdicts (episode/<domain>/rubric_<name>: e.g. a CAD part's
+    build, iou, chamfer)."""
     fields = ("passed", "turns", "tool_calls", "tool_errors", "attempts")
     by_domain: dict[str, list[int]] = {}
     for i, meta in enumerate(episodes.meta):
@@ -350,6 +352,10 @@ def domain_metrics(episodes: Batch) -> dict[str, float]:
             values = [episodes.meta[i][field] for i in rows if field in episodes.meta[i]]
             if values:
                 out[f"episode/{domain}/{field}"] = float(np.mean(values))
+        parts = [episodes.meta[i].get("components") or {} for i in rows]
+        for name in sorted({name for p in parts for name in p}):
+            values = [p[name] for p in parts if name in p]
+            out[f"episode/{domain}/rubric_{name}"] = float(np.mean(values))
     return out
 
 

@@ -284,3 +284,21 @@ def test_public_format_tasks_scripted_correct_answers_get_reward_1(hf_dir, tmp_p
             tools=chat.tool_schemas(e.task.tools) or None, add_generation_prompt=True,
             tokenize=False))
         assert e.tokens[-1] == eot and e.mask[-1] == 1 and "<|im_end|>" not in e.answers[-1]
+
+
+def test_a_rubric_s_components_reach_the_per_domain_metrics():
+    """Each verdict's named components (a rubric) are in its row's meta and averaged per
+    domain in the step's metrics (episode/<domain>/rubric_<name>), beside the reward."""
+    from ptrain import batch as batch_lib
+    from ptrain.envs import verdict
+    task = tasks.Task("c1", "cad", ARITH.verifier, prompt="part\n")
+    parts = [({"build": 1.0, "iou": 0.5}, 0.75), ({"build": 0.0, "iou": 0.0}, 0.0)]
+    episodes = [rollout.Episode(task, 0, [1, 2, 3], [0, 1, 1], [0.0, -0.1, -0.2], 1,
+                                verdicts=[verdict.rubric(c, {"build": 0.5, "iou": 0.5},
+                                                         passed=False, feedback="")])
+                for c, _ in parts]
+    batch = rollout.to_batch(episodes, rollout.RolloutConfig(), prompt_len=4, length=8)
+    assert [m["components"] for m in batch.meta] == [c for c, _ in parts]
+    m = batch_lib.domain_metrics(batch)
+    assert m["reward/cad/mean"] == pytest.approx(np.mean([r for _, r in parts]))
+    assert (m["episode/cad/rubric_build"], m["episode/cad/rubric_iou"]) == (0.5, 0.25)

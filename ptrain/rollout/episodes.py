@@ -352,8 +352,9 @@ def close(episodes: Sequence[Episode]) -> None:
 def to_batch(episodes: Sequence[Episode], config: RolloutConfig, *, prompt_len: int,
              length: int, tokenizer=None, pad_id: int = 0, max_len=None) -> Batch:
     """The episodes as a `batch.Batch`: each history split at its prompt, its reward (from
-    its verdicts, `Episode.reward`) in `rewards_b`, the last verdict's passed, feedback and
-    error type in its row's meta (with a tokenizer, also the prompt and completion texts);
+    its verdicts, `Episode.reward`) in `rewards_b`, the last verdict's passed, feedback,
+    error type and rubric components in its row's meta (with a tokenizer, also the prompt and
+    completion texts);
     a MoE's recorded routing (`ptrain.routing.pack`); `max_len`: the episodes' cap
     (`Batch.max_len_b`)."""
     meta = []
@@ -365,6 +366,8 @@ def to_batch(episodes: Sequence[Episode], config: RolloutConfig, *, prompt_len: 
                "passed": bool(last and last.passed),
                "feedback": last.feedback if last else "",
                "error_type": last.error_type if last else ""}
+        if last is not None and last.components:  # a rubric's parts, for the metrics
+            row["components"] = {k: float(v) for k, v in last.components.items()}
         if tokenizer is not None:
             row["prompt"] = tokenizer.decode(e.tokens[:e.prompt_len])
             row["completion"] = tokenizer.decode(e.tokens[e.prompt_len:])
