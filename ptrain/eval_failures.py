@@ -16,16 +16,17 @@ import re
 # (what the error says, the fix); the first that matches names the fix.
 KNOWN = (
     (r"No module named '?docker'?",
-     "the docker backend needs the docker SDK: pip install -e '.[terminal]' (or run tasks "
-     "that need only files with --backend=bwrap / the terminal environment's arg "
-     "backend='bwrap')"),
+     "the docker backend needs the docker SDK, part of ptrain's install: pip install -e . "
+     "(or run tasks that need only files with --backend=bwrap / the terminal environment's "
+     "arg backend='bwrap')"),
     (r"is not present locally|ImageError|ImageNotFound",
      "the task's image is not on this machine: map it to a local one with "
      "--image_map=FROM=LOCAL (the terminal environment's arg image_map in a config), or "
      "load it (docker load)"),
     (r"No module named '?pytest'?|pytest: (command )?not found",
-     "the task's tests run pytest, which neither its image nor the verifier has: pip install "
-     "pytest on this host (the verifier lends the host's pytest to images without one)"),
+     "the task's tests run pytest, which neither its image nor the verifier has: reinstall "
+     "ptrain (pip install -e .: pytest is part of its install; the verifier lends a read-only "
+     "copy of it to images without one)"),
     (r"Cannot connect to the Docker daemon|Error while fetching server API version|"
      r"docker\.errors\.DockerException",
      "the Docker engine is not running or not reachable: start it (sandbox/setup_host.sh "

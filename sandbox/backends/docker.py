@@ -35,7 +35,7 @@ class Docker:
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("docker") is None:
-            return "the docker SDK is not installed (pip install 'ptrain[docker]')"
+            return "the docker SDK is not installed (it is in ptrain's install: pip install -e .)"
         try:
             client = docker_client()
             client.ping()
