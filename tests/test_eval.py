@@ -235,7 +235,7 @@ def test_environment_failures_are_told_apart_from_the_agents():
     ]
     found = eval_failures.environment(rows)
     assert [(f["example"], f["attempts"]) for f in found] == [("a", 1), ("b", 1)]
-    assert "--image_map=FROM=LOCAL" in found[0]["fix"] and "pip install pytest" in found[1]["fix"]
+    assert "--image_map=FROM=LOCAL" in found[0]["fix"] and "pytest is part of its install" in found[1]["fix"]
     text = eval_failures.report(found, total=4)
     assert text.startswith("2 of 4 attempts failed for an environment reason")
     assert "docker SDK" in eval_failures.fix("No module named 'docker'")
