@@ -10,7 +10,7 @@ step-0 evaluation before training. Export the result with launch/export.py.
 
 Command:  python -m launch.train --config=configs/byo_qwen.py:/models/Qwen2.5-0.5B-Instruct,smoke
           --workdir=runs/byo-smoke   (first: the smoke variant, every stage at the smallest
-          size, `ptrain.config.smoke`), then without ",smoke" --workdir=runs/byo (task files
+          size, `ptrain.smoke`), then without ",smoke" --workdir=runs/byo (task files
           under data/; other files: edit tasks.envs' args)
           python -m launch.export --workdir=runs/byo --out=runs/byo/hf
 Hardware: one accelerator host that holds the model with its optimizer state (a 0.5B model:
@@ -25,11 +25,12 @@ Expected: <workdir>/eval.jsonl: per domain, rows for stage "base" (step 0) and "
 """
 
 from ptrain import config as config_lib
+from ptrain import smoke
 
 
 def get_config(arg: str = ""):
     """arg: the Hugging Face model directory (also its tokenizer), then ",smoke" for the smoke
-    variant (`ptrain.config.smoke`). The closed loop's defaults
+    variant (`ptrain.smoke`). The closed loop's defaults
     (ptrain.config.defaults(closed_loop=True)) with what this experiment changes."""
     model_dir, _, variant = arg.partition(",")
     if variant not in ("", "smoke"):
@@ -58,4 +59,4 @@ def get_config(arg: str = ""):
     c.rollout.update(max_turns=4, max_len=2048, chat_format="qwen")
     c.sandbox.workers = 8
     c.eval.update(n=164, sample=True)
-    return config_lib.smoke(c) if variant else c
+    return smoke.variant(c) if variant else c

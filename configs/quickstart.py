@@ -23,11 +23,12 @@ Expected: <workdir>/eval.jsonl: greedy held-out pass rate per domain (n=100) ris
 """
 
 from ptrain import config as config_lib
+from ptrain import smoke
 
 
 def get_config(arg: str = ""):
     """arg "short": a shortened run for tests (fewer tasks and steps, SFT rows no longer than
-    the demonstrations); "smoke": every stage at the smallest size (`ptrain.config.smoke`).
+    the demonstrations); "smoke": every stage at the smallest size (`ptrain.smoke`).
     The closed loop's defaults (ptrain.config.defaults(closed_loop=True)) with what this
     experiment changes."""
     if arg not in ("", "short", "smoke"):
@@ -57,4 +58,4 @@ def get_config(arg: str = ""):
         n_train=600 if short else 3000, n_heldout=30 if short else 100))
         for env in config_lib.GENERATED)  # code, arith, files (ptrain.envs.synthetic)
     c.eval.n = 30 if short else 100
-    return config_lib.smoke(c) if arg == "smoke" else c
+    return smoke.variant(c) if arg == "smoke" else c

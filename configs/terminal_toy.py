@@ -23,11 +23,12 @@ Expected: <workdir>/eval.jsonl: greedy held-out pass rate (n=32) 0.50 after SFT 
 """
 
 from ptrain import config as config_lib
+from ptrain import smoke
 
 
 def get_config(arg: str = ""):
     """arg "short": a shortened run for tests (fewer tasks and steps); "smoke": every stage
-    at the smallest size (`ptrain.config.smoke`). The closed loop's
+    at the smallest size (`ptrain.smoke`). The closed loop's
     defaults (ptrain.config.defaults(closed_loop=True)) with what this experiment changes."""
     if arg not in ("", "short", "smoke"):
         raise ValueError(f"configs/terminal_toy.py:{arg}: the variants are 'short' and 'smoke'")
@@ -54,4 +55,4 @@ def get_config(arg: str = ""):
         n_train=40 if short else 400, n_heldout=8 if short else 32)),)
     c.rollout.update(max_turns=2, max_len=96, max_tool_output_chars=200, tool_timeout_s=10.0)
     c.eval.n = 8 if short else 32
-    return config_lib.smoke(c) if arg == "smoke" else c
+    return smoke.variant(c) if arg == "smoke" else c

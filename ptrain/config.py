@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import os
 
 import ml_collections
@@ -207,71 +208,8 @@ def _closed_loop_sections(c):
                      address="local")  # with cluster="ray": "local" or a Ray address
     c.eval = dict(n=100,  # held-out tasks per domain (at most the held-out split)
                   sample=False)  # also pass@1, pass@k at the sampling temperature (num_samples)
-    c.tasks.adaptive = adaptive_defaults()
-
-
-# ============================================================ the mixture's adaptive sampler
-# `ptrain.envs.adaptive`: weights by learning progress or pass-rate band, and the filter of
-# tasks every sample solves or none does. The section sits beside the mixture's weights.
-
-
-def adaptive_defaults() -> dict:
-    return dict(mode="off",  # ptrain.envs.adaptive.MODES: "off", "progress" or "band"
-                fast=0.3, slow=0.05,  # EMA rates of each environment's pass rate
-                band=(0.2, 0.8),  # mode "band": the pass rates drawn more
-                floor=0.2,  # the share of the draw that always follows the weights (> 0)
-                # > 0: skip a task after this many all-pass or all-fail groups in a row
-                filter_patience=0)
-
-
-def check_adaptive(section, where: str) -> None:
-    """A clear error for a bad option of an adaptive section (`adaptive_defaults`)."""
-    from ptrain.envs import adaptive
-    if section.filter_patience < 0:
-        raise ValueError(f"config: {where}.filter_patience={section.filter_patience} must be "
-                         ">= 0 (0: no task filter)")
-    try:
-        adaptive.from_config(("check",), (1.0,), section, seed=0)
-    except ValueError as e:
-        raise ValueError(f"config: {where}: {e}") from None
-
-
-def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """A config's `:smoke` variant, in place: every stage the run has (a brought model's base
-    evaluation, SFT, RL, the held-out evaluations) at the smallest sizes that still run them,
-    so that the whole path runs end to end in minutes on a laptop CPU before the real run.
-    The model, tokenizer, tasks and algorithm stay the config's."""
-    c.steps = min(c.steps, 2)
-    c.data.prompts_per_step = 2
-    c.sampling.update(num_samples=2, max_new_tokens=min(c.sampling.max_new_tokens, 32))
-    c.rl.update(num_minibatches=1, microbatch_size=0, logprob_microbatch_size=0)
-    if c.sft.steps:
-        c.sft.update(steps=min(c.sft.steps, 10), batch_size=min(c.sft.batch_size, 8),
-                     microbatch_size=0, checkpoint_every=0)
-    c.checkpoint.every = 1
-    c.log.rollouts_every = 1
-    if "tasks" in c:
-        c.eval.update(n=min(c.eval.n, 4), sample=False)
-        c.sandbox.workers = 1
-        c.rollout.update(max_turns=min(c.rollout.max_turns, 2),
-                         max_len=min(c.rollout.max_len, 4 * c.sampling.max_new_tokens))
-        c.dapo.overlong_buffer = min(c.dapo.overlong_buffer, c.rollout.max_len)
-        c.tasks.envs = tuple(_smoke_env(dict(entry)) for entry in c.tasks.envs)
-    return c
-
-
-# Smoke sizes of the built-in generated environments' args (a user's environment keeps its
-# own args, capped where it names the same ones).
-_SMOKE_CAPS = {"n_train": 64, "n_heldout": 4, "threads": 4}
-_GENERATED_ARGS = {**{env: ("n_train", "n_heldout") for env in GENERATED},
-                   "ptrain.envs.terminal:make": ("n_train", "n_heldout", "threads")}
-
-
-def _smoke_env(entry: dict) -> dict:
-    args = dict(entry.get("args") or {})
-    for key in {*args, *_GENERATED_ARGS.get(entry.get("env"), ())} & set(_SMOKE_CAPS):
-        args[key] = min(args.get(key, _SMOKE_CAPS[key]), _SMOKE_CAPS[key])
-    return {**entry, "args": args}
+    from ptrain.envs import adaptive  # (numpy only: the mixture's adaptive sampler)
+    c.tasks.adaptive = adaptive.section_defaults()
 
 
 def plan_defaults() -> ml_collections.ConfigDict:
@@ -343,46 +281,32 @@ def _check_keys(config, closed_loop):
             + ". Build the config on ptrain.config.defaults() and set only existing keys.")
 
 
-def _check_sizes(config):
-    """Counts and sizes that must be positive (or >= 0): first, so that the checks after
-    them may divide by them."""
-    rl, s, d, sc = config.rl, config.sampling, config.data, config.sft
-    positive = {"data.prompts_per_step": d.prompts_per_step,
-                "data.max_prompt_len": d.max_prompt_len,
-                "sampling.num_samples": s.num_samples,
-                "sampling.max_new_tokens": s.max_new_tokens,
-                "rl.ppo_epochs": rl.ppo_epochs, "rl.num_minibatches": rl.num_minibatches,
-                "rl.logprob_chunk": rl.logprob_chunk,
-                "sft.batch_size": sc.batch_size, "sft.max_prompt_len": sc.max_prompt_len,
-                "sft.max_completion_len": sc.max_completion_len,
-                "log.every": config.log.every, "checkpoint.every": config.checkpoint.every,
-                "checkpoint.keep": config.checkpoint.keep}
-    at_least_zero = {"steps": config.steps, "sft.steps": sc.steps,
-                     "rl.microbatch_size": rl.microbatch_size,
-                     "rl.logprob_microbatch_size": rl.logprob_microbatch_size,
-                     "sft.microbatch_size": sc.microbatch_size,
-                     "sft.checkpoint_every": sc.checkpoint_every,
-                     "log.rollouts_every": config.log.rollouts_every,
-                     "log.num_rollouts": config.log.num_rollouts}
-    if "tasks" in config:
-        positive.update({"eval.n": config.eval.n, "sandbox.workers": config.sandbox.workers,
-                         "rollout.max_turns": config.rollout.max_turns,
-                         "rollout.max_attempts": config.rollout.max_attempts,
-                         "rollout.max_len": config.rollout.max_len})
-    checks = []
-    for bound, keys in ((1, positive), (0, at_least_zero)):
-        for key, value in keys.items():
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= bound
-            what = "a positive int" if bound else "an int >= 0 (0: " + _ZERO.get(key, "off") + ")"
-            checks.append((ok, f"{key}={value!r} must be {what}"))
-    _raise_first(checks)
-
-
-# What 0 means for the keys that may be 0 (`_check_sizes`' messages).
+# Counts that must be positive (the closed loop's too), and those that may be 0, with what 0
+# means (`_check_sizes`' messages).
+_POSITIVE = ("data.prompts_per_step", "data.max_prompt_len", "sampling.num_samples",
+             "sampling.max_new_tokens", "rl.ppo_epochs", "rl.num_minibatches",
+             "rl.logprob_chunk", "sft.batch_size", "sft.max_prompt_len",
+             "sft.max_completion_len", "log.every", "checkpoint.every", "checkpoint.keep")
+_LOOP_POSITIVE = ("eval.n", "sandbox.workers", "rollout.max_turns", "rollout.max_attempts",
+                  "rollout.max_len")
 _ZERO = {"steps": "no RL", "sft.steps": "no SFT",
          "rl.microbatch_size": "the whole minibatch", "rl.logprob_microbatch_size": "one pass",
          "sft.microbatch_size": "the whole batch", "sft.checkpoint_every": "checkpoint.every",
-         "log.rollouts_every": "never"}
+         "log.rollouts_every": "never", "log.num_rollouts": "off"}
+
+
+def _check_sizes(config):
+    """Counts and sizes that must be positive (or >= 0): first, so that the checks after
+    them may divide by them."""
+    positive = _POSITIVE + (_LOOP_POSITIVE if "tasks" in config else ())
+    checks = []
+    for bound, keys in ((1, positive), (0, tuple(_ZERO))):
+        for key in keys:
+            value = functools.reduce(lambda section, k: section[k], key.split("."), config)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= bound
+            what = "a positive int" if bound else f"an int >= 0 (0: {_ZERO[key]})"
+            checks.append((ok, f"{key}={value!r} must be {what}"))
+    _raise_first(checks)
 
 
 def _check_values(config):
@@ -500,7 +424,8 @@ def overlong_max_len(config) -> int:
 def _check_loop_values(config):
     from ptrain import envs  # imports each environment's module: errors name the entry
     loaded = envs.load_all(config.tasks.envs, key="tasks.envs")
-    check_adaptive(config.tasks.adaptive, "tasks.adaptive")
+    from ptrain.envs import adaptive
+    adaptive.check_section(config.tasks.adaptive, "tasks.adaptive")
     no_retries = [env.name for env in loaded if not env.turns.retries]
     _raise_first([
         (config.rollout.max_attempts == 1 or not no_retries,

@@ -258,20 +258,6 @@ def build_model(config, mesh) -> model_lib.Transformer:
     return model_lib.init(model_config(config), seed=config.seed, mesh=mesh)
 
 
-# ============================================================ LoRA: adapter-only checkpoints
-
-
-def _saved(params):
-    """What a checkpoint holds of the parameters: with LoRA the adapters only (the base is
-    the config's model, rebuilt on restore), else all of them."""
-    return lora.split(params)[0] if lora.has_adapters(params) else params
-
-
-def _restored(saved, params):
-    """The parameters from a checkpoint's `_saved` part and the run's `params` (its base)."""
-    return lora.join(saved, lora.split(params)[1]) if lora.has_adapters(params) else saved
-
-
 def _load_tokenizer(path):
     if not path:
         return None
@@ -348,14 +334,14 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     if ckpt.latest_step() is not None:
         if k and not c.rl.interrupt:
             aux["ahead_params"] = lookahead_lib.restore_template(
-                _saved(params), len(ckpt.aux_keys().get("ahead_params", ())))
-        restored = ckpt.restore(params=_saved(params), opt_state=opt_state, rng=root_key,
+                lora.checkpointed(params), len(ckpt.aux_keys().get("ahead_params", ())))
+        restored = ckpt.restore(params=lora.checkpointed(params), opt_state=opt_state, rng=root_key,
                                 aux_state={n: v for n, v in aux.items() if v} or None)
         start, opt_state = restored.step, restored.opt_state
-        params, base = _restored(restored.params, params), params
+        params, base = lora.restored(restored.params, params), params
         critic = restored.aux_state.get("critic")
         saved = restored.aux_state.get("ahead_params") or {}
-        ahead_params = [_restored(saved[str(j)], base) for j in range(len(saved))]
+        ahead_params = [lora.restored(saved[str(j)], base) for j in range(len(saved))]
         data_state = restored.data_state
         kl_ctl = dataclasses.replace(kl_ctl, value=restored.extra["kl_coef"])
         monitor.restore(restored.extra.get("alerts"))
@@ -442,10 +428,10 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                 if k:  # (rl.interrupt: the pending batches, finished)
                     data_state, ahead_saved = ahead.state()
                     aux["ahead_params"] = ahead_saved and {
-                        j: _saved(p) for j, p in ahead_saved.items()}
+                        j: lora.checkpointed(p) for j, p in ahead_saved.items()}
                     saved, host = ahead.saved_batches()
                 aux = {n: v for n, v in aux.items() if v}
-                ckpt.save(step, params=_saved(params), opt_state=opt_state, rng=root_key,
+                ckpt.save(step, params=lora.checkpointed(params), opt_state=opt_state, rng=root_key,
                           data_state=data_state, aux_state=aux or None, host_state=host or None,
                           extra={"kl_coef": kl_ctl.value, "alerts": monitor.state(), **saved})
 
@@ -556,9 +542,9 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
                                        async_save=c.checkpoint.async_save)
     root_key, start, data_state = jax.random.key(c.seed), 0, None
     if ckpt.latest_step() is not None:
-        restored = ckpt.restore(params=_saved(params), opt_state=opt_state, rng=root_key)
+        restored = ckpt.restore(params=lora.checkpointed(params), opt_state=opt_state, rng=root_key)
         start, opt_state = restored.step, restored.opt_state
-        params = _restored(restored.params, params)
+        params = lora.restored(restored.params, params)
         data_state = restored.data_state
     if sc.packing:
         batches, next_packed = _packed_sft(learner, records, data_state)
@@ -598,7 +584,7 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
             writer.write(step, {**step_metrics, **alerts_lib.as_metrics(fired)})
         alerts_lib.raise_on_stop(fired)  # before this step's checkpoint: the last is good
         if step % (sc.checkpoint_every or c.checkpoint.every) == 0 or step == sc.steps:
-            ckpt.save(step, params=_saved(params), opt_state=opt_state, rng=root_key,
+            ckpt.save(step, params=lora.checkpointed(params), opt_state=opt_state, rng=root_key,
                       data_state=batches.get_state())
     ckpt.wait()
     ckpt.close()

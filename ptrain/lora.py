@@ -242,3 +242,15 @@ def save_peft(state, c, path: str, *, base_model: str = "") -> None:
               "init_lora_weights": True, "modules_to_save": None}
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
+
+
+def checkpointed(params):
+    """What a checkpoint holds of the parameters: with adapters the adapters only (the base
+    is the config's model, rebuilt on restore), else all of them."""
+    return split(params)[0] if has_adapters(params) else params
+
+
+def restored(saved, params):
+    """The parameters from a checkpoint's `checkpointed` part and the run's `params` (its
+    base)."""
+    return join(saved, split(params)[1]) if has_adapters(params) else saved

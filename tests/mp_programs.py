@@ -593,6 +593,6 @@ def multiturn_program(workdir: str, mesh=None, engine: bool = False) -> dict:
     params = L.train(c, workdir, producer=producer, mesh=mesh, tokenizer=tok)
     heldout = {"fmt": [CL.tasks_lib.from_record(r) for r in format_tasks(5, n=4)]}
     lines = CL.evaluate(sampler, params, heldout, tokenizer=tok, config=c, pool=None,
-                        stage="rl", step=1)
+                        stage="rl", step=1, envs=[rollout.builtin("fmt")], producers={})
     return {"metrics": _run_metrics(workdir), "eval": lines,
             "params": sharding.to_host(params)}

@@ -185,7 +185,9 @@ def test_the_producer_at_staleness_1_on_bwrap(generated):
         assert b.rewards_b.tolist() == want, (step, b.meta)
         assert {m["policy_version"] for m in b.meta} == {lookahead.version(step, 1)}
         assert lookahead.metrics(b, step, 1)["rollout/staleness"] == min(step - 1, 1)
-    assert len(made) <= 2 * len(want)  # warm boxes reused: two batches' worth at most
+    # warm boxes reused: two batches' worth at most, an agent box and a fresh verifier box per
+    # episode (without reuse: steps * rows * 2)
+    assert len(made) <= 2 * 2 * len(want) < steps * len(want) * 2
 
 
 def test_demonstrations_carry_the_mistake_at_the_bug_rate(generated):

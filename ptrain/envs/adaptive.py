@@ -178,7 +178,30 @@ class TaskFilter:
 def from_config(names: Sequence[str], weights: Sequence[float], section,
                 seed: int) -> tuple[Adaptive, TaskFilter | None]:
     """The sampler and filter (None: filter_patience 0) of a config's adaptive section
-    (`ptrain.config.adaptive_defaults`)."""
+    (`section_defaults`)."""
     adaptive = Adaptive(names, weights, mode=section.mode, fast=section.fast,
                         slow=section.slow, band=section.band, floor=section.floor, seed=seed)
     return adaptive, TaskFilter(section.filter_patience) if section.filter_patience else None
+
+
+# ------------------------------------------------------------------ the config's section
+
+def section_defaults() -> dict:
+    """The config's tasks.adaptive section (`ptrain.config.defaults(closed_loop=True)`)."""
+    return dict(mode="off",  # MODES: "off", "progress" or "band"
+                fast=0.3, slow=0.05,  # EMA rates of each environment's pass rate
+                band=(0.2, 0.8),  # mode "band": the pass rates drawn more
+                floor=0.2,  # the share of the draw that always follows the weights (> 0)
+                # > 0: skip a task after this many all-pass or all-fail groups in a row
+                filter_patience=0)
+
+
+def check_section(section, where: str) -> None:
+    """A clear error for a bad option of an adaptive section (`section_defaults`)."""
+    if section.filter_patience < 0:
+        raise ValueError(f"config: {where}.filter_patience={section.filter_patience} must be "
+                         ">= 0 (0: no task filter)")
+    try:
+        from_config(("check",), (1.0,), section, seed=0)
+    except ValueError as e:
+        raise ValueError(f"config: {where}: {e}") from None

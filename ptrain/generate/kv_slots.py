@@ -56,6 +56,7 @@ from flax import nnx
 
 from ptrain import model as model_lib
 from ptrain import moe
+from ptrain import rope as rope_lib
 from ptrain.generate import sampler as sampler_lib
 
 ROUTING_DTYPE = sampler_lib.ROUTING_DTYPE
@@ -334,7 +335,7 @@ def forward_tokens(model, tok_bt, pos_bt, valid_bt, k_lnkse, v_lnkse, *, rows_b=
     the longest one needs). Returns (hidden states [b, t, d] before the final norm, k, v,
     the MoE layers' experts [MoE layers, b, t, k] or None)."""
     c = model.config
-    rope = model_lib.rope_tables(c)
+    rope = rope_lib.rope_tables(c)
     s = k_lnkse.shape[3]
     block = block or cache_layout(s)[1]
     at_bt = jnp.where(valid_bt, pos_bt, s)  # s: dropped

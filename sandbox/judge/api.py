@@ -74,7 +74,7 @@ else:
 """
 
 
-_MODULES = ("harness", "rpc", "codec", "split", "zygote", "pytest_shim")
+_MODULES = ("harness", "rpc", "codec", "split", "stdio_cases", "zygote", "pytest_shim")
 # A judge run on a fork server that preloaded the harness (see `judge_backend`).
 _PRELOADED_RUN = "import sys\nsys.modules['judge_harness'].main()\n"
 

@@ -27,10 +27,10 @@ import os
 
 from sandbox.terminal import bwrap
 from sandbox.terminal.agents import nop, oracle
-from sandbox.terminal.container import (Container, ContainerGone, ExecResult, Limits,
-                                        remove_orphans)
+from sandbox.terminal.container import Container, ContainerGone, Limits, remove_orphans
 from sandbox.terminal.episode import Episode, Harness, HealthcheckFailed, TimeUp
 from sandbox.terminal.evaluate import evaluate, pass_at_k, run_attempt, summarize
+from sandbox.terminal.exec_output import ExecResult
 from sandbox.terminal.image import BASE_IMAGE, ImageError, ensure_image, parse_image_map
 from sandbox.terminal.shell import Shell, ShellResult
 from sandbox.terminal.task import Loaded, Task, TaskError, load_task, load_tasks

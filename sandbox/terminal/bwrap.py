@@ -47,7 +47,8 @@ from sandbox.backends import base as sandbox_base
 from sandbox.backends.bwrap import _KEYRING_SYSCALLS, _pipe_with, seccomp_filter
 from sandbox.terminal import state as state_
 from sandbox.terminal.bwrap_plan import ROOTFS_DIR, NeedsImage, Plan, bases, plan  # noqa: F401
-from sandbox.terminal.container import CappedBuffer, ExecResult, Limits
+from sandbox.terminal.container import Limits
+from sandbox.terminal.exec_output import CappedBuffer, ExecResult
 from sandbox.terminal.hostfs import ConfinedRoot, fs_identity
 from sandbox.terminal.reset import _children, kill_tree
 

@@ -17,7 +17,8 @@ import dataclasses
 import secrets
 import time
 
-from sandbox.terminal.container import CappedBuffer, Container
+from sandbox.terminal.container import Container
+from sandbox.terminal.exec_output import CappedBuffer
 
 _GRACE_S = 5.0
 _START_TIMEOUT_S = 30.0
