@@ -25,7 +25,7 @@ system-deps:
 # --max-worker-restart=0: a test that kills its xdist worker (a segfault) ends the run at once,
 # naming the test, with the worker's fault traceback; with restarts, --dist loadgroup hangs
 # after replacing the worker (xdist 3.8: the controller and the new worker both wait) until CI's
-# time limit, which is how stop 23's CI ended.
+# time limit (a CI run once ended that way).
 test: install-test system-deps
 	PTRAIN_VERL_SRC=$(VERL_DIR)/verl $(PYTHON) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --max-worker-restart=0 --durations=30 $(PYTEST_ARGS) tests
 

@@ -121,7 +121,7 @@ def hf_dir(tmp_path_factory):
 
 # The order xdist hands out work (`make test` runs `--dist loadgroup --no-loadscope-reorder`,
 # so it keeps this order): the longest groups first, so that a long chain of tests bound to one
-# worker does not start late and finish alone. Measured in the stop-20 suite run (seconds of one
+# worker does not start late and finish alone. Measured in a full suite run (seconds of one
 # worker): closed_loop (the quickstart end to end, the colab notebook, byo) ~680, the
 # multi-process learner ~550, moe_rl and learner 250-350 each. Then the other groups, most
 # tests first (xdist's own default order), then the ungrouped tests in file order.
