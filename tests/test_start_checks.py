@@ -71,14 +71,16 @@ def test_an_empty_training_file_fails_naming_the_key(tmp_path):
         "tasks.envs": (dict(env="ptrain.envs.math:gsm8k",
                             args=dict(train=str(empty), heldout=str(held))),),
         "tokenizer": str(tmp_path), "sft.steps": 0})
-    _refused(config, tmp_path / "run", "tasks.envs[0].args.train", "is empty")
+    message = _refused(config, tmp_path / "run", "tasks.envs[0].args.train", "is empty")
+    assert repr(str(empty)) in message  # the file, as it was given
 
 
 def test_an_empty_prompt_file_of_the_learner_fails_naming_the_key(tmp_path):
     (tmp_path / "prompts.jsonl").write_text("")
     config = _changed(grpo_toy, **{"data.records_fn": None,
                                    "data.sources": (str(tmp_path / "prompts.jsonl"),)})
-    _refused(config, tmp_path / "run", "data.sources[0]", "is empty")
+    message = _refused(config, tmp_path / "run", "data.sources[0]", "is empty")
+    assert str(tmp_path / "prompts.jsonl") in message
 
 
 def test_a_work_dir_that_is_a_file_fails_naming_the_flag(tmp_path):
@@ -91,7 +93,9 @@ def test_a_work_dir_that_is_a_file_fails_naming_the_flag(tmp_path):
 
 def test_a_missing_model_directory_names_hf_model(tmp_path):
     config = _changed(byo_qwen, str(tmp_path / "nowhere"))
-    _refused(config, tmp_path / "run", "hf_model=", "is not a directory with a config.json")
+    message = _refused(config, tmp_path / "run", "hf_model=",
+                       "is not a directory with a config.json")
+    assert str(tmp_path / "nowhere") in message
 
 
 def test_a_terminal_task_whose_image_is_missing_refuses_to_start(tmp_path):
@@ -119,12 +123,14 @@ def test_a_pinned_sandbox_backend_that_cannot_run_refuses_to_start(tmp_path, mon
     from sandbox import backends
     monkeypatch.setattr(backends, "unavailable_reason", lambda spec: "bwrap is not installed")
     config = _changed(quickstart, "short", **{"sandbox.backend": "bwrap"})
-    _refused(config, tmp_path / "run", "sandbox.backend='bwrap' cannot run here",
-             "bwrap is not installed")
+    message = _refused(config, tmp_path / "run", "sandbox.backend='bwrap' cannot run here",
+                       "bwrap is not installed")
+    assert "'auto'" in message  # the way out: the strongest backend that runs here
 
 
 def test_sft_steps_without_sft_records_and_rl_without_prompts_fail_naming_the_keys(tmp_path):
     config = _changed(grpo_toy, **{"sft.steps": 10})
-    _refused(config, tmp_path / "a", "sft.steps=10 but no SFT records", "sft.sources")
-    _refused(_changed(grpo_toy, **{"data.records_fn": None}), tmp_path / "b",
-             "steps=30 but no prompts", "data.sources")
+    no_sft = _refused(config, tmp_path / "a", "sft.steps=10 but no SFT records", "sft.sources")
+    no_rl = _refused(_changed(grpo_toy, **{"data.records_fn": None}), tmp_path / "b",
+                     "steps=30 but no prompts", "data.sources")
+    assert "sft.steps=0" in no_sft and "data.records_fn" in no_rl  # each names its way out
