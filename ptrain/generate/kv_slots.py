@@ -411,9 +411,7 @@ def sample_rows(logits_bv, keys_b, gen_b, settings: Settings):
     temperature 1), as `sampler.sample_logits` does: temperature, then top-k, then top-p."""
     logp_t1_bv = jax.nn.log_softmax(logits_bv, axis=-1)
     if settings.greedy:
-        tok_b = jnp.argmax(logits_bv, axis=-1)
-        logp_t1_b = _take(logp_t1_bv, tok_b)
-        return tok_b, jnp.zeros(tok_b.shape, jnp.float32), logp_t1_b, logp_t1_b
+        return sampler_lib.greedy(logits_bv, logp_t1_bv)
     scaled_bv = logits_bv / settings.temperature
     z_bv = sampler_lib.filter_top_k_top_p(scaled_bv, settings.top_k, settings.top_p)
     logp_bv = jax.nn.log_softmax(z_bv, axis=-1)
@@ -425,10 +423,6 @@ def sample_rows(logits_bv, keys_b, gen_b, settings: Settings):
     # zero-probability token is never chosen.
     target_b = (1.0 - u_b) * cdf_bv[:, -1]
     tok_b = jnp.minimum(jnp.sum(cdf_bv < target_b[:, None], axis=-1), logits_bv.shape[-1] - 1)
-    logp_b = _take(logp_bv, tok_b)
-    logp_temp_b = logp_b if logp_temp_bv is logp_bv else _take(logp_temp_bv, tok_b)
-    return tok_b, logp_b, logp_temp_b, _take(logp_t1_bv, tok_b)
-
-
-def _take(x_bv, tok_b):
-    return jnp.take_along_axis(x_bv, tok_b[:, None], axis=-1)[:, 0]
+    logp_b = sampler_lib.take(logp_bv, tok_b)
+    logp_temp_b = logp_b if logp_temp_bv is logp_bv else sampler_lib.take(logp_temp_bv, tok_b)
+    return tok_b, logp_b, logp_temp_b, sampler_lib.take(logp_t1_bv, tok_b)

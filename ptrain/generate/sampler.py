@@ -489,14 +489,12 @@ def sample_logits(logits_bv, key, settings: _Settings):
     on what top-k kept (the order of Hugging Face's logits processors)."""
     logp_t1_bv = jax.nn.log_softmax(logits_bv, axis=-1)
     if settings.greedy:
-        tok_b = jnp.argmax(logits_bv, axis=-1)
-        logp_t1_b = _take(logp_t1_bv, tok_b)
-        return tok_b, jnp.zeros(tok_b.shape, jnp.float32), logp_t1_b, logp_t1_b
+        return greedy(logits_bv, logp_t1_bv)
     scaled_bv = logits_bv / settings.temperature
     z_bv = filter_top_k_top_p(scaled_bv, settings.top_k, settings.top_p)
     tok_b = jax.random.categorical(key, z_bv, axis=-1)
-    return (tok_b, _take(jax.nn.log_softmax(z_bv, axis=-1), tok_b),
-            _take(jax.nn.log_softmax(scaled_bv, axis=-1), tok_b), _take(logp_t1_bv, tok_b))
+    return (tok_b, take(jax.nn.log_softmax(z_bv, axis=-1), tok_b),
+            take(jax.nn.log_softmax(scaled_bv, axis=-1), tok_b), take(logp_t1_bv, tok_b))
 
 
 def filter_top_k_top_p(z_bv, top_k: int, top_p: float):
@@ -517,5 +515,15 @@ def filter_top_k_top_p(z_bv, top_k: int, top_p: float):
     return jnp.where(z_bv >= threshold_b, z_bv, -jnp.inf)
 
 
-def _take(x_bv, tok_b):
+def greedy(logits_bv, logp_t1_bv):
+    """The argmax token of each row, as `sample_logits` returns a sample: its log-prob under
+    the distribution sampled from is 0 (a point mass); at temperature 1, twice (greedy has
+    no temperature)."""
+    tok_b = jnp.argmax(logits_bv, axis=-1)
+    logp_t1_b = take(logp_t1_bv, tok_b)
+    return tok_b, jnp.zeros(tok_b.shape, jnp.float32), logp_t1_b, logp_t1_b
+
+
+def take(x_bv, tok_b):
+    """Each row's entry at its token: [b, v] -> [b]."""
     return jnp.take_along_axis(x_bv, tok_b[:, None], axis=-1)[:, 0]

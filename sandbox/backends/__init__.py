@@ -46,20 +46,26 @@ def pick_backend(backend="auto"):
     if isinstance(backend, _SPECS):
         return backend
     if backend == "auto":
-        reasons = {}
-        for spec_class in STRONGEST_FIRST:
-            spec = spec_class()
-            reasons[spec.name] = auto_refusal(spec) or unavailable_reason(spec)
-            if reasons[spec.name] is None:
-                _log_auto_once(spec.name, tuple((k, v) for k, v in reasons.items() if v))
-                return spec
-        raise BackendUnavailable(f"no backend can run here: {reasons}")
+        return strongest([spec_class() for spec_class in STRONGEST_FIRST])
     for spec_class in _SPECS:
         if backend == spec_class.name:
             return spec_class()
     raise ValueError(f"unknown backend {backend!r}; use 'auto', one of "
                      f"{sorted(c.name for c in _SPECS)}, or an instance of "
                      "sandbox.Process/Bwrap/Docker")
+
+
+def strongest(specs, *, what: str = "") -> object:
+    """The first of `specs` (strongest first) that "auto" may pick and that runs here, logged
+    once with the reasons of those skipped; BackendUnavailable naming every reason if none
+    does. `what`: the runs they are for, in the messages (e.g. "CAD")."""
+    reasons = {}
+    for spec in specs:
+        reasons[spec.name] = auto_refusal(spec) or unavailable_reason(spec)
+        if reasons[spec.name] is None:
+            _log_auto_once(spec.name, tuple((k, v) for k, v in reasons.items() if v))
+            return spec
+    raise BackendUnavailable(f"no backend can run {what + ' ' if what else ''}here: {reasons}")
 
 
 def __getattr__(name):

@@ -58,14 +58,7 @@ def spec(backend: str = "auto"):
     `sandbox.backends.pick_backend`) with CadQuery's interpreter and preimports."""
     python = os.path.join(VENV, "bin", "python")
     if backend == "auto":
-        reasons = {}
-        for name in ("docker", "bwrap", "process"):
-            candidate = spec(name)
-            reasons[name] = (backends.auto_refusal(candidate)
-                             or backends.unavailable_reason(candidate))
-            if reasons[name] is None:
-                return candidate
-        raise backends.BackendUnavailable(f"no backend can run CAD here: {reasons}")
+        return backends.strongest([spec(c.name) for c in backends.STRONGEST_FIRST], what="CAD")
     if backend == "process":
         return backends.Process(python=sys.executable if _host_has_cadquery() else python,
                                 preimport=MODULES)
