@@ -240,8 +240,7 @@ def run(config, workdir, *, mesh=None):
         learner_lib.train(config, workdir, params=params, mesh=mesh)
         return []
 
-    # ------------------------------------------------------------ set-up
-    check_config(config)
+    # ------------------------------------------------------------ set-up (checked above)
     envs = environments(config)
     tokenizer = make_tokenizer(config, envs)
     train, heldout, demonstrations = make_tasks(config, envs, tokenizer, workdir)
