@@ -67,7 +67,10 @@ def make_optimizer(optim, *, total_steps: int, updates_per_step: int = 1):
         schedule = optax.join_schedules([warmup, main], [optim.warmup_steps])
 
     def per_update(count):
-        return schedule(count // updates_per_step)
+        # Always a function of the traced count, even for a constant schedule: with a
+        # count-free learning rate the update program hung on 2 processes x 4 CPU devices
+        # (gloo; 1 x 8 ran), tests/test_multiprocess.py's learner run.
+        return schedule(count // updates_per_step) + 0.0 * count
 
     parts = [optax.clip_by_global_norm(optim.grad_clip)] if optim.grad_clip > 0 else []
     parts.append(optax.adamw(per_update, b1=optim.b1, b2=optim.b2, eps=optim.eps,

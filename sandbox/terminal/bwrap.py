@@ -127,6 +127,22 @@ def _proc_masks() -> list[str]:
     return out
 
 
+def _wait_exited(pid: int, timeout_s: float) -> None:
+    """Until `pid` is gone or a zombie: a namespace's pid 1 killed by SIGKILL first waits in
+    the kernel for every other process of the namespace to die (a traced one may take a
+    moment), so a box is only stopped once that wait is over."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
+                    return
+        except OSError:
+            return
+        time.sleep(0.002)
+    log.warning("terminal (bwrap): pid %d still running %.0f s after its SIGKILL", pid, timeout_s)
+
+
 def _pids_of(uid: int) -> list[int]:
     """Host pids running as `uid` (zombies included: their namespace is not gone yet)."""
     out = []
@@ -351,6 +367,8 @@ class Box:
             self.proc.wait()
             for pipe in (self.proc.stdout, self.proc.stderr):
                 pipe.close()
+        if self.pid is not None:  # its pid 1 exits once every process of it is dead
+            _wait_exited(self.pid, timeout_s=30.0)
         if self._cgroup is not None:
             if keep_cgroup:  # emptied: what pid 1's death left (an nsenter'd straggler)
                 self._cgroup.kill_run()
