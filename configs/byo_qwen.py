@@ -17,7 +17,7 @@ Hardware: one accelerator host that holds the model with its optimizer state (a 
           one GPU); the sandbox runs on the host's CPUs (sandbox.workers). Not for a CPU: the
           step-0 evaluation alone (164 HumanEval tasks x 8 samples x 512 tokens, then GSM8K)
           ran over 24 minutes on 2 CPU cores with a tiny model. The smoke variant with the
-          tiny Qwen2.5-style model of tests/hf_fixtures.py: see README "Bring your own model".
+          tiny Qwen2.5-style model of tests/hf_fixtures.py: see docs/closed_loop.md.
 Expected: <workdir>/eval.jsonl: per domain, rows for stage "base" (step 0) and "rl" (the last
           step), greedy pass@1 and sampled pass@1 / pass@k; the numbers depend on the model and
           have not been measured here (tests/test_byo.py runs this config end to end on a tiny

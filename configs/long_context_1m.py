@@ -15,8 +15,9 @@ Expected: 16 devices (sequence=16): peak 72.1 GiB per device = 5.6 GiB of parame
           AdamW moments + 66.5 GiB of temporaries; 9.12e17 model FLOPs per step. --search
           (80, 95 or 140 GiB) answers this mesh; the best 8-device meshes need 141.2 GiB
           (sequence=8) and 218.1 GiB (sequence=4 x tensor=2); sequence=32 needs 37.2 GiB.
-          These numbers need the attention-mask hoisting fix described in the long-context
-          section of docs/benchmarks.md; without it the plan reports 11,445 GiB per device.
+          (docs/benchmarks.md, "The 1M-token plan"). The attention kernels tie their mask
+          inputs to q (`lax.optimization_barrier`) so that differentiating the layer scan
+          does not hoist O(t^2) masks out of it (11,445 GiB per device without).
 """
 
 from ptrain import config as config_lib

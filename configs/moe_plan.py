@@ -19,7 +19,7 @@ Hardware: any CPU (it simulates the devices). On 2 shared cores (load 6-25) the 
 Expected: Qwen3-30B-A3B, one 32,768-token sequence: 8 devices (sequence=4 x tensor=2, peak
           72.1 GiB) for both budgets; 4 need 142.9 GiB. Kimi-K2, 256 sequences of 4096
           tokens: 256 devices (fsdp=2 x expert=128, 93.1 GiB per device); 128 need 164.3
-          GiB. docs/benchmarks.md has every compile the searches made.
+          GiB (docs/benchmarks.md, "Mixture of experts").
 """
 
 from ptrain import config as config_lib

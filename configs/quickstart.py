@@ -19,7 +19,7 @@ Hardware: 2 CPU cores, about 5 minutes (SFT 1000 steps ~2.5 min, RL 120 steps ~1
           two evaluations of 300 episodes); the sandbox uses the strongest backend available.
 Expected: <workdir>/eval.jsonl: greedy held-out pass rate per domain (n=100) rises from
           0.23 (code), 0.66 (arith), 0.48 (files) after SFT to 1.00, 1.00, 0.98 after RL
-          (a run on 2 CPU cores, docker backend; README "The closed loop").
+          (a run on 2 CPU cores, docker backend; README, "What it has shown"; docs/closed_loop.md).
 """
 
 from ptrain import config as config_lib

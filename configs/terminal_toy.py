@@ -19,7 +19,7 @@ Hardware: 2 CPU cores and docker with ptrain-term-base:latest (bash sandbox/setu
           31 min on 2 cores shared at load 15-20 (SFT 21 min, RL 7.5 min, 10 s per step);
           22 min at load 17-30 niced on the closed loop (SFT 15.5 min, RL 6.5 min).
 Expected: <workdir>/eval.jsonl: greedy held-out pass rate (n=32) 0.50 after SFT (0.11 on the
-          tasks with a folder) -> 1.00 after RL (README "RL on terminal tasks").
+          tasks with a folder) -> 1.00 after RL (docs/terminal.md, "A real run").
 """
 
 from ptrain import config as config_lib

@@ -2,9 +2,9 @@
 
 A projection is one 2-D matmul over the flattened tokens: XLA:CPU lowers the weight gradient
 of a [b, t, ...] einsum (two contracting dims) through slow transposing copies
-(bench/rl_bench.py's trunk: value and gradient 9.4x the forward's time, 5.6x flattened;
-docs/benchmarks.md). Where the mesh shards the time axis, flattening would gather the
-activations, so there it stays a [b, t] contraction.
+(bench/rl_bench.py's trunk: value and gradient 9.4x the forward's time, 5.6x flattened).
+Where the mesh shards the time axis, flattening would gather the activations, so there it
+stays a [b, t] contraction.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ allowed (and logged) or refused (with the reason), then the run record written
   refusal(key)                  why `key` may not change on resume, or None (it may)
   ensure(config, workdir)       the record alone, where none is (learner.train from Python)
 
-What may change on resume is written down in REFUSED (and the README's table): the shapes
-and meaning of what the checkpoints hold, the data stream they resume, the algorithm. Every
+What may change on resume is written down in REFUSED (and in docs/closed_loop.md's table): the
+shapes and meaning of what the checkpoints hold, the data stream they resume, the algorithm. Every
 other setting may change (learning rates, steps, logging, checkpointing, evaluation, the
 mesh, lengths), and each change is logged when the run starts.
 """

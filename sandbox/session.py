@@ -118,7 +118,7 @@ class Session:
         return self.sandbox
 
     def run(self, code: str | None = None, **options) -> Result:
-        """Like `sandbox.run`, in this session's work dir; `files` are added to it first.
+        """Like `sandbox.run`, in the session's work dir; `files` are added to it first.
         options (the fields of `Request`; the session's Limits are fixed at its start):
         """
         request, _ = from_options({"code": code, **options}, with_limits=False)

@@ -1,5 +1,5 @@
 """ptrain.envs.cad: the CAD environment on the protocol (tasks, demonstrations, verdicts, the
-`cad` tool, brought task files, launch.eval's oracle and nop), with the bad input of issue 41.
+`cad` tool, brought task files, launch.eval's oracle and nop), with bad input (each error naming what to fix).
 The sandbox's own cases (forged reports, every backend) are in tests/test_cad.py."""
 
 import hashlib

@@ -1,4 +1,4 @@
-"""Issue 39's attacks on the judge and the code sandbox, each a test on every backend it
+"""Attacks on the judge and the code sandbox, each a test on every backend it
 applies to (the `backend` fixture skips, with the reason, what cannot run here): the reward
 stays 0 (or the attack is refused), the real solution still passes, and the host is
 unchanged (read-only probes of its kernel settings, before and after the module).

@@ -1,4 +1,4 @@
-"""The house rule on module size (issue 10): no module of the packages over 600 lines, except
+"""The house rule on module size: no module of the packages over 600 lines, except
 sandbox/forkserver.py, which must stay one stdlib-only file (its source is sent inline to the
 sandbox) and says so at its top."""
 

@@ -20,7 +20,7 @@ def _block(title: str) -> str:
 
 
 def test_the_main_job_from_python(tmp_path, capsys):
-    code = _block("**From Python.**")
+    code = _block("## The main job from Python")
     assert len(code.strip().splitlines()) <= 16
     for pattern, cut in ((r'"steps": \d+', '"steps": 1'), (r"n_train=\d+", "n_train=8"),
                          (r"n_heldout=\d+", "n_heldout=2"),

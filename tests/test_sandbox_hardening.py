@@ -1,4 +1,4 @@
-"""Issue 15's attack classes, each with a test of its own, on every isolating backend where
+"""Classes of attack on the sandbox, each with a test of its own, on every isolating backend where
 the class concerns the sandbox (the `backend` fixture skips what cannot run here).
 
 Reward hacking: a value crosses from the solution to the judge only as plain data; the

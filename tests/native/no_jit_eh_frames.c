@@ -3,7 +3,7 @@
  * XLA:CPU's JIT (LLVM's RuntimeDyld) hands each compiled program's .eh_frame to libgcc's
  * __register_frame. libgcc 12 (Debian 12) keeps every registration in one list and, at the
  * next C++ exception thrown anywhere in the process, reads each new one's tables. The
- * suite's xdist workers have died there (stops 21, 23, 24: SIGSEGV in
+ * suite's xdist workers have died there (about one run in three: SIGSEGV in
  * classify_object_over_fdes, `mov (%rsi),%ebp`, reading a registered .eh_frame whose page was
  * already unmapped), i.e. a registration that outlived its program. Compiled XLA programs
  * never throw or unwind, so nothing needs those tables: loaded ahead of libgcc (LD_PRELOAD,
