@@ -9,8 +9,9 @@ other than "off", or a task filter): each step's prompts are drawn per environme
     draw.metrics()                             # tasks/weight/<env>, tasks/skipped
 
 Each source is one environment, named by its records' `domain` (a `ptrain.tasks.Task`'s
-attribute or a record's key). Each environment is its own stream: its records shuffled (seed
-+ its index, as `data.prompt_batches` shuffles them), repeated, read at its own position. A
+attribute or a record's key). Each environment is its own stream: its records in an order
+shuffled anew each epoch (a permutation seeded by (seed, its index, the epoch)), read at its
+own position. A
 step draws the environment of each of the global batch's prompts (`Adaptive.draw`), then the
 next record of that environment's stream, passing over the tasks the `TaskFilter` skips (an
 environment whose every task is skipped is read as if unfiltered). Every process draws the
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import os
 
-import grain
 import numpy as np
 
 from ptrain import data as data_lib
@@ -85,9 +85,8 @@ class AdaptiveDraw:
         self.adaptive, self.filter = adaptive_lib.from_config(
             names, [float(w) for _, w in specs], section, seed)
         self.names, self._index = tuple(names), {n: i for i, n in enumerate(names)}
-        self._sizes = [len(s) for s in opened]
-        self._streams = [grain.MapDataset.source(s).shuffle(seed=seed + i).repeat(None)
-                         for i, s in enumerate(opened)]
+        self._sources, self._sizes, self.seed = opened, [len(s) for s in opened], int(seed)
+        self._orders: dict[int, tuple[int, np.ndarray]] = {}  # env -> (epoch, permutation)
         self.batch_size, self.lag = int(batch_size), int(lag)
         self.process_index, self.process_count = int(process_index), int(process_count)
         self._pos = [0] * len(opened)
@@ -115,11 +114,19 @@ class AdaptiveDraw:
 
     def _take(self, i: int):
         for _ in range(self._sizes[i]):
-            record = self._streams[i][self._pos[i]]
+            record = self._record(i, self._pos[i])
             self._pos[i] += 1
             if self.filter is None or self._keep(i, record):
                 return record
         return record  # every task of the environment is skipped: read as if unfiltered
+
+    def _record(self, i: int, position: int):
+        epoch, j = divmod(position, self._sizes[i])
+        order = self._orders.get(i)
+        if order is None or order[0] != epoch:
+            order = self._orders[i] = (epoch, np.random.default_rng(
+                [self.seed, i, epoch]).permutation(self._sizes[i]))
+        return self._sources[i][int(order[1][j])]
 
     def _keep(self, i, record) -> bool:
         task = _task_id(record)

@@ -128,6 +128,12 @@ def test_a_restored_draw_continues_as_the_uninterrupted_one(lag):
     assert [[(r["domain"], r["id"]) for r in next(blind)] for _ in range(9)][5:] != whole[5:]
 
 
+def test_each_environment_is_read_once_per_epoch_in_a_new_order():
+    draw = _draw(_section(mode="band"), batch_size=6, names=("a",))
+    epochs = [[r["id"] for r in next(draw)] for _ in range(3)]
+    assert all(sorted(e) == list(range(6)) for e in epochs) and len(set(map(tuple, epochs))) > 1
+
+
 def test_processes_draw_one_global_batch_and_each_takes_its_block():
     section = _section(mode="progress")
     one = next(_draw(section, batch_size=8))
