@@ -390,8 +390,8 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                     collector.add(producer.score(generated))
                 data_state = batches.get_state()
             episodes, gen_metrics = collector.result()
-            if draw:  # (the global batch: every process observes the same verdicts)
-                batches.observe(step, episodes)
+            if draw:  # every call's global batch (the groups DAPO drops too): every process
+                batches.observe(step, collector.added)  # observes the same verdicts
                 gen_metrics.update(batches.metrics())
             if k:  # over the step's (global) batch: with many processes, every process's rows
                 stale_metrics = lookahead_lib.metrics(episodes, step, k, ahead.waited_s)

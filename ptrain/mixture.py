@@ -133,11 +133,14 @@ class AdaptiveDraw:
         return task is None or self.filter.keep(f"{self.names[i]}/{task}")
 
     # ------------------------------------------------------------------ observations
-    def observe(self, step: int, episodes) -> None:
-        """The verdicts of the batch of `step` (the global `batch.Batch`: rows' meta name
-        their `domain`), applied at the draws that follow by the schedule."""
+    def observe(self, step: int, batches) -> None:
+        """The verdicts of step `step`: its global `batch.Batch`, or the Batches of its
+        producer calls (group ids unique across them, `batch.Collector.added`); rows' meta
+        name their `domain`. Applied at the draws that follow, by the schedule."""
         groups: dict[tuple, list[float]] = {}
-        for i, meta in enumerate(episodes.meta):
+        batches = batches if isinstance(batches, (list, tuple)) else [batches]
+        rows = [(episodes, i, meta) for episodes in batches for i, meta in enumerate(episodes.meta)]
+        for episodes, i, meta in rows:
             domain = meta.get("domain")
             if domain is None:
                 continue

@@ -115,6 +115,20 @@ def _lookahead(draw, passed, *, lag, first, last, saves):
     return trained
 
 
+def test_every_producer_call_of_a_step_is_observed():
+    # With DAPO dynamic sampling a step makes several calls and keeps only informative
+    # groups; the draw observes them all (`batch.Collector.added`), the all-pass ones too.
+    draw = _draw(_section(filter_patience=1))
+    solved = _episodes(_records("a", 1), lambda r: (1.0, 1.0))
+    mixed = _episodes(_records("b", 1), lambda r: (1.0, 0.0))
+    mixed.group_ids_b = mixed.group_ids_b + 1  # (unique across the step's calls)
+    draw.observe(1, [solved, mixed])
+    draw.at(2)
+    next(draw)
+    assert draw.filter.skipped() == {"a/0": "solved"}
+    assert draw.adaptive.state()["count"] == [1, 1]
+
+
 @pytest.mark.parametrize("lag", [0, 2])
 def test_a_restored_draw_continues_as_the_uninterrupted_one(lag):
     passed = lambda r, s: (float((r["id"] + s) % 3 == 0), float(r["domain"] == "a" and s > 2))
