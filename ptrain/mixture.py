@@ -54,8 +54,12 @@ def _domain(record):
 
 
 def _task_id(record):
-    value = (record.get("id", record.get("task_id")) if isinstance(record, dict)
-             else getattr(record, "id", None))
+    """The id a row's meta names its task by (`task_id`): a record's `id`, a `Task`'s `id`, a
+    terminal task's `name`; None: the task filter does not apply to it."""
+    if isinstance(record, dict):
+        value = record.get("id", record.get("task_id"))
+    else:
+        value = getattr(record, "id", None) or getattr(record, "name", None)
     return None if value is None else str(value)
 
 
