@@ -7,14 +7,19 @@ An environment is a parameterised variant of a synthetic domain (`synthetic_task
 arith, files; variant i draws its tasks with seed i and is named "<domain>-<i>"), with its
 own weight (1 to 7). Per step, on the host, for `groups` tasks of `samples` episodes each:
   draw      the step's tasks by weight: the closed loop's prompt stream (`data.prompt_batches`,
-            a grain mixture of one source per environment; its build is reported apart), and
-            the adaptive sampler (`envs.adaptive.Adaptive.draw` in "progress" mode, then a task
-            of the drawn environment)
+            a grain mixture of one source per environment; its build is reported apart)
+  draw_adaptive  the same, drawn instead by the step's adaptive draw (tasks.adaptive on:
+            `mixture.AdaptiveDraw`, mode "progress" with a task filter of patience 2: the
+            environments by their weights, then each one's next task the filter keeps)
   prompts   each task's prompt ids (`rollout.render_prompt`, chat format "plain")
   rows      the episodes' verdicts into the step's Batch (`rollout.to_batch`, then
             `batch.Collector`: checks, group ids, reward and per-domain metrics)
   metrics   `metrics.MetricsWriter.write` (metrics.jsonl and TensorBoard with the per-domain
-            summaries) and the adaptive sampler's and task filter's observations
+            summaries, and the adaptive draw's weights, tasks/weight/<env>)
+  observe   the adaptive draw's observation of the step's verdicts (`AdaptiveDraw.observe`,
+            applied at its next draw) and its metrics
+Two totals: the static draw's (draw + prompts + rows + metrics) and the adaptive draw's
+(draw_adaptive + prompts + rows + metrics + observe).
 The episodes themselves (tokens, verdicts) are made up before each step and not timed: they
 are what generation and the verifiers return; nor are the first WARMUP steps. The learner's
 step is `Learner.prepare` + `Learner.update` on such a batch (the quickstart config's model,
@@ -38,10 +43,15 @@ sys.path.insert(0, REPO)
 
 from configs import quickstart  # noqa: E402
 from ptrain import batch as batch_lib  # noqa: E402
-from ptrain import chat, data, learner, metrics, rewards, rollout, synthetic_tasks  # noqa: E402
+import ml_collections  # noqa: E402
+
+from ptrain import chat, data, learner, metrics, mixture, rewards, rollout  # noqa: E402
+from ptrain.envs import synthetic as synthetic_tasks  # noqa: E402
 from ptrain.envs import adaptive  # noqa: E402
 
-STAGES = ("draw", "draw_adaptive", "prompts", "rows", "metrics")
+STAGES = ("draw", "draw_adaptive", "prompts", "rows", "metrics", "observe")
+STATIC = ("draw", "prompts", "rows", "metrics")
+ADAPTIVE = ("draw_adaptive", "prompts", "rows", "metrics", "observe")
 WARMUP = 2  # steps not timed (the prompt stream's threads start, first writes)
 
 
@@ -83,7 +93,8 @@ def episodes_of(tasks, prompts, samples, rng, length):
 
 
 def run_mixture(n, args, config, tokenizer, workdir):
-    """{stage: [seconds per step]}, the grain mixture's build time and the last Batch."""
+    """{stage: [seconds per step]}, the build times of the grain mixture and of the adaptive
+    draw, and the last Batch."""
     c = config
     envs, weights = environments(n, args.tasks_per_env)
     names = list(envs)
@@ -92,18 +103,24 @@ def run_mixture(n, args, config, tokenizer, workdir):
                                  batch_size=args.groups, seed=0, process_index=0,
                                  process_count=1).iterator()
     build_s = time.perf_counter() - start
-    mix = adaptive.Adaptive(names, weights, mode="progress", seed=0)
-    skip = adaptive.TaskFilter(patience=2)
+    section = ml_collections.ConfigDict(adaptive.section_defaults())
+    section.update(mode="progress", filter_patience=2)
+    start = time.perf_counter()
+    draw = mixture.AdaptiveDraw([(envs[k], w) for k, w in zip(names, weights)],
+                                section=section, batch_size=args.groups, seed=0)
+    build_adaptive_s = time.perf_counter() - start
     rng = random.Random(n)
     rc = rollout.rollout_config(c)
     times = {s: [] for s in STAGES}
+    weights = draw.metrics()
     fmt = chat.FORMATS[c.rollout.chat_format]
     with metrics.MetricsWriter(workdir, primary=True, progress=False) as writer:
         for step in range(1, WARMUP + args.steps + 1):
             t0 = time.perf_counter()
             tasks = next(stream)
             t1 = time.perf_counter()
-            drawn = [rng.choice(envs[name]) for name in mix.draw(args.groups)]
+            draw.at(step)
+            drawn = next(draw)
             t2 = time.perf_counter()
             prompts = [rollout.render_prompt(task, tokenizer, fmt) for task in tasks]
             t3 = time.perf_counter()
@@ -116,19 +133,16 @@ def run_mixture(n, args, config, tokenizer, workdir):
                                            max_len=c.rollout.max_len))
             batch, step_metrics = collector.result()
             t5 = time.perf_counter()
-            writer.write(step, step_metrics)
-            by_env = {}
-            for g, task in enumerate(tasks):
-                rate = float(np.mean(batch.rewards_b[g * args.samples:(g + 1) * args.samples]))
-                by_env.setdefault(task.domain, []).append(rate)
-                skip.observe(task.id, rate)
-            for name, rates in by_env.items():
-                mix.observe(name, rates)
+            writer.write(step, {**step_metrics, **weights})
             t6 = time.perf_counter()
-            for stage, seconds in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2, t5 - t4, t6 - t5)):
+            draw.observe(step, batch)
+            weights = draw.metrics()
+            t7 = time.perf_counter()
+            for stage, seconds in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2, t5 - t4, t6 - t5,
+                                               t7 - t6)):
                 if step > WARMUP:
                     times[stage].append(seconds)
-    return times, build_s, batch
+    return times, (build_s, build_adaptive_s), batch
 
 
 def learner_step_times(config, batch, repeats):
@@ -173,23 +187,28 @@ def main():
           f"model, {jax.default_backend()}): min {base * 1e3:.1f} ms, median "
           f"{np.median(step_s) * 1e3:.1f} ms")
     print(f"host ms per step, min (median) of {args.steps} steps; ratio: host total / learner "
-          "step, min (median) (total: draw + prompts + rows + metrics, with today's draw)")
-    print(f"{'envs':>6} {'mix build':>10} " + " ".join(f"{s:>15}" for s in STAGES)
-          + f" {'total':>15} {'ratio':>16}")
+          "step, min (median); builds: the grain mixture's, the adaptive draw's")
+    print(f"{'envs':>6} {'builds':>14} " + " ".join(f"{s:>15}" for s in STAGES)
+          + f" {'static total':>15} {'ratio':>16} {'adaptive total':>15} {'ratio':>16}")
     totals = {}
-    for n, (times, build_s, _) in results.items():
-        total = [sum(times[s][i] for s in STAGES if s != "draw_adaptive")
-                 for i in range(args.steps)]
-        totals[n] = np.array([np.min(total), np.median(total)])
-        cells = [f"{np.min(x) * 1e3:6.2f} ({np.median(x) * 1e3:6.2f})"
-                 for x in (*(times[s] for s in STAGES), total)]
-        ratio = totals[n] / [base, np.median(step_s)]
-        print(f"{n:>6} {build_s * 1e3:8.0f}ms " + " ".join(f"{c:>15}" for c in cells)
-              + f" {ratio[0]:7.2%} ({ratio[1]:6.2%})")
+    for n, (times, builds, _) in results.items():
+        row = []
+        for kind, stages in (("static", STATIC), ("adaptive", ADAPTIVE)):
+            total = [sum(times[s][i] for s in stages) for i in range(args.steps)]
+            totals[n, kind] = np.array([np.min(total), np.median(total)])
+            ratio = totals[n, kind] / [base, np.median(step_s)]
+            row.append(f"{np.min(total) * 1e3:6.2f} ({np.median(total) * 1e3:6.2f}) "
+                       f"{ratio[0]:7.2%} ({ratio[1]:6.2%})")
+        cells = [f"{np.min(times[s]) * 1e3:6.2f} ({np.median(times[s]) * 1e3:6.2f})"
+                 for s in STAGES]
+        print(f"{n:>6} {builds[0] * 1e3:5.0f}/{builds[1] * 1e3:5.0f}ms "
+              + " ".join(f"{c:>15}" for c in cells) + " " + " ".join(row))
     low, high = min(args.envs), max(args.envs)
-    added = totals[high] - totals[low]
-    print(f"{high} environments add {added[0] / base:.2%} ({added[1] / np.median(step_s):.2%}) "
-          f"of the learner step over {low}: {added[0] * 1e3:.2f} ({added[1] * 1e3:.2f}) ms")
+    for kind in ("static", "adaptive"):
+        added = totals[high, kind] - totals[low, kind]
+        print(f"{kind} draw: {high} environments add {added[0] / base:.2%} "
+              f"({added[1] / np.median(step_s):.2%}) of the learner step over {low}: "
+              f"{added[0] * 1e3:.2f} ({added[1] * 1e3:.2f}) ms")
 
 
 if __name__ == "__main__":

@@ -209,6 +209,7 @@ class Collector:
     def __init__(self, config, *, mesh=None):
         self.config, self.mesh = config, mesh
         self.calls = 0  # producer calls added so far (the attempt index of the next one)
+        self.added = []  # each call's global Batch, every group (the adaptive draw's verdicts)
         self._acc, self._full, self._rewards, self._last = None, False, [], None
 
     def wants_more(self) -> bool:
@@ -225,6 +226,7 @@ class Collector:
                              "call result()")
         episodes = _shaped(episodes, self.calls, self.config, self.mesh)
         self.calls += 1
+        self.added.append(episodes)
         self._rewards.append(episodes.rewards_b)
         self._last = episodes
         if self.config.dapo.dynamic_sampling:

@@ -290,7 +290,8 @@ def run(config, workdir, *, mesh=None):
         # -------------------------------------------------------- RL, then its evaluation
         params = learner_lib.train(config, workdir, params=params, producer=producer,
                                    mesh=mesh, tokenizer=tokenizer,
-                                   prompt_sources=prompt_sources(config, train))
+                                   prompt_sources=prompt_sources(config, train),
+                                   adaptive=config.tasks.adaptive)
         _evaluate_once(eval_path, "rl", params=params, step=config.steps, **ev)
     metrics_lib.plot_rewards(workdir, [env.name for env in envs])
     return jsonl.read(eval_path)

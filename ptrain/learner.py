@@ -51,6 +51,7 @@ from ptrain import lookahead as lookahead_lib
 from ptrain import lora
 from ptrain import losses
 from ptrain import metrics as metrics_lib
+from ptrain import mixture
 from ptrain import model as model_lib
 from ptrain import packing
 from ptrain import rollout as rollout_lib
@@ -269,7 +270,7 @@ def _load_tokenizer(path):
 
 
 def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=None,
-          tokenizer=None, prompt_sources=None):
+          tokenizer=None, prompt_sources=None, adaptive=None):
     """Runs RL from the config; resumes from the latest checkpoint in `workdir`.
 
     params: initial parameters (e.g. from `sft`); default: the config's model.
@@ -286,6 +287,10 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     prompt_sources: instead of config.data.sources, (records, weight) pairs of records in
       memory, served to the producer as they are (the closed loop's `ptrain.tasks.Task`s);
       the stream and its checkpointed state are those of the files written from them.
+    adaptive: a tasks.adaptive section (`envs.adaptive.section_defaults`); enabled (a mode
+      other than "off", or a task filter), each source is one environment and the step's
+      prompts are drawn per environment by the verdicts of the steps before
+      (`mixture.AdaptiveDraw`); None or disabled: the sources' static mixture.
     Returns the final parameters.
     """
     # ---------------------------------------------------------------- set-up
@@ -306,9 +311,9 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     engines = engine_sampler.find(producer)  # sampling.engine: their metrics each step
     os.makedirs(workdir, exist_ok=True)
     run_record.ensure(c, workdir)  # (launch/export.py reads it; closed_loop.run wrote it)
-    prompts = _prompt_stream(c.data, c.data.prompts_per_step, c.seed, workdir, "prompts",
-                             on_error=c.data.on_error, mesh=learner.mesh,
-                             sources=prompt_sources)
+    prompts = step_prompts(c, workdir, sources=prompt_sources, adaptive=adaptive,
+                           mesh=learner.mesh)
+    draw = isinstance(prompts, mixture.AdaptiveDraw)
     root_key = jax.random.key(c.seed)
     kl_ctl = losses.KLController(c.kl.coef, target=c.kl.target or None, horizon=c.kl.horizon)
 
@@ -377,12 +382,17 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                     ahead_params = ahead_batches = None
                 collector.add(ahead.next(step, params))
             else:
+                if draw:
+                    batches.at(step)
                 while collector.wants_more():
                     generated = producer.generate(params, next(batches),
                                                   jax.random.fold_in(key, collector.calls))
                     collector.add(producer.score(generated))
                 data_state = batches.get_state()
             episodes, gen_metrics = collector.result()
+            if draw:  # every call's global batch (the groups DAPO drops too): every process
+                batches.observe(step, collector.added)  # observes the same verdicts
+                gen_metrics.update(batches.metrics())
             if k:  # over the step's (global) batch: with many processes, every process's rows
                 stale_metrics = lookahead_lib.metrics(episodes, step, k, ahead.waited_s)
             t1 = time.perf_counter()
@@ -431,6 +441,8 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                         j: lora.checkpointed(p) for j, p in ahead_saved.items()}
                     saved, host = ahead.saved_batches()
                 aux = {n: v for n, v in aux.items() if v}
+                if draw:  # (with the observations made since data_state was taken)
+                    data_state = batches.complete(data_state)
                 ckpt.save(step, params=lora.checkpointed(params), opt_state=opt_state, rng=root_key,
                           data_state=data_state, aux_state=aux or None, host_state=host or None,
                           extra={"kl_coef": kl_ctl.value, "alerts": monitor.state(), **saved})
@@ -444,6 +456,30 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     writer.plot()
     writer.close()
     return params
+
+
+def step_prompts(c, workdir, *, sources=None, adaptive=None, mesh=None):
+    """The RL step's prompt stream (`.iterator(state)`): the static mixture of `sources` or
+    the config's (`_prompt_stream`), or with `adaptive` enabled the adaptive draw
+    (`mixture.AdaptiveDraw`) over them, one per environment; either way each process reads
+    its block of the global batch (`sharding.row_block`)."""
+    if not mixture.enabled(adaptive):
+        return _prompt_stream(c.data, c.data.prompts_per_step, c.seed, workdir, "prompts",
+                              on_error=c.data.on_error, mesh=mesh, sources=sources)
+    sources = list(c.data.sources) if sources is None else list(sources)
+    if not sources or c.data.records_fn is not None:
+        raise ValueError("tasks.adaptive draws per environment: give one prompt source per "
+                         "environment (the closed loop's tasks.envs, or data.sources), not "
+                         "data.records_fn")
+    index, count = sharding.row_block(mesh)
+    if c.data.prompts_per_step % count:
+        raise ValueError(f"data.prompts_per_step={c.data.prompts_per_step} does not divide "
+                         f"over the {count} processes that hold different rows; make it a "
+                         "multiple of that")
+    return mixture.AdaptiveDraw(sources, section=adaptive,
+                                batch_size=c.data.prompts_per_step // count, seed=c.seed,
+                                lag=c.rl.staleness, on_error=c.data.on_error,
+                                process_index=index, process_count=count)
 
 
 def _prompt_stream(data, batch_size, seed, workdir, name, *, on_error, mesh=None, sources=None):

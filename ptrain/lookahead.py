@@ -107,6 +107,8 @@ class LookAhead:
         of_version = version(step, self.k) if of_version is None else of_version
         if self.generating is not None:  # the sync point: one generation in flight at most
             self._wait(self.generating)
+        if hasattr(self.batches, "at"):  # the adaptive draw: its observations by schedule
+            self.batches.at(step)
         data_state = self.batches.get_state()
         records = next(self.batches)
         threaded = jax.process_count() == 1

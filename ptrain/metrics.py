@@ -11,8 +11,11 @@ stay readable at hundreds of them: `domains/count` (domains in the step), `domai
 the run so far), and for reward and passed `domains/<field>/{mean,min,max}`, the best and
 worst TOP_K (`domains/<field>/best_1`..., `worst_1`...; `domains/<field>/ranking`, a text,
 names them) and a histogram `domains/<field>` of the per-domain values. `write_eval`
-writes eval.jsonl lines to <workdir>/tb/eval/ summarised the same way. The default `plot()`
-leaves per-domain keys out (one PNG each).
+writes eval.jsonl lines to <workdir>/tb/eval/ summarised the same way. The adaptive draw's
+per-environment weights (`tasks/weight/<env>`, `ptrain.mixture`) go to metrics.jsonl as they
+are and to TensorBoard as the same summaries only (`tasks/weight/{mean,min,max,best_1...}`,
+the histogram `tasks/weight`, its ranking). The default `plot()` leaves per-domain keys out
+(one PNG each).
 
 `write_run_record` keeps the config a run was started with
 (`<workdir>/config.json`, overrides applied) and every command line that started it
@@ -71,6 +74,7 @@ DEFAULT_PLOT_PATTERN = re.compile(r"reward|kl|entropy|length")
 # The per-domain keys of `batch.domain_metrics`.
 DOMAIN_KEY = re.compile(
     r"^(?:reward/(?P<reward>.+)/mean|episode/(?P<domain>.+)/(?P<field>[^/]+))$")
+WEIGHT_PREFIX = "tasks/weight/"  # the adaptive draw's weight of each environment
 TOP_K = 5  # best and worst domains named per step
 SUMMARISED = ("reward", "passed", "pass_rate")  # the per-domain fields summarised across domains
 
@@ -200,6 +204,7 @@ class MetricsWriter:
             return
         jsonl.append([{"step": int(step), **values}], self.metrics_path)
         by_field: dict[str, dict[str, float]] = {}  # field -> {domain: value}
+        weights: dict[str, float] = {}  # environment -> the adaptive draw's weight
         for key, value in values.items():
             split = None if isinstance(value, list) else split_domain_key(key)
             if isinstance(value, list):
@@ -208,8 +213,12 @@ class MetricsWriter:
                 self._tb.add_scalar(f"domain/{split[0]}/{split[1]}", value,
                                     global_step=int(step))
                 by_field.setdefault(split[1], {})[split[0]] = value
+            elif key.startswith(WEIGHT_PREFIX):
+                weights[key[len(WEIGHT_PREFIX):]] = value
             else:
                 self._tb.add_scalar(key, value, global_step=int(step))
+        if weights:
+            _write_summaries(self._tb, WEIGHT_PREFIX.rstrip("/"), weights, int(step))
         if by_field:
             self._write_domain_summaries(by_field, int(step))
         self._step = int(step)

@@ -1,6 +1,7 @@
 """A tiny GRPO run SIGKILLed at points drawn from a seed and restarted, for test_resume.
 
-`python tests/resume_program.py ROOT STALENESS STEPS SEED KILLS [INTERRUPT [LORA]]` imports everything
+`python tests/resume_program.py ROOT STALENESS STEPS SEED KILLS [INTERRUPT [LORA [ADAPTIVE]]]`
+imports everything
 once, then
 forks one child per run (the parent never starts JAX, so forking is safe): the uninterrupted
 run in ROOT/reference, then one child per kill point in ROOT/killed, each resuming from what
@@ -30,6 +31,10 @@ the threads' timing); a resumed run trains on the finished batches its checkpoin
 so its n-th generate (and score) call is batch s + k + n's, at step s + n.
 LORA=1: the policy trains rank-4 adapters on a frozen base (`ptrain.lora`); checkpoints hold
 the adapters (and their optimizer state) only.
+ADAPTIVE=1: the prompts are two environments' (grpo_toy's prompts, halved, as domains "a" and
+"b") drawn by the adaptive sampler (tasks.adaptive mode "progress" with a task filter,
+`ptrain.mixture`): its state (weights' EMAs, RNG, positions, pending observations) is in the
+checkpoint.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import traceback
 
 sys.modules.setdefault("torch", None)  # tensorboardX imports torch if it can: 5 s per start
 import jax  # noqa: E402
+import ml_collections  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import grpo_toy  # noqa: E402
@@ -52,6 +58,7 @@ from ptrain import metrics
 from ptrain import model as model_lib
 from ptrain import rollout
 from ptrain import sharding
+from ptrain.envs import adaptive
 from ptrain.generate import interrupt
 
 PHASES = ("generate", "score", "update", "write", "save")
@@ -60,6 +67,7 @@ EVERY = 2  # checkpoint every 2 steps, keep 1: a kill during a save must not los
 
 INTERRUPT = False  # set by main (every child inherits it)
 LORA = False
+ADAPTIVE = False
 
 
 def config(staleness: int, steps: int):
@@ -94,7 +102,16 @@ def run(workdir, staleness, steps, producer_cls=rollout.SingleTurn):
     model = nnx.eval_shape(lambda: model_lib.Transformer(learner.model_config(c),
                                                          rngs=nnx.Rngs(0), mesh=mesh))
     producer = producer_cls(c, rollout.make_sampler(model, c))
-    return learner.train(c, workdir, producer=producer, mesh=mesh)
+    if not ADAPTIVE:
+        return learner.train(c, workdir, producer=producer, mesh=mesh)
+    records = grpo_toy.prompt_records(c.seed)
+    sources = [([{**r, "domain": name, "id": j} for j, r in enumerate(records[i::2])], 1.0)
+               for i, name in enumerate("ab")]
+    section = ml_collections.ConfigDict(adaptive.section_defaults())
+    section.update(mode="progress", filter_patience=1)
+    c.data.records_fn = None
+    return learner.train(c, workdir, producer=producer, mesh=mesh, prompt_sources=sources,
+                         adaptive=section)
 
 
 def _killing(workdir, phase, kill_step, staleness):
@@ -178,9 +195,9 @@ def _in_child(fn):
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def main(root, staleness, steps, seed, kills, interrupted=0, lora=0):
-    global INTERRUPT, LORA
-    LORA = bool(lora)
+def main(root, staleness, steps, seed, kills, interrupted=0, lora=0, adaptive_draw=0):
+    global INTERRUPT, LORA, ADAPTIVE
+    LORA, ADAPTIVE = bool(lora), bool(adaptive_draw)
     if interrupted:
         INTERRUPT = True
         interrupt.Switch.at_round, interrupt.Switch.every = 1, 4
@@ -197,4 +214,4 @@ def main(root, staleness, steps, seed, kills, interrupted=0, lora=0):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *map(int, sys.argv[2:8]))
+    main(sys.argv[1], *map(int, sys.argv[2:9]))

@@ -145,13 +145,15 @@ def test_250_domains_stay_readable_in_tensorboard_and_complete_in_jsonl(tmp_path
     names = [f"env{i:03d}" for i in range(250)]
     rewards = {d: (i * 37 % 250) / 249 for i, d in enumerate(names)}  # distinct, shuffled
     steps = {1: names, 2: names[:100]}  # step 2 sees 100 of them
+    # The adaptive draw's weights (`ptrain.mixture`): of every environment, each step.
+    weights = {f"tasks/weight/{d}": r / sum(rewards.values()) for d, r in rewards.items()}
     with MetricsWriter(tmp_path, total_steps=2) as w:
         for step, seen in steps.items():
             episodes = types.SimpleNamespace(  # two rows per domain, as a producer leaves them
                 meta=[{"domain": d, "passed": float(rewards[d] > 0.5), "turns": 1} for d in seen
                       for _ in range(2)],
                 rewards_b=np.asarray([rewards[d] for d in seen for _ in range(2)]))
-            w.write(step, {"reward/mean": 0.5, **batch.domain_metrics(episodes)})
+            w.write(step, {"reward/mean": 0.5, **batch.domain_metrics(episodes), **weights})
         assert [os.path.basename(p) for p in w.plot()] == ["reward_mean.png"]
     lines = read_jsonl(tmp_path / "metrics.jsonl")
     for line, seen in zip(lines, steps.values()):
@@ -159,7 +161,11 @@ def test_250_domains_stay_readable_in_tensorboard_and_complete_in_jsonl(tmp_path
             f"reward/{d}/mean" for d in seen}
         assert all(line[f"reward/{d}/mean"] == pytest.approx(rewards[d]) for d in seen)
         assert all(f"episode/{d}/passed" in line and f"episode/{d}/turns" in line for d in seen)
+        assert {k: v for k, v in line.items() if k.startswith("tasks/weight/")} == weights
     tb = tb_events(tmp_path / "tb")
+    assert [v.histo.num for _, v in tb["tasks/weight"]] == [250, 250]  # summaries only
+    assert not any(t.startswith("tasks/weight/env") for t in tb)
+    assert tb["tasks/weight/max"][0][1].simple_value == pytest.approx(max(weights.values()))
     assert {t for t in tb if t.startswith("domain/") and t.endswith("/reward")} == {
         f"domain/{d}/reward" for d in names}
     assert not any(t.startswith("reward/env") for t in tb)  # not 250 curves among the others

@@ -5,7 +5,9 @@ never interrupted, with rl.staleness=0, 1 and 2 (batch t+k generated at step t, 
 parameters before update t, each batch scored in a thread meanwhile), and with 2 and
 rl.interrupt (the generation in flight switches to the new weights after its first
 round); the staleness-1 run trains LoRA adapters on a frozen base (its checkpoints hold the
-adapters only). The runs are in tests/resume_program.py."""
+adapters only); the staleness-2 run draws its prompts from two environments by the adaptive
+sampler (`ptrain.mixture`: learning progress and a task filter, observed on the staleness
+schedule), whose state the checkpoints hold. The runs are in tests/resume_program.py."""
 
 import json
 import os
@@ -32,15 +34,15 @@ def _logs(workdir):
     return untimed, read_jsonl(os.path.join(workdir, "rollouts.jsonl"))
 
 
-@pytest.mark.parametrize("staleness,seed,interrupt,lora", [(0, 0, 0, 0), (1, 3, 0, 1),
-                                                           (2, 7, 0, 0), (2, 5, 1, 0)])
+@pytest.mark.parametrize("staleness,seed,interrupt,lora,adaptive",
+                         [(0, 0, 0, 0, 0), (1, 3, 0, 1, 0), (2, 7, 0, 0, 1), (2, 5, 1, 0, 0)])
 def test_sigkill_at_seeded_points_then_resume_equals_the_uninterrupted_run(
-        tmp_path, staleness, seed, interrupt, lora):
+        tmp_path, staleness, seed, interrupt, lora, adaptive):
     # (The runs read their programs from the test run's compilation cache, conftest.py.)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
     out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "resume_program.py"),
                           str(tmp_path), str(staleness), str(STEPS), str(seed), str(KILLS),
-                          str(interrupt), str(lora)],
+                          str(interrupt), str(lora), str(adaptive)],
                          env=env, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -66,6 +68,10 @@ def test_sigkill_at_seeded_points_then_resume_equals_the_uninterrupted_run(
             assert r["rollout/staleness_hist"] == [0] * lag + [16] + [0] * (staleness - lag)
         assert rollouts and all(r["policy_version"] == max(0, r["step"] - staleness - 1)
                                 for r in rollouts)
+    if adaptive:  # the draw followed the verdicts: its weights moved off the configured ones
+        weights = [(r["tasks/weight/a"], r["tasks/weight/b"]) for r in metrics]
+        assert all(a + b == pytest.approx(1.0) for a, b in weights), weights
+        assert weights[0] == (0.5, 0.5) and len(set(weights)) > 2, weights
     if interrupt:  # batches generated during an update took its version after 4 tokens
         for r in metrics:
             tokens = r["rollout/token_staleness_hist"]

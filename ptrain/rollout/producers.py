@@ -90,6 +90,9 @@ class SingleTurn:
             rewards.append(reward)
             meta.append({"prompt": decode(self.tokenizer, prompts[i]), "completion": text,
                          "feedback": feedback, "finish_reason": out.finish_reasons[r]})
+            if isinstance(records[i], dict):  # per-domain metrics, the adaptive draw
+                meta[-1].update({k: records[i][name] for k, name in
+                                 (("domain", "domain"), ("task_id", "id")) if name in records[i]})
         batch = Batch.from_rows(
             [prompts[i] for i in out.prompt_index], completions,
             [[1] * len(x) for x in completions], [out.logp_temp[r, :len(x)]
