@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers", reason="pip install '.[test]'
 
 from flax import nnx  # noqa: E402
 
-from launch import export as export_lib  # noqa: E402
+from ptrain import export as export_lib  # noqa: E402
 from ptrain import chat, checkpoint, closed_loop, hf, metrics  # noqa: E402
 from ptrain import model as model_lib  # noqa: E402
 
