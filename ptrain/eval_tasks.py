@@ -217,12 +217,14 @@ def evaluate(o: Options) -> int:
     except ModuleNotFoundError as e:  # e.g. the docker SDK: the cause and the fix, no trace
         sys.exit(f"launch.eval: {e}\n  fix: {eval_failures.fix(f'No module named {e.name!r}')}")
     from ptrain import report
-    html = report.write_report(out, title=f"{o.agent} on {path}")
+    html = report.write_report_quietly(out, title=f"{o.agent} on {path}")
     ks = [k for k in summary if k.startswith("pass@")]
     print(f"{summary['tasks_evaluated']} tasks x {o.attempts} attempts, agent "
           f"{o.agent}: " + ", ".join(f"{k} {summary[k]:.3f}" for k in ks) +
           f", mean reward {summary['mean_reward']:.3f}; {time.monotonic() - t0:.1f} s")
-    print(f"results: {os.path.join(out, 'results.jsonl')}\nreport: {html}")
+    print(f"results: {os.path.join(out, 'results.jsonl')}")
+    if html:
+        print(f"report: {html}")
     if run is evaluate_terminal:  # environment failures: said on the console, exit 2
         from ptrain import jsonl
         rows = jsonl.read(os.path.join(out, "results.jsonl"))
