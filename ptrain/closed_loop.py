@@ -240,6 +240,8 @@ def run(config, workdir, *, mesh=None):
         params = learner_lib.sft(config, os.path.join(workdir, "sft"), mesh=mesh) \
             if config.sft.steps else None
         learner_lib.train(config, workdir, params=params, mesh=mesh)
+        if jax.process_index() == 0:
+            report.write_report_quietly(workdir)
         return []
 
     # ------------------------------------------------------------ set-up (checked above)
