@@ -121,9 +121,7 @@ def heldout_tables(evals: list[dict]) -> str:
     out = []
     for decoding in dict.fromkeys(r.get("decoding", "greedy") for r in evals):
         mine = [r for r in evals if r.get("decoding", "greedy") == decoding]
-        order = lambda key: (STAGES.index(key[0]) if key[0] in STAGES else len(STAGES),  # noqa
-                             key[0], key[1])
-        columns = sorted({(r["stage"], r["step"]) for r in mine}, key=order)
+        columns = sorted({(r["stage"], r["step"]) for r in mine}, key=_run_order)
         domains = list(dict.fromkeys(r["domain"] for r in mine))
         cell = {(r["domain"], r["stage"], r["step"]): r for r in mine}
         head = "".join(f"<th>{esc(STAGE_NAMES.get(s, s))}<br><span class=meta>step "
@@ -133,7 +131,7 @@ def heldout_tables(evals: list[dict]) -> str:
         for d in domains:
             values = [cell.get((d, s, step)) for s, step in columns]
             tds = "".join(f"<td>{_pass_cell(r)}</td>" for r in values)
-            rates = [r["pass_rate"] for r in values if r is not None]
+            rates = [_pass_rate(r) for r in values if r is not None]
             if len(columns) > 1:
                 delta = rates[-1] - rates[0] if len(rates) > 1 else None
                 tds += ("<td>–</td>" if delta is None else
@@ -152,7 +150,17 @@ def _pass_cell(row: dict | None) -> str:
                 .isdigit() and k != "pass@1")
     extra = f" · pass@{ks[-1][0]} {ks[-1][1]:.3f}" if ks else ""
     n = esc(row.get("n", "?"))
-    return f"{row['pass_rate']:.3f}{esc(extra)} <span class=meta>(n={n})</span>"
+    return f"{_pass_rate(row):.3f}{esc(extra)} <span class=meta>(n={n})</span>"
+
+
+def _pass_rate(row: dict) -> float:
+    return float(row.get("pass_rate", row.get("pass@1", 0.0)))
+
+
+def _run_order(column: tuple) -> tuple:
+    """(stage, step) columns in the order a run reaches them: base, sft, rl, then others."""
+    stage, step = column
+    return (STAGES.index(stage) if stage in STAGES else len(STAGES), stage, step)
 
 
 def charts(rows: list[dict], sft_rows: list[dict]) -> str:
