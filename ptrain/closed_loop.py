@@ -17,7 +17,8 @@
             rl.staleness=1; an environment that runs its own episodes (the terminal tasks'
             docker containers, `ptrain.envs.terminal`) gives its own producer, and its
             episodes are packed into the same batch
-  eval      again, after RL; a reward-curve PNG
+  eval      again, after RL; a reward-curve PNG and the run report (report.html,
+            `ptrain.report`: held-out results, curves, a sample of episodes)
 
 Everything lands in the work dir and the job resumes where it stopped: SFT and RL from their
 checkpoints, evaluations that are already in eval.jsonl are not repeated.
@@ -44,6 +45,7 @@ from ptrain import jsonl
 from ptrain import learner as learner_lib
 from ptrain import metrics as metrics_lib
 from ptrain import model as model_lib
+from ptrain import report
 from ptrain import rollout as rollout_lib
 from ptrain import run_record
 from ptrain import sharding
@@ -238,6 +240,8 @@ def run(config, workdir, *, mesh=None):
         params = learner_lib.sft(config, os.path.join(workdir, "sft"), mesh=mesh) \
             if config.sft.steps else None
         learner_lib.train(config, workdir, params=params, mesh=mesh)
+        if jax.process_index() == 0:
+            report.write_report_quietly(workdir)
         return []
 
     # ------------------------------------------------------------ set-up (checked above)
@@ -294,6 +298,8 @@ def run(config, workdir, *, mesh=None):
                                    adaptive=config.tasks.adaptive)
         _evaluate_once(eval_path, "rl", params=params, step=config.steps, **ev)
     metrics_lib.plot_rewards(workdir, [env.name for env in envs])
+    if jax.process_index() == 0:  # report.html: logged, never raised, if it cannot be written
+        report.write_report_quietly(workdir)
     return jsonl.read(eval_path)
 
 

@@ -41,6 +41,9 @@ install_packages() {
   # Not a sandbox backend: the allocator tests/conftest.py preloads into the test processes
   # (XLA's compiles cost ~10% less CPU with it than with glibc's malloc).
   ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so\.2' || missing+=(libjemalloc2)
+  # Not a sandbox backend either: the headless browser tests/test_report.py renders the run
+  # report (report.html) in.
+  command -v chromium >/dev/null || missing+=(chromium)
   [ ${#missing[@]} -eq 0 ] && return 0
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
     say "not root or no apt-get: cannot install ${missing[*]}"

@@ -2,6 +2,7 @@
 `cad` tool, brought task files, launch.eval's oracle and nop), with bad input (each error naming what to fix).
 The sandbox's own cases (forged reports, every backend) are in tests/test_cad.py."""
 
+import base64
 import hashlib
 import json
 import os
@@ -163,6 +164,8 @@ def test_launch_eval_oracle_scores_one_and_nop_zero_on_a_brought_file(tmp_path, 
     assert "IoU 1.000" in pin["feedback"] and "pin and plate: clearance" in pin["feedback"]
     png, step = pin["artefacts"]["render"], pin["artefacts"]["step"]
     assert open(png, "rb").read(4) == b"\x89PNG" and open(step, "rb").read(12) == b"ISO-10303-21"
+    data = base64.b64encode(open(png, "rb").read()).decode()  # the render inline in the report
+    assert f"data:image/png;base64,{data}" in (tmp_path / "oracle" / "report.html").read_text()
     assert len(os.listdir(tmp_path / "oracle" / "artefacts")) == 3
     # the plate's and the assembly's references were built once, cached by their code's hash
     assert {hashlib.sha256(t.verifier.code.encode()).hexdigest()

@@ -254,6 +254,8 @@ def test_quickstart_short_end_to_end_and_resume(tmp_path):
     assert rollouts and {"prompt", "completion", "feedback", "reward", "domain"} <= set(
         rollouts[0])
     assert os.path.getsize(os.path.join(workdir, "reward_curve.png")) > 1000
+    page = open(os.path.join(workdir, "report.html")).read()  # ptrain.report (test_report.py)
+    assert all(f"<tr><td>{d}</td>" in page for d in domains) and "<svg" in page
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(
         os.path.join(workdir, "tb")))
     held = {json.loads(line)["prompt"]

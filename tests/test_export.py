@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers", reason="pip install '.[test]'
 
 from flax import nnx  # noqa: E402
 
-from launch import export as export_lib  # noqa: E402
+from ptrain import export as export_lib  # noqa: E402
 from ptrain import chat, checkpoint, closed_loop, hf, metrics  # noqa: E402
 from ptrain import model as model_lib  # noqa: E402
 
@@ -57,6 +57,7 @@ def test_a_trained_run_exports_with_our_logits(tmp_path):
     assert kept.steps == 2 and kept.model.d_model == 32 and kept.optim.lr == 1e-2
     with open(os.path.join(workdir, "command.txt")) as f:
         assert "--config.steps=2" in f.read()
+    assert "RL reward" in open(os.path.join(workdir, "report.html")).read()  # ptrain.report
 
     exported = run("launch.export", f"--workdir={workdir}", f"--out={out}", "--step=1")
     assert exported.returncode == 0, exported.stderr[-3000:]

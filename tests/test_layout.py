@@ -17,3 +17,12 @@ def test_no_module_is_over_600_lines_but_the_fork_server_which_says_why():
     assert set(over) <= EXEMPT, f"split these modules (house rule: <= 600 lines): {over}"
     head = (ROOT / "sandbox" / "forkserver.py").read_text()[:1000]
     assert "one stdlib-only module" in head and "600-line house rule" in head
+
+
+def test_every_entry_point_in_launch_is_thin():
+    """launch/*.py parse flags and call one library function (issue 47): the logic is in the
+    packages, where it is tested."""
+    entry_points = sorted((ROOT / "launch").glob("*.py"))
+    assert len(entry_points) >= 6  # the directory was found
+    over = {p.name: n for p in entry_points if (n := len(p.read_text().splitlines())) > 80}
+    assert not over, f"move the logic of these entry points into the library: {over}"

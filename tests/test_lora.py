@@ -167,7 +167,7 @@ def test_sft_with_lora_learns_and_leaves_the_base(tmp_path, packing):
         return
     # launch.export rebuilds the base and merges the checkpoint's adapters: our logits.
     transformers = pytest.importorskip("transformers", reason="pip install '.[test]'")
-    from launch import export as export_lib
+    from ptrain import export as export_lib
     from ptrain import metrics
     config.sft.records_fn = None
     metrics.write_run_record(str(tmp_path), config, ["launch/train.py"])

@@ -5,10 +5,10 @@
 
 The report shows pass@1 / pass@k and the mean reward, a table per category and per task, and
 each attempt's transcript (instruction, every command or model turn with its output, the
-verdict) in a collapsible section, linked from its task's row. No script, no external style
-sheet or font: the file opens as it is, offline. Everything that came from a task, a model or
-a container (names, commands, outputs, feedback) is HTML-escaped, so output that contains
-markup is shown as text, never run.
+verdict, the verdict's PNG artefacts inline: a CAD render) in a collapsible section, linked
+from its task's row. No script, no external style sheet, font or image file: the file opens
+as it is, offline. Everything that came from a task, a model or a container (names, commands,
+outputs, feedback) is HTML-escaped, so output that contains markup is shown as text, never run.
 
 The directory is what `evaluate` (terminal tasks) and `ptrain.code_eval.evaluate` (code tasks)
 write: rows with task, attempt, reward, passed, time_s, turns, tool_calls, feedback, and a
@@ -16,6 +16,7 @@ transcript per attempt whose steps are commands (`command`, `output`, `exit_code
 model turns (`role`, `text`).
 """
 
+import base64
 import html
 import json
 import os
@@ -85,11 +86,28 @@ def _attempt_html(out_dir: str, row: dict) -> str:
     if row.get("error"):
         parts.append(f'<p class="fail">error: {_e(row["error"])}</p>')
     parts.append(f'<p><b>verdict</b></p><pre>{_e(row.get("feedback", ""))}</pre>')
+    verdict = t.get("verdict")
+    artefacts = verdict.get("artefacts") if isinstance(verdict, dict) else None
+    parts += [_image_html(p) for p in (artefacts or {}).values()
+              if isinstance(p, str) and p.lower().endswith(".png")]
     if t.get("error"):
         parts.append(f'<details><summary>harness traceback</summary><pre>{_e(t["error"])}'
                      f'</pre></details>')
     parts.append("</details>")
     return "".join(parts)
+
+
+def _image_html(path: str) -> str:
+    """A verdict's image (a CAD render) inline, as a data: URI (up to 2 MiB)."""
+    try:
+        if os.path.getsize(path) > 2 << 20:
+            return f'<p class="meta">{_e(path)}: too large to inline</p>'
+        with open(path, "rb") as f:
+            data = base64.b64encode(f.read()).decode()
+    except OSError as e:
+        return f'<p class="meta">{_e(path)}: {_e(e.strerror or e)}</p>'
+    return (f'<p><img src="data:image/png;base64,{data}" alt="render" '
+            f'style="max-width:420px;border:1px solid #ccc"></p>')
 
 
 def render(out_dir: str, title: str = "") -> str:
