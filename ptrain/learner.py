@@ -46,7 +46,6 @@ from ptrain import checkpoint as checkpoint_lib
 from ptrain import config as config_lib
 from ptrain import critic as critic_lib
 from ptrain import data as data_lib
-from ptrain import jsonl
 from ptrain import lookahead as lookahead_lib
 from ptrain import lora
 from ptrain import losses
@@ -54,6 +53,7 @@ from ptrain import metrics as metrics_lib
 from ptrain import mixture
 from ptrain import model as model_lib
 from ptrain import packing
+from ptrain import prompt_streams
 from ptrain import rollout as rollout_lib
 from ptrain import routing
 from ptrain import run_record
@@ -202,7 +202,7 @@ class Learner:
     def sft_update(self, params, opt_state, episodes: Batch):
         """One supervised step (optimizer `sft_tx`) on the loss-masked tokens; the inputs are
         donated. metrics["sft/loss"] is the loss before the update. With many processes
-        `episodes` are this process's rows (its block of the global batch, `_prompt_stream`)."""
+        `episodes` are this process's rows (its block of the global batch, `prompt_streams.prompt_stream`)."""
         fn = step_lib.jit_update(self.graphdef, self.sft_settings, self.sft_tx, self.mesh)
         blocks = sharding.row_block(self.mesh)[1]
         batch = sharding.from_process_local(episodes.arrays(), self.mesh,
@@ -311,7 +311,7 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     engines = engine_sampler.find(producer)  # sampling.engine: their metrics each step
     os.makedirs(workdir, exist_ok=True)
     run_record.ensure(c, workdir)  # (launch/export.py reads it; closed_loop.run wrote it)
-    prompts = step_prompts(c, workdir, sources=prompt_sources, adaptive=adaptive,
+    prompts = prompt_streams.step_prompts(c, workdir, sources=prompt_sources, adaptive=adaptive,
                            mesh=learner.mesh)
     draw = isinstance(prompts, mixture.AdaptiveDraw)
     root_key = jax.random.key(c.seed)
@@ -458,60 +458,6 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
     return params
 
 
-def step_prompts(c, workdir, *, sources=None, adaptive=None, mesh=None):
-    """The RL step's prompt stream (`.iterator(state)`): the static mixture of `sources` or
-    the config's (`_prompt_stream`), or with `adaptive` enabled the adaptive draw
-    (`mixture.AdaptiveDraw`) over them, one per environment; either way each process reads
-    its block of the global batch (`sharding.row_block`)."""
-    if not mixture.enabled(adaptive):
-        return _prompt_stream(c.data, c.data.prompts_per_step, c.seed, workdir, "prompts",
-                              on_error=c.data.on_error, mesh=mesh, sources=sources)
-    sources = list(c.data.sources) if sources is None else list(sources)
-    if not sources or c.data.records_fn is not None:
-        raise ValueError("tasks.adaptive draws per environment: give one prompt source per "
-                         "environment (the closed loop's tasks.envs, or data.sources), not "
-                         "data.records_fn")
-    index, count = sharding.row_block(mesh)
-    if c.data.prompts_per_step % count:
-        raise ValueError(f"data.prompts_per_step={c.data.prompts_per_step} does not divide "
-                         f"over the {count} processes that hold different rows; make it a "
-                         "multiple of that")
-    return mixture.AdaptiveDraw(sources, section=adaptive,
-                                batch_size=c.data.prompts_per_step // count, seed=c.seed,
-                                lag=c.rl.staleness, on_error=c.data.on_error,
-                                process_index=index, process_count=count)
-
-
-def _prompt_stream(data, batch_size, seed, workdir, name, *, on_error, mesh=None, sources=None):
-    """A `ptrain.data` stream over the config's sources, or over records_fn(seed) written to
-    <workdir>/<name>.jsonl (so that the run's data is on disk next to its logs), or over
-    `sources` given (records in memory, `data.prompt_batches`).
-
-    `batch_size` is the global batch; with many processes each reads its own block of it
-    (`sharding.row_block`), so that together they read what one process would."""
-    if sources is not None and (data.sources or data.records_fn is not None):
-        section = "sft" if name == "sft" else "data"
-        raise ValueError(f"{name} are given in memory: leave {section}.sources and "
-                         f"{section}.records_fn unset")
-    sources = list(data.sources) if sources is None else list(sources)
-    index, count = sharding.row_block(mesh)
-    if batch_size % count:
-        section = "sft.batch_size" if name == "sft" else "data.prompts_per_step"
-        raise ValueError(f"{section}={batch_size} does not divide over the {count} processes "
-                         "that hold different rows; make it a multiple of that")
-    if data.records_fn is not None:
-        path = os.path.join(workdir, f"{name}.jsonl")
-        jsonl.write(data.records_fn(seed), path)  # each process (atomically)
-        sources = [path]
-    if not sources:
-        section = "sft" if name == "sft" else "data"
-        raise ValueError(f"no {name}: set {section}.sources (JSONL / ArrayRecord files) or "
-                         f"{section}.records_fn")
-    return data_lib.prompt_batches(sources, batch_size=batch_size // count, seed=seed,
-                                   on_error=on_error, process_index=index,
-                                   process_count=count)
-
-
 # ======================================================================================= SFT
 
 
@@ -568,7 +514,7 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
     learner = Learner(c, mesh=mesh, params=params, tokenizer=tokenizer)
     os.makedirs(workdir, exist_ok=True)
     # (Packed: every process reads the whole stream, `_packed_sft`; else its block.)
-    records = _prompt_stream(sc, sc.batch_size, c.seed, workdir, "sft", on_error="raise",
+    records = prompt_streams.prompt_stream(sc, sc.batch_size, c.seed, workdir, "sft", on_error="raise",
                              mesh=None if sc.packing else learner.mesh)
     # ---------------------------------------------------------------- restore or start
     params = learner.initial_params

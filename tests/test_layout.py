@@ -20,7 +20,7 @@ def test_no_module_is_over_600_lines_but_the_fork_server_which_says_why():
 
 
 def test_every_entry_point_in_launch_is_thin():
-    """launch/*.py parse flags and call one library function (issue 47): the logic is in the
+    """launch/*.py parse flags and call one library function: the logic is in the
     packages, where it is tested."""
     entry_points = sorted((ROOT / "launch").glob("*.py"))
     assert len(entry_points) >= 6  # the directory was found

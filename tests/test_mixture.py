@@ -12,7 +12,7 @@ import pytest
 
 from ptrain import config as config_lib
 from ptrain import data as data_lib
-from ptrain import learner, mixture
+from ptrain import mixture, prompt_streams
 from ptrain.envs import adaptive as adaptive_lib
 
 
@@ -160,12 +160,12 @@ def test_disabled_is_the_static_grain_mixture(tmp_path):
     c.data.prompts_per_step, c.seed = 4, 5
     sources = [(_records("a"), 1.0), (_records("b"), 3.0)]
     for adaptive in (None, _section()):
-        prompts = learner.step_prompts(c, str(tmp_path), sources=sources, adaptive=adaptive)
+        prompts = prompt_streams.step_prompts(c, str(tmp_path), sources=sources, adaptive=adaptive)
         today = data_lib.prompt_batches(sources, batch_size=4, seed=5, process_index=0,
                                         process_count=1)
         ours, theirs = prompts.iterator(), today.iterator()
         assert [next(ours) for _ in range(5)] == [next(theirs) for _ in range(5)]
-    assert isinstance(learner.step_prompts(c, str(tmp_path), sources=sources,
+    assert isinstance(prompt_streams.step_prompts(c, str(tmp_path), sources=sources,
                                            adaptive=_section(mode="band")),
                       mixture.AdaptiveDraw)
 
