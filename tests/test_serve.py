@@ -10,6 +10,8 @@ comes from the engine's sampling, not from a stub."""
 
 import copy
 import json
+import os
+import sys
 import threading
 
 import numpy as np
@@ -361,7 +363,7 @@ def test_an_evicted_episode_is_prefilled_again_and_its_record_goes_on(served):
 
 
 def test_published_weights_sample_the_next_turn_with_their_version(served):
-    """(Last: the server's policy version stays 1 after it.)"""
+    """(Late: the server's policy version is 1 after it.)"""
     s = served
     eid = _episode(s)
     client = _client(s, eid)
@@ -377,3 +379,69 @@ def test_published_weights_sample_the_next_turn_with_their_version(served):
     assert seg.versions[-len(second):] == [1] * len(second)
     # same weights, recomputed cache: the engine's own second turn, token for token
     assert second == s.ref_chat.turns[1]
+
+
+def _add_env(name, verify, backend):
+    """An agent-driven environment: tests/agents/openai_agent.py (the `openai` client, the
+    `add` tool, several turns) against the served policy."""
+    from ptrain import envs
+    from ptrain.envs.base import Environment, Splits, Tool
+
+    add = Tool("add", TOOLS[0]["function"]["description"], TOOLS[0]["function"]["parameters"],
+               run=lambda session, args, timeout_s: None)  # (the agent program runs it)
+    program = os.path.join(os.path.dirname(__file__), "agents", "openai_agent.py")
+    agent = rollout.Agent(command=(sys.executable, program), backend=backend, timeout_s=120,
+                          env={"AGENT_SEED": str(SEED), "AGENT_MAX_TURNS": "2"})
+    env = Environment(name=name, tasks=lambda ctx: Splits((), ()), verify=verify, tools=(add,),
+                      agent=agent)
+    envs.base.check(env, key=name)
+    return env, tasks.Task(id=f"{name}-1", domain=name, verifier=tasks.Answer("5"),
+                           messages=QUESTION, tools=("add",))
+
+
+def test_agent_driven_environments_give_the_rl_batch_of_the_recorded_tokens(served):
+    """Two agent-driven environments, their episodes run by an external program that uses the
+    `openai` client: one in a sandbox box, judged on the file it left in its work dir, one a
+    host subprocess, judged on its printed answer. The batch's tokens are the engine's own
+    sampling of the same conversation, its rewards the verifiers'."""
+    from ptrain import closed_loop
+    s = served
+
+    def judge_state(task_list, answers, *, sessions, pool, config):
+        out = [sess.run(command=["cat", "result.txt"]) for sess in sessions]
+        return [rewards.check_answer(t.verifier, r.stdout.decode()) for t, r in
+                zip(task_list, out)]
+
+    def judge_answer(task_list, answers, *, sessions, pool, config):
+        return [rewards.check_answer(t.verifier, a) for t, a in zip(task_list, answers)]
+
+    # (the "process" box: bwrap's sandbox user cannot read this interpreter under /root)
+    boxed, boxed_task = _add_env("add_boxed", judge_state, "process")
+    host, host_task = _add_env("add_host", judge_answer, None)
+    config = closed_loop.defaults()
+    config.update_from_flattened_dict({"sampling.num_samples": 1, "rollout.max_len": 256,
+                                       "data.max_prompt_len": 512})
+    producer = rollout.Agents(s.server, s.tok, config, {"add_boxed": boxed, "add_host": host})
+    version = s.service.runner.version + 1
+    episodes = producer.generate(s.params, [boxed_task, host_task], jax.random.key(0))
+    batch = producer.score(episodes)
+
+    assert [e.group_id for e in episodes] == [0, 1] and not s.service.episodes
+    ref, n = s.ref_chat, len(s.prompt)  # the engine's own two-turn episode (same seed)
+    rest = len(ref.tokens) - n
+    for row, e in enumerate(episodes):
+        assert e.tokens == ref.tokens and batch.prompt_lens_b[row] == n
+        assert batch.tokens_bn[row, :rest].tolist() == ref.tokens[n:]
+        assert batch.loss_mask_bn[row, :rest].tolist() == ref.mask[n:]
+        np.testing.assert_allclose(batch.rollout_logp_bn[row, :rest], ref.logp_temp[n:],
+                                   atol=1e-5)
+        assert batch.versions_bn[row, :rest].tolist() == \
+            [version if m else -1 for m in ref.mask[n:]]
+        # the answer is the model's last turn as the agent printed it
+        last = ref.turns[-1]
+        assert e.answers == [chat.turn_text(s.tok, last, s.engine.settings.stop_token_ids)
+                             .strip()]
+    # the boxed agent ran the model's call (add(2, 3)) and left 5 in its work dir
+    assert episodes[0].verdicts[0].passed and batch.rewards_b[0] == 1.0
+    assert batch.rewards_b[1] == rewards.check_answer(tasks.Answer("5"),
+                                                      episodes[1].answers[0]).reward
