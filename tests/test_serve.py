@@ -82,9 +82,9 @@ class _Served:
 @pytest.fixture(scope="module")
 def served(hf_dir):
     s = _Served()
-    path = hf_dir("qwen2.5-instruct")
+    s.path = path = hf_dir("qwen2.5-instruct")
     s.tok = tok = hf.load_tokenizer(path)
-    model, _ = hf.load(path)
+    s.model = model = hf.load(path)[0]
     s.prompt = _template(tok, QUESTION)
     eot = chat.end_of_turn_ids(chat.QWEN, tok)[0]
     s.params = params = _memorise(model, s.prompt,
@@ -114,7 +114,7 @@ def served(hf_dir):
         == [CALL], "the memorised model should answer with the call"
 
     s.service = serve.Service(engine, params, tok, serve.ServeConfig(
-        max_request_bytes=64 << 10, max_messages=16))
+        max_request_bytes=64 << 10, max_messages=16, load_weights=True))
     s.server = serve.make_server(s.service)
     thread = threading.Thread(target=s.server.serve_forever, daemon=True)
     thread.start()
@@ -445,3 +445,57 @@ def test_agent_driven_environments_give_the_rl_batch_of_the_recorded_tokens(serv
     assert episodes[0].verdicts[0].passed and batch.rewards_b[0] == 1.0
     assert batch.rewards_b[1] == rewards.check_answer(tasks.Answer("5"),
                                                       episodes[1].answers[0]).reward
+
+
+def _dense_logp(model, params, prompt, ids, temperature):
+    """log softmax(logits / T) of `ids` after `prompt`: the learner's side, dense."""
+    graphdef, _ = nnx.split(model)
+    seq = jnp.asarray([list(prompt) + list(ids)], jnp.int32)
+    logits = nnx.merge(graphdef, params)(seq).astype(jnp.float32)[0] / temperature
+    logp = jax.nn.log_softmax(logits)[len(prompt) - 1:-1]
+    return np.asarray(jnp.take_along_axis(logp, jnp.asarray(ids)[:, None], -1)[:, 0])
+
+
+def test_an_external_engine_samples_the_synced_weights_with_its_token_ids_and_logprobs(
+        served, tmp_path):
+    """ptrain's own endpoint as the "external" engine (`serve.ExternalSampler`, server
+    "ptrain"): each sync exports the learner's weights (hf.save) and the engine loads them
+    (POST /update_weights_from_disk); the rows are the ids and log-probs the engine recorded,
+    and they match the synced weights' dense log-probs (the train/engine mismatch the
+    truncated IS corrects is ~0), not the other weights'."""
+    from ptrain import losses
+    s = served
+    st = s.engine.settings
+    sampler = serve.ExternalSampler(s.model, serve.ExternalConfig(
+        base_url=s.url, token=s.server.token, server="ptrain", sync_dir=str(tmp_path)),
+        tokenizer=s.tok)
+    untrained = nnx.split(hf.load(s.path)[0])[1]
+    prompt = chat.encode(s.tok, TEXT)
+    kw = dict(max_new_tokens=12, num_samples=2, temperature=st.temperature, top_k=st.top_k,
+              top_p=st.top_p, key=jax.random.key(1))
+    try:
+        for params, other in ((untrained, s.params), (s.params, untrained)):
+            before = s.service.runner.version
+            out = sampler.sample(params, [prompt], **kw)
+            assert s.service.runner.version == before + 1  # the export was loaded
+            assert os.path.isfile(os.path.join(tmp_path, f"v{sampler.version}", "config.json"))
+            recorded = s.service.take_closed()
+            assert len(recorded) == 2 and out.prompt_index.tolist() == [0, 0]
+            for r in range(2):  # (the rows' requests ran concurrently: matched by tokens)
+                n = int(out.lengths[r])
+                seg, = next(e.segments for e in recorded
+                            if e.segments[0].tokens == prompt + out.tokens[r, :n].tolist())
+                np.testing.assert_allclose(seg.logp[len(prompt):], out.logp_temp[r, :n])
+                assert seg.versions[len(prompt):] == [before + 1] * n
+                ids = out.tokens[r, :n]
+                mine = _dense_logp(s.model, params, prompt, ids, st.temperature)
+                theirs = _dense_logp(s.model, other, prompt, ids, st.temperature)
+                mask = jnp.ones((1, n))
+                weights = losses.truncated_is_weights(jnp.asarray(mine)[None],
+                                                      jnp.asarray(out.logp_temp[r, :n])[None],
+                                                      mask)
+                np.testing.assert_allclose(out.logp_temp[r, :n], mine, atol=2e-3)
+                np.testing.assert_allclose(np.asarray(weights), 1.0, atol=5e-3)
+                assert np.abs(theirs - mine).mean() > 0.05  # (the sync changed the engine)
+    finally:
+        s.service.runner.publish(s.service.runner.version + 1, s.params)
