@@ -9,6 +9,7 @@ here for a few seconds to answer one prompt with one tool call, so that a turn w
 comes from the engine's sampling, not from a stub."""
 
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -308,6 +309,8 @@ def test_an_agent_episode_end_to_end_becomes_the_rollout_batch(served):
     assert batch.loss_mask_bn[0, :rest].tolist() == ref.mask[n:]
     np.testing.assert_allclose(batch.rollout_logp_bn[0, :rest], ref.logp_temp[n:], atol=1e-5)
     assert batch.versions_bn[0, :rest].tolist() == [0 if m else -1 for m in ref.mask[n:]]
+    # (the untrained model calls no tool: a format error, whose retry rewrites the history)
+    assert all(e.answers == [""] for e in episodes)  # its submission: nothing submitted
     assert batch.rewards_b.tolist() == [episode.verdicts[0].reward]
 
 
@@ -499,3 +502,50 @@ def test_an_external_engine_samples_the_synced_weights_with_its_token_ids_and_lo
                 assert np.abs(theirs - mine).mean() > 0.05  # (the sync changed the engine)
     finally:
         s.service.runner.publish(s.service.runner.version + 1, s.params)
+
+
+MINI_PYTHON = os.environ.get("PTRAIN_MINI_SWE_AGENT_PYTHON", os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "mini-venv", "bin",
+    "python"))
+
+
+def test_mini_swe_agent_runs_an_agent_driven_episode_offline(served):
+    """A third-party harness from PyPI (mini-swe-agent 2.4.6, its own virtualenv: `python -m
+    venv .cache/mini-venv && .cache/mini-venv/bin/pip install mini-swe-agent==2.4.6`, or
+    $PTRAIN_MINI_SWE_AGENT_PYTHON) as an agent-driven environment's program, offline against
+    the endpoint: whatever it did to its history, every row is tokens the engine sampled
+    (mask 1 exactly where the record says the model sampled), judged by the verifier."""
+    import subprocess
+    from ptrain import closed_loop
+    s = served
+    if not os.path.exists(MINI_PYTHON) or subprocess.run(
+            [MINI_PYTHON, "-c", "import minisweagent"], capture_output=True).returncode:
+        pytest.skip(f"mini-swe-agent is not installed at {MINI_PYTHON} (see the docstring)")
+
+    def judge_answer(task_list, answers, *, sessions, pool, config):
+        return [rewards.check_answer(t.verifier, a) for t, a in zip(task_list, answers)]
+
+    env, task = _add_env("mini", judge_answer, None)
+    program = os.path.join(os.path.dirname(__file__), "agents", "mini_swe_agent.py")
+    env = dataclasses.replace(env, tools=(), agent=rollout.Agent(
+        command=(MINI_PYTHON, program), backend=None, timeout_s=300, env={"STEPS": "2"}))
+    task = dataclasses.replace(task, tools=(), messages=(),
+                               prompt="Print the sum of 2 and 3 with bash.")
+    config = closed_loop.defaults()
+    config.update_from_flattened_dict({"sampling.num_samples": 1, "rollout.max_len": 512,
+                                       "data.max_prompt_len": 512})
+    producer = rollout.Agents(s.server, s.tok, config, {"mini": env})
+    episodes = producer.generate(None, [task], jax.random.key(0))
+    batch = producer.score(episodes)
+    assert episodes, "mini-swe-agent's requests were not recorded"
+    for row, e in enumerate(episodes):  # one row per segment (a rewrite starts a new one)
+        n = len(e.tokens) - e.prompt_len
+        assert batch.tokens_bn[row, :n].tolist() == e.tokens[e.prompt_len:]
+        assert batch.loss_mask_bn[row, :n].tolist() == e.mask[e.prompt_len:] and any(e.mask)
+        sampled = [lp for lp, m in zip(e.logp, e.mask) if m]
+        assert all(lp <= 0 for lp in sampled) and all(v >= 0 for v, m in
+                                                      zip(e.versions, e.mask) if m)
+    # (the untrained model calls no tool: a format error, whose retry rewrites the history)
+    assert all(e.answers == [""] for e in episodes)  # its submission: nothing submitted
+    assert batch.rewards_b.tolist() == [
+        rewards.check_answer(task.verifier, episodes[0].answers[0]).reward] * len(episodes)
