@@ -309,8 +309,6 @@ def test_an_agent_episode_end_to_end_becomes_the_rollout_batch(served):
     assert batch.loss_mask_bn[0, :rest].tolist() == ref.mask[n:]
     np.testing.assert_allclose(batch.rollout_logp_bn[0, :rest], ref.logp_temp[n:], atol=1e-5)
     assert batch.versions_bn[0, :rest].tolist() == [0 if m else -1 for m in ref.mask[n:]]
-    # (the untrained model calls no tool: a format error, whose retry rewrites the history)
-    assert all(e.answers == [""] for e in episodes)  # its submission: nothing submitted
     assert batch.rewards_b.tolist() == [episode.verdicts[0].reward]
 
 
@@ -425,11 +423,12 @@ def test_agent_driven_environments_give_the_rl_batch_of_the_recorded_tokens(serv
     config.update_from_flattened_dict({"sampling.num_samples": 1, "rollout.max_len": 256,
                                        "data.max_prompt_len": 512})
     producer = rollout.Agents(s.server, s.tok, config, {"add_boxed": boxed, "add_host": host})
-    version = s.service.runner.version + 1
+    version, others = s.service.runner.version + 1, set(s.service.episodes)
     episodes = producer.generate(s.params, [boxed_task, host_task], jax.random.key(0))
     batch = producer.score(episodes)
 
-    assert [e.group_id for e in episodes] == [0, 1] and not s.service.episodes
+    assert [e.group_id for e in episodes] == [0, 1]
+    assert set(s.service.episodes) == others  # its episodes were closed and taken
     ref, n = s.ref_chat, len(s.prompt)  # the engine's own two-turn episode (same seed)
     rest = len(ref.tokens) - n
     for row, e in enumerate(episodes):
@@ -549,3 +548,27 @@ def test_mini_swe_agent_runs_an_agent_driven_episode_offline(served):
     assert all(e.answers == [""] for e in episodes)  # its submission: nothing submitted
     assert batch.rewards_b.tolist() == [
         rewards.check_answer(task.verifier, episodes[0].answers[0]).reward] * len(episodes)
+
+
+def test_agents_and_external_engines_refuse_bad_input_before_work(served, tmp_path):
+    from ptrain import closed_loop
+    s = served
+    for bad in ("python agent.py", (), ("python", "")):
+        with pytest.raises(ValueError, match="give the program's argv"):
+            rollout.Agent(command=bad)
+    with pytest.raises(ValueError, match="server='sglang'"):
+        serve.ExternalConfig(base_url="http://127.0.0.1:1", server="sglang")
+    with pytest.raises(ValueError, match="give http"):
+        serve.ExternalConfig(base_url="127.0.0.1:8000")
+    env, _ = _add_env("plain", lambda *a, **k: [], None)
+    with pytest.raises(ValueError, match="has no agent program"):
+        rollout.Agents(s.server, s.tok, closed_loop.defaults(),
+                       {"plain": dataclasses.replace(env, agent=None)})
+    sampler = serve.ExternalSampler(s.model, serve.ExternalConfig(
+        base_url=s.url, token=s.server.token, server="ptrain", sync_dir=str(tmp_path)))
+    version, others = s.service.runner.version, set(s.service.episodes)
+    with pytest.raises(serve.EngineError, match="HTTP 400: .*model_path"):
+        sampler._post("/update_weights_from_disk", {"model_path": str(tmp_path / "none")})
+    with pytest.raises(ValueError, match="stop strings"):
+        sampler.sample(None, [[1, 2]], max_new_tokens=4, stop_strings=("\n",))
+    assert s.service.runner.version == version and set(s.service.episodes) == others
