@@ -108,7 +108,8 @@ def run_episodes(server, tasks: Sequence[tasks_lib.Task], envs: Sequence, *,
     service = server.RequestHandlerClass.service  # (`serve.make_server`'s)
     url = f"http://127.0.0.1:{server.server_address[1]}"
 
-    def one(i, task, env):
+    def one(group, task, env):
+        del group  # (the rows' group: below)
         agent = env.agent
         record = service.open_episode({"metadata": {"task": task.id}})
         base = f"{url}{record['base_path']}"
@@ -137,7 +138,7 @@ def run_episodes(server, tasks: Sequence[tasks_lib.Task], envs: Sequence, *,
     workers = max_workers or max(1, service.engine.slots)
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as threads:
         done = list(threads.map(lambda r: one(*r), runs))
-    closed = {e.id: e for e in service.take_closed()}
+    closed = {e.id: e for e in service.take_closed({eid for eid, _, _ in done})}
     from ptrain.serve import episodes as recorded  # (serve imports rollout lazily)
     out, judged = [], []
     for (group, task, env), (eid, answer, session) in zip(runs, done):

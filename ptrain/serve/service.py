@@ -164,10 +164,12 @@ class Service:
             episode.closed = True
         return episode.to_dict()
 
-    def take_closed(self) -> list[Episode]:
-        """The closed episodes, removed from the server (a learner's rollouts)."""
+    def take_closed(self, ids=None) -> list[Episode]:
+        """The closed episodes (of `ids` only, if given), removed from the server (a
+        learner's rollouts)."""
         with self._lock:
-            done = [e for e in self.episodes.values() if e.closed]
+            done = [e for e in self.episodes.values()
+                    if e.closed and (ids is None or e.id in ids)]
             for e in done:
                 del self.episodes[e.id]
         return done
