@@ -28,6 +28,8 @@ _ON_REWRITE = flags.DEFINE_enum("on_rewrite", "reprefill", ["reprefill", "drop"]
 _SAMPLING = flags.DEFINE_enum("sampling_params", "error", ["error", "ignore"],
                               "A request asking for other sampling than the server's.")
 _AUTO = flags.DEFINE_bool("auto_episodes", False, "Unknown episode ids open episodes.")
+_LOAD = flags.DEFINE_bool("load_weights", False, "Serve POST /update_weights_from_disk "
+                          "(a learner's exported checkpoints: serve.ExternalSampler).")
 flags.mark_flags_as_required(["model"])
 
 
@@ -36,7 +38,8 @@ def main(argv):
     from ptrain import serve
     config = serve.ServeConfig(host=_HOST.value, port=_PORT.value, token=_TOKEN.value,
                                chat_format=_FORMAT.value, on_rewrite=_ON_REWRITE.value,
-                               sampling_params=_SAMPLING.value, auto_episodes=_AUTO.value)
+                               sampling_params=_SAMPLING.value, auto_episodes=_AUTO.value,
+                               load_weights=_LOAD.value)
     service = serve.from_model_dir(_MODEL.value, config, slots=_SLOTS.value,
                                    max_len=_MAX_LEN.value, max_new_tokens=_MAX_NEW.value,
                                    temperature=_TEMPERATURE.value, top_k=_TOP_K.value,

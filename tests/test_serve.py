@@ -9,7 +9,10 @@ here for a few seconds to answer one prompt with one tool call, so that a turn w
 comes from the engine's sampling, not from a stub."""
 
 import copy
+import dataclasses
 import json
+import os
+import sys
 import threading
 
 import numpy as np
@@ -80,9 +83,9 @@ class _Served:
 @pytest.fixture(scope="module")
 def served(hf_dir):
     s = _Served()
-    path = hf_dir("qwen2.5-instruct")
+    s.path = path = hf_dir("qwen2.5-instruct")
     s.tok = tok = hf.load_tokenizer(path)
-    model, _ = hf.load(path)
+    s.model = model = hf.load(path)[0]
     s.prompt = _template(tok, QUESTION)
     eot = chat.end_of_turn_ids(chat.QWEN, tok)[0]
     s.params = params = _memorise(model, s.prompt,
@@ -112,7 +115,7 @@ def served(hf_dir):
         == [CALL], "the memorised model should answer with the call"
 
     s.service = serve.Service(engine, params, tok, serve.ServeConfig(
-        max_request_bytes=64 << 10, max_messages=16))
+        max_request_bytes=64 << 10, max_messages=16, load_weights=True))
     s.server = serve.make_server(s.service)
     thread = threading.Thread(target=s.server.serve_forever, daemon=True)
     thread.start()
@@ -361,7 +364,7 @@ def test_an_evicted_episode_is_prefilled_again_and_its_record_goes_on(served):
 
 
 def test_published_weights_sample_the_next_turn_with_their_version(served):
-    """(Last: the server's policy version stays 1 after it.)"""
+    """(Late: the server's policy version is 1 after it.)"""
     s = served
     eid = _episode(s)
     client = _client(s, eid)
@@ -377,3 +380,195 @@ def test_published_weights_sample_the_next_turn_with_their_version(served):
     assert seg.versions[-len(second):] == [1] * len(second)
     # same weights, recomputed cache: the engine's own second turn, token for token
     assert second == s.ref_chat.turns[1]
+
+
+def _add_env(name, verify, backend):
+    """An agent-driven environment: tests/agents/openai_agent.py (the `openai` client, the
+    `add` tool, several turns) against the served policy."""
+    from ptrain import envs
+    from ptrain.envs.base import Environment, Splits, Tool
+
+    add = Tool("add", TOOLS[0]["function"]["description"], TOOLS[0]["function"]["parameters"],
+               run=lambda session, args, timeout_s: None)  # (the agent program runs it)
+    program = os.path.join(os.path.dirname(__file__), "agents", "openai_agent.py")
+    agent = rollout.Agent(command=(sys.executable, program), backend=backend, timeout_s=120,
+                          env={"AGENT_SEED": str(SEED), "AGENT_MAX_TURNS": "2"})
+    env = Environment(name=name, tasks=lambda ctx: Splits((), ()), verify=verify, tools=(add,),
+                      agent=agent)
+    envs.base.check(env, key=name)
+    return env, tasks.Task(id=f"{name}-1", domain=name, verifier=tasks.Answer("5"),
+                           messages=QUESTION, tools=("add",))
+
+
+def test_agent_driven_environments_give_the_rl_batch_of_the_recorded_tokens(served):
+    """Two agent-driven environments, their episodes run by an external program that uses the
+    `openai` client: one in a sandbox box, judged on the file it left in its work dir, one a
+    host subprocess, judged on its printed answer. The batch's tokens are the engine's own
+    sampling of the same conversation, its rewards the verifiers'."""
+    from ptrain import closed_loop
+    s = served
+
+    def judge_state(task_list, answers, *, sessions, pool, config):
+        out = [sess.run(command=["cat", "result.txt"]) for sess in sessions]
+        return [rewards.check_answer(t.verifier, r.stdout.decode()) for t, r in
+                zip(task_list, out)]
+
+    def judge_answer(task_list, answers, *, sessions, pool, config):
+        return [rewards.check_answer(t.verifier, a) for t, a in zip(task_list, answers)]
+
+    # (the "process" box: bwrap's sandbox user cannot read this interpreter under /root)
+    boxed, boxed_task = _add_env("add_boxed", judge_state, "process")
+    host, host_task = _add_env("add_host", judge_answer, None)
+    config = closed_loop.defaults()
+    config.update_from_flattened_dict({"sampling.num_samples": 1, "rollout.max_len": 256,
+                                       "data.max_prompt_len": 512})
+    producer = rollout.Agents(s.server, s.tok, config, {"add_boxed": boxed, "add_host": host})
+    version, others = s.service.runner.version + 1, set(s.service.episodes)
+    episodes = producer.generate(s.params, [boxed_task, host_task], jax.random.key(0))
+    batch = producer.score(episodes)
+
+    assert [e.group_id for e in episodes] == [0, 1]
+    assert set(s.service.episodes) == others  # its episodes were closed and taken
+    ref, n = s.ref_chat, len(s.prompt)  # the engine's own two-turn episode (same seed)
+    rest = len(ref.tokens) - n
+    for row, e in enumerate(episodes):
+        assert e.tokens == ref.tokens and batch.prompt_lens_b[row] == n
+        assert batch.tokens_bn[row, :rest].tolist() == ref.tokens[n:]
+        assert batch.loss_mask_bn[row, :rest].tolist() == ref.mask[n:]
+        np.testing.assert_allclose(batch.rollout_logp_bn[row, :rest], ref.logp_temp[n:],
+                                   atol=1e-5)
+        assert batch.versions_bn[row, :rest].tolist() == \
+            [version if m else -1 for m in ref.mask[n:]]
+        # the answer is the model's last turn as the agent printed it
+        last = ref.turns[-1]
+        assert e.answers == [chat.turn_text(s.tok, last, s.engine.settings.stop_token_ids)
+                             .strip()]
+    # the boxed agent ran the model's call (add(2, 3)) and left 5 in its work dir
+    assert episodes[0].verdicts[0].passed and batch.rewards_b[0] == 1.0
+    assert batch.rewards_b[1] == rewards.check_answer(tasks.Answer("5"),
+                                                      episodes[1].answers[0]).reward
+
+
+def _dense_logp(model, params, prompt, ids, temperature):
+    """log softmax(logits / T) of `ids` after `prompt`: the learner's side, dense."""
+    graphdef, _ = nnx.split(model)
+    seq = jnp.asarray([list(prompt) + list(ids)], jnp.int32)
+    logits = nnx.merge(graphdef, params)(seq).astype(jnp.float32)[0] / temperature
+    logp = jax.nn.log_softmax(logits)[len(prompt) - 1:-1]
+    return np.asarray(jnp.take_along_axis(logp, jnp.asarray(ids)[:, None], -1)[:, 0])
+
+
+def test_an_external_engine_samples_the_synced_weights_with_its_token_ids_and_logprobs(
+        served, tmp_path):
+    """ptrain's own endpoint as the "external" engine (`serve.ExternalSampler`, server
+    "ptrain"): each sync exports the learner's weights (hf.save) and the engine loads them
+    (POST /update_weights_from_disk); the rows are the ids and log-probs the engine recorded,
+    and they match the synced weights' dense log-probs (the train/engine mismatch the
+    truncated IS corrects is ~0), not the other weights'."""
+    from ptrain import losses
+    s = served
+    st = s.engine.settings
+    sampler = serve.ExternalSampler(s.model, serve.ExternalConfig(
+        base_url=s.url, token=s.server.token, server="ptrain", sync_dir=str(tmp_path)),
+        tokenizer=s.tok)
+    untrained = nnx.split(hf.load(s.path)[0])[1]
+    prompt = chat.encode(s.tok, TEXT)
+    kw = dict(max_new_tokens=12, num_samples=2, temperature=st.temperature, top_k=st.top_k,
+              top_p=st.top_p, key=jax.random.key(1))
+    try:
+        for params, other in ((untrained, s.params), (s.params, untrained)):
+            before = s.service.runner.version
+            out = sampler.sample(params, [prompt], **kw)
+            assert s.service.runner.version == before + 1  # the export was loaded
+            assert os.path.isfile(os.path.join(tmp_path, f"v{sampler.version}", "config.json"))
+            recorded = s.service.take_closed()
+            assert len(recorded) == 2 and out.prompt_index.tolist() == [0, 0]
+            for r in range(2):  # (the rows' requests ran concurrently: matched by tokens)
+                n = int(out.lengths[r])
+                seg, = next(e.segments for e in recorded
+                            if e.segments[0].tokens == prompt + out.tokens[r, :n].tolist())
+                np.testing.assert_allclose(seg.logp[len(prompt):], out.logp_temp[r, :n])
+                assert seg.versions[len(prompt):] == [before + 1] * n
+                ids = out.tokens[r, :n]
+                mine = _dense_logp(s.model, params, prompt, ids, st.temperature)
+                theirs = _dense_logp(s.model, other, prompt, ids, st.temperature)
+                mask = jnp.ones((1, n))
+                weights = losses.truncated_is_weights(jnp.asarray(mine)[None],
+                                                      jnp.asarray(out.logp_temp[r, :n])[None],
+                                                      mask)
+                np.testing.assert_allclose(out.logp_temp[r, :n], mine, atol=2e-3)
+                np.testing.assert_allclose(np.asarray(weights), 1.0, atol=5e-3)
+                assert np.abs(theirs - mine).mean() > 0.05  # (the sync changed the engine)
+    finally:
+        s.service.runner.publish(s.service.runner.version + 1, s.params)
+
+
+MINI_PYTHON = os.environ.get("PTRAIN_MINI_SWE_AGENT_PYTHON", os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "mini-venv", "bin",
+    "python"))
+
+
+def test_mini_swe_agent_runs_an_agent_driven_episode_offline(served):
+    """A third-party harness from PyPI (mini-swe-agent 2.4.6, its own virtualenv: `python -m
+    venv .cache/mini-venv && .cache/mini-venv/bin/pip install mini-swe-agent==2.4.6`, or
+    $PTRAIN_MINI_SWE_AGENT_PYTHON) as an agent-driven environment's program, offline against
+    the endpoint: whatever it did to its history, every row is tokens the engine sampled
+    (mask 1 exactly where the record says the model sampled), judged by the verifier."""
+    import subprocess
+    from ptrain import closed_loop
+    s = served
+    if not os.path.exists(MINI_PYTHON) or subprocess.run(
+            [MINI_PYTHON, "-c", "import minisweagent"], capture_output=True).returncode:
+        pytest.skip(f"mini-swe-agent is not installed at {MINI_PYTHON} (see the docstring)")
+
+    def judge_answer(task_list, answers, *, sessions, pool, config):
+        return [rewards.check_answer(t.verifier, a) for t, a in zip(task_list, answers)]
+
+    env, task = _add_env("mini", judge_answer, None)
+    program = os.path.join(os.path.dirname(__file__), "agents", "mini_swe_agent.py")
+    env = dataclasses.replace(env, tools=(), agent=rollout.Agent(
+        command=(MINI_PYTHON, program), backend=None, timeout_s=300, env={"STEPS": "2"}))
+    task = dataclasses.replace(task, tools=(), messages=(),
+                               prompt="Print the sum of 2 and 3 with bash.")
+    config = closed_loop.defaults()
+    config.update_from_flattened_dict({"sampling.num_samples": 1, "rollout.max_len": 512,
+                                       "data.max_prompt_len": 512})
+    producer = rollout.Agents(s.server, s.tok, config, {"mini": env})
+    episodes = producer.generate(None, [task], jax.random.key(0))
+    batch = producer.score(episodes)
+    assert episodes, "mini-swe-agent's requests were not recorded"
+    for row, e in enumerate(episodes):  # one row per segment (a rewrite starts a new one)
+        n = len(e.tokens) - e.prompt_len
+        assert batch.tokens_bn[row, :n].tolist() == e.tokens[e.prompt_len:]
+        assert batch.loss_mask_bn[row, :n].tolist() == e.mask[e.prompt_len:] and any(e.mask)
+        sampled = [lp for lp, m in zip(e.logp, e.mask) if m]
+        assert all(lp <= 0 for lp in sampled) and all(v >= 0 for v, m in
+                                                      zip(e.versions, e.mask) if m)
+    # (the untrained model calls no tool: a format error, whose retry rewrites the history)
+    assert all(e.answers == [""] for e in episodes)  # its submission: nothing submitted
+    assert batch.rewards_b.tolist() == [
+        rewards.check_answer(task.verifier, episodes[0].answers[0]).reward] * len(episodes)
+
+
+def test_agents_and_external_engines_refuse_bad_input_before_work(served, tmp_path):
+    from ptrain import closed_loop
+    s = served
+    for bad in ("python agent.py", (), ("python", "")):
+        with pytest.raises(ValueError, match="give the program's argv"):
+            rollout.Agent(command=bad)
+    with pytest.raises(ValueError, match="server='sglang'"):
+        serve.ExternalConfig(base_url="http://127.0.0.1:1", server="sglang")
+    with pytest.raises(ValueError, match="give http"):
+        serve.ExternalConfig(base_url="127.0.0.1:8000")
+    env, _ = _add_env("plain", lambda *a, **k: [], None)
+    with pytest.raises(ValueError, match="has no agent program"):
+        rollout.Agents(s.server, s.tok, closed_loop.defaults(),
+                       {"plain": dataclasses.replace(env, agent=None)})
+    sampler = serve.ExternalSampler(s.model, serve.ExternalConfig(
+        base_url=s.url, token=s.server.token, server="ptrain", sync_dir=str(tmp_path)))
+    version, others = s.service.runner.version, set(s.service.episodes)
+    with pytest.raises(serve.EngineError, match="HTTP 400: .*model_path"):
+        sampler._post("/update_weights_from_disk", {"model_path": str(tmp_path / "none")})
+    with pytest.raises(ValueError, match="stop strings"):
+        sampler.sample(None, [[1, 2]], max_new_tokens=4, stop_strings=("\n",))
+    assert s.service.runner.version == version and set(s.service.episodes) == others

@@ -29,6 +29,9 @@ An environment has:
             containers): producer(config, sampler, tokenizer, heldout) is a context manager
             giving a `rollout.Producer` of its records, evaluate(producer, params, heldout,
             **how) the fields of its held-out eval line
+  agent     an environment whose episodes an external agent program runs against the served
+            policy (`ptrain.rollout.Agent`: its command, sandbox backend, timeout; the
+            `rollout.Agents` producer): judged by `verify` on the state the agent left
 
 `load(entry)` builds one from a config entry and checks it: the import path, the protocol,
 the tools' schemas; every error names what to fix. The episodes check each verdict
@@ -93,6 +96,7 @@ class Environment:
     prompt_ids: Callable | None = None
     producer: Callable | None = None
     evaluate: Callable | None = None
+    agent: Any = None  # a `ptrain.rollout.Agent`
 
     def tool(self, name: str):
         """The tool named `name` (a task names the ones it offers in `Task.tools`)."""

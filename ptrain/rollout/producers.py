@@ -13,6 +13,7 @@ from ptrain import tasks as tasks_lib
 from ptrain.batch import Batch
 from ptrain.generate import engine_sampler
 from ptrain.generate.sampler import Sampler
+from ptrain.rollout import agents as agents_lib
 from ptrain.rollout.episodes import RolloutConfig, generate, to_batch, verify_episodes
 from ptrain.tasks import Task
 
@@ -162,6 +163,39 @@ class Tasks:
         return to_batch(episodes, self.rollout_config, prompt_len=self.prompt_len,
                         length=self.length, tokenizer=self.tokenizer, pad_id=self.pad_id,
                         max_len=self.length)
+
+
+class Agents:
+    """Tasks of agent-driven environments (`Environment.agent`, `rollout.agents`): `generate`
+    publishes `params` to the served policy (`server`: `serve.make_server`'s, its service's
+    runner) and runs every task's agent program `sampling.num_samples` times against it,
+    judged by the task's environment; `score` packs the recorded tokens (`Tasks.score`)."""
+
+    def __init__(self, server, tokenizer, config, envs, pool=None):
+        self.server, self.envs, self.pool = server, dict(envs), pool
+        for name, env in self.envs.items():
+            if env.agent is None:
+                raise ValueError(f"environment {name!r} has no agent program "
+                                 "(Environment.agent): its tasks go to rollout.Tasks")
+        self.num_samples = config.sampling.num_samples
+        self.runner = server.RequestHandlerClass.service.runner
+        self.packer = Tasks(None, tokenizer, config, pool, envs=envs)
+
+    def generate(self, params, records, key):
+        del key  # the server's sequences draw their own keys (ServeConfig.seed)
+        tasks = [r if isinstance(r, Task) else tasks_lib.from_record(r) for r in records]
+        unknown = sorted({t.domain for t in tasks} - set(self.envs))
+        if unknown:
+            raise ValueError(f"tasks of domains {unknown} have no agent-driven environment "
+                             f"here (known: {sorted(self.envs)})")
+        if params is not None:  # this step's weights, one version newer
+            self.runner.publish(self.runner.version + 1, params)
+        return agents_lib.run_episodes(self.server, tasks, [self.envs[t.domain] for t in tasks],
+                                       num_samples=self.num_samples, pool=self.pool,
+                                       reward_config=self.packer.reward_config)
+
+    def score(self, episodes) -> Batch:
+        return self.packer.score(episodes)
 
 
 def rollout_config(config, **changes) -> RolloutConfig:

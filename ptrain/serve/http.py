@@ -130,6 +130,8 @@ class _Handler(sandbox_server._Handler):
             return self._send(200, {"object": "list", "data": [
                 {"id": s.config.model_name, "object": "model", "created": 0,
                  "owned_by": "ptrain"}]})
+        if (method, path) == ("POST", "/update_weights_from_disk"):
+            return self._send(200, s.load_weights(body))
         if (method, path) == ("POST", "/v1/episodes"):
             return self._send(200, s.open_episode(body))
         episode = _EPISODE.fullmatch(path)

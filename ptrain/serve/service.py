@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import secrets
 import threading
 import time
@@ -51,6 +52,7 @@ class ServeConfig:
     request_timeout_s: float = 600.0
     sampling_params: str = "error"  # SAMPLING_PARAMS: a request's other sampling
     seed: int = 0  # sequences of requests without `seed` draw from (seed, counter)
+    load_weights: bool = False  # serve POST /update_weights_from_disk (a learner's exports)
 
     def __post_init__(self):
         checks = [
@@ -162,13 +164,35 @@ class Service:
             episode.closed = True
         return episode.to_dict()
 
-    def take_closed(self) -> list[Episode]:
-        """The closed episodes, removed from the server (a learner's rollouts)."""
+    def take_closed(self, ids=None) -> list[Episode]:
+        """The closed episodes (of `ids` only, if given), removed from the server (a
+        learner's rollouts)."""
         with self._lock:
-            done = [e for e in self.episodes.values() if e.closed]
+            done = [e for e in self.episodes.values()
+                    if e.closed and (ids is None or e.id in ids)]
             for e in done:
                 del self.episodes[e.id]
         return done
+
+    def load_weights(self, body: Mapping) -> dict:
+        """New weights from a Hugging Face directory (a learner's export, `hf.save`), swapped
+        in at the engine's next decode round as the next policy version (SGLang's
+        /update_weights_from_disk shape: {"model_path": dir})."""
+        if not self.config.load_weights:
+            raise ApiError(403, "this server does not load weights (start it with "
+                                "load_weights=True)", "permission_error")
+        path = body.get("model_path")
+        if set(body) - {"model_path", "load_format"} or not isinstance(path, str) \
+                or not os.path.isfile(os.path.join(path, "config.json")):
+            raise ApiError(400, "give {\"model_path\": a Hugging Face directory the server "
+                                "can read}")
+        from flax import nnx
+
+        from ptrain import hf
+        model, _ = hf.load(path)
+        version = self.runner.version + 1
+        self.runner.publish(version, nnx.split(model)[1], timeout_s=self.config.request_timeout_s)
+        return {"success": True, "message": f"loaded {path}", "policy_version": version}
 
     # ------------------------------------------------------------------ requests
 
