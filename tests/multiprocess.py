@@ -131,6 +131,18 @@ def logs(workdir: str, n: int) -> str:
     return "\n".join(out)
 
 
+def _dump_stacks(procs: list[subprocess.Popen]) -> None:
+    """Every live worker writes every thread's Python stack to its log (faulthandler on
+    SIGUSR1, registered by `_worker`): a run past its time says where each process waits."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    time.sleep(2.0)  # (the dump is written by the worker's signal handler, asynchronously)
+
+
 def _supervise(procs: list[subprocess.Popen], workdir: str, timeout: float,
                max_rss_mb: int | None = None) -> list[int]:
     """Waits for every worker and returns their exit codes; every worker is killed on the way
@@ -149,6 +161,7 @@ def _supervise(procs: list[subprocess.Popen], workdir: str, timeout: float,
                 break
             now = time.monotonic()
             if now > deadline:
+                _dump_stacks(procs)
                 raise TimeoutError(f"processes ran past {timeout}s\n{logs(workdir, len(procs))}")
             if now >= next_sample:
                 next_sample = now + 0.5
@@ -257,7 +270,9 @@ def _same_cache_key_on_every_process() -> bool:
 
 
 def _worker(spec: str, process_id: int, n: int, port: int, workdir: str) -> None:
+    import faulthandler
     import importlib
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `_dump_stacks`
     sys.modules.setdefault("torch", None)  # tensorboardX imports torch if it can: 2 s a start
 
     import jax

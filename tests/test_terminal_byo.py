@@ -1,7 +1,8 @@
 """A brought Hugging Face model trains on a directory of your own terminal tasks: its tokenizer
 and chat format (not the generated tasks' word tokenizer), the directory's seeded split, on
-bwrap with the environment's image_map honoured in training as launch.eval honours it (the tasks' FROM
-image exists only through the map). tests/hf_fixtures.py's tiny Qwen2.5-style model."""
+bwrap and on docker with the environment's image_map honoured in training as launch.eval honours
+it (the tasks' FROM image exists only through the map). tests/hf_fixtures.py's tiny
+Qwen2.5-style model."""
 
 import os
 import shutil
@@ -13,12 +14,20 @@ from ptrain import closed_loop, config as config_lib, hf, metrics, sharding
 from sandbox.terminal import bwrap
 from tests.test_terminal_load import TASKS_DIR  # the bundled tasks
 
-pytestmark = [pytest.mark.xdist_group("closed_loop"),
-              pytest.mark.skipif(bwrap.unavailable() is not None,
-                                 reason=str(bwrap.unavailable()))]
+pytestmark = pytest.mark.xdist_group("closed_loop")
 
 
-def test_a_brought_model_trains_on_a_task_directory_on_bwrap_with_an_image_map(hf_dir, tmp_path):
+def _unavailable(backend):
+    if backend == "bwrap":
+        return bwrap.unavailable()
+    from tests.test_terminal import _docker_reason
+    return _docker_reason()
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "docker"])
+def test_a_brought_model_trains_on_a_task_directory_with_an_image_map(hf_dir, tmp_path, backend):
+    if (reason := _unavailable(backend)) is not None:
+        pytest.skip(str(reason))
     model_dir = hf_dir("qwen2.5-instruct")
     tasks = tmp_path / "tasks"
     for name in ("hello-file", "csv-to-json"):
@@ -36,7 +45,7 @@ def test_a_brought_model_trains_on_a_task_directory_on_bwrap_with_an_image_map(h
     c.sampling.update(num_samples=2, max_new_tokens=8)
     c.rl.num_minibatches = 1
     c.tasks.envs = (dict(env="ptrain.envs.terminal:make", args=dict(
-        tasks_dir=str(tasks), n_heldout=1, backend="bwrap", threads=2,
+        tasks_dir=str(tasks), n_heldout=1, backend=backend, threads=2,
         image_map=("python:3.12-slim=ptrain-term-base:latest",))),)
     c.rollout.update(max_turns=1, max_len=16, chat_format="qwen")
     c.eval.n = 1
