@@ -12,7 +12,7 @@ With `neutral=True` every failure's feedback is the same NEUTRAL text: the retry
 that it failed, not how.
 
 The verifier does not execute the answer: it parses it (`ast`) and interprets the one
-grammar the tasks need (a `def name(x):` whose body returns `x <op> int`, optionally
+grammar the tasks need (a `def name(x):` (any one parameter) whose body returns `x <op> int`, optionally
 wrapped in `str(...)` or `[...]`); anything else is judged a syntax or shape error. So
 verdicts are cheap host computations, and no sandbox is needed.
 
@@ -73,27 +73,27 @@ class Unsupported(Exception):
     """The answer is outside the grammar the verifier interprets."""
 
 
-def _value(node, x: int):
-    """The value of a return expression in the tasks' grammar, for argument x."""
-    if isinstance(node, ast.Name) and node.id == "x":
+def _value(node, x: int, arg: str = "x"):
+    """The value of a return expression in the tasks' grammar, for argument x (named arg)."""
+    if isinstance(node, ast.Name) and node.id == arg:
         return x
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        inner = _value(node.operand, x)
+        inner = _value(node.operand, x, arg)
         if type(inner) is int:
             return -inner
     if isinstance(node, ast.BinOp) and type(node.op) in OPS.values():
-        a, b = _value(node.left, x), _value(node.right, x)
+        a, b = _value(node.left, x, arg), _value(node.right, x, arg)
         if type(a) is int and type(b) is int:
             return {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b}[type(node.op)]
         raise Unsupported(f"TypeError: unsupported operand types for "
                           f"{type(node.op).__name__}")
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
             node.func.id == "str" and len(node.args) == 1 and not node.keywords:
-        return str(_value(node.args[0], x))
+        return str(_value(node.args[0], x, arg))
     if isinstance(node, ast.List) and len(node.elts) == 1:
-        return [_value(node.elts[0], x)]
+        return [_value(node.elts[0], x, arg)]
     raise Unsupported("Unsupported: return x <op> k, str(...) of it or [...] of it")
 
 
@@ -119,15 +119,15 @@ def _run_tests(spec: Spec, code: str) -> tuple[int, str, str]:
         return 0, f"NameError: name '{spec.name}' is not defined", "NameError"
     fn = funcs[spec.name]
     args = fn.args
-    if len(args.args) != 1 or args.vararg or args.kwarg or args.kwonlyargs or \
-            args.args[0].arg != "x":
-        return 0, f"TypeError: {spec.name}() takes one argument x", "TypeError"
+    if len(args.args) != 1 or args.vararg or args.kwarg or args.kwonlyargs or args.defaults \
+            or args.posonlyargs:
+        return 0, f"TypeError: {spec.name}() takes one argument", "TypeError"
     if len(fn.body) != 1 or not isinstance(fn.body[0], ast.Return) or fn.body[0].value is None:
         return 0, f"Unsupported: {spec.name} must be one return statement", "Unsupported"
     for i, x in enumerate(INPUTS):
         want = expected(spec, x)
         try:
-            got = _value(fn.body[0].value, x)
+            got = _value(fn.body[0].value, x, args.args[0].arg)
         except Unsupported as e:
             message = str(e)
             return i, message, message.partition(":")[0]
