@@ -153,12 +153,18 @@ def evaluate(sampler, params, tasks, *, env, tokenizer, config, samples, seed, e
                 "repair_rate": float(np.mean(repaired)) if failed else None,
                 "failed_first": len(failed)}
         if decoding == "sample":
-            per_task = [sum(first[i * n:(i + 1) * n]) for i in range(len(tasks))]
-            for k in sorted({1, *[2 ** j for j in range(1, 8) if 2 ** j <= n], n}):
-                part[f"pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for c in per_task]))
+            part.update(pass_at_ks(first, n))
             part["examples"] = [episode_record(e, tokenizer) for e in failed[:examples]]
         out[decoding] = part
     return out
+
+
+def pass_at_ks(passed, n: int) -> dict:
+    """pass@k for k = 1, 2, 4, ... and n, the mean over tasks of the unbiased estimator
+    (`pass_at_k`) from task-major pass flags, n per task."""
+    per_task = [sum(passed[i:i + n]) for i in range(0, len(passed), n)]
+    return {f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for c in per_task]))
+            for k in sorted({1, *[2 ** j for j in range(1, 8) if 2 ** j <= n], n})}
 
 
 def episode_record(e, tokenizer) -> dict:
@@ -175,7 +181,10 @@ class Study:
 
     def __init__(self, args, seed, root):
         self.args, self.seed, self.root = args, seed, root
-        base = make_config(args, seed)
+        # --task_seed: every seed shares one task split and one SFT model (trained once, in
+        # <out>/sft); the seed then varies the RL / RFT / evaluation sampling only.
+        task_seed = seed if args.task_seed is None else args.task_seed
+        base = make_config(args, task_seed)
         self.env = hidden_format.make(n_train=args.train_tasks, n_heldout=args.tasks)
         self.tokenizer = hidden_format.tokenizer()
         os.makedirs(root, exist_ok=True)
@@ -183,12 +192,14 @@ class Study:
                                                              root)
         self.train, self.heldout = self.train[self.env.name], self.heldout[self.env.name]
         self.base = closed_loop.derive_config(base, root, self.tokenizer, demonstrations=True)
+        sft_dir = os.path.join(root, "sft") if args.task_seed is None else os.path.join(
+            os.path.dirname(root), f"sft_tasks{task_seed}")
         self.sampler = closed_loop.make_sampler(self.base, None, self.tokenizer)
         self.eval_env, self.eval_counter = counted(self.env)
         self._before = None
         t0 = time.perf_counter()
         # On the host: the learner donates the buffers it is given, each method gets a copy.
-        self.sft_host = jax.device_get(learner_lib.sft(self.base, os.path.join(root, "sft"),
+        self.sft_host = jax.device_get(learner_lib.sft(self.base, sft_dir,
                                                        tokenizer=self.tokenizer))
         self.sft_s = time.perf_counter() - t0
 
@@ -460,6 +471,8 @@ def main(argv=None):
     p.add_argument("--rft_rounds", type=int, default=4)
     p.add_argument("--rft_steps", type=int, default=40, help="fine-tuning steps per RFT round")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--task_seed", type=int, default=None,
+                   help="one task split and SFT model for every seed (default: per seed)")
     p.add_argument("--no_curve", dest="curve", action="store_false",
                    help="evaluate at the full budget only (not also at half)")
     p.add_argument("--out", default="runs/efficacy")

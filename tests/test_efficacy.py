@@ -139,7 +139,7 @@ def test_pass_at_k_is_the_chance_that_k_samples_hold_a_pass():
 
 def test_pipeline_runs_every_method_at_equal_counted_calls(tmp_path):
     out = tmp_path / "eff"
-    prompts, group, steps = 2, 2, 2
+    prompts, group, steps = 8, 2, 2  # a minibatch of 8 rows: the tests' 8 CPU devices
     result = efficacy.main([
         "--seeds", "0", "--steps", str(steps), "--tasks", "2", "--train_tasks", "16",
         "--samples", "2", "--prompts", str(prompts), "--group", str(group),
