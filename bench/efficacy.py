@@ -2,7 +2,8 @@
 verifier calls, on an environment whose feedback carries information the prompt lacks
 (`ptrain.envs.hidden_format`: the return format is stated only by the failing test).
 
-One tiny model (the quickstart's), warm-started by SFT on correct first attempts, then per
+One tiny model (the quickstart's), warm-started by SFT on correct first attempts and (with
+--retry_demos) retries that answer again without reading the feedback, then per
 method, from the same SFT parameters and with the same training budget of verifier calls:
 
   sft           (a) SFT only: no verifier calls
@@ -27,7 +28,7 @@ half and all of the budget. Every method and seed's numbers go to <out>/results.
 report is <out>/efficacy.html (self-contained: PNGs inlined) with <out>/*.png.
 
     python bench/efficacy.py [--seeds 0 1 2 --steps 40 --tasks 100 --samples 8
-                              --sft_steps 300 --methods sft rft grpo grpo_retry grpo_neutral
+                              --sft_steps 600 --retry_demos 0.5 --methods sft rft grpo grpo_retry grpo_neutral
                               --out runs/efficacy]
 
 The defaults are the full study; `--steps 4 --tasks 16 --sft_steps 60 --seeds 0` is a
@@ -118,13 +119,15 @@ def make_config(args, seed: int, *, attempts: int = 1):
     c.seed = seed
     c.steps = args.steps
     c.tasks.envs = (dict(env="ptrain.envs.hidden_format:make", weight=1.0,
-                         args=dict(n_train=args.train_tasks, n_heldout=args.tasks)),)
+                         args=dict(n_train=args.train_tasks, n_heldout=args.tasks,
+                                   retry_demos=args.retry_demos)),)
     c.eval.n = args.tasks
     c.data.update(prompts_per_step=args.prompts, max_prompt_len=24)
     c.sampling.update(num_samples=args.group, max_new_tokens=32)
     c.rollout.update(max_attempts=attempts, max_len=96, attempt_reward="final")
     c.rl.staleness = 0  # retries score during the episode; the same for every method
-    c.sft.update(steps=args.sft_steps, max_prompt_len=24, max_completion_len=34,
+    c.sft.update(steps=args.sft_steps, max_prompt_len=24,
+                 max_completion_len=88 if args.retry_demos else 34,  # two attempts, feedback
                  checkpoint_every=max(args.sft_steps, 1))
     c.checkpoint.update(every=1, keep=1, async_save=False)  # a budget stop keeps its last step
     c.log.update(every=10)
@@ -185,7 +188,8 @@ class Study:
         # <out>/sft); the seed then varies the RL / RFT / evaluation sampling only.
         task_seed = seed if args.task_seed is None else args.task_seed
         base = make_config(args, task_seed)
-        self.env = hidden_format.make(n_train=args.train_tasks, n_heldout=args.tasks)
+        self.env = hidden_format.make(n_train=args.train_tasks, n_heldout=args.tasks,
+                                      retry_demos=args.retry_demos)
         self.tokenizer = hidden_format.tokenizer()
         os.makedirs(root, exist_ok=True)
         self.train, self.heldout, _ = closed_loop.make_tasks(base, [self.env], self.tokenizer,
@@ -467,7 +471,10 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=8, help="sampled eval: samples per task (k)")
     p.add_argument("--prompts", type=int, default=16, help="prompts per GRPO step")
     p.add_argument("--group", type=int, default=8, help="G: samples per prompt")
-    p.add_argument("--sft_steps", type=int, default=300)
+    p.add_argument("--sft_steps", type=int, default=600)
+    p.add_argument("--retry_demos", type=float, default=0.5,
+                   help="share of SFT demonstrations that retry after feedback without reading "
+                        "it (hidden_format.retry_demonstration); 0: first attempts only")
     p.add_argument("--rft_rounds", type=int, default=4)
     p.add_argument("--rft_steps", type=int, default=40, help="fine-tuning steps per RFT round")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)

@@ -167,3 +167,23 @@ def test_pipeline_runs_every_method_at_equal_counted_calls(tmp_path):
     assert not re.search(r"(src|href)=\"https?:", page)
     for name in ("pass_vs_calls.png", "repair_rate.png", "results.json"):
         assert os.path.getsize(out / name) > 0
+
+
+def test_retry_demonstrations_answer_again_without_reading_the_feedback():
+    tok, fmt = hf.tokenizer(), chat.FORMATS["plain"]
+    _, sp = splits()
+    rng, seconds = random.Random(0), []
+    for task in sp.train[:30]:
+        for neutral in (False, True):
+            demo = hf.retry_demonstration(task, rng, tok, fmt, neutral=neutral)
+            ids, mask = demo["completion_ids"], demo["completion_mask"]
+            starts = [i for i in range(1, len(mask)) if mask[i] != mask[i - 1]]
+            assert mask[0] == 1 and len(starts) == 2  # attempt, feedback, attempt
+            first, fb, second = (tok.decode(ids[a:b]) for a, b in
+                                 zip([0, *starts], [*starts, len(ids)]))
+            one, two = hf.judge(task.verifier, first), hf.judge(task.verifier, second)
+            assert not one.passed
+            assert (hf.NEUTRAL if neutral else one.feedback) in fb
+            assert first != second
+            seconds.append(two.passed)
+    assert 0 < sum(seconds) < len(seconds)  # the second attempt is right only by chance

@@ -18,7 +18,8 @@ verdicts are cheap host computations, and no sandbox is needed.
 
 The turn policy allows retries: with rollout.max_attempts > 1, attempt k + 1 sees attempt
 k's feedback (`ptrain.rollout.episodes`). The demonstrations (for a supervised warm start)
-are single correct first attempts: right operation, right format.
+are correct first attempts, and with `retry_demos` > 0 also retries whose second attempt
+ignores the feedback (`retry_demonstration`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import ast
 import dataclasses
 import random
 
+from ptrain import chat
 from ptrain.envs import base, synthetic
 from ptrain.envs.verdict import Verdict
 from ptrain.rewards import extract_code
@@ -158,13 +160,37 @@ def demonstration(task: Task, tokenizer, fmt) -> dict:
     return synthetic.demo_record(task, (solution(task.verifier),), tokenizer, fmt)
 
 
+def retry_demonstration(task: Task, rng: random.Random, tokenizer, fmt, *,
+                        neutral: bool) -> dict:
+    """A two-attempt SFT record that teaches the protocol, not the skill: a first attempt in
+    a wrong format, its feedback (not trained on, rendered as a rollout appends it), and a
+    second attempt in a format drawn from the other two *without* reading the feedback (right
+    half the time). Each attempt ends with the format's end-of-turn token."""
+    spec = task.verifier
+    first = rng.choice([f for f in FORMATS if f != spec.format])
+    second = rng.choice([f for f in FORMATS if f != first])
+    attempts = [solution(dataclasses.replace(spec, format=f)) for f in (first, second)]
+    feedback = judge(spec, attempts[0], neutral=neutral).feedback
+    end = list(chat.end_of_turn_ids(fmt, tokenizer)[:1])
+    parts = [(chat.encode(tokenizer, attempts[0]) + end, 1),
+             (chat.encode(tokenizer, chat.feedback(fmt, feedback,
+                                                    closed=bool(fmt.end_of_turn))), 0),
+             (chat.encode(tokenizer, attempts[1]) + end, 1)]
+    ids = [i for part, _ in parts for i in part]
+    mask = [m for part, m in parts for _ in part]
+    prompt = chat.render_prompt(fmt, tokenizer, prompt=task.prompt)
+    return {"prompt_ids": prompt, "completion_ids": ids, "completion_mask": mask,
+            "domain": task.domain}
+
+
 def tokenizer() -> synthetic.WordTokenizer:
     """The generated tasks' word tokenizer (every text they, their answers and their
     feedback hold; other text is spelled letter by letter)."""
     words = " ".join(synthetic.WORDS + tuple(OPS) + (
         "code def return str test failed got NameError name is not defined SyntaxError "
         "invalid syntax TypeError takes one argument Unsupported must be statement "
-        "unsupported operand types for of it that was wrong try again Correct Add Sub Mult",))
+        "unsupported operand types for of it that was wrong try again Correct Add Sub Mult "
+        "Please fix",))
     return synthetic.WordTokenizer(synthetic._PIECES.findall(words) + [
         chr(i) for i in range(33, 127)] + [" " * n for n in range(1, 9)] + ["\n"])
 
@@ -180,13 +206,17 @@ def verifier(neutral: bool):
     return verify
 
 
-def make(n_train: int = 2000, n_heldout: int = 100, neutral: bool = False) -> base.Environment:
+def make(n_train: int = 2000, n_heldout: int = 100, neutral: bool = False,
+         retry_demos: float = 0.0) -> base.Environment:
     """The environment: n_train training and n_heldout held-out tasks (no prompt in both),
-    a correct demonstration per training task; `neutral`: every failure's feedback is
-    NEUTRAL (the same turn policy, the information removed)."""
-    if n_train < 1 or n_heldout < 0:
-        raise ValueError(f"{NAME}: n_train={n_train} must be >= 1 and n_heldout={n_heldout} "
-                         ">= 0")
+    a demonstration per training task: a correct first attempt, or with probability
+    `retry_demos` a `retry_demonstration` (a wrong attempt, its feedback, an uninformed
+    second attempt: the model learns to answer again, not to read the feedback);
+    `neutral`: every failure's feedback is NEUTRAL (the same turn policy, the information
+    removed)."""
+    if n_train < 1 or n_heldout < 0 or not 0 <= retry_demos <= 1:
+        raise ValueError(f"{NAME}: n_train={n_train} must be >= 1, n_heldout={n_heldout} "
+                         f">= 0 and retry_demos={retry_demos} in [0, 1]")
 
     def tasks(ctx: base.Context) -> base.Splits:
         held = generate(n_heldout, seed=ctx.seed, split="heldout")
@@ -195,8 +225,10 @@ def make(n_train: int = 2000, n_heldout: int = 100, neutral: bool = False) -> ba
         rename = (lambda t: t) if ctx.name == NAME else (
             lambda t: dataclasses.replace(t, domain=ctx.name))
         train, held = [rename(t) for t in train], [rename(t) for t in held]
-        demos = ([demonstration(t, ctx.tokenizer, ctx.fmt) for t in train]
-                 if ctx.tokenizer is not None and ctx.fmt is not None else [])
+        rng = random.Random(f"{ctx.seed}/{NAME}/demos")
+        demos = ([retry_demonstration(t, rng, ctx.tokenizer, ctx.fmt, neutral=neutral)
+                  if rng.random() < retry_demos else demonstration(t, ctx.tokenizer, ctx.fmt)
+                  for t in train] if ctx.tokenizer is not None and ctx.fmt is not None else [])
         return base.Splits(train, held, demos)
 
     return base.Environment(name=NAME, tasks=tasks, verify=verifier(neutral),
