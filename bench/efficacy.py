@@ -137,7 +137,8 @@ def make_config(args, seed: int, *, attempts: int = 1):
 # ----------------------------------------------------------------------------- evaluation
 
 def evaluate(sampler, params, tasks, *, env, tokenizer, config, samples, seed, examples=0):
-    """Held-out numbers with two attempts per episode (the feedback the environment gives):
+    """Held-out numbers with two attempts per episode, every method with the same
+    (informative) feedback, so that (d) and (e) differ only in what they trained on:
     greedy and sampled pass@1 of attempt 1, pass@k, pass within two attempts, repair rate."""
     fmt = chat.FORMATS[config.rollout.chat_format]
     out = {}
@@ -157,7 +158,8 @@ def evaluate(sampler, params, tasks, *, env, tokenizer, config, samples, seed, e
                 "failed_first": len(failed)}
         if decoding == "sample":
             part.update(pass_at_ks(first, n))
-            part["examples"] = [episode_record(e, tokenizer) for e in failed[:examples]]
+            one_per_task = list({e.task.id: e for e in reversed(failed)}.values())[::-1]
+            part["examples"] = [episode_record(e, tokenizer) for e in one_per_task[:examples]]
         out[decoding] = part
     return out
 
