@@ -336,7 +336,7 @@ def _on_mesh(host, mesh):
 
 # The learner's phases, in order. Each RL phase but multiturn (another vocabulary) starts
 # from SFT's parameters.
-PHASES = ("sft", "sft_packed", "sft_lora", "grpo", "ppo", "multiturn", "multiturn_engine")
+PHASES = ("sft", "sft_packed", "grpo", "ppo", "multiturn", "multiturn_engine")
 # Where a process may SIGKILL itself in a step (the step under way: updates finished + 1):
 # entering a producer.generate call, a reward (producer.score), the update, or the
 # checkpoint save (after the step's metrics are written). With rl.staleness=1 (the ppo

@@ -373,18 +373,6 @@ def test_packed_sft_and_its_resume_equal_one_process(learner_runs):
 
 @_LEARNER
 @pytest.mark.timeout(2400)
-def test_lora_sft_and_its_resume_equal_one_process(learner_runs):
-    """SFT with LoRA on 2 x 4, two steps and a third resumed from the adapters-only
-    checkpoint: bit for bit 1 x 8's three steps, the base untouched on every process."""
-    two, one, _, _ = learner_runs
-    _same_metrics([r["sft_lora"] for r in two], one["sft_lora"])
-    assert [r["step"] for r in one["sft_lora"]["metrics"]] == [1, 2, 3]
-    trained, base = one["sft_lora"]["params"], one["sft"]["params"]
-    assert {k for k in trained["layers"]} - {k for k in base["layers"]}  # the adapters
-
-
-@_LEARNER
-@pytest.mark.timeout(2400)
 def test_rl_with_dynamic_sampling_killed_and_restarted_equals_one_process(learner_runs):
     """GRPO with groups kept and filled over the global batch, KL (2 x 4 holds the reference
     in host memory between steps, kl.ref_offload; 1 x 8 on the devices); one process SIGKILLed
