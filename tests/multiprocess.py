@@ -96,15 +96,20 @@ def _spawn(argvs: list[list[str]], envs: list[dict], logdir: str) -> list[subpro
     return procs
 
 
-def kill(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
-    """SIGKILL each worker's process group (a worker is its group's leader), and reap them:
-    a bounded wait (a process stuck in the kernel is left to init, not waited on forever)."""
+def _signal_live(procs: list[subprocess.Popen], send) -> None:
+    """send(pid) for each worker still running (one that exits meanwhile is skipped)."""
     for p in procs:
         if p.poll() is None:
             try:
-                os.killpg(p.pid, signal.SIGKILL)
+                send(p.pid)
             except ProcessLookupError:
                 pass
+
+
+def kill(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    """SIGKILL each worker's process group (a worker is its group's leader), and reap them:
+    a bounded wait (a process stuck in the kernel is left to init, not waited on forever)."""
+    _signal_live(procs, lambda pid: os.killpg(pid, signal.SIGKILL))
     deadline = time.monotonic() + timeout
     for p in procs:
         try:
@@ -134,12 +139,7 @@ def logs(workdir: str, n: int) -> str:
 def _dump_stacks(procs: list[subprocess.Popen]) -> None:
     """Every live worker writes every thread's Python stack to its log (faulthandler on
     SIGUSR1, registered by `_worker`): a run past its time says where each process waits."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.kill(p.pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
+    _signal_live(procs, lambda pid: os.kill(pid, signal.SIGUSR1))
     time.sleep(2.0)  # (the dump is written by the worker's signal handler, asynchronously)
 
 
