@@ -268,10 +268,9 @@ def test_bad_task_file_rows_name_their_line(brought, row, message):
 
 def test_image_modes_convert_to_rgb_and_big_images_fit_the_budget(brought):
     """Grayscale, palette, RGBA and CMYK pages become RGB as PIL converts them (RGBA over
-    white, as transformers does); an image over the pixel budget is resized within it, to the
-    size transformers' smart_resize gives."""
-    transformers = pytest.importorskip("transformers", reason="smart_resize is the reference")
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    white, as transformers does); an image over the pixel budget is resized within it, its
+    sides multiples of 28 and its aspect kept (tests/test_vision.py checks the sizes and
+    pixels against transformers' processor)."""
     proc = ip.ImageProcessing(max_pixels=28 * 28 * 8)
     for mode in ("L", "P", "CMYK"):
         path = str(brought / "img" / f"{mode}.{'jpg' if mode == 'CMYK' else 'png'}")
@@ -283,8 +282,8 @@ def test_image_modes_convert_to_rgb_and_big_images_fit_the_budget(brought):
     np.testing.assert_array_equal(ip.preprocess(rgba, proc)[0], ip.preprocess(white, proc)[0])
     big = _image(str(brought / "big.png"), size=(900, 600))
     _, grids = ip.preprocess(big, proc)
-    h, w = smart_resize(600, 900, 28, proc.min_pixels, proc.max_pixels)
-    assert tuple(grids[0]) == (1, h // 14, w // 14) and h * w <= proc.max_pixels
+    h, w = grids[0][1] * 14, grids[0][2] * 14
+    assert h * w <= proc.max_pixels and h % 28 == w % 28 == 0 and abs(w / h - 1.5) < 0.4
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -300,6 +299,8 @@ class _Template:
         items = [c for m in messages for c in m["content"]]
         n = sum(c["type"] == "image" for c in items) - self.drop
         return "u " + "s p e " * n + " ".join(c["text"] for c in items if c["type"] == "text")
+
+    eos_token_id = 7
 
     def encode(self, text, add_special_tokens):
         return [{"s": 2, "p": 3, "e": 4}.get(w, 5) for w in text.split()]
@@ -325,6 +326,10 @@ def test_the_prompt_holds_one_placeholder_per_merged_patch_and_needs_a_vl_model(
     assert ids.count(3) == H * W // (14 * 14 * 4) == len(patches) // 4
     with pytest.raises(ValueError, match="placeholder"):
         charts.prompt(task, _Template(drop=1), _vl_config(), proc)
+    from ptrain import chat
+    demo = charts.demonstration(task, _Template(), chat.PLAIN, _vl_config(), proc)
+    assert demo["prompt_ids"] == ids and demo["images"] == charts.images(task)
+    assert demo["completion_ids"] == [5, 5, 7] and demo["completion_mask"] == [1, 1, 1]
     env = base.load({"env": "ptrain.envs.charts:make", "args": {"n_train": 1}})
     for make_prompt in (lambda: charts.prompt(task, _Template(), None),
                         lambda: episodes.render_prompt(task, _Template(), env=env)):

@@ -97,6 +97,19 @@ def prompt(task: Task, tokenizer, vl_config, processing=None):
                               processing or image_processing.ImageProcessing())
 
 
+def demonstration(task: Task, tokenizer, fmt, vl_config, processing=None) -> dict:
+    """The SFT record of a task answered with its reference answer: the image prompt's ids
+    (`prompt`), the answer's ids ending with the chat format's end-of-turn token (trained
+    on), and the prompt's images (`images`: paths) for an SFT batch that carries them."""
+    from ptrain import chat
+    ids, _ = prompt(task, tokenizer, vl_config, processing)
+    completion = chat.encode(tokenizer, answer_text(task)) + list(
+        chat.end_of_turn_ids(fmt, tokenizer)[:1])
+    return {"prompt_ids": ids, "completion_ids": completion,
+            "completion_mask": [1] * len(completion), "domain": task.domain,
+            "images": [str(p) for p in images(task)]}
+
+
 def make(n_train: int = 200, n_heldout: int = 40, *, train: str = "", heldout: str = "",
          kinds: tuple = (), width_px: int = 448, height_px: int = 336,
          pages_dir: str = "") -> base.Environment:
