@@ -219,6 +219,7 @@ def test_a_task_file_loads_and_launch_eval_scores_it(brought):
              "tolerance": 0.2}]
     path = _write(brought / "tasks.jsonl", rows)
     tasks = charts.brought(path)
+    assert task_file.is_charts_file(path)
     assert [t.id for t in tasks][0] == "a" and tasks[1].id.endswith("tasks.jsonl:2")
     assert [t.verifier.kind for t in tasks] == ["number", "percent", "label", "number"]
     content = tasks[1].messages[0]["content"]
@@ -262,7 +263,7 @@ def test_bad_task_file_rows_name_their_line(brought, row, message):
     _image(str(bad / "thin.png"), size=(402, 2))
     first = {"id": "a", "images": ["img/RGB.png"], "question": "q", "answer": 1}
     path = _write(brought / "t.jsonl", [first, row])
-    with pytest.raises(ValueError, match=re.escape(f"t.jsonl:2: ") + ".*" + re.escape(message)):
+    with pytest.raises(ValueError, match=re.escape("t.jsonl:2: ") + ".*" + re.escape(message)):
         charts.brought(path)
 
 
