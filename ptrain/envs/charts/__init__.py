@@ -128,8 +128,7 @@ def make(n_train: int = 200, n_heldout: int = 40, *, train: str = "", heldout: s
     def tasks(ctx: base.Context) -> base.Splits:
         if train:
             splits = [brought(path) for path in (train, heldout)]
-            key = [{(t.messages[0]["content"][-1]["text"], tuple(images(t))) for t in s}
-                   for s in splits]
+            key = [{json.dumps(t.messages) for t in s} for s in splits]
             if key[0] & key[1]:
                 raise ValueError(f"{heldout}: {len(key[0] & key[1])} held-out tasks are also "
                                  f"in {train}")

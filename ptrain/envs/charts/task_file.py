@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 
 from ptrain import jsonl
+from ptrain.envs import task_files
 from ptrain.envs.charts import judge
 
 KEYS = ("id", "images", "question", "answer", "tolerance")
@@ -40,17 +41,7 @@ def is_charts_file(path: str) -> bool:
 def read(path: str) -> list[dict]:
     """The file's tasks as dicts: id, images (absolute paths), question, expected
     (`judge.Expected`)."""
-    out, ids = [], set()
-    base_dir = os.path.dirname(os.path.abspath(path))
-    for where, record in jsonl.records(path):
-        task = parse(record, where, base_dir)
-        if task["id"] in ids:
-            raise ValueError(f"{where}: task id {task['id']!r} appears more than once")
-        ids.add(task["id"])
-        out.append(task)
-    if not out:
-        raise ValueError(f"{path}: no tasks")
-    return out
+    return task_files.parsed(path, parse)
 
 
 def parse(record: dict, where: str, base_dir: str) -> dict:
