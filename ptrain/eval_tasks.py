@@ -9,8 +9,8 @@ sub-directory; `sandbox.terminal`), or a JSONL task file in a format of `ptrain.
 CAD task file (`ptrain.envs.cad.task_file`: records with a "target"; format "cad"), each
 answer built and measured in the CAD sandbox (renders and STEP files in OUT/artefacts/), or a
 chart task file (`ptrain.envs.charts.task_file`: records with "images" and "question"; format
-"charts"), each answer judged numerically on the host (agents oracle and nop only: a vision
-model agent is not here yet).
+"charts"), each answer judged numerically on the host; its model agent is a Qwen2.5-VL
+directory answering in one turn with the images (`ptrain.envs.charts.agent`).
 agent "model": a local Hugging Face directory (`model`) acting through its chat format's tool
 calls in the task's persistent shell (`ptrain.envs.terminal.agent`), or answering code tasks in
 one turn (`ptrain.code_eval.ModelAgent`); or a launch/train.py work dir, exported first, which
@@ -199,19 +199,29 @@ def evaluate_cad(o: Options, progress):
                                   progress=progress, verify=env.verify)
 
 
+def charts_model_agent(o: Options):
+    from ptrain.envs.charts import agent
+    if not os.path.isfile(os.path.join(o.model, "config.json")):
+        raise UsageError(f"--model={o.model}: chart tasks need a Qwen2.5-VL Hugging Face "
+                         "directory (config.json)")
+    try:
+        loaded = agent.load(o.model, chat_format=o.chat_format)
+    except ValueError as e:
+        raise UsageError(f"--model={o.model}: {e}") from None
+    return agent.ModelAgent(*loaded, max_new_tokens=o.max_new_tokens,
+                            temperature=o.temperature, greedy=o.greedy, seed=o.seed)
+
+
 def evaluate_charts(o: Options, progress):
     path, agent_name, out = o.tasks, o.agent, o.out
     import dataclasses
     from ptrain import code_eval
     from ptrain.envs import charts
-    if agent_name == "model":
-        raise UsageError(f"--tasks={path}: chart tasks show images; --agent=model needs a "
-                         "vision-language model agent, which launch.eval does not have yet "
-                         "(use --agent=oracle or nop)")
     items = [(dataclasses.replace(t, metadata={**t.metadata, "format": "charts"}),
               charts.answer_text(t)) for t in charts.brought(path)]
     env = charts.make(n_train=0, n_heldout=0)
-    agent = {"oracle": code_eval.oracle, "nop": code_eval.nop}[agent_name]
+    agent = (charts_model_agent(o) if agent_name == "model" else
+             {"oracle": code_eval.oracle, "nop": code_eval.nop}[agent_name])
     return code_eval.evaluate(items, agent, out, attempts=o.attempts, progress=progress,
                               verify=env.verify)
 

@@ -231,8 +231,12 @@ def test_a_task_file_loads_and_launch_eval_scores_it(brought):
                                                       out=str(out))) == 0
         summary = json.loads((out / "summary.json").read_text())
         assert summary["tasks_evaluated"] == 4 and summary["pass@1"] == want
-    with pytest.raises(eval_tasks.UsageError, match="vision-language model agent"):
-        eval_tasks.evaluate(eval_tasks.Options(tasks=path, agent="model",
+    text_model = brought / "text_model"  # a vision task given to a text-only model
+    text_model.mkdir()
+    (text_model / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"],
+                                                        "model_type": "qwen2"}))
+    with pytest.raises(eval_tasks.UsageError, match="text-only model: chart tasks show images"):
+        eval_tasks.evaluate(eval_tasks.Options(tasks=path, agent="model", model=str(text_model),
                                                out=str(brought / "m")))
 
 
@@ -301,19 +305,22 @@ class _Template:
         n = sum(c["type"] == "image" for c in items) - self.drop
         return "u " + "s p e " * n + " ".join(c["text"] for c in items if c["type"] == "text")
 
-    eos_token_id = 7
+    eos_token_id, pad_token_id = 7, 0
 
     def encode(self, text, add_special_tokens):
         return [{"s": 2, "p": 3, "e": 4}.get(w, 5) for w in text.split()]
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
 
 
 def _vl_config():
     from ptrain import model
     from ptrain.vision import config, vl
     text = model.ModelConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
-                             d_ff=16, mrope_section=(1, 1, 2))
+                             d_ff=16, mrope_section=(1, 1, 2), attention_impl="reference")
     tower = config.VisionConfig(depth=1, d_model=16, n_heads=2, d_ff=16, out_d=16,
-                                fullatt_blocks=(0,))
+                                fullatt_blocks=(0,), attention_impl="reference")
     return vl.VLConfig(text, tower, image_token_id=3, video_token_id=6,
                        vision_start_token_id=2, vision_end_token_id=4)
 
@@ -336,3 +343,26 @@ def test_the_prompt_holds_one_placeholder_per_merged_patch_and_needs_a_vl_model(
                         lambda: episodes.render_prompt(task, _Template(), env=env)):
         with pytest.raises(ValueError, match="vision task needs a vision-language model"):
             make_prompt()
+
+
+def test_a_vl_model_agent_answers_with_the_images(generated, tmp_path):
+    """launch.eval's model agent on chart tasks: a (random, tiny) VL model samples each
+    prompt with its images (without them the same prompt is refused: its placeholders would
+    have no image) and every answer is judged."""
+    from flax import nnx
+    from ptrain import chat, code_eval
+    from ptrain.envs.charts import agent as charts_agent
+    from ptrain.vision import vl
+    c = _vl_config()
+    model = vl.VLModel(c, rngs=nnx.Rngs(0))
+    agent = charts_agent.ModelAgent(model, c, _Template(), ip.ImageProcessing(max_pixels=W * H),
+                                    chat.PLAIN, (7,), max_new_tokens=3, greedy=True)
+    items = [(t, charts.answer_text(t)) for t in generated["heldout"][:2]]
+    env = charts.make(n_train=0, n_heldout=0)
+    summary = code_eval.evaluate(items, agent, str(tmp_path), verify=env.verify)
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert summary["tasks_evaluated"] == 2 and len(rows) == 2
+    assert all(r["agent"] == "model" and r["feedback"] for r in rows)
+    ids, _ = charts.prompt(items[0][0], _Template(), c, agent.processing)
+    with pytest.raises(ValueError, match="image placeholder"):
+        agent.sampler.sample(agent.params, [ids], max_new_tokens=1, greedy=True)
