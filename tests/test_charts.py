@@ -345,24 +345,46 @@ def test_the_prompt_holds_one_placeholder_per_merged_patch_and_needs_a_vl_model(
             make_prompt()
 
 
-def test_a_vl_model_agent_answers_with_the_images(generated, tmp_path):
-    """launch.eval's model agent on chart tasks: a (random, tiny) VL model samples each
-    prompt with its images (without them the same prompt is refused: its placeholders would
-    have no image) and every answer is judged."""
+def _vl_directory(path):
+    """A tiny random Qwen2.5-VL directory: weights saved by ptrain.vision.hf.save, the Qwen2.5
+    test tokenizer with Qwen2.5-VL's chat template."""
+    import hf_fixtures
     from flax import nnx
-    from ptrain import chat, code_eval
-    from ptrain.envs.charts import agent as charts_agent
-    from ptrain.vision import vl
+    from ptrain.vision import hf as vhf, vl
+    tokenizer = hf_fixtures.save_tokenizer("qwen2.5-instruct", path)
+    tokenizer.chat_template = hf_fixtures.QWEN25_VL_TEMPLATE
+    tokenizer.save_pretrained(path)
+    ids = tokenizer.convert_tokens_to_ids
     c = _vl_config()
-    model = vl.VLModel(c, rngs=nnx.Rngs(0))
-    agent = charts_agent.ModelAgent(model, c, _Template(), ip.ImageProcessing(max_pixels=W * H),
-                                    chat.PLAIN, (7,), max_new_tokens=3, greedy=True)
-    items = [(t, charts.answer_text(t)) for t in generated["heldout"][:2]]
-    env = charts.make(n_train=0, n_heldout=0)
-    summary = code_eval.evaluate(items, agent, str(tmp_path), verify=env.verify)
-    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert summary["tasks_evaluated"] == 2 and len(rows) == 2
-    assert all(r["agent"] == "model" and r["feedback"] for r in rows)
-    ids, _ = charts.prompt(items[0][0], _Template(), c, agent.processing)
-    with pytest.raises(ValueError, match="image placeholder"):
-        agent.sampler.sample(agent.params, [ids], max_new_tokens=1, greedy=True)
+    c = c.replace(text=c.text.replace(vocab_size=len(tokenizer) + 8, family="qwen2",
+                                      qkv_bias=True),
+                  image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+                  vision_start_token_id=ids("<|vision_start|>"),
+                  vision_end_token_id=ids("<|vision_end|>"))
+    vhf.save(vl.VLModel(c, rngs=nnx.Rngs(0)), c, path,
+             image_processing=ip.ImageProcessing(max_pixels=W * H))
+    return path
+
+
+def test_launch_eval_model_agent_answers_with_the_images(brought):
+    """--agent=model on a chart file: a Qwen2.5-VL directory (random, tiny) samples each
+    prompt with its images through the chat template, and every answer is judged."""
+    pytest.importorskip("transformers", reason="the tokenizer is a transformers one")
+    model_dir = _vl_directory(str(brought / "vl"))
+    rows = [{"images": ["img/RGB.png"], "question": "Total?", "answer": 1234},
+            {"images": ["img/P.png", "img/CMYK.jpg"], "question": "Growth?", "answer": "5%"}]
+    path = _write(brought / "tasks.jsonl", rows)
+    out = brought / "model"
+    assert eval_tasks.evaluate(eval_tasks.Options(
+        tasks=path, agent="model", model=model_dir, out=str(out), greedy=True,
+        max_new_tokens=4)) == 0
+    results = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["agent"] for r in results] == ["model", "model"]
+    assert all(r["error"] in ("no_answer", "not_a_number", "wrong_answer", None)
+               for r in results)
+    # the agent's prompt has one placeholder per merged patch of each image (224x168 fits
+    # the budget): 48 for the first task, two images' worth for the second
+    from ptrain.envs.charts import agent as charts_agent
+    model, c, tokenizer, processing, _, _ = charts_agent.load(model_dir)
+    ids, (_, grids) = charts.prompt(charts.brought(path)[1], tokenizer, c, processing)
+    assert ids.count(c.image_token_id) == int(np.prod(grids, -1).sum()) // 4 and len(grids) == 2
