@@ -136,6 +136,12 @@ def test_pages_are_the_same_bytes_each_time(tmp_path):
 
 
 def test_heldout_split_by_seed_and_by_parameters(generated):
+    from ptrain import closed_loop
+    env = charts.make()
+    closed_loop._check_splits(env, generated["train"], generated["heldout"], eval_n=1)
+    with pytest.raises(ValueError, match="held-out prompt"):  # messages are compared
+        closed_loop._check_splits(env, generated["train"], generated["train"][:1], eval_n=1)
+
     def years(page):
         return page["labels"] if page["kind"] != "bar" else [int(page["title"][-4:])]
 
