@@ -7,7 +7,7 @@ tasks.
     python -m launch.eval --tasks=HumanEval.jsonl.gz --agent=oracle --out=runs/he
     python -m launch.eval --tasks=sandbox/terminal/tasks --agent=model --model=HF_DIR --out=runs/m
     python -m launch.eval --tasks=examples/cad_tasks.jsonl --agent=oracle --out=runs/cad
-    python -m launch.eval --tasks=charts.jsonl --agent=oracle --out=runs/charts
+    python -m launch.eval --tasks=examples/charts_tasks.jsonl --agent=oracle --out=runs/charts
 
 Writes OUT/results.jsonl, OUT/transcripts/, OUT/summary.json and OUT/report.html; a rerun with
 the same --out runs only the missing attempts; exit status 2 when attempts failed for an

@@ -4,6 +4,7 @@ answers' parser and tolerance, the held-out split, brought task files and their 
 image modes and the pixel budget, the image prompt, and launch.eval's oracle and nop."""
 
 import json
+import pathlib
 import re
 
 import numpy as np
@@ -244,6 +245,14 @@ def test_a_task_file_loads_and_launch_eval_scores_it(brought):
     with pytest.raises(eval_tasks.UsageError, match="text-only model: chart tasks show images"):
         eval_tasks.evaluate(eval_tasks.Options(tasks=path, agent="model", model=str(text_model),
                                                out=str(brought / "m")))
+
+
+def test_the_example_task_file_loads():
+    tasks = charts.brought(str(pathlib.Path(__file__).parent.parent / "examples" /
+                               "charts_tasks.jsonl"))
+    assert [t.verifier.kind for t in tasks] == ["number", "percent", "number", "number"]
+    assert len(charts.images(tasks[3])) == 2 and tasks[3].verifier.tolerance == 0
+    assert all(judge.judge(t.verifier, charts.answer_text(t)).passed for t in tasks)
 
 
 @pytest.mark.parametrize("row, message", [

@@ -3,10 +3,11 @@ and some arithmetic, with its answer computed from the same numbers.
 
     generate(4, seed=0, split="train") -> [{"page", "question", "answer", "kind"}, ...]
 
-Templates (`TEMPLATES`): on a bar chart the largest segment, the ratio of two bars and the
-total of all bars; on a line chart the growth of a series from one year to the next (in %)
-and the year a series peaks; on a table a column total, a row's growth between two years and
-the ratio of two rows in a year. Ratios and growth are asked rounded to one decimal place.
+Templates (`TEMPLATES`): on a bar chart the largest segment, the ratio of two bars (the
+larger to the smaller) and the total of all bars; on a line chart the growth of a series from
+one year to the next (in %) and the year a series peaks; on a table a column total, a row's
+growth between two years and the ratio of two rows in a year (the larger to the smaller).
+Ratios and growth are asked rounded to one decimal place.
 
 The held-out split is held out twice: its pages are drawn from their own random stream
 (seed, "heldout"), and from template parameters the training split never uses: other region,
@@ -59,7 +60,7 @@ def bar(rng: random.Random, p: dict) -> dict:
         return dict(page=page, question=q, answer=regions[values.index(max(values))],
                     kind="label")
     if which == "ratio":
-        i, j = rng.sample(range(len(regions)), 2)
+        i, j = sorted(rng.sample(range(len(regions)), 2), key=lambda k: -values[k])
         q = (f"What is the ratio of {regions[i]}'s {metric.lower()} to {regions[j]}'s in "
              f"{year}? {ROUND}")
         return dict(page=page, question=q, answer=_ratio(values[i], values[j]), kind="ratio")
@@ -112,8 +113,8 @@ def table(rng: random.Random, p: dict) -> dict:
         q = f"By what percentage did {c} change from {years[y]} to {years[y + 1]}? {ROUND}"
         return dict(page=page, question=q, answer=_growth(series[c][y], series[c][y + 1]),
                     kind="percent")
-    a, b = rng.sample(costs, 2)
     y = rng.randrange(3)
+    a, b = sorted(rng.sample(costs, 2), key=lambda c: -series[c][y])
     q = f"What is the ratio of {a} to {b} in {years[y]}? {ROUND}"
     return dict(page=page, question=q, answer=_ratio(series[a][y], series[b][y]), kind="ratio")
 
