@@ -205,11 +205,11 @@ def charts_model_agent(o: Options):
         raise UsageError(f"--model={o.model}: chart tasks need a Qwen2.5-VL Hugging Face "
                          "directory (config.json)")
     try:
-        loaded = agent.load(o.model, chat_format=o.chat_format)
+        return agent.model_agent(o.model, chat_format=o.chat_format, seed=o.seed,
+                                 max_new_tokens=o.max_new_tokens,
+                                 temperature=o.temperature, greedy=o.greedy)
     except ValueError as e:
         raise UsageError(f"--model={o.model}: {e}") from None
-    return agent.ModelAgent(*loaded, max_new_tokens=o.max_new_tokens,
-                            temperature=o.temperature, greedy=o.greedy, seed=o.seed)
 
 
 def evaluate_charts(o: Options, progress):
