@@ -13,7 +13,8 @@ with `ptrain.vision.hf.save` and tests/hf_fixtures.py's Qwen2.5 tokenizer and
 QWEN25_VL_TEMPLATE; then ",short" for a shortened run.
 
 Command:  python -m launch.train --config=configs/charts_toy.py:MODEL_DIR --workdir=runs/charts
-Hardware: 2 CPU cores (the model is tiny; pages are drawn once into the work dir).
+Hardware: 2 CPU cores (the model is tiny). The 444 pages are drawn once into the work dir
+          first: a few minutes on a loaded 2-core VM (~0.5 s a page).
 Expected: <workdir>/eval.jsonl: greedy held-out pass rate after SFT and after RL. Not yet
           measured: the closed loop's prompts, rollouts and SFT batches do not carry images
           yet (the environment's `prompt_ids` refuses a text-only path), so this run needs the
