@@ -159,7 +159,7 @@ def test_sampled_logprobs_of_a_multi_turn_image_episode_equal_the_learners(tok):
                                 key=jax.random.key(3), config=config, fmt=fmt,
                                 envs={"vis": ENV}, vision=vision)
     assert all(len(e.images) == 3 and e.tool_calls == 2 for e in episodes)
-    batch = rollout.to_batch(episodes, config, prompt_len=512, length=256, vision=vision)
+    batch = rollout.to_batch(episodes, config, prompt_len=512, length=256)  # their vision
     batch.check_groups(G)
     keys = ("prompt_bp", "prompt_lens_b", "tokens_bn", "lengths_b") + vl.LEARNER_KEYS + \
         vl.OBSERVATION_KEYS

@@ -375,8 +375,9 @@ def to_batch(episodes: Sequence[Episode], config: RolloutConfig, *, prompt_len: 
     error type and rubric components in its row's meta (with a tokenizer, also the prompt and
     completion texts);
     a MoE's recorded routing (`ptrain.routing.pack`); `max_len`: the episodes' cap
-    (`Batch.max_len_b`); `vision`: a vision-language run's, whose rows then carry their
-    images (`images.attach`: fixed patch budgets, the same shapes every step)."""
+    (`Batch.max_len_b`). A vision-language policy's rows carry their images
+    (`images.attach`: the patch budgets of `vision`, default the episodes' own, fixed per
+    run so that every step has the same shapes)."""
     meta = []
     for e in episodes:
         last = e.verdicts[-1] if e.verdicts else None
@@ -403,6 +404,7 @@ def to_batch(episodes: Sequence[Episode], config: RolloutConfig, *, prompt_len: 
         for i, e in enumerate(episodes):
             v = e.versions[e.prompt_len:]
             batch.versions_bn[i, :len(v)] = v
+    vision = vision or next((e.vision for e in episodes if e.vision is not None), None)
     if vision is not None:
         batch = images_lib.attach(batch, episodes, vision)
     return batch
