@@ -186,3 +186,53 @@ def test_text_only_policy_refuses_image_tasks_before_generating(tok):
     assert text_only.images == []  # nothing was sampled
     with pytest.raises(ValueError, match="text-only policy"):
         rollout.generate(text_only, tasks=[tool_task], vision=images_lib.Vision(c), **run)
+
+
+def _echo(session, args, timeout_s):
+    del session, timeout_s
+    return ToolOutput("<|image_pad|>" + args["text"], (RENDERS[0],))
+
+
+ECHO = Tool("echo", "Print a text (after an image marker) beside a render.",
+            {"type": "object", "properties": {"text": {"type": "string"}},
+             "required": ["text"], "additionalProperties": False}, _echo, images=True)
+
+
+def test_printed_or_sampled_image_markers_and_cut_observations_never_misplace_images(tok):
+    """A tool printing "<|image_pad|>" gets no placeholder (written "<image_pad>"); a turn
+    whose sampled tokens hold one ends its episode (finish "vision_token") and the learner
+    reads it as text; an observation cut at max_len keeps only whole image runs."""
+    c = _vl_config(tok)
+    vision = images_lib.Vision(c, PROC, prompt_patches=64, observation_patches=128)
+    env = dataclasses.replace(ENV, tools=(LOOK, ECHO))
+    task = dataclasses.replace(TASK, tools=("look", "echo"))
+    n_render = 6  # RENDERS[0], 56 x 84: a (1, 4, 6) grid, 6 merged tokens
+
+    def run(script, **config):
+        sampler = Scripted(tok, script, c)
+        config = rollout.RolloutConfig(**{"num_samples": 1, "max_new_tokens": 48,
+                                          "max_turns": 3, "max_len": 300, **config})
+        (e,) = rollout.generate(sampler, None, [task], tokenizer=tok, key=jax.random.key(0),
+                                config=config, fmt=chat.QWEN, envs={"vis": env}, vision=vision)
+        batch = rollout.to_batch([e], config, prompt_len=512, length=config.max_len)
+        placed = int((batch.vision_obs_dest_bm[0] < config.max_len).sum())
+        return e, sampler, placed
+
+    e, _, placed = run([chat.format_turn(chat.QWEN, calls=[chat.ToolCall("echo", {"text": "!"})]),
+                        "3"])
+    assert e.finish == "answered" and len(e.images) == 2 and placed == n_render
+    observation = tok.decode(e.tokens[e.prompt_len:])
+    assert "<image_pad>!<|vision_start|>" in observation
+    assert e.tokens[e.prompt_len:].count(c.image_token_id) == n_render
+
+    e, sampler, placed = run(["<|image_pad|>" + _calls(0), "3"])
+    assert e.finish == "vision_token" and len(sampler.images) == 1 and len(e.images) == 1
+    assert placed == 0 and e.tokens[e.prompt_len:].count(c.image_token_id) == 1
+
+    turn = chat.encode(tok, _calls(0) + "<|im_end|>")
+    obs, _ = images_lib.observation_ids([_look(None, {"view": 0}, 1)], tok, chat.QWEN, vision,
+                                        closed=True)
+    start = obs.index(c.vision_start_token_id)
+    e, _, placed = run([_calls(0), "3"], max_len=len(turn) + start + 3, max_new_tokens=len(turn))
+    assert e.finish == "max_len" and len(e.images) == 1 and placed == 0
+    assert e.tokens[len(e.tokens) - start:] == obs[:start]  # cut before the image's run

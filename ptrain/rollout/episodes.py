@@ -49,7 +49,8 @@ from ptrain.tasks import Task
 
 
 ATTEMPT_REWARDS = ("final", "first", "mean", "discounted")
-FINISHES = ("answered", "truncated", "max_turns", "max_len")  # Episode.finish
+FINISHES = ("answered", "truncated", "max_turns", "max_len",  # Episode.finish
+            "vision_token")  # (a VL policy sampled an image marker: `images.observe`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +87,8 @@ class Episode:
     by the model iff mask[i] == 1, in which case logp[i] is its log-prob under the sampled
     policy (logits / temperature, `Samples.logp_temp`).
     `finish`: answered (a turn without calls), truncated (an answer cut at max_new_tokens,
-    judged as it is), max_turns, max_len (out of room).
+    judged as it is), max_turns, max_len (out of room), vision_token (a vision-language
+    policy sampled an image marker token in a turn that called tools: `images.observe`).
     """
 
     task: Task

@@ -16,10 +16,15 @@ transformers' Qwen2.5-VL processor does (`ptrain.vision.chat.render_prompt`).
 An observation: a tool returns `sandbox.tools.ToolOutput(text, images)`; its result is
 rendered as the chat template renders a tool message whose content is the text item then the
 image items (`<|vision_start|><|image_pad|>...<|vision_end|>` after the text, inside the
-format's tool-response block), the placeholder runs expanded per merged patch. The ids are
-built piece by piece (text encoded, image runs inserted as ids), so a tool's text can never
-turn into image placeholders. An observation cut at the episode's room keeps only the images
-whose whole run fits.
+format's tool-response block), the placeholder runs expanded per merged patch and inserted
+as ids. Every observation of a VL policy's episode is rendered here: a tool's text that
+spells an image marker (`<|image_pad|>`, printed by a program) is written without its bars
+(`<image_pad>`), so only real images have placeholders. An observation cut at the episode's
+room keeps only the images whose whole run fits. A turn in which the policy itself sampled
+an image marker ends its episode (finish "vision_token": no prefill could take a placeholder
+without an image); the learner reads the policy's own tokens as text (`attach`), as the
+sampler decoded them. (Retry feedback after a failed answer is appended as text by
+`turns.append`; an answer with a sampled marker followed by a retry is not handled.)
 
 The learner (`attach`): each row's prompt images (its group's) padded to `prompt_patches`,
 and, with `observation_patches` > 0, its continuation images padded to that budget with
@@ -181,6 +186,9 @@ def observation_ids(outputs, tokenizer, fmt: chat.ChatFormat, vision: Vision, *,
             pictures += list(o.images)
         else:
             texts.append(o)
+    for mark in vision_ids(vision.config):  # "<|image_pad|>" printed by a program: text
+        name = tokenizer.decode([mark])
+        texts = [t.replace(name, name.replace("|", "")) for t in texts]
     marker = f"\ue000{uuid.uuid4().hex}\ue001"  # where each image goes; never in the texts
     with_markers = [t + marker * len(o.images) if isinstance(o, sandbox_tools.ToolOutput)
                     else t for t, o in zip(texts, outputs)]
@@ -194,13 +202,28 @@ def observation_ids(outputs, tokenizer, fmt: chat.ChatFormat, vision: Vision, *,
     return ids, images
 
 
-def append_observation(e, outputs, tokenizer, fmt, c) -> None:
-    """Appends a turn's outputs with images to the episode (mask 0) and its images to
-    `e.images`; cut at the episode's room, keeping only the images whose run fits."""
+def vision_ids(config) -> tuple[int, ...]:
+    """The ids that mark images in a chat (placeholders, their start and end)."""
+    return (config.image_token_id, config.video_token_id, config.vision_start_token_id,
+            config.vision_end_token_id)
+
+
+def observe(e, outputs, tokenizer, fmt, c) -> bool:
+    """`turns.observe` for a vision-language policy's episode (or outputs with images):
+    appends the turn's outputs (mask 0) and their images to `e.images`, cut at the
+    episode's room keeping only the images whose run fits; False when the episode ends
+    here. It ends, with finish "vision_token", when the policy sampled one of the image
+    marker tokens itself (an image placeholder no image stands behind, which no prefill
+    can take): those tokens stay in the history as text (`attach` treats model tokens so)."""
     if e.vision is None:
         raise ValueError(f"task {e.task.id!r}: a tool returned images and the policy is a "
                          "text-only model; declare the tool with images=True so that such a "
                          "run is refused before generation")
+    marks = set(vision_ids(e.vision.config))
+    if any(m and t in marks for t, m in zip(e.tokens[e.prompt_len:], e.mask[e.prompt_len:])):
+        e.finish = "vision_token"
+        e.answers.append("")
+        return False
     ids, images = observation_ids(outputs, tokenizer, fmt, e.vision, closed=e.closed)
     room = c.max_len - (len(e.tokens) - e.prompt_len)
     if len(ids) + 1 > room:  # no room left for the model to respond
@@ -215,6 +238,10 @@ def append_observation(e, outputs, tokenizer, fmt, c) -> None:
     e.mask += [0] * len(ids)
     e.logp += [0.0] * len(ids)
     e.images += images
+    if e.finish == "max_len":
+        e.answers.append("")
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- the learner
@@ -244,22 +271,28 @@ def attach(batch, episodes, vision: Vision):
     rope_b3n = np.zeros((b, 3, n), np.int32)
     for r, e in enumerate(episodes):
         grids = np.stack([g for _, g in e.images]) if e.images else np.zeros((0, 3))
-        rope_3t, delta = positions.mrope_positions(e.tokens, config.image_token_id, grids,
-                                                   config.vision)
+        rope_3t, delta = positions.mrope_positions(_placeholders(e), config.image_token_id,
+                                                   grids, config.vision)
         k = len(e.tokens) - e.prompt_len
         rope_b3n[r, :, :k] = rope_3t[:, e.prompt_len:]
         rope_b3n[r, :, k:] = (len(e.tokens) + delta + np.arange(n - k))[None]  # padding
     seen = layout.make_images([joined(r) for r in later_rows], config.vision,
                               vision.observation_patches)
-    dest = image_dest(batch.tokens_bn, config.image_token_id,
-                      vision.observation_patches // config.vision.merge_unit)
+    dest = image_dest(np.where(batch.loss_mask_bn > 0, -1, batch.tokens_bn),
+                      config.image_token_id, vision.observation_patches // config.vision.merge_unit)
     return dataclasses.replace(
         batch, vision_obs_patches_bnf=seen.patches_bnf, vision_obs_rope_hw_bn2=seen.rope_hw_bn2,
         vision_obs_full_seg_bn=seen.full_seg_bn, vision_obs_window_seg_bn=seen.window_seg_bn,
         vision_obs_dest_bm=dest, vision_rope_b3n=rope_b3n)
 
 
+def _placeholders(e) -> np.ndarray:
+    """The history with the policy's own tokens as -1: an image token it sampled is text
+    (the sampler decoded it as one), never a placeholder."""
+    return np.where(np.asarray(e.mask) > 0, -1, np.asarray(e.tokens))
+
+
 def _runs(e, config):
     from ptrain.vision import positions
     grids = np.stack([g for _, g in e.images]) if e.images else np.zeros((0, 3))
-    return positions.image_runs(e.tokens, config.image_token_id, grids, config.vision)
+    return positions.image_runs(_placeholders(e), config.image_token_id, grids, config.vision)

@@ -73,11 +73,11 @@ def take_turn(e, new, logp, text: TurnText, *, cut: bool, hit_length: bool):
 def observe(e, outputs, tokenizer, fmt, c) -> bool:
     """Appends a turn's tool outputs (texts, or `ToolOutput`s with images: `rollout.images`)
     as one observation; False when the episode ran out of room (it ends without an answer)."""
-    if any(isinstance(o, sandbox_tools.ToolOutput) for o in outputs):
+    if getattr(e, "vision", None) is not None or any(
+            isinstance(o, sandbox_tools.ToolOutput) for o in outputs):
         from ptrain.rollout import images
-        images.append_observation(e, outputs, tokenizer, fmt, c)
-    else:
-        append(e, tokenizer, chat.observation(fmt, outputs, closed=e.closed), c)
+        return images.observe(e, outputs, tokenizer, fmt, c)
+    append(e, tokenizer, chat.observation(fmt, outputs, closed=e.closed), c)
     if e.finish == "max_len":
         e.answers.append("")
         return False
