@@ -208,7 +208,7 @@ def test_printed_or_sampled_image_markers_and_cut_observations_never_misplace_im
     task = dataclasses.replace(TASK, tools=("look", "echo"))
     n_render = 6  # RENDERS[0], 56 x 84: a (1, 4, 6) grid, 6 merged tokens
 
-    def run(script, **config):
+    def run(script, vision=vision, **config):
         sampler = Scripted(tok, script, c)
         config = rollout.RolloutConfig(**{"num_samples": 1, "max_new_tokens": 48,
                                           "max_turns": 3, "max_len": 300, **config})
@@ -236,3 +236,13 @@ def test_printed_or_sampled_image_markers_and_cut_observations_never_misplace_im
     e, _, placed = run([_calls(0), "3"], max_len=len(turn) + start + 3, max_new_tokens=len(turn))
     assert e.finish == "max_len" and len(e.images) == 1 and placed == 0
     assert e.tokens[len(e.tokens) - start:] == obs[:start]  # cut before the image's run
+    # a tool's unreadable image, or one past the budget, is not shown and its text says why
+    ids, shown = images_lib.observation_ids(
+        [ToolOutput("x", (b"junk", RENDERS[0], RENDERS[1]))], tok, chat.QWEN, vision,
+        closed=True, patch_room=30)  # each render is 24 patches
+    text = tok.decode(ids)
+    assert len(shown) == 1 and ids.count(c.image_token_id) == n_render
+    assert "[image 1 is not shown: 4 bytes is not a readable image" in text
+    assert "[image 3 is not shown: the episode's images would pass" in text
+    with pytest.raises(ValueError, match="observation_patches is 0"):
+        run(["3"], vision=images_lib.Vision(c, PROC))

@@ -92,12 +92,17 @@ def task_images(task) -> list:
 
 def check(tasks, envs, vision: Vision | None) -> None:
     """Refuses, before any generation, a task with prompt images or image-returning tools
-    when the policy reads text only."""
-    if vision is not None:
-        return
+    when the policy reads text only, and image-returning tools without an observation patch
+    budget."""
     for task, env in zip(tasks, envs):
         tools = [n for n in task.tools if n in {t.name for t in env.tools} and
                  getattr(env.tool(n), "images", False)]
+        if vision is not None:
+            if tools and not vision.observation_patches:
+                raise ValueError(f"task {task.id!r} offers tools that return images "
+                                 f"({', '.join(tools)}) and Vision.observation_patches is 0: "
+                                 "give the run an observation patch budget")
+            continue
         if task_images(task) or tools:
             what = "images in its prompt" if task_images(task) else \
                 f"tools that return images ({', '.join(tools)})"
@@ -148,6 +153,11 @@ def prompts(tasks, envs, tokenizer, fmt, vision: Vision | None, render_text):
     for task, env in zip(tasks, envs):
         if vision is not None and task_images(task):
             p, im = render_prompt(task, tokenizer, fmt, env, vision)
+            n = sum(len(patches) for patches, _ in im)
+            if n > vision.prompt_patches:
+                raise ValueError(f"task {task.id!r}: its prompt images have {n} patches, over "
+                                 f"Vision.prompt_patches={vision.prompt_patches}; raise the "
+                                 "budget or lower the image processing's max_pixels")
         else:
             p, im = render_text(task, tokenizer, fmt, env), []
         ids.append(p)
@@ -171,29 +181,44 @@ def run(config, n: int) -> list[int]:
             + [config.vision_end_token_id])
 
 
-def observation_ids(outputs, tokenizer, fmt: chat.ChatFormat, vision: Vision, *, closed: bool):
+def observation_ids(outputs, tokenizer, fmt: chat.ChatFormat, vision: Vision, *, closed: bool,
+                    patch_room: int | None = None):
     """(ids, images) of a turn's tool outputs (text or `ToolOutput`s) as the chat format
-    renders them, each output's images after its text, each placeholder run expanded."""
+    renders them, each output's images after its text, each placeholder run expanded. An
+    image the processor cannot read, or past `patch_room` patches, is not shown; its
+    output's text says why (a tool's result is data, never an exception)."""
     from ptrain.vision.image_processing import preprocess
     from ptrain.vision.layout import n_merged
-    if fmt.json_results:
+    texts, shown = [], []  # per output: its text, its images (processed)
+    for o in outputs:
+        text, mine = (o.text, list(o.images)) if isinstance(o, sandbox_tools.ToolOutput) \
+            else (o, [])
+        for mark in vision_ids(vision.config):  # "<|image_pad|>" printed by a program: text
+            name = tokenizer.decode([mark])
+            text = text.replace(name, name.replace("|", ""))
+        ok = []
+        for k, picture in enumerate(mine):
+            try:
+                (image,) = split(*preprocess([picture], vision.processing))
+            except (ValueError, TypeError) as e:
+                text += f"\n[image {k + 1} is not shown: {e}]"
+                continue
+            if patch_room is not None:
+                if len(image[0]) > patch_room:
+                    text += (f"\n[image {k + 1} is not shown: the episode's images would "
+                             "pass the run's observation patch budget]")
+                    continue
+                patch_room -= len(image[0])
+            ok.append(image)
+        texts.append(text)
+        shown.append(ok)
+    if any(shown) and fmt.json_results:
         raise ValueError(f"chat format {fmt.name!r} JSON-encodes tool results; it has no "
                          "image placeholders (use 'qwen' or 'plain')")
-    texts, pictures = [], []
-    for o in outputs:
-        if isinstance(o, sandbox_tools.ToolOutput):
-            texts.append(o.text)
-            pictures += list(o.images)
-        else:
-            texts.append(o)
-    for mark in vision_ids(vision.config):  # "<|image_pad|>" printed by a program: text
-        name = tokenizer.decode([mark])
-        texts = [t.replace(name, name.replace("|", "")) for t in texts]
     marker = f"\ue000{uuid.uuid4().hex}\ue001"  # where each image goes; never in the texts
-    with_markers = [t + marker * len(o.images) if isinstance(o, sandbox_tools.ToolOutput)
-                    else t for t, o in zip(texts, outputs)]
-    pieces = chat.observation(fmt, with_markers, closed=closed).split(marker)
-    images = split(*preprocess(pictures, vision.processing)) if pictures else []
+    pieces = chat.observation(fmt, [t + marker * len(ok) for t, ok in zip(texts, shown)],
+                              closed=closed).split(marker)
+    images = [image for ok in shown for image in ok]
     counts = n_merged(np.stack([g for _, g in images]) if images else np.zeros((0, 3)),
                       vision.config.vision)
     ids = chat.encode(tokenizer, pieces[0])
@@ -224,7 +249,11 @@ def observe(e, outputs, tokenizer, fmt, c) -> bool:
         e.finish = "vision_token"
         e.answers.append("")
         return False
-    ids, images = observation_ids(outputs, tokenizer, fmt, e.vision, closed=e.closed)
+    vs = e.vision.config.vision_start_token_id
+    prompt_images = e.tokens[:e.prompt_len].count(vs)
+    used = sum(len(p) for p, _ in e.images[prompt_images:])
+    ids, images = observation_ids(outputs, tokenizer, fmt, e.vision, closed=e.closed,
+                                  patch_room=e.vision.observation_patches - used)
     room = c.max_len - (len(e.tokens) - e.prompt_len)
     if len(ids) + 1 > room:  # no room left for the model to respond
         e.finish = "max_len"
