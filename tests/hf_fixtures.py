@@ -397,6 +397,22 @@ _CORPUS = (
 )
 
 
+def qwen25_vl_processor(tokenizer, *, min_pixels: int, max_pixels: int, chat_template: str):
+    """transformers' Qwen2_5_VLProcessor over its PIL image processor, with this tokenizer and
+    chat template (its class check, which wants torchvision for the unused video processor,
+    is skipped while it is built)."""
+    from unittest import mock
+
+    import transformers
+    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
+    with mock.patch.object(transformers.Qwen2_5_VLProcessor, "check_argument_for_proper_class",
+                           lambda self, name, arg: None):
+        return transformers.Qwen2_5_VLProcessor(
+            image_processor=pil.Qwen2VLImageProcessorPil(min_pixels=min_pixels,
+                                                         max_pixels=max_pixels),
+            tokenizer=tokenizer, chat_template=chat_template)
+
+
 def train_tokenizer(name: str):
     """A `tokenizers.Tokenizer`: byte-level BPE with the family's regex, plus its added tokens."""
     from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,

@@ -95,8 +95,7 @@ class Scripted:
                        prompt_index=np.repeat(np.arange(len(prompts)), num_samples))
 
 
-def test_history_with_image_prompt_and_image_observations_matches_the_processor(
-        tok, monkeypatch):
+def test_history_with_image_prompt_and_image_observations_matches_the_processor(tok):
     """Token for token (placeholders expanded per merged patch) and pixel for pixel,
     the episode's history equals Qwen2_5_VLProcessor.apply_chat_template of the same
     conversation: an image prompt, two tool calls whose results carry text and an image."""
@@ -113,12 +112,9 @@ def test_history_with_image_prompt_and_image_observations_matches_the_processor(
     assert [len(x) for x in sampler.images[1:]] == [G, G]
     assert [len(i[1]) for i in sampler.images[2]] == [3, 3]
 
-    monkeypatch.setattr(transformers.Qwen2_5_VLProcessor, "check_argument_for_proper_class",
-                        lambda self, name, arg: None)
-    processor = transformers.Qwen2_5_VLProcessor(
-        image_processor=transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.
-        Qwen2VLImageProcessorPil(min_pixels=PROC.min_pixels, max_pixels=PROC.max_pixels),
-        tokenizer=tok, chat_template=hf_fixtures.QWEN3_VL_TEMPLATE)
+    processor = hf_fixtures.qwen25_vl_processor(tok, min_pixels=PROC.min_pixels,
+                                                max_pixels=PROC.max_pixels,
+                                                chat_template=hf_fixtures.QWEN3_VL_TEMPLATE)
     messages = [*TASK.messages]
     for view in (0, 1):
         messages += [
