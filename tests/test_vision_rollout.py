@@ -16,6 +16,7 @@ pytest.importorskip("PIL.Image", reason="PIL reads and resizes images")
 import hf_fixtures  # noqa: E402
 from ptrain import chat, model as model_lib, rollout, step  # noqa: E402
 from ptrain.envs import base as envs_base  # noqa: E402
+from ptrain.envs.verdict import Verdict  # noqa: E402
 from ptrain.generate.sampler import Sampler, Samples  # noqa: E402
 from ptrain.rollout import images as images_lib  # noqa: E402
 from ptrain.tasks import Task  # noqa: E402
@@ -63,8 +64,11 @@ def _look(session, args, timeout_s):
 LOOK = Tool("look", "Look at the part from one side.",
             {"type": "object", "properties": {"view": {"type": "integer"}},
              "required": ["view"], "additionalProperties": False}, _look, images=True)
-ENV = envs_base.Environment(name="vis", tasks=lambda ctx: envs_base.Splits((), ()),
-                            tools=(LOOK,), opens_session=lambda task: False)
+ENV = envs_base.Environment(
+    name="vis", tasks=lambda ctx: envs_base.Splits((), ()), tools=(LOOK,),
+    opens_session=lambda task: False,
+    verify=lambda tasks, answers, **kw: [Verdict(float(a == "3"), a == "3", float(a == "3"),
+                                                 "The answer is a count.") for a in answers])
 TASK = Task("v1", "vis", None, tools=("look",), messages=(
     {"role": "user", "content": [{"type": "image", "image": _image(0, 60, 90)},
                                  {"type": "text", "text": "How many holes? Look first."}]},))
@@ -224,6 +228,9 @@ def test_printed_or_sampled_image_markers_and_cut_observations_never_misplace_im
     e, sampler, placed = run(["<|image_pad|>" + _calls(0), "3"])
     assert e.finish == "vision_token" and len(sampler.images) == 1 and len(e.images) == 1
     assert placed == 0 and e.tokens[e.prompt_len:].count(c.image_token_id) == 1
+    # a failed answer with a sampled marker is judged and not retried
+    e, sampler, _ = run(["<|image_pad|>4", "3"], max_attempts=2, max_turns=1)
+    assert e.attempts == 1 and len(sampler.images) == 1 and not e.verdicts[0].passed
 
     turn = chat.encode(tok, _calls(0) + "<|im_end|>")
     obs, _ = images_lib.observation_ids([_look(None, {"view": 0}, 1)], tok, chat.QWEN, vision,

@@ -248,7 +248,7 @@ def _run_attempts(sampler, params, episodes, prompts, key, tokenizer, fmt, c, *,
         for attempt in range(c.max_attempts):
             active = [e for e in episodes if attempt == 0 or (
                 e.verdicts and not e.verdicts[-1].passed and
-                e.finish in ("answered", "truncated"))]
+                e.finish in ("answered", "truncated") and not images_lib.sampled_marker(e))]
             if not sharding.agree(bool(active), "any"):  # none left on any process
                 break
             if attempt > 0:

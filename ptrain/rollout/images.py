@@ -23,8 +23,7 @@ spells an image marker (`<|image_pad|>`, printed by a program) is written withou
 room keeps only the images whose whole run fits. A turn in which the policy itself sampled
 an image marker ends its episode (finish "vision_token": no prefill could take a placeholder
 without an image); the learner reads the policy's own tokens as text (`attach`), as the
-sampler decoded them. (Retry feedback after a failed answer is appended as text by
-`turns.append`; an answer with a sampled marker followed by a retry is not handled.)
+sampler decoded them; an answer with one is judged, never retried (`sampled_marker`).
 
 The learner (`attach`): each row's prompt images (its group's) padded to `prompt_patches`,
 and, with `observation_patches` > 0, its continuation images padded to that budget with
@@ -233,6 +232,15 @@ def vision_ids(config) -> tuple[int, ...]:
             config.vision_end_token_id)
 
 
+def sampled_marker(e) -> bool:
+    """Whether a vision-language policy sampled an image marker token in the episode (it
+    then takes no further turn: no observation, no retry)."""
+    if getattr(e, "vision", None) is None:
+        return False
+    marks = set(vision_ids(e.vision.config))
+    return any(m and t in marks for t, m in zip(e.tokens[e.prompt_len:], e.mask[e.prompt_len:]))
+
+
 def observe(e, outputs, tokenizer, fmt, c) -> bool:
     """`turns.observe` for a vision-language policy's episode (or outputs with images):
     appends the turn's outputs (mask 0) and their images to `e.images`, cut at the
@@ -244,8 +252,7 @@ def observe(e, outputs, tokenizer, fmt, c) -> bool:
         raise ValueError(f"task {e.task.id!r}: a tool returned images and the policy is a "
                          "text-only model; declare the tool with images=True so that such a "
                          "run is refused before generation")
-    marks = set(vision_ids(e.vision.config))
-    if any(m and t in marks for t, m in zip(e.tokens[e.prompt_len:], e.mask[e.prompt_len:])):
+    if sampled_marker(e):
         e.finish = "vision_token"
         e.answers.append("")
         return False
