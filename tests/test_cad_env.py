@@ -4,6 +4,7 @@ The sandbox's own cases (forged reports, every backend) are in tests/test_cad.py
 
 import base64
 import hashlib
+import io
 import json
 import os
 import re
@@ -130,7 +131,7 @@ def test_bad_scripts_get_verdicts_with_their_cause_and_a_wrong_part_its_iou(env)
     assert "is below the 0.95 a pass needs" in half[0].feedback
 
 
-def test_the_cad_tool_measures_against_the_task_s_target_which_the_script_never_sees(env):
+def test_the_cad_tool_measures_against_the_task_s_target_which_the_script_never_sees(env, cache):
     import sandbox
     from sandbox import tools as sandbox_tools
     ctx = base.Context(name="cad", seed=0, workdir="/unused")
@@ -146,6 +147,19 @@ def test_the_cad_tool_measures_against_the_task_s_target_which_the_script_never_
     assert sandbox_tools.call_tool(session, "cad", {"code": "x"}, tools=env.tools).startswith(
         "Error: bad arguments for cad")
     assert session.read_files() == {cad_env.TASK_FILE: task.id.encode()}  # no target there
+    # for a vision-language policy: the same text and the part's render as an image
+    seeing = cad_env.make(n_train=2, n_heldout=2, tools=True, cache_dir=cache,
+                          build_timeout_s=8.0, artefacts=False, image_observations=True)
+    seeing.tasks(ctx)
+    assert seeing.tool("cad").images and not env.tool("cad").images
+    shown = sandbox_tools.call_tool(session, "cad", {"script": seen + task.verifier.code},
+                                    tools=seeing.tools, timeout_s=20.0)
+    assert isinstance(shown, sandbox_tools.ToolOutput) and shown.text == out
+    from PIL import Image
+    (png,) = shown.images
+    assert Image.open(io.BytesIO(png)).format == "PNG"
+    assert isinstance(sandbox_tools.call_tool(session, "cad", {"script": "result = 1"},
+                                              tools=seeing.tools, timeout_s=20.0), str)
     session.close()
 
 

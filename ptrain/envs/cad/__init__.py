@@ -11,7 +11,9 @@ script (or the whole answer), builds and measures it (`sandbox.cad.build_and_mea
 the target and scores it (`reward.score`): a verdict with the reward's components, the
 measurement text as feedback and, for people, the render (PNG) and the STEP file written
 under the run's work dir. The `cad` tool ({"script": ...}) returns the same build and
-measurement text inside an episode (build, read, fix).
+measurement text inside an episode (build, read, fix); with `image_observations` (a
+vision-language policy's) it also returns the part's render, the four-view PNG the
+measurement draws, as an image of the observation (`sandbox.tools.ToolOutput`).
 
 The target: a brought mesh is read from its file; reference code is built once in the sandbox
 and cached on the host by the code's hash. It reaches only the measurement's fresh run, never
@@ -28,6 +30,8 @@ import os
 import random
 import re
 import threading
+
+from sandbox import tools as sandbox_tools
 
 from ptrain import rewards
 from ptrain.envs import base, synthetic
@@ -211,7 +215,7 @@ def make(n_train: int = 60, n_heldout: int = 20, *, train: str = "", heldout: st
          family_names: tuple = (), tools: bool = False, mode: str = "iou",
          backend: str = "auto", build_timeout_s: float = 60.0, cache_dir: str = "",
          artefacts_dir: str = "", artefacts: bool = True,
-         fix_demos: float = 0.0) -> base.Environment:
+         fix_demos: float = 0.0, image_observations: bool = False) -> base.Environment:
     """The CAD environment. Tasks: generated from the part families (`family_names`: their
     names, () all), or the task files `train` and `heldout` (both). `tools`: offer the `cad`
     tool (build and measure inside the episode). `mode`: the reward's ("iou" or "pass",
@@ -222,7 +226,9 @@ def make(n_train: int = 60, n_heldout: int = 20, *, train: str = "", heldout: st
     and keeps nothing (each verdict a little cheaper, no files growing with the run).
     `fix_demos`: the share of the tool-offering training tasks whose demonstration first calls
     the tool with one dimension wrong, reads the measurement and then answers (`fixes.py`;
-    each such script is built in the sandbox when the tasks are made)."""
+    each such script is built in the sandbox when the tasks are made).
+    `image_observations`: the `cad` tool returns the built part's render with its text, for
+    a vision-language policy (a text-only one is refused before generation)."""
     if not 0.0 <= fix_demos <= 1.0:
         raise ValueError(f"fix_demos={fix_demos!r}: a share of the training tasks, 0 to 1")
     if mode not in reward.MODES:
@@ -242,15 +248,19 @@ def make(n_train: int = 60, n_heldout: int = 20, *, train: str = "", heldout: st
         target = targets(task.verifier) if task is not None else None
         report = cad.build_and_measure(args["script"], target,
                                        list(task.verifier.checks) if task else (),
-                                       render=False, backend=backend,
+                                       render=image_observations, backend=backend,
                                        build_timeout_s=max(timeout_s, 1.0))
-        return fixes.observation(report)
+        text = fixes.observation(report)
+        if image_observations and report.png:
+            return sandbox_tools.ToolOutput(text, (report.png,))
+        return text
 
     tool = base.Tool("cad", "Build a CadQuery script (it sets `result`) and measure the part: "
                      "the build error, or its volume, size and bounding box and how it "
                      "compares with the target.",
                      {"type": "object", "properties": {"script": {"type": "string"}},
-                      "required": ["script"], "additionalProperties": False}, run_tool)
+                      "required": ["script"], "additionalProperties": False}, run_tool,
+                     images=image_observations)
 
     def tasks(ctx: base.Context) -> base.Splits:
         if train:
