@@ -119,6 +119,16 @@ def hf_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory):
+    """The work dir of configs/quickstart.py:short launched once this session
+    (tests/quickstart_run.py; ~200 CPU-s), and the launch's finished process. Its tests are in
+    xdist group closed_loop, so one worker runs it once; they copy the dir before changing it."""
+    import quickstart_run as qs
+    workdir = str(tmp_path_factory.mktemp("quickstart") / "qs")
+    return workdir, qs.launch(workdir)
+
+
 # The order xdist hands out work (`make test` runs `--dist loadgroup --no-loadscope-reorder`,
 # so it keeps this order): the longest groups first, so that a long chain of tests bound to one
 # worker does not start late and finish alone. Measured in a full suite run (seconds of one

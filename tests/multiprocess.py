@@ -24,6 +24,7 @@ module as `python -m` does).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pickle
 import signal
@@ -187,6 +188,20 @@ def wait(procs: list[subprocess.Popen], workdir: str, timeout: float,
         with open(os.path.join(workdir, f"out{i}.pkl"), "rb") as f:
             results.append(pickle.load(f))
     return results
+
+
+def in_background(fn, *args, **kwargs) -> concurrent.futures.Future:
+    """fn(*args, **kwargs) (a `run` or `launch`: one process layout's side of a test) in a
+    thread of its own, which waits for the processes it starts; `.result()` returns what it
+    returned or raises what it raised. A test runs its 1 x 8 side so while its 2 x 4 side
+    runs: the two are independent, and each leaves cores idle much of its time (waiting on
+    its compiles, its other process, its task boxes), so the test takes about the longer of
+    the two instead of their sum, for the same CPU."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mp-background")
+    try:
+        return pool.submit(fn, *args, **kwargs)
+    finally:
+        pool.shutdown(wait=False)
 
 
 def run(spec: str, n: int = 2, devices: int = 4, args: dict | None = None,

@@ -9,7 +9,7 @@ but does all of its work.
 import json
 import logging
 import os
-import subprocess
+import shutil
 import sys
 import threading
 
@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 
+import quickstart_run as quickstart_run_lib
 from configs import quickstart
 from ptrain import closed_loop, learner, metrics, rollout, sharding
 
@@ -206,24 +207,16 @@ def test_staleness_zero_is_exactly_on_policy_and_equals_the_plain_loop(tmp_path,
 # ------------------------------------------------------------------------- the main job
 
 
-def _launch(workdir, *overrides):
-    cmd = [sys.executable, "-m", "launch.train", "--config=configs/quickstart.py:short",
-           f"--workdir={workdir}", *overrides]
-    env = dict(os.environ, XLA_FLAGS=" ".join(  # one CPU device, as on a laptop, and LLVM -O1:
-        [f for f in os.environ.get("XLA_FLAGS", "").split()  # its cost is running, not compiling
-         if "device_count" not in f and "optimization_level" not in f
-         and "expensive_passes" not in f] + ["--xla_backend_optimization_level=1"]))
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-
-
-def test_quickstart_short_end_to_end_and_resume(tmp_path):
-    """`make quickstart`'s command on the short config: SFT, held-out eval, RL on sandbox
-    verdicts, eval again; every artefact it promises; held-out pass rates rise; a second
-    launch resumes and repeats nothing."""
-    workdir = str(tmp_path / "qs")
-    config = quickstart.get_config("short")
-    proc = _launch(workdir)
+def test_quickstart_short_end_to_end_and_resume(quickstart_run, tmp_path):
+    """`make quickstart`'s command on the short config (tests/quickstart_run.py, shared with
+    tests/test_colab.py): SFT, held-out eval, RL on sandbox verdicts, eval again; every
+    artefact it promises; held-out pass rates rise; a second launch resumes and repeats
+    nothing."""
+    finished, proc = quickstart_run
     assert proc.returncode == 0, proc.stderr[-4000:]
+    workdir = str(tmp_path / "qs")  # a copy: the second launch writes to it
+    shutil.copytree(finished, workdir)
+    config = quickstart.get_config("short")
 
     evals = metrics.read_jsonl(os.path.join(workdir, "eval.jsonl"))
     domains = [env.name for env in closed_loop.environments(config)]
@@ -268,7 +261,7 @@ def test_quickstart_short_end_to_end_and_resume(tmp_path):
     assert held and train and not held & train
 
     # A second launch finds everything done: no training step, no evaluation repeated.
-    proc = _launch(workdir)
+    proc = quickstart_run_lib.launch(workdir)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert metrics.read_jsonl(os.path.join(workdir, "eval.jsonl")) == evals
     assert metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl")) == rows

@@ -1,13 +1,17 @@
-"""colabs/quickstart.ipynb runs top to bottom on a shortened quickstart and shows what it made.
+"""colabs/quickstart.ipynb runs top to bottom on the short quickstart and shows what it made.
 
-The notebook is executed by a real Jupyter kernel (nbclient); its parameters cell gets a temp
-work dir and overrides that shrink the run to under a minute on 2 cores. Formats are asserted, not
-gains: a run this short need not learn.
+The notebook is executed by a real Jupyter kernel (nbclient); its parameters cell gets a copy
+of the work dir of the short quickstart that tests/conftest.py's `quickstart_run` launched
+(tests/test_closed_loop.py asserts that run trains end to end and resumes): the notebook's
+`closed_loop.run` resumes it (loads the finished SFT and RL checkpoints, repeats no
+evaluation), then shows the evaluations, reward curve and rollouts. Formats are asserted
+here, gains by the quickstart test.
 """
 
 import json
 import os
 import re
+import shutil
 
 import matplotlib.image
 import nbclient
@@ -15,17 +19,18 @@ import nbformat
 import pytest
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
+from configs import quickstart
+
 pytestmark = pytest.mark.xdist_group("closed_loop")  # not alongside the other long loop test
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "colabs", "quickstart.ipynb")
 DOMAINS = ("code", "arith", "files")
-EVAL_N = 6
-ENVS = tuple({"env": env, "args": {"n_train": 60, "n_heldout": EVAL_N}} for env in (
-    "ptrain.envs.code:generated", "ptrain.envs.math:arith", "ptrain.envs.files:generated"))
-OVERRIDES = {"steps": 3, "sft.steps": 30, "tasks.envs": ENVS,
-             "eval.n": EVAL_N, "data.prompts_per_step": 4, "sampling.num_samples": 4,
-             "log.rollouts_every": 1, "log.num_rollouts": 2, "checkpoint.every": 3}
+CONFIG = quickstart.get_config("short")
+EVAL_N = CONFIG.eval.n
+# The cell's overrides are applied (an unknown key is an error); these equal the run's own
+# values, so the notebook resumes the finished run instead of training again.
+OVERRIDES = {"steps": CONFIG.steps, "eval.n": EVAL_N}
 
 
 def _kernel(tmp_path, monkeypatch) -> str:
@@ -52,12 +57,17 @@ def _outputs(cell, kind):
     return [o for o in cell.outputs if o.output_type == kind]
 
 
-def test_quickstart_notebook_runs_and_shows_its_results(tmp_path, monkeypatch):
+def test_quickstart_notebook_runs_and_shows_its_results(quickstart_run, tmp_path, monkeypatch):
+    finished, proc = quickstart_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
     nb = nbformat.read(NOTEBOOK, as_version=4)
     params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(params) == 1, "the notebook needs one code cell tagged 'parameters'"
     assert 'CONFIG_ARG = "short"' in params[0].source
     workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir)
+    with open(workdir / "rollouts.jsonl") as f:
+        logged = [json.loads(line) for line in f]
     params[0].source += f"\nWORKDIR = {str(workdir)!r}\nOVERRIDES = {OVERRIDES!r}\n"
 
     _one_device(monkeypatch)
@@ -77,7 +87,7 @@ def test_quickstart_notebook_runs_and_shows_its_results(tmp_path, monkeypatch):
         assert set(e) == {"stage", "step", "split", "domain", "decoding", "pass_rate", "n",
                           "pass@1", "samples", "truncated", "finish"}
         assert (e["split"], e["decoding"], e["n"]) == ("heldout", "greedy", EVAL_N)
-        assert e["step"] == {"sft": OVERRIDES["sft.steps"], "rl": OVERRIDES["steps"]}[e["stage"]]
+        assert e["step"] == {"sft": CONFIG.sft.steps, "rl": CONFIG.steps}[e["stage"]]
         assert e["pass_rate"] * EVAL_N == pytest.approx(round(e["pass_rate"] * EVAL_N))
 
     # The printed table shows exactly those numbers.
@@ -99,7 +109,7 @@ def test_quickstart_notebook_runs_and_shows_its_results(tmp_path, monkeypatch):
     # Rollout samples: the fields the last cell prints, and they are printed.
     with open(workdir / "rollouts.jsonl") as f:
         samples = [json.loads(line) for line in f]
-    assert len(samples) == OVERRIDES["steps"] * OVERRIDES["log.num_rollouts"]
+    assert samples == logged  # the run's, not one more step's
     for s in samples:
         assert {"prompt", "completion", "feedback", "reward", "domain", "step"} <= set(s)
         assert s["domain"] in DOMAINS and 0.0 <= s["reward"] <= 1.0

@@ -79,14 +79,18 @@ def test_the_terminal_domain_on_two_processes_equals_one(tmp_path):
     from sandbox.terminal import bwrap
     if bwrap.unavailable() is not None:
         pytest.skip(f"bwrap task boxes unavailable: {bwrap.unavailable()}")
-    one = mp_programs.terminal_program(str(tmp_path / "one"))
+    two = multiprocess.in_background(  # (while 1 x 8 runs here)
+        multiprocess.run, "mp_programs:terminal_program", n=2, devices=4, timeout=600,
+        args={"root": str(tmp_path / "two")})
+    try:
+        one = mp_programs.terminal_program(str(tmp_path / "one"))
+    finally:
+        two = two.result()  # (its processes end before the test does, whatever happened)
     # Turn 1: 3 tasks x 2 samples; turn 2: the 2 tasks that ran a command; the short producer.
     assert one["calls"] == [6, 4, 2] and one["eval_calls"] == [3, 1]
     assert one["groups"] == 4 and sorted(set(one["turns"])) == [1, 2]
     assert 0.0 < one["rewards"].mean() < 1.0  # the tasks' own tests, passed and failed
     assert one["eval"]["n"] == 3 and one["eval"]["pass_rate"] == pytest.approx(1 / 3)
-    two = multiprocess.run("mp_programs:terminal_program", n=2, devices=4, timeout=600,
-                           args={"root": str(tmp_path / "two")})
     for r in two:
         for name in ("calls", "eval_calls", "eval", "tasks", "turns", "tool_calls", "groups"):
             assert r[name] == one[name], name
@@ -122,13 +126,18 @@ def test_the_terminal_closed_loop_through_launch_train_on_two_processes_equals_o
     from sandbox.terminal import bwrap
     if bwrap.unavailable() is not None:
         pytest.skip(f"bwrap task boxes unavailable: {bwrap.unavailable()}")
-    runs = {}
-    for n, devices in ((1, 8), (2, 4)):
+
+    def launch(n, devices):
         workdir, logdir = tmp_path / f"run{n}", tmp_path / f"logs{n}"
         logdir.mkdir()
         multiprocess.launch([*_TERMINAL_RUN, f"--workdir={workdir}"], n, devices, str(logdir))
-        runs[n] = _run_logs(str(workdir))
-    one, two = runs[1], runs[2]
+        return _run_logs(str(workdir))
+
+    one = multiprocess.in_background(launch, 1, 8)  # (while 2 x 4 runs)
+    try:
+        two = launch(2, 4)
+    finally:
+        one = one.result()
     assert [r["step"] for r in one["metrics.jsonl"]] == [1, 2]
     assert [(e["stage"], e["n"]) for e in one["eval.jsonl"]] == [("sft", 4), ("rl", 4)]
     # Episodes of one batch end at different turns (the processes' turn loops agree).
@@ -291,24 +300,27 @@ def learner_runs(tmp_path_factory):
     """The learner's phases (mp_programs.PHASES: SFT, packed SFT, GRPO with dynamic
     sampling, PPO with staleness 1, a multi-turn step with tools and self-correction, and
     the held-out evaluation) once uninterrupted in 1 process x 8 devices, and in 2 processes
-    x 4 killed
-    at each of KILLS and restarted (every process) until it finishes: one process start per
-    layout and kill. Returns (the 2 x 4 results, the 1 x 8 result, the 2 x 4 work dir,
-    the exit codes of each killed run)."""
+    x 4 killed at each of KILLS and restarted (every process) until it finishes: one process
+    start per layout and kill, 1 x 8 alongside 2 x 4 (`multiprocess.in_background`). Returns
+    (the 2 x 4 results, the 1 x 8 result, the 2 x 4 work dir, the exit codes of each killed
+    run)."""
     cache = str(tmp_path_factory.mktemp("xla_cache"))
-    one = _learner(1, 8, cache, str(tmp_path_factory.mktemp("learner_1x8")),
-                   split_sft=False)[0]
+    one = multiprocess.in_background(  # (while 2 x 4 runs)
+        _learner, 1, 8, cache, str(tmp_path_factory.mktemp("learner_1x8")), split_sft=False)
     workdir = str(tmp_path_factory.mktemp("learner_2x4"))
     killed = []
-    for i in range(sum(map(len, KILLS.values()))):
-        try:
-            _learner(2, 4, cache, workdir, kills=KILLS, ref_offload=True)
-            killed.append("finished")
-        except RuntimeError as e:  # "processes exited with [codes]": one killed itself
-            if len(glob.glob(os.path.join(workdir, "killed-*"))) != i + 1:
-                raise  # not (only) the kill: a failure
-            killed.append(str(e).splitlines()[0])
-    two = _learner(2, 4, cache, workdir, kills=KILLS, ref_offload=True)
+    try:
+        for i in range(sum(map(len, KILLS.values()))):
+            try:
+                _learner(2, 4, cache, workdir, kills=KILLS, ref_offload=True)
+                killed.append("finished")
+            except RuntimeError as e:  # "processes exited with [codes]": one killed itself
+                if len(glob.glob(os.path.join(workdir, "killed-*"))) != i + 1:
+                    raise  # not (only) the kill: a failure
+                killed.append(str(e).splitlines()[0])
+        two = _learner(2, 4, cache, workdir, kills=KILLS, ref_offload=True)
+    finally:
+        one = one.result()[0]
     return two, one, workdir, killed
 
 
