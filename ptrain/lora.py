@@ -15,7 +15,8 @@ as the weight is.
   TARGETS                    HF module name -> our weight (q_proj -> wq, ..., down_proj)
   resolve_targets(patterns)  fnmatch patterns over HF module names -> our weight names
   configure(model_config, section)  the ModelConfig with config.lora's adapters
-  adapted(x, w, name, c)     the projection with its adapter (a plain projection without one)
+  adapted(x, w, name, c, key=)  the projection with its adapter (a plain projection without
+                             one); with a key and c.lora_dropout, dropout on the adapter's input
   split(state) / join(...)   (adapters, base) of a model state, and back
   attach(base_state, c)      the state of a base model with fresh adapters (base unchanged)
   disabled(state)            the state with every B zeroed: the base's function, in jit,
@@ -71,7 +72,8 @@ def configure(model_config, section):
     if not section.rank:
         return model_config
     changes = dict(lora_rank=int(section.rank), lora_alpha=float(section.alpha),
-                   lora_targets=resolve_targets(section.targets))
+                   lora_targets=resolve_targets(section.targets),
+                   lora_dropout=float(section.dropout))
     if section.base_dtype:
         changes["param_dtype"] = section.base_dtype
     return model_config.replace(**changes)
@@ -102,17 +104,35 @@ def add_adapters(module, c, rngs: nnx.Rngs, weights: dict) -> None:
             jnp.zeros((l, r) + outs, jnp.float32), axes=(axes[0], None) + tuple(axes[1 + n_in:])))
 
 
-def adapted(x, w: dict, name: str, c, *, mesh=None):
+def adapted(x, w: dict, name: str, c, *, mesh=None, key=None):
     """x times w[name] over its input dims, plus its adapter's (alpha / r) (x A) B when the
-    layer's parameters `w` hold one."""
+    layer's parameters `w` hold one. `key` (training forwards only) with c.lora_dropout > 0:
+    the adapter sees dropout(x) (PEFT's `lora_B(lora_A(lora_dropout(x)))`), its mask drawn
+    from the key and the projection's name; the base projection sees x."""
     n_in = N_IN.get(name, 1)
     y = projection.dense(x, w[name], n_in, mesh=mesh)
     a = w.get(f"{name}_lora_a")
     if a is None:
         return y
+    if key is not None and c.lora_dropout > 0:
+        x = dropout(x, jax.random.fold_in(key, _KEY_INDEX[name]), c.lora_dropout)
     xa = projection.dense(x, a, n_in, mesh=mesh)
     return y + projection.dense(xa, w[f"{name}_lora_b"], 1, mesh=mesh) * jnp.asarray(
         scale(c), y.dtype)
+
+
+_KEY_INDEX = {name: i for i, name in enumerate(TARGETS.values())}
+
+
+def dropout_keep(key, shape, rate: float):
+    """The dropout mask: True (kept) with probability 1 - rate, each element independently."""
+    return jax.random.bernoulli(key, 1.0 - rate, shape)
+
+
+def dropout(x, key, rate: float):
+    """Inverted dropout as torch's `nn.Dropout` in training: x * mask / (1 - rate)."""
+    keep = dropout_keep(key, x.shape, rate)
+    return jnp.where(keep, x * jnp.asarray(1.0 / (1.0 - rate), x.dtype), jnp.zeros((), x.dtype))
 
 
 # ================================================================================== states
@@ -192,7 +212,7 @@ def merge_adapters(state, lora_scale: float):
 
 
 def base_config(c):
-    return c.replace(lora_rank=0, lora_alpha=0.0, lora_targets=())
+    return c.replace(lora_rank=0, lora_alpha=0.0, lora_targets=(), lora_dropout=0.0)
 
 
 # ==================================================================================== PEFT
@@ -236,7 +256,7 @@ def save_peft(state, c, path: str, *, base_model: str = "") -> None:
                          metadata={"format": "pt"})
     hf_targets = sorted(hf for hf, ours in TARGETS.items() if ours in c.lora_targets)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": c.lora_rank,
-              "lora_alpha": c.lora_alpha, "lora_dropout": 0.0, "bias": "none",
+              "lora_alpha": c.lora_alpha, "lora_dropout": c.lora_dropout, "bias": "none",
               "target_modules": hf_targets, "base_model_name_or_path": base_model,
               "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
               "init_lora_weights": True, "modules_to_save": None}
