@@ -179,8 +179,10 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
     # alpha / rank; the base is frozen (no gradient, no optimizer state, not in checkpoints)
     # and is the KL reference (adapters off). base_dtype: "" as model.param_dtype (or the
     # brought model's), "bfloat16" halves the frozen base's memory (adapters stay float32).
-    # dropout: PEFT's lora_dropout, on the adapters' input in the update's forwards only.
-    c.lora = dict(rank=0, alpha=16.0, targets=LORA_MODULES, base_dtype="", dropout=0.0)
+    # dropout: PEFT's lora_dropout, on the adapters' input in the update's forwards only;
+    # experts: adapters per MoE expert too (merged into the expert weights in the forward).
+    c.lora = dict(rank=0, alpha=16.0, targets=LORA_MODULES, base_dtype="", dropout=0.0,
+                  experts=False)
     # rollouts_every: rollouts.jsonl gets num_rollouts samples of step 1 and of every
     # rollouts_every-th step (0: none)
     c.log = dict(every=1, rollouts_every=10, num_rollouts=4)

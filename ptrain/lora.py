@@ -73,7 +73,7 @@ def configure(model_config, section):
         return model_config
     changes = dict(lora_rank=int(section.rank), lora_alpha=float(section.alpha),
                    lora_targets=resolve_targets(section.targets),
-                   lora_dropout=float(section.dropout))
+                   lora_dropout=float(section.dropout), lora_experts=bool(section.experts))
     if section.base_dtype:
         changes["param_dtype"] = section.base_dtype
     return model_config.replace(**changes)
@@ -86,22 +86,35 @@ def scale(c) -> float:
 # ============================================================================== parameters
 
 
-def add_adapters(module, c, rngs: nnx.Rngs, weights: dict) -> None:
+def add_adapters(module, c, rngs: nnx.Rngs, weights: dict, *, lead: int = 1) -> None:
     """Sets `<name>_lora_a` / `_lora_b` on `module` for each of `weights` (name -> its Param)
-    that c.lora_targets names; float32 (the base may be in bfloat16)."""
+    that c.lora_targets names; float32 (the base may be in bfloat16). `lead`: the weights'
+    leading dims that each have their own adapter (layers; 2 for the experts' [l, E, ...]:
+    one adapter per layer and expert)."""
     for name, w in weights.items():
         if name not in c.lora_targets:
             continue
         n_in = N_IN.get(name, 1)
-        axes = w.get_metadata()["axes"]
-        l, ins, outs = w.shape[0], w.shape[1:1 + n_in], w.shape[1 + n_in:]
+        axes = tuple(w.get_metadata()["axes"])
+        ls, ins, outs = w.shape[:lead], w.shape[lead:lead + n_in], w.shape[lead + n_in:]
         r = c.lora_rank
         bound = 1.0 / math.sqrt(math.prod(ins))  # kaiming_uniform_(a=sqrt(5)), PEFT's default
-        a = jax.random.uniform(rngs.params(), (l,) + ins + (r,), jnp.float32, -bound, bound)
-        setattr(module, f"{name}_lora_a",
-                LoraParam(a, axes=(axes[0],) + tuple(axes[1:1 + n_in]) + (None,)))
+        a = jax.random.uniform(rngs.params(), ls + ins + (r,), jnp.float32, -bound, bound)
+        setattr(module, f"{name}_lora_a", LoraParam(a, axes=axes[:lead + n_in] + (None,)))
         setattr(module, f"{name}_lora_b", LoraParam(
-            jnp.zeros((l, r) + outs, jnp.float32), axes=(axes[0], None) + tuple(axes[1 + n_in:])))
+            jnp.zeros(ls + (r,) + outs, jnp.float32),
+            axes=axes[:lead] + (None,) + axes[lead + n_in:]))
+
+
+def expert_weight(p: dict, name: str, c):
+    """The experts' weight `name` [E, in, out] of one layer with its per-expert adapters
+    merged in (W + (alpha / r) A B, PEFT's `target_parameters` on a 3-D expert weight does
+    the same), or as it is without them; in the dtype of p's arrays."""
+    w = p[name]
+    a = p.get(f"{name}_lora_a")
+    if a is None:
+        return w
+    return w + jnp.asarray(scale(c), w.dtype) * jnp.matmul(a, p[f"{name}_lora_b"])
 
 
 def adapted(x, w: dict, name: str, c, *, mesh=None, key=None):
@@ -203,8 +216,9 @@ def merge_adapters(state, lora_scale: float):
         if a is not None:
             b = flat[path[:-1] + (f"{name}_lora_b",)]
             w, r = v.get_value(), a.shape[-1]
-            delta = jnp.einsum("l i r, l r o -> l i o", a.get_value().reshape(a.shape[0], -1, r),
-                               b.get_value().reshape(b.shape[0], r, -1))
+            lead = a.shape[:2 if str(path[0]) == "experts" else 1]  # (layers[, experts])
+            delta = jnp.matmul(a.get_value().reshape(lead + (-1, r)),
+                               b.get_value().reshape(lead + (r, -1)))
             w = (w.astype(jnp.float32) + lora_scale * delta.reshape(w.shape)).astype(w.dtype)
             v = v.replace(w)
         out[path] = v
@@ -212,7 +226,8 @@ def merge_adapters(state, lora_scale: float):
 
 
 def base_config(c):
-    return c.replace(lora_rank=0, lora_alpha=0.0, lora_targets=(), lora_dropout=0.0)
+    return c.replace(lora_rank=0, lora_alpha=0.0, lora_targets=(), lora_dropout=0.0,
+                     lora_experts=False)
 
 
 # ==================================================================================== PEFT
@@ -238,6 +253,10 @@ def save_peft(state, c, path: str, *, base_model: str = "") -> None:
     from ptrain.hf import _host
     if not c.lora_rank:
         raise ValueError("save_peft: the model has no adapters (lora_rank is 0)")
+    if c.lora_experts:
+        raise ValueError("save_peft: adapters on MoE experts (lora.experts) have no PEFT export "
+                         "yet; export the merged model (lora.merged, launch.export without "
+                         "--peft_out)")
     flat = {tuple(str(k) for k in p): v for p, v in nnx.to_flat_state(state)}
     tensors = []
     for (scope, name), hf_name, ids in _peft_names(c):

@@ -112,6 +112,7 @@ class ModelConfig:
     lora_alpha: float = 0.0
     lora_targets: tuple[str, ...] = ()
     lora_dropout: float = 0.0  # on the adapters' input, in forwards given a dropout_key only
+    lora_experts: bool = False  # also per-expert adapters on the MoE experts' targeted weights
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -143,6 +144,12 @@ class ModelConfig:
              f"({self.lora_alpha}) > 0 and targets {self.lora_targets} a non-empty subset of "
              f"{tuple(lora.TARGETS.values())}"),
             (0.0 <= self.lora_dropout < 1.0, f"lora_dropout {self.lora_dropout} not in [0, 1)"),
+            (not self.lora_experts or (self.n_experts and self.lora_rank and not self.lora_dropout
+                                       and {"w_gate", "w_up", "w_down"} & set(self.lora_targets)),
+             "lora.experts needs a MoE model, lora.rank > 0, one of gate_proj / up_proj / "
+             "down_proj in lora.targets and lora.dropout=0 (expert adapters are merged into the "
+             "expert weights in the forward, where dropout on their input cannot apply: PEFT "
+             "refuses lora_dropout on expert parameters too)"),
         ] + moe.check_config(self)
         for ok, message in checks:
             if not ok:
@@ -276,6 +283,9 @@ class Transformer(nnx.Module):
         if c.lora_rank:  # after every weight, so the base draws what it draws without LoRA
             lora.add_adapters(self.layers, c, rngs, {
                 n: v for n, v in vars(self.layers).items() if isinstance(v, nnx.Param)})
+            if c.lora_experts:  # one adapter per layer and expert
+                lora.add_adapters(self.experts, c, rngs, {
+                    n: getattr(self.experts, n) for n in _DENSE_MLP}, lead=2)
 
     def unembedding_vd(self) -> jax.Array:
         """The output projection [vocab, d] (the embedding itself when tied)."""
