@@ -178,7 +178,8 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
     # Hugging Face names match `targets` (fnmatch patterns over LORA_MODULES), scaled
     # alpha / rank; the base is frozen (no gradient, no optimizer state, not in checkpoints)
     # and is the KL reference (adapters off). base_dtype: "" as model.param_dtype (or the
-    # brought model's), "bfloat16" halves the frozen base's memory (adapters stay float32).
+    # brought model's), "bfloat16" halves the frozen base's memory (adapters stay float32),
+    # "int8" stores its projections int8 with per-channel scales (`ptrain.quant`).
     # dropout: PEFT's lora_dropout, on the adapters' input in the update's forwards only;
     # experts: adapters per MoE expert too (merged into the expert weights in the forward).
     c.lora = dict(rank=0, alpha=16.0, targets=LORA_MODULES, base_dtype="", dropout=0.0,
@@ -407,9 +408,9 @@ def _lora_checks(config):
         (not lo.rank or (lo.targets and not unmatched),
          f"lora.targets {tuple(lo.targets)}: {unmatched or 'none'} match no projection; "
          f"use names or fnmatch patterns over {LORA_MODULES}"),
-        (lo.base_dtype in ("", "float32", "bfloat16"),
-         f"lora.base_dtype={lo.base_dtype!r}; use '' (model.param_dtype), 'float32' or "
-         "'bfloat16'"),
+        (lo.base_dtype in ("", "float32", "bfloat16", "int8"),
+         f"lora.base_dtype={lo.base_dtype!r}; use '' (model.param_dtype), 'float32', "
+         "'bfloat16' or 'int8'"),
         (not lo.rank or config.rl.estimator != "gae",
          "lora with rl.estimator='gae': the critic has no adapters yet; use a critic-free "
          "estimator (grpo, rloo, reinforce++) or lora.rank=0"),

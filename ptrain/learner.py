@@ -261,7 +261,7 @@ def build_model(config, mesh) -> model_lib.Transformer:
     if config.hf_model:
         from ptrain import hf
         model = hf.load(config.hf_model, mesh=mesh, overrides=_runtime_overrides(config),
-                        param_dtype=config.lora.base_dtype or None)[0]
+                        param_dtype=lora.float_dtype(config.lora))[0]
         c = model_config(config)
         if not c.lora_rank:
             return model

@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from ptrain import projection
+from ptrain import quant
 from ptrain.config import LORA_MODULES
 
 # Hugging Face module name (`config.LORA_MODULES`) -> our weight.
@@ -74,9 +75,17 @@ def configure(model_config, section):
     changes = dict(lora_rank=int(section.rank), lora_alpha=float(section.alpha),
                    lora_targets=resolve_targets(section.targets),
                    lora_dropout=float(section.dropout), lora_experts=bool(section.experts))
-    if section.base_dtype:
+    if section.base_dtype == "int8":  # (embeddings, head and norms: model.param_dtype)
+        changes["int8_base"] = True
+    elif section.base_dtype:
         changes["param_dtype"] = section.base_dtype
     return model_config.replace(**changes)
+
+
+def float_dtype(section) -> str | None:
+    """The dtype to load a brought base in for config.lora (None: as it is; an int8 base is
+    loaded as it is, then quantised)."""
+    return None if section.base_dtype in ("", "int8") else section.base_dtype
 
 
 def scale(c) -> float:
@@ -195,6 +204,8 @@ def attach(base_state, c, *, seed: int = 0, mesh=None):
     # The whole model is built under jit and only its adapters returned: XLA drops the rest.
     adapters = jax.jit(lambda: split(nnx.split(make())[1])[0], out_shardings=shardings)()
     base = split(base_state)[1]  # (adapters already there are replaced)
+    if c.int8_base and not quant.is_quantized(base):  # a float base: rounded to int8
+        base = quant.quantize_state(base)
     return graphdef, join(adapters, base)
 
 
@@ -205,7 +216,10 @@ def merged(state, c):
 
 
 def merge_adapters(state, lora_scale: float):
-    """`state` with each adapted weight W + lora_scale A B (in W's dtype) and no adapters."""
+    """`state` with each adapted weight W + lora_scale A B (in W's dtype) and no adapters; an
+    int8 base (`quant`) is dequantised first (float32 W, no scales)."""
+    if quant.is_quantized(state):
+        state = quant.dequantize_state(state)
     flat = dict(nnx.to_flat_state(state))
     out = {}
     for path, v in flat.items():
@@ -227,7 +241,7 @@ def merge_adapters(state, lora_scale: float):
 
 def base_config(c):
     return c.replace(lora_rank=0, lora_alpha=0.0, lora_targets=(), lora_dropout=0.0,
-                     lora_experts=False)
+                     lora_experts=False, int8_base=False)
 
 
 # ==================================================================================== PEFT

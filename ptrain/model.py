@@ -25,6 +25,7 @@ from flax import nnx
 from ptrain import attention
 from ptrain import lora
 from ptrain import moe
+from ptrain import quant
 from ptrain.rope import apply_rope, rope_tables
 from ptrain import sharding
 
@@ -113,6 +114,7 @@ class ModelConfig:
     lora_targets: tuple[str, ...] = ()
     lora_dropout: float = 0.0  # on the adapters' input, in forwards given a dropout_key only
     lora_experts: bool = False  # also per-expert adapters on the MoE experts' targeted weights
+    int8_base: bool = False  # the frozen base's projections int8 + per-channel scales (`quant`)
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -150,6 +152,7 @@ class ModelConfig:
              "down_proj in lora.targets and lora.dropout=0 (expert adapters are merged into the "
              "expert weights in the forward, where dropout on their input cannot apply: PEFT "
              "refuses lora_dropout on expert parameters too)"),
+            (not self.int8_base or self.lora_rank, "an int8 base is frozen: it needs LoRA"),
         ] + moe.check_config(self)
         for ok, message in checks:
             if not ok:
@@ -280,6 +283,10 @@ class Transformer(nnx.Module):
         self.final_norm = _param(rngs, (c.d_model,), (None,), dt, "ones")
         if not c.tie_embeddings:
             self.lm_head = _param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"), dt)
+        if c.int8_base:  # (after the draws: the same base, rounded)
+            quant.quantize_module(self.layers, lead=1)
+            if c.n_experts:
+                quant.quantize_module(self.experts, lead=2)
         if c.lora_rank:  # after every weight, so the base draws what it draws without LoRA
             lora.add_adapters(self.layers, c, rngs, {
                 n: v for n, v in vars(self.layers).items() if isinstance(v, nnx.Param)})
@@ -305,7 +312,7 @@ class Transformer(nnx.Module):
         c = self.config
         params = self.layers.arrays()
         mlps = {False: {k: params.pop(k) for k in list(params)
-                        if k.split("_lora_")[0] in _DENSE_MLP},
+                        if quant.base_name(k) in _DENSE_MLP},
                 True: self.experts.arrays() if c.n_experts else {}}
         out = []
         for is_moe, lo, hi, offset in moe.stages(c):
@@ -487,9 +494,8 @@ def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_p
 
 
 def cast_layer(p, c: ModelConfig) -> dict:
-    """One layer's parameters in the compute dtype."""
-    dt = jnp.dtype(c.dtype)
-    return {name: a.astype(dt) for name, a in p.items()}
+    """One layer's parameters in the compute dtype (an int8 base's dequantised)."""
+    return quant.dequantized_layer(p, jnp.dtype(c.dtype))
 
 
 def layer_qkv(w, x_btd, pos_bt, *, c: ModelConfig, rope, mesh=None, key=None):
