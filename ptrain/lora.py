@@ -17,6 +17,8 @@ as the weight is.
   configure(model_config, section)  the ModelConfig with config.lora's adapters
   adapted(x, w, name, c, key=)  the projection with its adapter (a plain projection without
                              one); with a key and c.lora_dropout, dropout on the adapter's input
+  expert_weight(p, name, c)  a MoE layer's expert weight with its per-expert adapters merged
+                             in (c.lora_experts; the forward's, as PEFT's target_parameters)
   split(state) / join(...)   (adapters, base) of a model state, and back
   attach(base_state, c)      the state of a base model with fresh adapters (base unchanged)
   disabled(state)            the state with every B zeroed: the base's function, in jit,
@@ -45,7 +47,7 @@ from ptrain.config import LORA_MODULES
 
 # Hugging Face module name (`config.LORA_MODULES`) -> our weight.
 TARGETS = dict(zip(LORA_MODULES, ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")))
-N_IN = {"wo": 2}  # our weights with two input dims (heads, head dim); the rest have one
+N_IN = quant.N_IN  # our weights with two input dims (heads, head dim); the rest have one
 _HF_PREFIX = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
               "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
               "w_down": "mlp.down_proj"}
