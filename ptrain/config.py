@@ -178,8 +178,12 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
     # Hugging Face names match `targets` (fnmatch patterns over LORA_MODULES), scaled
     # alpha / rank; the base is frozen (no gradient, no optimizer state, not in checkpoints)
     # and is the KL reference (adapters off). base_dtype: "" as model.param_dtype (or the
-    # brought model's), "bfloat16" halves the frozen base's memory (adapters stay float32).
-    c.lora = dict(rank=0, alpha=16.0, targets=LORA_MODULES, base_dtype="")
+    # brought model's), "bfloat16" halves the frozen base's memory (adapters stay float32),
+    # "int8" stores its projections int8 with per-channel scales (`ptrain.quant`).
+    # dropout: PEFT's lora_dropout, on the adapters' input in the update's forwards only;
+    # experts: adapters per MoE expert too (merged into the expert weights in the forward).
+    c.lora = dict(rank=0, alpha=16.0, targets=LORA_MODULES, base_dtype="", dropout=0.0,
+                  experts=False)
     # rollouts_every: rollouts.jsonl gets num_rollouts samples of step 1 and of every
     # rollouts_every-th step (0: none)
     c.log = dict(every=1, rollouts_every=10, num_rollouts=4)
@@ -406,12 +410,13 @@ def _lora_checks(config):
         (isinstance(lo.rank, int) and lo.rank >= 0,
          f"lora.rank={lo.rank!r} must be an int >= 0 (0: full fine-tuning)"),
         (not lo.rank or lo.alpha > 0, f"lora.alpha={lo.alpha} must be > 0"),
+        (0 <= lo.dropout < 1, f"lora.dropout={lo.dropout} must be in [0, 1)"),
         (not lo.rank or (lo.targets and not unmatched),
          f"lora.targets {tuple(lo.targets)}: {unmatched or 'none'} match no projection; "
          f"use names or fnmatch patterns over {LORA_MODULES}"),
-        (lo.base_dtype in ("", "float32", "bfloat16"),
-         f"lora.base_dtype={lo.base_dtype!r}; use '' (model.param_dtype), 'float32' or "
-         "'bfloat16'"),
+        (lo.base_dtype in ("", "float32", "bfloat16", "int8"),
+         f"lora.base_dtype={lo.base_dtype!r}; use '' (model.param_dtype), 'float32', "
+         "'bfloat16' or 'int8'"),
         (not lo.rank or config.rl.estimator != "gae",
          "lora with rl.estimator='gae': the critic has no adapters yet; use a critic-free "
          "estimator (grpo, rloo, reinforce++) or lora.rank=0"),

@@ -128,14 +128,15 @@ def _lora_base(config, config_m):
     import jax
     from flax import nnx
 
-    from ptrain import hf, lora
+    from ptrain import hf, lora, quant
     from ptrain import model as model_lib
     with jax.default_device(jax.devices("cpu")[0]):
         if config.hf_model:
-            base = hf.load(config.hf_model, param_dtype=config.lora.base_dtype or None)[0]
+            base = hf.load(config.hf_model, param_dtype=lora.float_dtype(config.lora))[0]
         else:
             base = model_lib.init(lora.base_config(config_m), seed=config.seed)
-    return lora.split(nnx.state(base))[1]
+    base = lora.split(nnx.state(base))[1]
+    return quant.quantize_state(base) if config_m.int8_base else base
 
 
 def _param_paths(state):

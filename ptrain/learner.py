@@ -185,11 +185,20 @@ class Learner:
                                 jnp.float32(kl_coef), graphdef=self.graphdef,
                                 critic_graphdef=self.critic_graphdef, s=self.settings)
 
-    def update(self, params, opt_state, batch, kl_coef: float = 0.0):
+    def update(self, params, opt_state, batch, kl_coef: float = 0.0, step: int = 0):
         """PPO epochs over minibatches; the inputs are donated. Returns (params, opt_state,
-        metrics) with metrics averaged over the optimizer updates."""
+        metrics) with metrics averaged over the optimizer updates. `step` picks the LoRA
+        dropout masks (`dropout_key`)."""
         fn = step_lib.jit_update(self.graphdef, self.settings, self.tx, self.mesh)
-        return fn(params, opt_state, batch, jnp.float32(kl_coef))
+        return fn(params, opt_state, batch, jnp.float32(kl_coef), self.dropout_key(step))
+
+    def dropout_key(self, step: int):
+        """The LoRA dropout key of a step (None without lora.dropout): a function of the seed
+        and the step only, so a resumed run draws the masks the uninterrupted one drew."""
+        if not self.model_config.lora_dropout:
+            return None
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.config.seed), step),
+                                  0x10DA)
 
     def update_critic(self, critic_params, critic_opt_state, batch):
         """The critic's clipped value-loss updates on the minibatches and epochs of `update`
@@ -199,7 +208,7 @@ class Learner:
                                  self.mesh)
         return fn(critic_params, critic_opt_state, batch, jnp.float32(0.0))
 
-    def sft_update(self, params, opt_state, episodes: Batch):
+    def sft_update(self, params, opt_state, episodes: Batch, step: int = 0):
         """One supervised step (optimizer `sft_tx`) on the loss-masked tokens; the inputs are
         donated. metrics["sft/loss"] is the loss before the update. With many processes
         `episodes` are this process's rows (its block of the global batch, `prompt_streams.prompt_stream`)."""
@@ -207,16 +216,17 @@ class Learner:
         blocks = sharding.row_block(self.mesh)[1]
         batch = sharding.from_process_local(episodes.arrays(), self.mesh,
                                             global_rows=len(episodes) * blocks)
-        return fn(params, opt_state, batch, jnp.float32(0.0))
+        return fn(params, opt_state, batch, jnp.float32(0.0), self.dropout_key(step))
 
-    def sft_packed_update(self, params, opt_state, batch):
+    def sft_packed_update(self, params, opt_state, batch, step: int = 0):
         """One supervised step on a packed batch (`packing.packed_batch`: the global batch,
         the same on every process, which places its devices' rows): `step.jit_packed_update`,
         the program `ptrain.plan` compiles; the inputs are donated. metrics["loss"] is the
         loss before the update."""
         fn = step_lib.jit_packed_update(self.graphdef, self.sft_tx, self.mesh,
                                         self.sft_settings.chunk)
-        return fn(params, opt_state, sharding.shard_batch(batch, self.mesh))
+        return fn(params, opt_state, sharding.shard_batch(batch, self.mesh),
+                  self.dropout_key(step))
 
 
 def reference_params(params, dtype: str = "float32"):
@@ -251,7 +261,7 @@ def build_model(config, mesh) -> model_lib.Transformer:
     if config.hf_model:
         from ptrain import hf
         model = hf.load(config.hf_model, mesh=mesh, overrides=_runtime_overrides(config),
-                        param_dtype=config.lora.base_dtype or None)[0]
+                        param_dtype=lora.float_dtype(config.lora))[0]
         c = model_config(config)
         if not c.lora_rank:
             return model
@@ -406,7 +416,8 @@ def train(config, workdir, *, params=None, rollout_fn=None, producer=None, mesh=
                     critic["params"], critic["opt_state"], batch)
                 critic = {"params": critic_params, "opt_state": critic_opt}
                 critic_metrics["critic/lr"] = learner.critic_schedule(step - 1)
-            params, opt_state, upd_metrics = learner.update(params, opt_state, batch, kl_ctl.value)
+            params, opt_state, upd_metrics = learner.update(params, opt_state, batch, kl_ctl.value,
+                                                            step)
             if k:  # rl.interrupt: the generation in flight switches to version `step`
                 ahead.publish(step, params)
             prep_metrics, upd_metrics, critic_metrics = sharding.to_host(
@@ -540,7 +551,7 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
         t0 = time.perf_counter()
         if sc.packing:
             batch, step_metrics = next_packed()
-            params, opt_state, metrics = learner.sft_packed_update(params, opt_state, batch)
+            params, opt_state, metrics = learner.sft_packed_update(params, opt_state, batch, step)
             metrics = sharding.to_host(metrics)
             step_metrics.update({"sft/loss": metrics["loss"],
                                  "sft/grad_norm": metrics["grad_norm"],
@@ -553,7 +564,7 @@ def sft(config, workdir, *, params=None, mesh=None, tokenizer=None):
                 raise ValueError(f"SFT step {step}: {e} (prompt_len is sft.max_prompt_len="
                                  f"{sc.max_prompt_len}, the length sft.max_completion_len="
                                  f"{sc.max_completion_len})") from None
-            params, opt_state, metrics = learner.sft_update(params, opt_state, episodes)
+            params, opt_state, metrics = learner.sft_update(params, opt_state, episodes, step)
             metrics = sharding.to_host(metrics)
             step_metrics = {"sft/loss": metrics["sft/loss"],
                             "sft/entropy": metrics["sft/entropy"],

@@ -15,7 +15,10 @@ as the weight is.
   TARGETS                    HF module name -> our weight (q_proj -> wq, ..., down_proj)
   resolve_targets(patterns)  fnmatch patterns over HF module names -> our weight names
   configure(model_config, section)  the ModelConfig with config.lora's adapters
-  adapted(x, w, name, c)     the projection with its adapter (a plain projection without one)
+  adapted(x, w, name, c, key=)  the projection with its adapter (a plain projection without
+                             one); with a key and c.lora_dropout, dropout on the adapter's input
+  expert_weight(p, name, c)  a MoE layer's expert weight with its per-expert adapters merged
+                             in (c.lora_experts; the forward's, as PEFT's target_parameters)
   split(state) / join(...)   (adapters, base) of a model state, and back
   attach(base_state, c)      the state of a base model with fresh adapters (base unchanged)
   disabled(state)            the state with every B zeroed: the base's function, in jit,
@@ -39,11 +42,12 @@ import numpy as np
 from flax import nnx
 
 from ptrain import projection
+from ptrain import quant
 from ptrain.config import LORA_MODULES
 
 # Hugging Face module name (`config.LORA_MODULES`) -> our weight.
 TARGETS = dict(zip(LORA_MODULES, ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")))
-N_IN = {"wo": 2}  # our weights with two input dims (heads, head dim); the rest have one
+N_IN = quant.N_IN  # our weights with two input dims (heads, head dim); the rest have one
 _HF_PREFIX = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
               "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
               "w_down": "mlp.down_proj"}
@@ -71,10 +75,19 @@ def configure(model_config, section):
     if not section.rank:
         return model_config
     changes = dict(lora_rank=int(section.rank), lora_alpha=float(section.alpha),
-                   lora_targets=resolve_targets(section.targets))
-    if section.base_dtype:
+                   lora_targets=resolve_targets(section.targets),
+                   lora_dropout=float(section.dropout), lora_experts=bool(section.experts))
+    if section.base_dtype == "int8":  # (embeddings, head and norms: model.param_dtype)
+        changes["int8_base"] = True
+    elif section.base_dtype:
         changes["param_dtype"] = section.base_dtype
     return model_config.replace(**changes)
+
+
+def float_dtype(section) -> str | None:
+    """The dtype to load a brought base in for config.lora (None: as it is; an int8 base is
+    loaded as it is, then quantised)."""
+    return None if section.base_dtype in ("", "int8") else section.base_dtype
 
 
 def scale(c) -> float:
@@ -84,35 +97,66 @@ def scale(c) -> float:
 # ============================================================================== parameters
 
 
-def add_adapters(module, c, rngs: nnx.Rngs, weights: dict) -> None:
+def add_adapters(module, c, rngs: nnx.Rngs, weights: dict, *, lead: int = 1) -> None:
     """Sets `<name>_lora_a` / `_lora_b` on `module` for each of `weights` (name -> its Param)
-    that c.lora_targets names; float32 (the base may be in bfloat16)."""
+    that c.lora_targets names; float32 (the base may be in bfloat16). `lead`: the weights'
+    leading dims that each have their own adapter (layers; 2 for the experts' [l, E, ...]:
+    one adapter per layer and expert)."""
     for name, w in weights.items():
         if name not in c.lora_targets:
             continue
         n_in = N_IN.get(name, 1)
-        axes = w.get_metadata()["axes"]
-        l, ins, outs = w.shape[0], w.shape[1:1 + n_in], w.shape[1 + n_in:]
+        axes = tuple(w.get_metadata()["axes"])
+        ls, ins, outs = w.shape[:lead], w.shape[lead:lead + n_in], w.shape[lead + n_in:]
         r = c.lora_rank
         bound = 1.0 / math.sqrt(math.prod(ins))  # kaiming_uniform_(a=sqrt(5)), PEFT's default
-        a = jax.random.uniform(rngs.params(), (l,) + ins + (r,), jnp.float32, -bound, bound)
-        setattr(module, f"{name}_lora_a",
-                LoraParam(a, axes=(axes[0],) + tuple(axes[1:1 + n_in]) + (None,)))
+        a = jax.random.uniform(rngs.params(), ls + ins + (r,), jnp.float32, -bound, bound)
+        setattr(module, f"{name}_lora_a", LoraParam(a, axes=axes[:lead + n_in] + (None,)))
         setattr(module, f"{name}_lora_b", LoraParam(
-            jnp.zeros((l, r) + outs, jnp.float32), axes=(axes[0], None) + tuple(axes[1 + n_in:])))
+            jnp.zeros(ls + (r,) + outs, jnp.float32),
+            axes=axes[:lead] + (None,) + axes[lead + n_in:]))
 
 
-def adapted(x, w: dict, name: str, c, *, mesh=None):
+def expert_weight(p: dict, name: str, c):
+    """The experts' weight `name` [E, in, out] of one layer with its per-expert adapters
+    merged in (W + (alpha / r) A B, PEFT's `target_parameters` on a 3-D expert weight does
+    the same), or as it is without them; in the dtype of p's arrays."""
+    w = p[name]
+    a = p.get(f"{name}_lora_a")
+    if a is None:
+        return w
+    return w + jnp.asarray(scale(c), w.dtype) * jnp.matmul(a, p[f"{name}_lora_b"])
+
+
+def adapted(x, w: dict, name: str, c, *, mesh=None, key=None):
     """x times w[name] over its input dims, plus its adapter's (alpha / r) (x A) B when the
-    layer's parameters `w` hold one."""
+    layer's parameters `w` hold one. `key` (training forwards only) with c.lora_dropout > 0:
+    the adapter sees dropout(x) (PEFT's `lora_B(lora_A(lora_dropout(x)))`), its mask drawn
+    from the key and the projection's name; the base projection sees x."""
     n_in = N_IN.get(name, 1)
     y = projection.dense(x, w[name], n_in, mesh=mesh)
     a = w.get(f"{name}_lora_a")
     if a is None:
         return y
+    if key is not None and c.lora_dropout > 0:
+        x = dropout(x, jax.random.fold_in(key, _KEY_INDEX[name]), c.lora_dropout)
     xa = projection.dense(x, a, n_in, mesh=mesh)
     return y + projection.dense(xa, w[f"{name}_lora_b"], 1, mesh=mesh) * jnp.asarray(
         scale(c), y.dtype)
+
+
+_KEY_INDEX = {name: i for i, name in enumerate(TARGETS.values())}
+
+
+def dropout_keep(key, shape, rate: float):
+    """The dropout mask: True (kept) with probability 1 - rate, each element independently."""
+    return jax.random.bernoulli(key, 1.0 - rate, shape)
+
+
+def dropout(x, key, rate: float):
+    """Inverted dropout as torch's `nn.Dropout` in training: x * mask / (1 - rate)."""
+    keep = dropout_keep(key, x.shape, rate)
+    return jnp.where(keep, x * jnp.asarray(1.0 / (1.0 - rate), x.dtype), jnp.zeros((), x.dtype))
 
 
 # ================================================================================== states
@@ -162,6 +206,8 @@ def attach(base_state, c, *, seed: int = 0, mesh=None):
     # The whole model is built under jit and only its adapters returned: XLA drops the rest.
     adapters = jax.jit(lambda: split(nnx.split(make())[1])[0], out_shardings=shardings)()
     base = split(base_state)[1]  # (adapters already there are replaced)
+    if c.int8_base and not quant.is_quantized(base):  # a float base: rounded to int8
+        base = quant.quantize_state(base)
     return graphdef, join(adapters, base)
 
 
@@ -172,7 +218,10 @@ def merged(state, c):
 
 
 def merge_adapters(state, lora_scale: float):
-    """`state` with each adapted weight W + lora_scale A B (in W's dtype) and no adapters."""
+    """`state` with each adapted weight W + lora_scale A B (in W's dtype) and no adapters; an
+    int8 base (`quant`) is dequantised first (float32 W, no scales)."""
+    if quant.is_quantized(state):
+        state = quant.dequantize_state(state)
     flat = dict(nnx.to_flat_state(state))
     out = {}
     for path, v in flat.items():
@@ -183,8 +232,9 @@ def merge_adapters(state, lora_scale: float):
         if a is not None:
             b = flat[path[:-1] + (f"{name}_lora_b",)]
             w, r = v.get_value(), a.shape[-1]
-            delta = jnp.einsum("l i r, l r o -> l i o", a.get_value().reshape(a.shape[0], -1, r),
-                               b.get_value().reshape(b.shape[0], r, -1))
+            lead = a.shape[:2 if str(path[0]) == "experts" else 1]  # (layers[, experts])
+            delta = jnp.matmul(a.get_value().reshape(lead + (-1, r)),
+                               b.get_value().reshape(lead + (r, -1)))
             w = (w.astype(jnp.float32) + lora_scale * delta.reshape(w.shape)).astype(w.dtype)
             v = v.replace(w)
         out[path] = v
@@ -192,7 +242,8 @@ def merge_adapters(state, lora_scale: float):
 
 
 def base_config(c):
-    return c.replace(lora_rank=0, lora_alpha=0.0, lora_targets=())
+    return c.replace(lora_rank=0, lora_alpha=0.0, lora_targets=(), lora_dropout=0.0,
+                     lora_experts=False, int8_base=False)
 
 
 # ==================================================================================== PEFT
@@ -218,6 +269,10 @@ def save_peft(state, c, path: str, *, base_model: str = "") -> None:
     from ptrain.hf import _host
     if not c.lora_rank:
         raise ValueError("save_peft: the model has no adapters (lora_rank is 0)")
+    if c.lora_experts:
+        raise ValueError("save_peft: adapters on MoE experts (lora.experts) have no PEFT export "
+                         "yet; export the merged model (lora.merged, launch.export without "
+                         "--peft_out)")
     flat = {tuple(str(k) for k in p): v for p, v in nnx.to_flat_state(state)}
     tensors = []
     for (scope, name), hf_name, ids in _peft_names(c):
@@ -236,7 +291,7 @@ def save_peft(state, c, path: str, *, base_model: str = "") -> None:
                          metadata={"format": "pt"})
     hf_targets = sorted(hf for hf, ours in TARGETS.items() if ours in c.lora_targets)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": c.lora_rank,
-              "lora_alpha": c.lora_alpha, "lora_dropout": 0.0, "bias": "none",
+              "lora_alpha": c.lora_alpha, "lora_dropout": c.lora_dropout, "bias": "none",
               "target_modules": hf_targets, "base_model_name_or_path": base_model,
               "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
               "init_lora_weights": True, "modules_to_save": None}

@@ -25,6 +25,7 @@ from flax import nnx
 from ptrain import attention
 from ptrain import lora
 from ptrain import moe
+from ptrain import quant
 from ptrain.rope import apply_rope, rope_tables
 from ptrain import sharding
 
@@ -111,6 +112,9 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 0.0
     lora_targets: tuple[str, ...] = ()
+    lora_dropout: float = 0.0  # on the adapters' input, in forwards given a dropout_key only
+    lora_experts: bool = False  # also per-expert adapters on the MoE experts' targeted weights
+    int8_base: bool = False  # the frozen base's projections int8 + per-channel scales (`quant`)
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -141,6 +145,14 @@ class ModelConfig:
              f"LoRA: rank {self.lora_rank} must be >= 0, and with rank > 0 alpha "
              f"({self.lora_alpha}) > 0 and targets {self.lora_targets} a non-empty subset of "
              f"{tuple(lora.TARGETS.values())}"),
+            (0.0 <= self.lora_dropout < 1.0, f"lora_dropout {self.lora_dropout} not in [0, 1)"),
+            (not self.lora_experts or (self.n_experts and self.lora_rank and not self.lora_dropout
+                                       and {"w_gate", "w_up", "w_down"} & set(self.lora_targets)),
+             "lora.experts needs a MoE model, lora.rank > 0, one of gate_proj / up_proj / "
+             "down_proj in lora.targets and lora.dropout=0 (expert adapters are merged into the "
+             "expert weights in the forward, where dropout on their input cannot apply: PEFT "
+             "refuses lora_dropout on expert parameters too)"),
+            (not self.int8_base or self.lora_rank, "an int8 base is frozen: it needs LoRA"),
         ] + moe.check_config(self)
         for ok, message in checks:
             if not ok:
@@ -271,9 +283,16 @@ class Transformer(nnx.Module):
         self.final_norm = _param(rngs, (c.d_model,), (None,), dt, "ones")
         if not c.tie_embeddings:
             self.lm_head = _param(rngs, (c.vocab_size, c.d_model), ("vocab", "embed"), dt)
+        if c.int8_base:  # (after the draws: the same base, rounded)
+            quant.quantize_module(self.layers, lead=1)
+            if c.n_experts:
+                quant.quantize_module(self.experts, lead=2)
         if c.lora_rank:  # after every weight, so the base draws what it draws without LoRA
             lora.add_adapters(self.layers, c, rngs, {
                 n: v for n, v in vars(self.layers).items() if isinstance(v, nnx.Param)})
+            if c.lora_experts:  # one adapter per layer and expert
+                lora.add_adapters(self.experts, c, rngs, {
+                    n: getattr(self.experts, n) for n in _DENSE_MLP}, lead=2)
 
     def unembedding_vd(self) -> jax.Array:
         """The output projection [vocab, d] (the embedding itself when tied)."""
@@ -293,7 +312,7 @@ class Transformer(nnx.Module):
         c = self.config
         params = self.layers.arrays()
         mlps = {False: {k: params.pop(k) for k in list(params)
-                        if k.split("_lora_")[0] in _DENSE_MLP},
+                        if quant.base_name(k) in _DENSE_MLP},
                 True: self.experts.arrays() if c.n_experts else {}}
         out = []
         for is_moe, lo, hi, offset in moe.stages(c):
@@ -320,7 +339,7 @@ class Transformer(nnx.Module):
         return h_btd, new_cache
 
     def forward(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache=None, *,
-                replay_lbtk=None, x_btd=None, rope_positions_3bt=None):
+                replay_lbtk=None, x_btd=None, rope_positions_3bt=None, dropout_key=None):
         """(hidden states as `hidden`, the updated cache, a `moe.Routing` or None).
 
         `replay_lbtk` [MoE layers, b, t, k]: experts to route each token to instead of the
@@ -328,6 +347,8 @@ class Transformer(nnx.Module):
         `x_btd`: input embeddings to use instead of the tokens' (image features merged in,
         ptrain/vision/vl.py). `rope_positions_3bt`: M-RoPE positions (config.mrope_section);
         `positions_bt` then still orders the tokens for the causal mask and the cache.
+        `dropout_key`: a training forward's key for LoRA dropout (config.lora_dropout; each
+        layer folds in its index); None (sampling, old and reference log-probs): no dropout.
         """
         c = self.config
         b, t = tokens_bt.shape
@@ -361,14 +382,18 @@ class Transformer(nnx.Module):
 
         # Layers run in stages of one kind (dense or MoE MLP), each stage one scan.
         routing = []
+        keys_l = (None if dropout_key is None or not c.lora_dropout
+                  else jax.vmap(lambda i: jax.random.fold_in(dropout_key, i))(
+                      jnp.arange(c.n_layers)))
         for is_moe, lo, hi, offset, p in self.stages():
             replay = (None if replay_lbtk is None or not is_moe
                       else _rows(replay_lbtk, offset, offset + hi - lo))
+            replay = (replay, None if keys_l is None else _rows(keys_l, lo, hi))
             fn = _remat(c.remat, functools.partial(layer, is_moe=is_moe))
             if cache is None:
                 def step(x_btd, p_and_r):
-                    p, r = p_and_r
-                    x_btd, _, stats = fn(p, x_btd, None, replay_btk=r, **kw)
+                    p, (r, dk) = p_and_r
+                    x_btd, _, stats = fn(p, x_btd, None, replay_btk=r, dropout_key=dk, **kw)
                     return x_btd, stats
 
                 x_btd, stats = jax.lax.scan(step, x_btd, (p, replay))
@@ -377,9 +402,9 @@ class Transformer(nnx.Module):
                 # slot in place (scanned as xs/ys, the whole cache would be copied per token).
                 def step(carry, xs):
                     x_btd, k_all, v_all = carry
-                    p, l, r = xs
+                    p, l, (r, dk) = xs
                     x_btd, (k_all, v_all, _), stats = fn(p, x_btd, (k_all, v_all, l),
-                                                         replay_btk=r, **kw)
+                                                         replay_btk=r, dropout_key=dk, **kw)
                     return (x_btd, k_all, v_all), stats
 
                 (x_btd, k_lbske, v_lbske), stats = jax.lax.scan(
@@ -388,8 +413,9 @@ class Transformer(nnx.Module):
                 # Prefill and training: per-layer slices in and out. (Differentiating through
                 # a carried cache would save the whole stack once per layer.)
                 def step(x_btd, xs):
-                    p, (k, v), r = xs
-                    x_btd, (k, v, _), stats = fn(p, x_btd, (k, v, None), replay_btk=r, **kw)
+                    p, (k, v), (r, dk) = xs
+                    x_btd, (k, v, _), stats = fn(p, x_btd, (k, v, None), replay_btk=r,
+                                                 dropout_key=dk, **kw)
                     return x_btd, (k, v, stats)
 
                 x_btd, (k, v, stats) = jax.lax.scan(
@@ -437,13 +463,13 @@ def _remat(policy: str, fn):
 
 
 def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_pos_bs,
-           kv_seg_bs, start, is_moe=False, replay_btk=None, rope_pos=None):
+           kv_seg_bs, start, is_moe=False, replay_btk=None, rope_pos=None, dropout_key=None):
     """One pre-norm decoder layer: (x, kv, MoE routing statistics or None). `kv`: None, or
     (k cache, v cache, l) with this layer's cache slices (l None) or every layer's stacked
-    cache and this layer's index l."""
+    cache and this layer's index l. `dropout_key`: this layer's LoRA dropout key or None."""
     w = cast_layer(p, c)
     q_bthe, k_btke, v_btke = layer_qkv(w, x_btd, q_pos_bt if rope_pos is None else rope_pos,
-                                       c=c, rope=rope, mesh=mesh)
+                                       c=c, rope=rope, mesh=mesh, key=dropout_key)
     if kv is None:
         k_bske, v_bske = k_btke, v_btke
     else:
@@ -463,25 +489,24 @@ def _layer(p, x_btd, kv, *, c: ModelConfig, mesh, rope, q_pos_bt, q_seg_bt, kv_p
         kv_positions_bs=kv_pos_bs, kv_segment_ids_bs=kv_seg_bs,
         impl=c.attention_impl, mesh=mesh, block_q=c.attn_block_q, block_k=c.attn_block_k)
     x_btd, stats = layer_out(w, x_btd, o_bthe, c=c, mesh=mesh, valid_bt=q_seg_bt,
-                             is_moe=is_moe, replay_btk=replay_btk)
+                             is_moe=is_moe, replay_btk=replay_btk, key=dropout_key)
     return x_btd, kv, stats
 
 
 def cast_layer(p, c: ModelConfig) -> dict:
-    """One layer's parameters in the compute dtype."""
-    dt = jnp.dtype(c.dtype)
-    return {name: a.astype(dt) for name, a in p.items()}
+    """One layer's parameters in the compute dtype (an int8 base's dequantised)."""
+    return quant.dequantized_layer(p, jnp.dtype(c.dtype))
 
 
-def layer_qkv(w, x_btd, pos_bt, *, c: ModelConfig, rope, mesh=None):
+def layer_qkv(w, x_btd, pos_bt, *, c: ModelConfig, rope, mesh=None, key=None):
     """The first half of a layer (`w` from `cast_layer`): queries [b, t, h, e], keys and
     values [b, t, k, e] after the norm, biases, q/k norms and RoPE (`pos_bt` [b, t], or
-    [3, b, t] M-RoPE positions with config.mrope_section). The rollout engine
-    (ptrain/generate/kv_slots.py) calls it with its own cache and attention."""
+    [3, b, t] M-RoPE positions with config.mrope_section); `key`: LoRA dropout's. The
+    rollout engine (ptrain/generate/kv_slots.py) calls it with its own cache and attention."""
     h_btd = rms_norm(x_btd, w["attn_norm"], c.rms_eps)
-    q_bthe = lora.adapted(h_btd, w, "wq", c, mesh=mesh)
-    k_btke = lora.adapted(h_btd, w, "wk", c, mesh=mesh)
-    v_btke = lora.adapted(h_btd, w, "wv", c, mesh=mesh)
+    q_bthe = lora.adapted(h_btd, w, "wq", c, mesh=mesh, key=key)
+    k_btke = lora.adapted(h_btd, w, "wk", c, mesh=mesh, key=key)
+    v_btke = lora.adapted(h_btd, w, "wv", c, mesh=mesh, key=key)
     if c.qkv_bias:
         q_bthe, k_btke, v_btke = q_bthe + w["bq"], k_btke + w["bk"], v_btke + w["bv"]
     if c.qk_norm:
@@ -493,10 +518,10 @@ def layer_qkv(w, x_btd, pos_bt, *, c: ModelConfig, rope, mesh=None):
 
 
 def layer_out(w, x_btd, o_bthe, *, c: ModelConfig, mesh, valid_bt, is_moe=False,
-              replay_btk=None):
+              replay_btk=None, key=None):
     """The second half of a layer: the attention output `o_bthe` projected and added, then
     the MLP (dense, or MoE routing the tokens where valid_bt != 0): (x, routing stats)."""
-    attn_btd = lora.adapted(o_bthe, w, "wo", c, mesh=mesh)
+    attn_btd = lora.adapted(o_bthe, w, "wo", c, mesh=mesh, key=key)
     if c.o_bias:
         attn_btd = attn_btd + w["bo"]
     x_btd = sharding.constrain(x_btd + attn_btd, ("batch", "seq", None), mesh)
@@ -506,11 +531,11 @@ def layer_out(w, x_btd, o_bthe, *, c: ModelConfig, mesh, valid_bt, is_moe=False,
     if is_moe:
         mlp_btd, stats = moe.block(w, h_btd, valid_bt, c, mesh, replay_btk)
     else:
-        gate_btf = lora.adapted(h_btd, w, "w_gate", c, mesh=mesh)
-        up_btf = lora.adapted(h_btd, w, "w_up", c, mesh=mesh)
+        gate_btf = lora.adapted(h_btd, w, "w_gate", c, mesh=mesh, key=key)
+        up_btf = lora.adapted(h_btd, w, "w_up", c, mesh=mesh, key=key)
         act_btf = sharding.constrain(jax.nn.silu(gate_btf) * up_btf, ("batch", "seq", "mlp"),
                                      mesh)
-        mlp_btd = lora.adapted(act_btf, w, "w_down", c, mesh=mesh)
+        mlp_btd = lora.adapted(act_btf, w, "w_down", c, mesh=mesh, key=key)
     x_btd = x_btd + mlp_btd
     return sharding.constrain(x_btd, ("batch", "seq", None), mesh), stats
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from ptrain import lora
 from ptrain import projection
 from ptrain import sharding
 
@@ -288,6 +289,13 @@ def _sharded(p, h_btd, valid_bt, replay_btk, c, mesh):
                 stats=token_axes + (("expert",) if split else ()))
     down_spec = P(w_spec[0], w_spec[2], None)
     weights = {"router": P(None, None), "w_gate": w_spec, "w_up": w_spec, "w_down": down_spec}
+    if "w_gate_lora_a" in p or "w_down_lora_a" in p:  # per-expert adapters (`lora`), as W's
+        e_ax, f_ax = w_spec[0], w_spec[2]
+        adapters = {"w_gate": (P(e_ax, None, None), P(e_ax, None, f_ax)),
+                    "w_up": (P(e_ax, None, None), P(e_ax, None, f_ax)),
+                    "w_down": (P(e_ax, f_ax, None), P(e_ax, None, None))}
+        weights.update({f"{n}_lora_{ab}": spec for n, specs in adapters.items()
+                        if f"{n}_lora_a" in p for ab, spec in zip("ab", specs)})
     inputs = {k: p[k] for k in weights}
     specs = [weights, tok, P(*tok[:2])]
     args = [inputs, h_btd, valid_bt]
@@ -328,7 +336,8 @@ def _local(p, h_btd, valid_bt, replay_btk, c, *, axes):
         replay_nk = None if replay_nk is None else take(replay_nk)
 
     logits_ne, probs_ne, top_w, top_i, own_nk = route(h_nd, p["router"], c, replay_nk)
-    w = {name: p[name].astype(dt) for name in ("w_gate", "w_up", "w_down")}
+    w = {name: lora.expert_weight(p, name, c).astype(dt)  # (with per-expert LoRA: merged)
+         for name in ("w_gate", "w_up", "w_down")}
     if c.moe_dispatch == "dense":
         rows_nkd, kept_nk = _dense(h_nd, top_i, w), jnp.ones(top_i.shape, bool)
     else:

@@ -152,7 +152,8 @@ def compile_plan(mc, mesh_shape, *, seq_len, batch, optim, chunk, layout="contig
     graphdef, params, opt_state, batch_in, tx = abstract_inputs(
         mc, mesh, seq_len=seq_len, batch=batch, optim=optim)
     step = step_lib.jit_packed_update(graphdef, tx, mesh, chunk)  # packed SFT's program
-    compiled = step.lower(params, opt_state, batch_in).compile()
+    key = jax.random.key(0) if mc.lora_dropout else None  # (LoRA dropout's masks)
+    compiled = step.lower(params, opt_state, batch_in, key).compile()
     seconds = time.perf_counter() - t0
     memory = _memory(compiled)
     cost = compiled.cost_analysis()
@@ -279,7 +280,8 @@ def compile_rl_step(config, mesh_shape, *, budget_gib=None) -> dict:
         if state is None:
             continue
         fn = step_lib.jit_update(state["graphdef"], settings, state["tx"], mesh)
-        compiled = fn.lower(state["params"], state["opt_state"], prepared, kl).compile()
+        key = jax.random.key(0) if mc.lora_dropout and name == "update" else None
+        compiled = fn.lower(state["params"], state["opt_state"], prepared, kl, key).compile()
         programs[name] = _memory(compiled)
         live[name] = [held_ref, other and (other["params"], other["opt_state"]), copy]
     peaks = {n: programs[n]["peak"] + _device_bytes(live[n]) for n in programs}

@@ -16,6 +16,9 @@
 LoRA (`ptrain.lora`, parameters holding `LoraParam`s): the updates differentiate with respect
 to the adapters only and the optimizer state mirrors them (`split_trainable`); the base
 passes through unchanged, and `prepare` takes the base (adapters zeroed) as the reference.
+With LoRA dropout the updates take a key (the step's, `dropout_keys`): each update and each
+microbatch folds in its index, so the masks differ across them and are a function of
+(key, batch) only; `prepare` (old and reference log-probs) and sampling run without dropout.
 
 The static settings of each program are a `ptrain.config.StepSettings` (`config.resolve`).
 Shapes are fixed by the config, so every program compiles once.
@@ -91,7 +94,7 @@ def opt_state_shardings(tx, params, param_shardings, mesh):
 
 
 def token_logprobs(graphdef, params, batch, *, group_size=1, chunk=256, temperature=1.0,
-                   replay=False, return_routing=False):
+                   replay=False, return_routing=False, dropout_key=None):
     """log p(token | everything before it) of every continuation token, and the entropy of
     that distribution ([b, n] each), computed in chunks (never float32 [b, n, v]); p is the
     softmax of logits / temperature, the distribution the sampler drew from (before top-k /
@@ -100,11 +103,13 @@ def token_logprobs(graphdef, params, batch, *, group_size=1, chunk=256, temperat
     Each group's prompt runs once (rows 0, G, 2G, ... hold the prompts); its KV cache is
     repeated for the G continuations, so gradients from all G reach the one prompt forward.
     replay: route to the batch's recorded experts. return_routing: also the MoE `Routing`s
-    (prompts', continuations') or (None, None), as a third element.
+    (prompts', continuations') or (None, None), as a third element. dropout_key: LoRA
+    dropout's (the update's forwards), None for none.
     """
     model = nnx.merge(graphdef, params)
     tokens_bn = batch["tokens_bn"]
-    h_gd, h_bnd, routing = _continuation_hidden(model, batch, group_size, replay=replay)
+    h_gd, h_bnd, routing = _continuation_hidden(model, batch, group_size, replay=replay,
+                                                dropout_key=dropout_key)
     # Token j is predicted by the hidden state before it: the prompt's last for j = 0, else
     # the row's state j - 1. The int32 targets shift, not the (time-sharded) hidden states,
     # so with sequence parallelism each shard scores its own tokens.
@@ -131,7 +136,7 @@ def token_values(critic_graphdef, critic_params, batch, *, group_size=1):
     return jnp.concatenate([first_b[:, None], critic.values(h_bnd)[:, :-1]], axis=1)
 
 
-def _continuation_hidden(model, batch, group_size, *, replay=False):
+def _continuation_hidden(model, batch, group_size, *, replay=False, dropout_key=None):
     """Final hidden states of each group's prompt (its last token, [b / G, d]) and of every
     continuation token ([b, n, d]), and the MoE routing of each (prompts', continuations';
     None without experts); the prompt runs once, its KV cache repeated G times. replay:
@@ -144,6 +149,9 @@ def _continuation_hidden(model, batch, group_size, *, replay=False):
     positions_bn = batch["prompt_lens_b"][:, None] + jnp.arange(n)[None, :]
     # A VLModel's image prompts (the batch's vision_* arrays): features merged, M-RoPE.
     prompt_kw, continuation_kw = vl.learner_inputs(model, batch, group_size, positions_bn)
+    if dropout_key is not None:  # (the prompts' forward and the continuations' own masks)
+        prompt_kw["dropout_key"] = jax.random.fold_in(dropout_key, 0)
+        continuation_kw["dropout_key"] = jax.random.fold_in(dropout_key, 1)
     h_gd, cache, prompt_routing = prefill_shared(
         model, batch["prompt_bp"][::group_size], batch["prompt_lens_b"][::group_size],
         repeats=group_size, extra_slots=n, replay_lbtk=replay_prompt, **prompt_kw)
@@ -282,15 +290,16 @@ def _microbatched(fn, batch, s: StepSettings, mesh):
 # =================================================================================== update
 
 
-def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, router_totals=None, *, graphdef,
-             s: StepSettings):
+def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, router_totals=None, key=None, *,
+             graphdef, s: StepSettings):
     """The loss of one microbatch, normalised by the whole minibatch's token and sequence
     counts, so that microbatch losses (and gradients) add up to the minibatch's.
-    router_totals: the minibatch's (load_le, tokens_l) for the global router losses."""
+    router_totals: the minibatch's (load_le, tokens_l) for the global router losses; key:
+    the microbatch's LoRA dropout key or None."""
     mask_bn = x["loss_mask_bn"]
     logp_bn, ent_bn, routing = token_logprobs(
         graphdef, params, x, group_size=s.group_size, chunk=s.chunk, temperature=s.temperature,
-        replay=s.router_replay, return_routing=True)
+        replay=s.router_replay, return_routing=True, dropout_key=key)
     share = mask_bn.sum() / jnp.maximum(num_tokens, 1)  # this microbatch's share of the tokens
     agg = functools.partial(losses.agg_loss, mask_bt=mask_bn, mode=s.agg, num_tokens=num_tokens,
                             num_seqs=num_seqs)
@@ -345,10 +354,10 @@ def _rl_loss(params, x, num_tokens, num_seqs, kl_coef, router_totals=None, *, gr
     return loss, metrics
 
 
-def _critic_loss(params, x, num_tokens, num_seqs, kl_coef, router_totals=None, *, graphdef,
-                 s: StepSettings):
+def _critic_loss(params, x, num_tokens, num_seqs, kl_coef, router_totals=None, key=None, *,
+                 graphdef, s: StepSettings):
     """The clipped value loss of one microbatch, normalised like `_rl_loss`."""
-    del kl_coef, router_totals
+    del kl_coef, router_totals, key
     mask_bn = x["loss_mask_bn"]
     vpreds_bn = token_values(graphdef, params, x, group_size=s.group_size)
     share = mask_bn.sum() / jnp.maximum(num_tokens, 1)
@@ -360,7 +369,8 @@ def _critic_loss(params, x, num_tokens, num_seqs, kl_coef, router_totals=None, *
                       jax.lax.stop_gradient(vpreds_bn), mask_bn)}
 
 
-def update(params, opt_state, batch, kl_coef, *, graphdef, s: StepSettings, tx, mesh):
+def update(params, opt_state, batch, kl_coef, key=None, *, graphdef, s: StepSettings, tx,
+           mesh):
     """All optimizer updates of one step: epochs x minibatches, each minibatch's gradient
     accumulated over microbatches (a scan, so the program does not grow with their number).
 
@@ -372,6 +382,9 @@ def update(params, opt_state, batch, kl_coef, *, graphdef, s: StepSettings, tx, 
     minibatch first counts its assignments per expert, so that the aux and z losses (and
     their gradients) are the whole minibatch's (`moe.global_terms`), not a sum of the
     microbatches' own; sums over data shards are global in either scope.
+
+    key: LoRA dropout's (None: none); update u's microbatch j draws its masks from
+    `dropout_keys(key, u, k)[j]`.
     """
     mask_bn = batch["loss_mask_bn"]
     b, g = mask_bn.shape[0], s.group_size
@@ -398,32 +411,44 @@ def update(params, opt_state, batch, kl_coef, *, graphdef, s: StepSettings, tx, 
     totals = (model_config is not None and k > 1 and model_config.n_experts > 0
               and model_config.router_loss_scope == "global")
 
-    def minibatch(carry, i):
+    def minibatch(carry, i_and_u):
         params, opt_state = carry  # (the trainable ones)
+        i, u = i_and_u  # (minibatch, update)
         mb = jax.tree.map(lambda x: x[i], split)
         mb_mask = mb["loss_mask_bn"]
         num_tokens = mb_mask.sum()
         num_seqs = (mb_mask.sum(-1) > 0).sum()
-        router_totals = (_router_totals(join_trainable(params, frozen), mb, graphdef, s)
+        keys_k = dropout_keys(key, u, k)
+        router_totals = (_router_totals(join_trainable(params, frozen), mb, keys_k, graphdef, s)
                          if totals else None)
 
-        def accumulate(grads, x):
+        def accumulate(grads, x_and_key):
+            x, key_j = x_and_key
             (loss, metrics), g = grad_fn(params, x, num_tokens, num_seqs, kl_coef,
-                                         router_totals)
+                                         router_totals, key_j)
             return jax.tree.map(jnp.add, grads, g), {loss_key: loss, **metrics}
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, metrics = jax.lax.scan(accumulate, zeros, mb)
+        grads, metrics = jax.lax.scan(accumulate, zeros, (mb, keys_k))
         metrics = jax.tree.map(lambda v: v.sum(0), metrics)
         metrics[f"{prefix}/grad_norm"] = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), metrics
 
     order = jnp.tile(jnp.arange(m), s.epochs)
-    (trainable, opt_state), metrics = jax.lax.scan(minibatch, (trainable, opt_state), order)
+    (trainable, opt_state), metrics = jax.lax.scan(minibatch, (trainable, opt_state),
+                                                   (order, jnp.arange(m * s.epochs)))
     trainable, opt_state = _as_they_came(trainable, opt_state, tx, mesh)
     return join_trainable(trainable, frozen), opt_state, jax.tree.map(lambda v: v.mean(0),
                                                                       metrics)
+
+
+def dropout_keys(key, update_index, k: int):
+    """The LoRA dropout keys of an update's k microbatches ([k] keys; None without a key)."""
+    if key is None:
+        return None
+    key_u = jax.random.fold_in(key, update_index)
+    return jax.vmap(lambda j: jax.random.fold_in(key_u, j))(jnp.arange(k))
 
 
 def split_trainable(params):
@@ -452,16 +477,19 @@ def _as_they_came(params, opt_state, tx, mesh):
         opt_state, opt_state_shardings(tx, params, shardings, mesh))
 
 
-def _router_totals(params, mb, graphdef, s: StepSettings):
+def _router_totals(params, mb, keys_k, graphdef, s: StepSettings):
     """(assignments per MoE layer and expert, valid tokens per MoE layer) of a minibatch's
-    forwards ([k, rows, ...]: one per microbatch, as the loss runs them), no gradient."""
+    forwards ([k, rows, ...]: one per microbatch, as the loss runs them, with their LoRA
+    dropout keys `keys_k`), no gradient."""
     model = nnx.merge(graphdef, jax.lax.stop_gradient(params))
 
-    def one(x):
-        r = moe.add(*_continuation_hidden(model, x, s.group_size, replay=s.router_replay)[2])
+    def one(x_and_key):
+        x, key = x_and_key
+        r = moe.add(*_continuation_hidden(model, x, s.group_size, replay=s.router_replay,
+                                          dropout_key=key)[2])
         return r.load_le, r.tokens_l
 
-    load_kle, tokens_kl = jax.lax.map(one, mb)
+    load_kle, tokens_kl = jax.lax.map(one, (mb, keys_k))
     return load_kle.sum(0), tokens_kl.sum(0)
 
 
@@ -475,7 +503,7 @@ def jit_update(graphdef, settings, tx, mesh):
 # ============================================================================ packed update
 
 
-def packed_update(params, opt_state, batch, *, graphdef, tx, chunk, mesh=None):
+def packed_update(params, opt_state, batch, key=None, *, graphdef, tx, chunk, mesh=None):
     """One AdamW step on packed sequences (`ptrain.packing.packed_batch`): token-mean negative
     log-likelihood of the targets where loss_mask_bt is 1, plus for a MoE the router's aux
     and z losses (`moe.router_loss`, the model config's coefficients) over every document
@@ -483,14 +511,14 @@ def packed_update(params, opt_state, batch, *, graphdef, tx, chunk, mesh=None):
     packed batch as transformers' `load_balancing_loss_func` pools a batch under its
     attention mask. Returns (params, opt_state, {"loss": the NLL, "grad_norm"}, and for a
     MoE "optim/loss" (NLL + router losses) and the `moe/*` metrics of `moe.metrics`); with a
-    mesh the state comes out sharded as it came in."""
+    mesh the state comes out sharded as it came in. key: LoRA dropout's, or None."""
 
     trainable, frozen = split_trainable(params)
 
     def loss_fn(trainable):
         model = nnx.merge(graphdef, join_trainable(trainable, frozen))
         h_btd, _, routing = model.forward(batch["tokens_bt"], batch["positions_bt"],
-                                          batch["segment_ids_bt"])
+                                          batch["segment_ids_bt"], dropout_key=key)
         logp_bt = losses.chunked_logprobs(h_btd, model.unembedding_vd().T, batch["targets_bt"],
                                           chunk=chunk, mesh=model.mesh)
         nll = -losses.masked_mean(logp_bt, batch["loss_mask_bt"])

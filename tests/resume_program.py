@@ -30,7 +30,7 @@ first decode round of 4 tokens (`interrupt.Switch.at_round`, so that it does not
 the threads' timing); a resumed run trains on the finished batches its checkpoint saved,
 so its n-th generate (and score) call is batch s + k + n's, at step s + n.
 LORA=1: the policy trains rank-4 adapters on a frozen base (`ptrain.lora`); checkpoints hold
-the adapters (and their optimizer state) only.
+the adapters (and their optimizer state) only; lora.dropout=0.1, its masks drawn from the step.
 ADAPTIVE=1: the prompts are two environments' (grpo_toy's prompts, halved, as domains "a" and
 "b") drawn by the adaptive sampler (tasks.adaptive mode "progress" with a task filter,
 `ptrain.mixture`): its state (weights' EMAs, RNG, positions, pending observations) is in the
@@ -76,7 +76,7 @@ def config(staleness: int, steps: int):
         c.sampling.update(engine=True, engine_slots=8)
         c.rl.interrupt = True
     if LORA:
-        c.lora.update(rank=4, alpha=16.0)
+        c.lora.update(rank=4, alpha=16.0, dropout=0.1)  # (masks drawn from the step)
     c.steps = steps
     c.rl.staleness = staleness
     if staleness > 1:
