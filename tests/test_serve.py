@@ -560,6 +560,12 @@ def test_agents_and_external_engines_refuse_bad_input_before_work(served, tmp_pa
         serve.ExternalConfig(base_url="http://127.0.0.1:1", server="sglang")
     with pytest.raises(ValueError, match="give http"):
         serve.ExternalConfig(base_url="127.0.0.1:8000")
+    with pytest.raises(ValueError, match="weight_sync='nccl'"):
+        serve.ExternalConfig(base_url="http://127.0.0.1:1", weight_sync="nccl")
+    # vLLM's in-place reload keeps a tied output head's old tensor (tests/test_vllm.py)
+    with pytest.raises(ValueError, match="tied embeddings"):
+        serve.ExternalSampler(s.model, serve.ExternalConfig(
+            base_url="http://127.0.0.1:1", server="vllm", sync_dir=str(tmp_path)))
     env, _ = _add_env("plain", lambda *a, **k: [], None)
     with pytest.raises(ValueError, match="has no agent program"):
         rollout.Agents(s.server, s.tok, closed_loop.defaults(),
