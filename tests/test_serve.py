@@ -566,6 +566,10 @@ def test_agents_and_external_engines_refuse_bad_input_before_work(served, tmp_pa
     with pytest.raises(ValueError, match="tied embeddings"):
         serve.ExternalSampler(s.model, serve.ExternalConfig(
             base_url="http://127.0.0.1:1", server="vllm", sync_dir=str(tmp_path)))
+    with pytest.MonkeyPatch.context() as mp:  # (a learner on two processes)
+        mp.setattr(jax, "process_count", lambda: 2)
+        with pytest.raises(ValueError, match="runs on one process; this run has 2"):
+            serve.ExternalSampler(s.model, serve.ExternalConfig(base_url=s.url))
     env, _ = _add_env("plain", lambda *a, **k: [], None)
     with pytest.raises(ValueError, match="has no agent program"):
         rollout.Agents(s.server, s.tok, closed_loop.defaults(),

@@ -78,6 +78,14 @@ class ExternalSampler:
     """See the module docstring. `model`: the learner's (its graph and config, for exports)."""
 
     def __init__(self, model, config: ExternalConfig, *, tokenizer=None, pad_id: int = 0):
+        if jax.process_count() > 1:
+            # Each process would export (hf.save is collective, process 0 writes), tell the
+            # engine to reload and send its own rows, with no agreement on when the reload
+            # is done nor a gather of a shared batch's rows: not wired.
+            raise ValueError(
+                f"ExternalSampler runs on one process; this run has {jax.process_count()}: "
+                "sample with the external engine from a one-process learner (the engine "
+                "scales on its own), or use the in-process sampler on many processes")
         if config.sync_dir and _weight_sync(config) == "vllm" and model.config.tie_embeddings:
             # vLLM 0.32's in-place reload (reload_weights) loads the embedding and puts the
             # tied output head's old tensor back ("ParallelLMHead: Failed to load weights"):
@@ -177,7 +185,8 @@ class ExternalSampler:
         del prompt_len, batch_size
         if record_routing or shared:
             raise ValueError("an external engine records no MoE routing and samples no "
-                             "shared multi-process batch")
+                             "shared multi-process batch (ExternalSampler runs on one "
+                             "process)")
         if params is not None and params is not self._synced and self.config.sync_dir:
             self.sync(params)
         temperature = 0.0 if greedy else float(temperature)
