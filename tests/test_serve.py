@@ -581,4 +581,6 @@ def test_agents_and_external_engines_refuse_bad_input_before_work(served, tmp_pa
         sampler._post("/update_weights_from_disk", {"model_path": str(tmp_path / "none")})
     with pytest.raises(ValueError, match="stop strings"):
         sampler.sample(None, [[1, 2]], max_new_tokens=4, stop_strings=("\n",))
+    with pytest.raises(serve.EngineError, match="HTTP 404: .*VLLM_SERVER_DEV_MODE=1"):
+        sampler._post("/collective_rpc", {"method": "reload_weights"})  # (a route it lacks)
     assert s.service.runner.version == version and set(s.service.episodes) == others

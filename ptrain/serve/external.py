@@ -110,7 +110,7 @@ class ExternalSampler:
             with urllib.request.urlopen(request, timeout=self.config.timeout_s) as r:
                 return json.loads(r.read() or b"{}")  # (vLLM's /collective_rpc: no body)
         except urllib.error.HTTPError as e:
-            dev = e.code == 404 and _weight_sync(self.config) == "vllm"
+            dev = e.code == 404 and path in ("/collective_rpc", "/reset_prefix_cache")
             hint = (" (vLLM serves /collective_rpc and /reset_prefix_cache only with "
                     "VLLM_SERVER_DEV_MODE=1)" if dev else "")
             raise EngineError(f"{path}: HTTP {e.code}: {e.read()[:500].decode('utf-8', 'replace')}"
