@@ -20,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import vllm_util  # noqa: E402
+from logp_reference import dense_logp  # noqa: E402
 from ptrain import hf, losses, serve  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("vllm")
@@ -45,15 +46,6 @@ def vllm_server(tmp_path_factory):
     server.close()
 
 
-def _dense_logp(model, params, prompt, ids, temperature):
-    """log softmax(logits / T) of `ids` after `prompt`: the learner's side, dense."""
-    graphdef, _ = nnx.split(model)
-    seq = jnp.asarray([list(prompt) + list(ids)], jnp.int32)
-    logits = nnx.merge(graphdef, params)(seq).astype(jnp.float32)[0] / temperature
-    logp = jax.nn.log_softmax(logits)[len(prompt) - 1:-1]
-    return np.asarray(jnp.take_along_axis(logp, jnp.asarray(ids)[:, None], -1)[:, 0])
-
-
 def test_vllm_samples_the_synced_weights_with_its_token_ids_and_logprobs(vllm_server,
                                                                           tmp_path):
     model, tokenizer, url, token = vllm_server
@@ -76,8 +68,8 @@ def test_vllm_samples_the_synced_weights_with_its_token_ids_and_logprobs(vllm_se
         for r in range(2):
             ids = out.tokens[r]
             assert 0 <= ids.min() and ids.max() < model.config.vocab_size
-            mine = _dense_logp(model, now, prompt, ids, TEMPERATURE)
-            theirs = _dense_logp(model, other, prompt, ids, TEMPERATURE)
+            mine = dense_logp(model, now, prompt, ids, TEMPERATURE)
+            theirs = dense_logp(model, other, prompt, ids, TEMPERATURE)
             np.testing.assert_allclose(out.logp_temp[r], mine, atol=1e-4)
             weights = losses.truncated_is_weights(jnp.asarray(mine)[None],
                                                   jnp.asarray(out.logp_temp[r])[None],
