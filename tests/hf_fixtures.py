@@ -465,8 +465,10 @@ def save_tokenizer(name: str, path: str):
     return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def build(name: str, path: str, *, seed: int = 0) -> str:
-    """Writes the model directory `name` (see FAMILIES) at `path`; returns `path`."""
+def build(name: str, path: str, *, seed: int = 0, **changes) -> str:
+    """Writes the model directory `name` (see FAMILIES) at `path`; returns `path`.
+    `changes`: config fields over the small defaults (e.g. num_attention_heads=2 for a
+    head_dim of 32, the smallest vLLM's CPU attention takes; tie_word_embeddings)."""
     import torch
     import transformers
     spec = FAMILIES[name]
@@ -479,15 +481,17 @@ def build(name: str, path: str, *, seed: int = 0) -> str:
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  max_position_embeddings=4096, bos_token_id=ids(spec["config_bos"]),
                  eos_token_id=[ids(t) for t in spec["config_eos"]])
+    small.update(changes)
     if len(small["eos_token_id"]) == 1:
         small["eos_token_id"] = small["eos_token_id"][0]
     if spec["arch"] == "qwen2":
-        config = transformers.Qwen2Config(**small, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        config = transformers.Qwen2Config(**{"tie_word_embeddings": True, **small},
+                                          rms_norm_eps=1e-6,
                                           rope_parameters={"rope_type": "default",
                                                            "rope_theta": 1e6})
     else:
         config = transformers.LlamaConfig(
-            **small, tie_word_embeddings=False, rms_norm_eps=1e-5,
+            **{"tie_word_embeddings": False, **small}, rms_norm_eps=1e-5,
             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 512})

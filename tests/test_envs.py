@@ -52,7 +52,7 @@ def no_heldout():
     ({"env": SQL, "args": {"n_rows": 3}}, r"examples.sql_env:make\(\*\*\{'n_rows': 3\}\) "
                                           r"failed: .*unexpected keyword argument 'n_rows'"),
     ({"env": SQL, "wieght": 2.0}, r"an environment entry has keys \('env', 'args', 'weight', "
-                                  r"'name'\).*got \['env', 'wieght'\]"),
+                                  r"'name', 'agent'\).*got \['env', 'wieght'\]"),
     ({"env": "tests.test_envs:bad_tool"},
      r"environment 'bad'\): tool 'query': its parameters .* has no \"type\": \"object\"; give "
      r"a JSON-schema object"),
@@ -77,6 +77,25 @@ def test_two_environments_with_one_name_and_bad_weights():
     config = closed_loop.defaults()
     config.tasks.envs = (code, code)
     with pytest.raises(ValueError, match="both named 'code'"):
+        closed_loop.check_config(config)
+
+
+def test_a_config_entry_names_an_agent_program_for_its_environment():
+    code = {"env": "ptrain.envs.code:generated"}
+    env, = envs.load_all([{**code, "agent": {"command": ["python", "agent.py"], "backend": None,
+                                             "timeout_s": 30, "env": {"STEPS": "2"}}}])
+    assert env.agent == rollout.Agent(command=("python", "agent.py"), backend=None,
+                                      timeout_s=30, env={"STEPS": "2"})
+    assert env.name == "code" and envs.load_all([code])[0].agent is None
+    for bad, message in (({"commmand": ["python"]}, "an agent is a dict with keys"),
+                         ({"command": "python agent.py"}, "Agent.command=.* give the program's argv"),
+                         ({"command": ["python"], "timeout_s": 0}, "Agent: timeout_s must be > 0")):
+        with pytest.raises(ValueError, match=r"tasks.envs\[0\].agent: " + message):
+            envs.load_all([{**code, "agent": bad}])
+    # the closed loop serves no policy to agent programs: refused before anything runs
+    config = closed_loop.defaults()
+    config.tasks.envs = ({**code, "agent": {"command": ("python", "agent.py")}},)
+    with pytest.raises(ValueError, match=r"environments \['code'\] are agent-driven"):
         closed_loop.check_config(config)
 
 

@@ -27,6 +27,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ptrain import chat, hf, rewards, rollout, serve, tasks  # noqa: E402
+from logp_reference import dense_logp  # noqa: E402
 from ptrain.generate.engine import Engine, Request  # noqa: E402
 
 # One worker: the module's fixture (a model trained for the call, an engine) is built once.
@@ -449,15 +450,6 @@ def test_agent_driven_environments_give_the_rl_batch_of_the_recorded_tokens(serv
                                                       episodes[1].answers[0]).reward
 
 
-def _dense_logp(model, params, prompt, ids, temperature):
-    """log softmax(logits / T) of `ids` after `prompt`: the learner's side, dense."""
-    graphdef, _ = nnx.split(model)
-    seq = jnp.asarray([list(prompt) + list(ids)], jnp.int32)
-    logits = nnx.merge(graphdef, params)(seq).astype(jnp.float32)[0] / temperature
-    logp = jax.nn.log_softmax(logits)[len(prompt) - 1:-1]
-    return np.asarray(jnp.take_along_axis(logp, jnp.asarray(ids)[:, None], -1)[:, 0])
-
-
 def test_an_external_engine_samples_the_synced_weights_with_its_token_ids_and_logprobs(
         served, tmp_path):
     """ptrain's own endpoint as the "external" engine (`serve.ExternalSampler`, server
@@ -490,8 +482,8 @@ def test_an_external_engine_samples_the_synced_weights_with_its_token_ids_and_lo
                 np.testing.assert_allclose(seg.logp[len(prompt):], out.logp_temp[r, :n])
                 assert seg.versions[len(prompt):] == [before + 1] * n
                 ids = out.tokens[r, :n]
-                mine = _dense_logp(s.model, params, prompt, ids, st.temperature)
-                theirs = _dense_logp(s.model, other, prompt, ids, st.temperature)
+                mine = dense_logp(s.model, params, prompt, ids, st.temperature)
+                theirs = dense_logp(s.model, other, prompt, ids, st.temperature)
                 mask = jnp.ones((1, n))
                 weights = losses.truncated_is_weights(jnp.asarray(mine)[None],
                                                       jnp.asarray(out.logp_temp[r, :n])[None],
@@ -560,6 +552,16 @@ def test_agents_and_external_engines_refuse_bad_input_before_work(served, tmp_pa
         serve.ExternalConfig(base_url="http://127.0.0.1:1", server="sglang")
     with pytest.raises(ValueError, match="give http"):
         serve.ExternalConfig(base_url="127.0.0.1:8000")
+    with pytest.raises(ValueError, match="weight_sync='nccl'"):
+        serve.ExternalConfig(base_url="http://127.0.0.1:1", weight_sync="nccl")
+    # vLLM's in-place reload keeps a tied output head's old tensor (tests/test_vllm.py)
+    with pytest.raises(ValueError, match="tied embeddings"):
+        serve.ExternalSampler(s.model, serve.ExternalConfig(
+            base_url="http://127.0.0.1:1", server="vllm", sync_dir=str(tmp_path)))
+    with pytest.MonkeyPatch.context() as mp:  # (a learner on two processes)
+        mp.setattr(jax, "process_count", lambda: 2)
+        with pytest.raises(ValueError, match="runs on one process; this run has 2"):
+            serve.ExternalSampler(s.model, serve.ExternalConfig(base_url=s.url))
     env, _ = _add_env("plain", lambda *a, **k: [], None)
     with pytest.raises(ValueError, match="has no agent program"):
         rollout.Agents(s.server, s.tok, closed_loop.defaults(),
@@ -571,4 +573,6 @@ def test_agents_and_external_engines_refuse_bad_input_before_work(served, tmp_pa
         sampler._post("/update_weights_from_disk", {"model_path": str(tmp_path / "none")})
     with pytest.raises(ValueError, match="stop strings"):
         sampler.sample(None, [[1, 2]], max_new_tokens=4, stop_strings=("\n",))
+    with pytest.raises(serve.EngineError, match="HTTP 404: .*VLLM_SERVER_DEV_MODE=1"):
+        sampler._post("/collective_rpc", {"method": "reload_weights"})  # (a route it lacks)
     assert s.service.runner.version == version and set(s.service.episodes) == others

@@ -49,7 +49,7 @@ from typing import Any
 from sandbox.tools import Tool  # noqa: F401 (the tool type environments declare)
 from sandbox import tools as sandbox_tools
 
-ENTRY_KEYS = ("env", "args", "weight", "name")
+ENTRY_KEYS = ("env", "args", "weight", "name", "agent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +164,11 @@ def resolve(path: str, *, key: str):
 
 def load(entry: Mapping, *, key: str = "tasks.envs[0]") -> Environment:
     """The environment a config entry names: {"env": "module:function", "args": {...},
-    "weight": w, "name": optional new name}. The function is called with the args (an
-    Environment itself is taken as it is, without args)."""
+    "weight": w, "name": optional new name, "agent": optional agent program}. The function
+    is called with the args (an Environment itself is taken as it is, without args).
+    "agent": the fields of a `rollout.Agent` ({"command": argv, "backend": ..., "timeout_s":
+    ..., "env": {...}, "memory_mb": ...}): the environment's episodes are run by that
+    program (`rollout.Agents`)."""
     unknown = set(entry) - set(ENTRY_KEYS)
     if unknown or "env" not in entry:
         raise ValueError(f"{key}: an environment entry has keys {ENTRY_KEYS} ('env' "
@@ -186,8 +189,28 @@ def load(entry: Mapping, *, key: str = "tasks.envs[0]") -> Environment:
                          "verify=...) (docs/environments.md)")
     if entry.get("name"):
         made = dataclasses.replace(made, name=str(entry["name"]))
+    if entry.get("agent") is not None:
+        made = dataclasses.replace(made, agent=agent_of(entry["agent"], key=f"{key}.agent"))
     check(made, key=key)
     return made
+
+
+def agent_of(spec: Mapping, *, key: str):
+    """The `rollout.Agent` a config entry's "agent" gives (lists become the tuples it takes)."""
+    from ptrain.rollout.agents import Agent
+    fields = [f.name for f in dataclasses.fields(Agent)]
+    if not isinstance(spec, Mapping) or "command" not in spec or set(spec) - set(fields):
+        raise ValueError(f"{key}: an agent is a dict with keys {fields} ('command' required: "
+                         f"the program's argv); got {spec!r}")
+    spec = dict(spec)
+    if isinstance(spec["command"], (list, tuple)):
+        spec["command"] = tuple(spec["command"])
+    if "env" in spec:
+        spec["env"] = dict(spec["env"])
+    try:
+        return Agent(**spec)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from None
 
 
 def check(env: Environment, *, key: str) -> None:

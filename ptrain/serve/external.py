@@ -15,9 +15,13 @@ takes the difference, logged as `rollout/logp_mismatch` (docs/engines.md: which 
 report log-probs after temperature, as the learner's are).
 
 Weights: when `sample` gets parameters it has not synced, they are exported as a Hugging Face
-checkpoint (`hf.save`) under `sync_dir/v<k>` and the engine is told to load it (POST
-`reload_path` with {"model_path": dir}: SGLang's `/update_weights_from_disk` shape, which
-ptrain's endpoint serves too). `sync_dir` must be a directory the engine can read.
+checkpoint (`hf.save`) under `sync_dir/v<k>` and the engine is told to load it, by
+`weight_sync`: "sglang" POSTs `reload_path` with {"model_path": dir} (SGLang's
+`/update_weights_from_disk` shape, which ptrain's endpoint serves too); "vllm" POSTs vLLM's
+`/collective_rpc` {"method": "reload_weights", "kwargs": {"weights_path": dir}} (the
+workers reload in place; a server started with VLLM_SERVER_DEV_MODE=1), then
+`/reset_prefix_cache` (no cached prefix of the old weights is reused). `sync_dir` must be a
+directory the engine can read.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import numpy as np
 from ptrain.generate.sampler import Samples
 
 SERVERS = ("vllm", "ptrain")
+WEIGHT_SYNCS = ("sglang", "vllm")  # how the engine is told to load an export
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,15 +51,23 @@ class ExternalConfig:
     timeout_s: float = 600.0
     max_concurrency: int = 64  # requests in flight
     sync_dir: str = ""  # where exported checkpoints go ("": weights are not synced)
-    reload_path: str = "/update_weights_from_disk"  # POSTed {"model_path": dir} after an export
+    weight_sync: str = ""  # WEIGHT_SYNCS ("": the server's own: vllm -> "vllm", else "sglang")
+    reload_path: str = "/update_weights_from_disk"  # "sglang": POSTed {"model_path": dir}
 
     def __post_init__(self):
         if self.server not in SERVERS:
             raise ValueError(f"ExternalConfig.server={self.server!r}: one of {SERVERS}")
+        if self.weight_sync not in ("",) + WEIGHT_SYNCS:
+            raise ValueError(f"ExternalConfig.weight_sync={self.weight_sync!r}: one of "
+                             f"{WEIGHT_SYNCS} (or \"\": the server's own)")
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"ExternalConfig.base_url={self.base_url!r}: give http(s)://host:port")
         if self.timeout_s <= 0 or self.max_concurrency < 1:
             raise ValueError("ExternalConfig: timeout_s must be > 0 and max_concurrency >= 1")
+
+
+def _weight_sync(config: ExternalConfig) -> str:
+    return config.weight_sync or ("vllm" if config.server == "vllm" else "sglang")
 
 
 class EngineError(RuntimeError):
@@ -65,6 +78,22 @@ class ExternalSampler:
     """See the module docstring. `model`: the learner's (its graph and config, for exports)."""
 
     def __init__(self, model, config: ExternalConfig, *, tokenizer=None, pad_id: int = 0):
+        if jax.process_count() > 1:
+            # Each process would export (hf.save is collective, process 0 writes), tell the
+            # engine to reload and send its own rows, with no agreement on when the reload
+            # is done nor a gather of a shared batch's rows: not wired.
+            raise ValueError(
+                f"ExternalSampler runs on one process; this run has {jax.process_count()}: "
+                "sample with the external engine from a one-process learner (the engine "
+                "scales on its own), or use the in-process sampler on many processes")
+        if config.sync_dir and _weight_sync(config) == "vllm" and model.config.tie_embeddings:
+            # vLLM 0.32's in-place reload (reload_weights) loads the embedding and puts the
+            # tied output head's old tensor back ("ParallelLMHead: Failed to load weights"):
+            # the engine would sample with the new body and the old head.
+            raise ValueError(
+                "ExternalConfig.weight_sync='vllm' cannot sync a model with tied embeddings "
+                "(vLLM's reload_weights keeps the old output head): sync by restarting the "
+                "server on each export, or train a model with an untied head")
         self.model, self.config, self.tokenizer, self.pad_id = model, config, tokenizer, pad_id
         self.token = config.token or os.environ.get("PTRAIN_ENGINE_TOKEN", "")
         self.version, self._synced = 0, None
@@ -79,10 +108,13 @@ class ExternalSampler:
                                          data=json.dumps(body).encode(), headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.config.timeout_s) as r:
-                return json.loads(r.read())
+                return json.loads(r.read() or b"{}")  # (vLLM's /collective_rpc: no body)
         except urllib.error.HTTPError as e:
+            dev = e.code == 404 and path in ("/collective_rpc", "/reset_prefix_cache")
+            hint = (" (vLLM serves /collective_rpc and /reset_prefix_cache only with "
+                    "VLLM_SERVER_DEV_MODE=1)" if dev else "")
             raise EngineError(f"{path}: HTTP {e.code}: {e.read()[:500].decode('utf-8', 'replace')}"
-                              ) from None
+                              + hint) from None
 
     # ------------------------------------------------------------------ weights
 
@@ -98,7 +130,14 @@ class ExternalSampler:
         path = os.path.join(self.config.sync_dir, f"v{self.version}")
         graphdef, _ = nnx.split(self.model)
         hf.save(nnx.merge(graphdef, params), self.model.config, path, tokenizer=self.tokenizer)
-        self._post(self.config.reload_path, {"model_path": path})
+        if _weight_sync(self.config) == "vllm":
+            self._post("/collective_rpc", {"method": "reload_weights",
+                                           "kwargs": {"weights_path": path}})
+            if not self._post("/reset_prefix_cache", {}).get("success", True):
+                raise EngineError("vLLM did not reset its prefix cache after the reload "
+                                  "(other requests still hold its blocks)")
+        else:
+            self._post(self.config.reload_path, {"model_path": path})
         self._synced = params
         return path
 
@@ -146,7 +185,8 @@ class ExternalSampler:
         del prompt_len, batch_size
         if record_routing or shared:
             raise ValueError("an external engine records no MoE routing and samples no "
-                             "shared multi-process batch")
+                             "shared multi-process batch (ExternalSampler runs on one "
+                             "process)")
         if params is not None and params is not self._synced and self.config.sync_dir:
             self.sync(params)
         temperature = 0.0 if greedy else float(temperature)
