@@ -121,7 +121,7 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def quickstart_run(tmp_path_factory):
-    """The work dir of configs/quickstart.py:short launched once this session
+    """The work dir of configs/quickstart.py:short launched once per test run
     (tests/quickstart_run.py; ~200 CPU-s), and the launch's finished process. Its tests are in
     xdist group closed_loop, so one worker runs it once; they copy the dir before changing it."""
     import quickstart_run as qs
