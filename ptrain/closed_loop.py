@@ -154,15 +154,17 @@ def _task_file(workdir, domain, split):
 
 
 def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step, envs,
-             skip=(), on_line=None):
+             skip=(), on_line=None, on_progress=None):
     """Pass rates on the held-out split, per environment: greedy pass@1, and with eval.sample
     pass@1 and pass@k at the sampling temperature from sampling.num_samples samples per task
     (the unbiased estimator of Chen et al. 2021, `sandbox.terminal.evaluate.pass_at_k`), and
     the environment's own `eval_fields`. Returns eval.jsonl lines. With many processes each
     runs and scores its block of the tasks (one sampler call over all of them per turn) and
     the summary is of all episodes. (environment, decoding) pairs in `skip` are not run;
-    `on_line(line)` follows each that is."""
-    lines, mesh = [], getattr(sampler, "mesh", None)
+    `on_line(line)` follows each that is; `on_progress(env_name, n_tasks)` each call of
+    `eval.tasks_per_call` held-out tasks (all of them when 0), whose episodes run at once: the
+    first call samples with the seed's key, the one starting at task i with it folded with i."""
+    lines = []
     decodings = [("greedy", dict(greedy=True, num_samples=1))]
     if config.eval.sample:
         decodings.append(("sample", dict(num_samples=config.sampling.num_samples)))
@@ -176,25 +178,41 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step, 
                 continue
             line = {"stage": stage, "step": step, "split": "heldout", "domain": env.name,
                     "decoding": decoding}
-            block, blocks = sharding.row_block(mesh)
-            mine = tasks[len(tasks) * block // blocks:len(tasks) * (block + 1) // blocks]
-            episodes = rollout_lib.generate(
-                sampler, params, mine, tokenizer=tokenizer, key=jax.random.key(config.seed),
-                config=rc, fmt=chat.FORMATS[config.rollout.chat_format], pool=pool,
-                reward_config=rollout_lib.reward_config(config), verify_now=rc.max_attempts > 1,
-                envs={env.name: env})
-            rollout_lib.verify_episodes(episodes, pool=pool,
-                                        config=rollout_lib.reward_config(config))
-            if blocks > 1:  # what eval_summary reads, of every process's episodes
-                episodes = [types.SimpleNamespace(verdicts=v, finish=f)
-                            for part in sharding.gather_blocks(
-                                [(e.verdicts[-1:], e.finish) for e in episodes], mesh)
-                            for v, f in part]
+            episodes = []
+            per_call = config.eval.tasks_per_call or len(tasks)
+            for start in range(0, len(tasks), per_call):  # bounded memory, progress per call
+                episodes += _evaluate_tasks(
+                    sampler, params, tasks[start:start + per_call], env, rc, config,
+                    tokenizer=tokenizer, pool=pool,
+                    key=jax.random.fold_in(jax.random.key(config.seed), start)
+                    if start else jax.random.key(config.seed))
+                if on_progress:
+                    on_progress(env.name, min(start + per_call, len(tasks)) - start)
             lines.append({**line, **eval_summary(episodes, rc.num_samples),
                           **(env.eval_fields(tasks, episodes) if env.eval_fields else {})})
             if on_line:
                 on_line(lines[-1])
     return lines
+
+
+def _evaluate_tasks(sampler, params, tasks, env, rc, config, *, tokenizer, pool, key):
+    """The judged episodes of held-out `tasks` (task-major): with many processes each runs
+    its block, and the verdicts and finishes of every process's come back."""
+    mesh = getattr(sampler, "mesh", None)
+    block, blocks = sharding.row_block(mesh)
+    mine = tasks[len(tasks) * block // blocks:len(tasks) * (block + 1) // blocks]
+    episodes = rollout_lib.generate(
+        sampler, params, mine, tokenizer=tokenizer, key=key, config=rc,
+        fmt=chat.FORMATS[config.rollout.chat_format], pool=pool,
+        reward_config=rollout_lib.reward_config(config), verify_now=rc.max_attempts > 1,
+        envs={env.name: env})
+    rollout_lib.verify_episodes(episodes, pool=pool, config=rollout_lib.reward_config(config))
+    if blocks == 1:
+        return episodes
+    return [types.SimpleNamespace(verdicts=v, finish=f)  # what eval_summary reads
+            for part in sharding.gather_blocks([(e.verdicts[-1:], e.finish) for e in episodes],
+                                               mesh)
+            for v, f in part]
 
 
 def eval_summary(episodes, samples: int) -> dict:

@@ -207,7 +207,10 @@ def _closed_loop_sections(c):
                      cluster="local",  # "ray": scoring and tool sessions on a Ray fleet
                      address="local")  # with cluster="ray": "local" or a Ray address
     c.eval = dict(n=100,  # held-out tasks per domain (at most the held-out split)
-                  sample=False)  # also pass@1, pass@k at the sampling temperature (num_samples)
+                  sample=False,  # also pass@1, pass@k at the sampling temperature (num_samples)
+                  # held-out tasks whose episodes run at once (0: all): bounds the memory of
+                  # a long evaluation, and its progress advances after each call
+                  tasks_per_call=32)
     from ptrain.envs import adaptive  # (numpy only: the mixture's adaptive sampler)
     c.tasks.adaptive = adaptive.section_defaults()
 
@@ -293,18 +296,21 @@ _ZERO = {"steps": "no RL", "sft.steps": "no SFT",
          "rl.microbatch_size": "the whole minibatch", "rl.logprob_microbatch_size": "one pass",
          "sft.microbatch_size": "the whole batch", "sft.checkpoint_every": "checkpoint.every",
          "log.rollouts_every": "never", "log.num_rollouts": "off"}
+_LOOP_ZERO = {"eval.tasks_per_call": "every held-out task at once"}
 
 
 def _check_sizes(config):
     """Counts and sizes that must be positive (or >= 0): first, so that the checks after
     them may divide by them."""
-    positive = _POSITIVE + (_LOOP_POSITIVE if "tasks" in config else ())
+    loop = "tasks" in config
+    positive = _POSITIVE + (_LOOP_POSITIVE if loop else ())
+    zero = {**_ZERO, **(_LOOP_ZERO if loop else {})}
     checks = []
-    for bound, keys in ((1, positive), (0, tuple(_ZERO))):
+    for bound, keys in ((1, positive), (0, tuple(zero))):
         for key in keys:
             value = functools.reduce(lambda section, k: section[k], key.split("."), config)
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= bound
-            what = "a positive int" if bound else f"an int >= 0 (0: {_ZERO[key]})"
+            what = "a positive int" if bound else f"an int >= 0 (0: {zero[key]})"
             checks.append((ok, f"{key}={value!r} must be {what}"))
     _raise_first(checks)
 

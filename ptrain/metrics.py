@@ -346,7 +346,8 @@ def plot_rewards(workdir, domains) -> str:
             smooth = np.convolve(values, np.ones(window) / window, mode="valid")
             ax.plot(steps[window - 1:], smooth, label=domain)
     ax.set(xlabel="RL step", ylabel="mean reward", title="training reward", ylim=(-0.02, 1.02))
-    ax.legend()
+    if ax.lines:  # (a run without RL steps has none)
+        ax.legend()
     greedy = [e for e in evals if e["decoding"] == "greedy"]
     stages = [s for s in ("base", "sft", "rl") if any(e["stage"] == s for e in greedy)]
     width = 0.8 / max(1, len(stages))
@@ -358,7 +359,8 @@ def plot_rewards(workdir, domains) -> str:
                label="brought model" if stage == "base" else f"after {stage}")
     bx.set(xticks=range(len(domains)), xticklabels=domains, ylim=(0, 1),
            ylabel="held-out pass rate (greedy)", title="held-out evaluation")
-    bx.legend()
+    if stages:
+        bx.legend()
     fig.tight_layout()
     path = os.path.join(workdir, "reward_curve.png")
     save(path)

@@ -7,6 +7,7 @@ but does all of its work.
 """
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -414,3 +415,31 @@ def test_evaluations_are_keyed_by_stage_and_step_and_resume_row_by_row(tmp_path,
                 scalars.setdefault(v.tag, []).append((e.step, v.simple_value))
     assert "eval_domain/arith/rl_sample/pass_rate" in scalars
     assert scalars["eval_domain/code/rl_greedy/pass_rate"] == [(100, 0.5), (150, 0.5)]
+
+
+def test_an_evaluation_in_calls_of_a_few_tasks_shows_progress_and_equals_one_call(tmp_path,
+                                                                                 caplog):
+    """eval.tasks_per_call: the held-out tasks run a call at a time, the progress advancing
+    after each call (not once per environment), and greedy rows equal those of one call."""
+    rows, lines = {}, {}
+    for per_call in (0, 1):
+        c = _tiny_config(0, steps=0)
+        c.unlock()
+        c.tasks.envs = tuple(dict(env=env, args=dict(n_train=8, n_heldout=3))
+                             for env in ("ptrain.envs.code:generated", "ptrain.envs.math:arith"))
+        c.eval.update(n=3, tasks_per_call=per_call)
+        c.lock()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ptrain.progress"):
+            closed_loop.run(c, str(tmp_path / str(per_call)),
+                            mesh=sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1]))
+        lines[per_call] = [r.getMessage() for r in caplog.records
+                           if r.name == "ptrain.progress" and r.getMessage().startswith("eval")]
+        rows[per_call] = metrics.read_jsonl(str(tmp_path / str(per_call) / "eval.jsonl"))
+    assert [(r["domain"], r["n"]) for r in rows[1]] == [("code", 3), ("arith", 3)]
+    assert rows[1] == rows[0]
+    # A log line at the first task judged (then at most every 30 s, and at the last): one call
+    # of all tasks judges three at once, a call per task one.
+    assert any(line.startswith("eval rl: 1/6 tasks") for line in lines[1]), lines[1]
+    assert any(line.startswith("eval rl: 3/6 tasks") for line in lines[0]), lines[0]
+    assert not any(line.startswith("eval rl: 1/6") for line in lines[0]), lines[0]

@@ -43,6 +43,7 @@ def _changed(module, *args, **changes):
     ("data.prompts_per_step", 0, "data.prompts_per_step=0 must be a positive int"),
     ("rl.microbatch_size", -2, "rl.microbatch_size=-2 must be an int >= 0"),
     ("eval.n", 0, "eval.n=0 must be a positive int"),
+    ("eval.tasks_per_call", -4, "eval.tasks_per_call=-4 must be an int >= 0 (0: every"),
     ("rl.num_minibatches", 0, "rl.num_minibatches=0 must be a positive int"),
     ("sampling.num_samples", 0, "sampling.num_samples=0 must be a positive int"),
     ("sft.batch_size", -1, "sft.batch_size=-1 must be a positive int"),
