@@ -227,7 +227,6 @@ def test_terminal_environment_config_tasks_and_demonstrations(tmp_path):
     one: its args are checked, and the tasks, RL records and demonstrations are made."""
     from configs import terminal_toy
     from ptrain import closed_loop, jsonl
-    from ptrain.envs import terminal as terminal_env
     config = terminal_toy.get_config("short")
     closed_loop.check_config(config)
     ahead = terminal_toy.get_config("short").unlock()
