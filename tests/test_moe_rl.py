@@ -529,12 +529,13 @@ def _check_replay_restores(learner, batch, valid_bn=None, *, agreement=True):
 
 
 def test_terminal_episodes_record_routing_and_replay_restores_it(tmp_path):
-    """Terminal episodes (rollout.Tasks on the terminal environment) on the tiny MoE, its episodes in real task shells: a chat format
-    that reads every turn as the same bash call gives each episode two model turns with the
-    shell's answer between them (routed by the second turn's prefill). Every token up to the
-    last sampled one is recorded, the learner routes it the same way, replay restores it; the
-    observation after the last turn, which no sampler forward consumed, is unrecorded.
-    (On bwrap where it can run, else on docker.)"""
+    """Terminal episodes (rollout.Tasks on the terminal environment) on the tiny MoE, its
+    episodes in real task shells: a chat format that reads every turn as the same bash call
+    gives each episode two model turns with the shell's answer between them (routed by the
+    second turn's prefill). Every token up to the last sampled one is recorded, the learner
+    routes it the same way, replay restores it; the observation after the last turn, which
+    no sampler forward consumed, is unrecorded. (On bwrap where it can run, else on docker.)
+"""
     import dataclasses
     from ptrain import chat, closed_loop as CL, routing, rollout
     from ptrain.envs import terminal as terminal_env

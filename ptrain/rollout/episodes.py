@@ -14,10 +14,10 @@ turn's calls (`chat.parse_tool_calls`: several Hermes calls per turn, or Llama 3
 in order in the episode's session (its environment's `open_session`, e.g. a terminal task's
 container with a persistent shell; else a `sandbox.Session`: one work dir per episode, kept
 across its turns, removed after it) with its environment's tools, and their outputs come
-back as one observation. A malformed call (not JSON, no name, an unknown or disallowed tool) becomes an
-error observation the model can learn from, never an exception. A verifier sees the answer
-turn's text without special tokens (`chat.verifier_text`): the stop token is trained on,
-never judged.
+back as one observation. A malformed call (not JSON, no name, an unknown or disallowed tool)
+becomes an error observation the model can learn from, never an exception. A verifier sees
+the answer turn's text without special tokens (`chat.verifier_text`): the stop token is
+trained on, never judged.
 
 Self-correction: after a final answer fails its verifier, the feedback is appended and the
 model tries again, up to `max_attempts`; `attempt_reward` says how attempts make a reward.

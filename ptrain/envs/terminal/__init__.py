@@ -84,8 +84,10 @@ def make(**args) -> base.Environment:
     tasks instead of generated ones; "" generates) and heldout_dir (its held-out tasks; "":
     a seeded split of tasks_dir); threads (episodes verified at once; > 1 also warms
     containers before the first batch); max_idle (warm task containers kept); image_map
-    (("FROM=LOCAL", ...) for task images not on this machine); system (the agent's system prompt; "": the instruction alone); backend
-    ("docker", or "bwrap": tasks that need only files)."""
+    (("FROM=LOCAL", ...) for task images not on this machine); system (the agent's system
+    prompt; "": the instruction alone); backend ("docker", or "bwrap": tasks that need only
+    files).
+"""
     unknown = set(args) - {f.name for f in dataclasses.fields(Settings)}
     if unknown:
         raise ValueError(f"terminal environment: unknown args {sorted(unknown)}; known: "
