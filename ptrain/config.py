@@ -119,12 +119,11 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         # producer with separate generate/score (see `learner.train`), and tis_cap > 0 to
         # correct the lag (required from k = 2).
         staleness=0,
-        # With staleness >= 1 on the engine (sampling.engine=True; SingleTurn, Tasks
-        # (terminal tasks' too), a mix of them): the generation in flight switches to the
-        # learner's new version when an update ends, at a decode-round boundary, its
-        # sequences' caches recomputed under the new weights (with router_replay, routed to
-        # the experts each position recorded); each token keeps its behaviour log-prob and
-        # version (`ptrain.generate.interrupt`).
+        # With staleness >= 1 on the engine (sampling.engine=True; SingleTurn, Tasks, a mix
+        # of them): the generation in flight switches to the learner's new version when
+        # an update ends, at a decode-round boundary, its sequences' caches recomputed under
+        # the new weights (with router_replay, routed to the experts each position recorded);
+        # each token keeps its behaviour log-prob and version (`ptrain.generate.interrupt`).
         interrupt=False,
         # What a swap does with the held sequences' caches: "recompute" them from each whole
         # sequence under the new weights (AReaL's choice, one prefill per row), or "keep" the
