@@ -1,4 +1,5 @@
-"""Evaluate an agent on a directory of terminal tasks, or on a file of code / math / CAD tasks.
+"""Evaluate an agent on a directory of terminal tasks, or on a file of code / math / CAD / chart
+tasks.
 
     python -m launch.eval --tasks=sandbox/terminal/tasks --agent=oracle --out=runs/oracle
     python -m launch.eval --tasks=tb2/ --agent=nop --out=runs/nop --attempts=3 \\
@@ -6,6 +7,7 @@
     python -m launch.eval --tasks=HumanEval.jsonl.gz --agent=oracle --out=runs/he
     python -m launch.eval --tasks=sandbox/terminal/tasks --agent=model --model=HF_DIR --out=runs/m
     python -m launch.eval --tasks=examples/cad_tasks.jsonl --agent=oracle --out=runs/cad
+    python -m launch.eval --tasks=examples/charts_tasks.jsonl --agent=oracle --out=runs/charts
 
 Writes OUT/results.jsonl, OUT/transcripts/, OUT/summary.json and OUT/report.html; a rerun with
 the same --out runs only the missing attempts; exit status 2 when attempts failed for an
@@ -18,7 +20,7 @@ from absl import app, flags
 
 flags.DEFINE_string("tasks", None, "A directory of terminal tasks, or a task file.")
 flags.DEFINE_string("format", "", "The task file's format (ptrain.tasks.FORMATS, or "
-                    "cad); '' detects it. Not used for a directory of terminal tasks.")
+                    "cad, charts); '' detects it. Not used for a directory of terminal tasks.")
 flags.DEFINE_enum("agent", None, ["oracle", "nop", "model"],
                   "oracle: the task's own solution; nop: nothing; model: --model.")
 flags.DEFINE_string("out", None, "The output directory.")

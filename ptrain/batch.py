@@ -77,6 +77,16 @@ class Batch:
     vision_dest_bm: np.ndarray | None = None
     vision_rope_b3p: np.ndarray | None = None
     vision_delta_b: np.ndarray | None = None
+    # Images a row's continuation holds (tool observations of multi-turn episodes, each row
+    # its own; `ptrain.rollout.images.attach`): patches padded to the run's observation patch
+    # budget, their layout, where each merged feature goes in the continuation, and the
+    # continuation's M-RoPE positions [b, 3, n].
+    vision_obs_patches_bnf: np.ndarray | None = None
+    vision_obs_rope_hw_bn2: np.ndarray | None = None
+    vision_obs_full_seg_bn: np.ndarray | None = None
+    vision_obs_window_seg_bn: np.ndarray | None = None
+    vision_obs_dest_bm: np.ndarray | None = None
+    vision_rope_b3n: np.ndarray | None = None
 
     @classmethod
     def from_rows(cls, prompts, continuations, loss_masks, rollout_logps, rewards, group_ids,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -122,11 +123,18 @@ def _check_splits(env, train, heldout, eval_n) -> None:
     if wrong:
         raise ValueError(f"{where}: its tasks have domain(s) {sorted(map(str, wrong))}; a "
                          "task's domain is its environment's name (Context.name)")
-    overlap = {x.prompt for x in train if hasattr(x, "prompt")} & {
-        x.prompt for x in heldout if hasattr(x, "prompt")}
+    overlap = {_prompt_key(x) for x in train if hasattr(x, "prompt")} & {
+        _prompt_key(x) for x in heldout if hasattr(x, "prompt")}
     if overlap:
         raise ValueError(f"{len(overlap)} {env.name} held-out prompt(s) also appear in its "
                          f"training split, e.g. {sorted(overlap)[0]!r}")
+
+
+def _prompt_key(task) -> str:
+    """A task's prompt, or its chat messages as JSON (tasks that have only messages, e.g.
+    images and a question)."""
+    return task.prompt or json.dumps(list(getattr(task, "messages", ())), sort_keys=True,
+                                     default=str)
 
 
 def prompt_sources(config, train) -> list:

@@ -126,34 +126,45 @@ def nop(items, attempt: int) -> list[Attempt]:
 
 class ModelAgent:
     """A model's single-turn answers, sampled for a batch of tasks at once: each prompt
-    rendered by the chat format (the tokenizer's template, or plain text), the answer the
-    turn's text without special tokens (`chat.verifier_text`)."""
+    rendered by the chat format (the tokenizer's template, or plain text), or by `prompt`
+    (task -> (ids, images or None): a vision-language model's prompts with their images,
+    `ptrain.envs.charts.agent`), the answer the turn's text without special tokens
+    (`chat.verifier_text`)."""
 
     __name__ = "model"
 
     def __init__(self, sampler, params, tokenizer, fmt, *, stop_ids, max_new_tokens=512,
-                 temperature=1.0, greedy=False, seed=0, batch_size=16):
+                 temperature=1.0, greedy=False, seed=0, batch_size=16, prompt=None):
         self.sampler, self.params, self.tokenizer, self.fmt = sampler, params, tokenizer, fmt
         self.stop_ids, self.max_new_tokens = tuple(stop_ids), max_new_tokens
         self.temperature, self.greedy, self.batch_size = temperature, greedy, batch_size
-        self.seed = seed
+        self.seed, self.prompt = seed, prompt
+
+    def _prompt(self, task):
+        from ptrain import chat
+        if task.tools:
+            raise ValueError(f"task {task.id} calls tools {list(task.tools)}: multi-turn "
+                             "code tasks are evaluated by the closed loop, not here")
+        if self.prompt is not None:
+            return self.prompt(task)
+        return chat.render_prompt(self.fmt, self.tokenizer, prompt=task.prompt,
+                                  messages=task.messages), None
 
     def __call__(self, items, attempt: int) -> list[Attempt]:
         import jax
         from ptrain import chat
-        for task, _ in items:
-            if task.tools:
-                raise ValueError(f"task {task.id} calls tools {list(task.tools)}: multi-turn "
-                                 "code tasks are evaluated by the closed loop, not here")
-        prompts = [chat.render_prompt(self.fmt, self.tokenizer, prompt=t.prompt,
-                                      messages=t.messages) for t, _ in items]
+        made = [self._prompt(t) for t, _ in items]  # a bad prompt raises before sampling
         out = []
-        for start in range(0, len(prompts), self.batch_size):
+        for start in range(0, len(made), self.batch_size):
+            part = made[start:start + self.batch_size]
+            images = [im for _, im in part]
             key = jax.random.fold_in(jax.random.key(self.seed * 100003 + attempt), start)
-            s = self.sampler.sample(self.params, prompts[start:start + self.batch_size],
+            s = self.sampler.sample(self.params, [ids for ids, _ in part],
                                     max_new_tokens=self.max_new_tokens,
                                     temperature=self.temperature, greedy=self.greedy,
-                                    stop_token_ids=self.stop_ids, key=key)
+                                    stop_token_ids=self.stop_ids, key=key,
+                                    images=images if any(im is not None for im in images)
+                                    else None)
             for ids in s.completions():
                 text = chat.verifier_text(self.tokenizer, ids, self.stop_ids)
                 out.append(Attempt(text, steps=[{"role": "model", "text": text}]))

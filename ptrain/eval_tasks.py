@@ -1,5 +1,5 @@
-"""Evaluate an agent on a directory of terminal tasks, or on a file of code / math / CAD tasks:
-what `python -m launch.eval` runs.
+"""Evaluate an agent on a directory of terminal tasks, or on a file of code / math / CAD /
+chart tasks: what `python -m launch.eval` runs.
 
     status = evaluate(Options(tasks="sandbox/terminal/tasks", agent="oracle", out="runs/o"))
 
@@ -7,7 +7,10 @@ what `python -m launch.eval` runs.
 sub-directory; `sandbox.terminal`), or a JSONL task file in a format of `ptrain.tasks.FORMATS`
 (`format`, detected from the first record when not given), judged by `ptrain.rewards`, or a
 CAD task file (`ptrain.envs.cad.task_file`: records with a "target"; format "cad"), each
-answer built and measured in the CAD sandbox (renders and STEP files in OUT/artefacts/).
+answer built and measured in the CAD sandbox (renders and STEP files in OUT/artefacts/), or a
+chart task file (`ptrain.envs.charts.task_file`: records with "images" and "question"; format
+"charts"), each answer judged numerically on the host; its model agent is a Qwen2.5-VL
+directory answering in one turn with the images (`ptrain.envs.charts.agent`).
 agent "model": a local Hugging Face directory (`model`) acting through its chat format's tool
 calls in the task's persistent shell (`ptrain.envs.terminal.agent`), or answering code tasks in
 one turn (`ptrain.code_eval.ModelAgent`); or a launch/train.py work dir, exported first, which
@@ -199,6 +202,33 @@ def evaluate_cad(o: Options, progress):
                                   progress=progress, verify=env.verify)
 
 
+def charts_model_agent(o: Options):
+    from ptrain.envs.charts import agent
+    if not os.path.isfile(os.path.join(o.model, "config.json")):
+        raise UsageError(f"--model={o.model}: chart tasks need a Qwen2.5-VL Hugging Face "
+                         "directory (config.json)")
+    try:
+        return agent.model_agent(o.model, chat_format=o.chat_format, seed=o.seed,
+                                 max_new_tokens=o.max_new_tokens,
+                                 temperature=o.temperature, greedy=o.greedy)
+    except ValueError as e:
+        raise UsageError(f"--model={o.model}: {e}") from None
+
+
+def evaluate_charts(o: Options, progress):
+    path, agent_name, out = o.tasks, o.agent, o.out
+    import dataclasses
+    from ptrain import code_eval
+    from ptrain.envs import charts
+    items = [(dataclasses.replace(t, metadata={**t.metadata, "format": "charts"}),
+              charts.answer_text(t)) for t in charts.brought(path)]
+    env = charts.make(n_train=0, n_heldout=0)
+    agent = (charts_model_agent(o) if agent_name == "model" else
+             {"oracle": code_eval.oracle, "nop": code_eval.nop}[agent_name])
+    return code_eval.evaluate(items, agent, out, attempts=o.attempts, progress=progress,
+                              verify=env.verify)
+
+
 def evaluate(o: Options) -> int:
     """Runs the evaluation `o` describes, writes OUT's files and the report, prints the summary;
     returns the exit status (2: attempts failed for an environment reason)."""
@@ -210,8 +240,11 @@ def evaluate(o: Options) -> int:
                          "terminal tasks")
     os.makedirs(out, exist_ok=True)
     from ptrain.envs.cad import task_file
+    from ptrain.envs.charts import task_file as charts_file
     run = (evaluate_terminal if os.path.isdir(path) else evaluate_cad
            if o.format == "cad" or (not o.format and task_file.is_cad_file(path))
+           else evaluate_charts
+           if o.format == "charts" or (not o.format and charts_file.is_charts_file(path))
            else evaluate_code)
     t0 = time.monotonic()
     from ptrain import eval_failures

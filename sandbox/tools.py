@@ -7,6 +7,10 @@
 `call_tool` never raises for a bad call: an unknown tool, arguments that are not a JSON object,
 a missing or mistyped argument, a path outside the work dir all come back as an observation
 starting with "Error:", which the model sees like any other.
+
+A tool's run returns text, or a `ToolOutput`: text and images (e.g. a render), for a
+vision-language policy; such a tool declares `images=True` so that a run can refuse it
+before generation when its policy reads text only.
 """
 
 import dataclasses
@@ -25,11 +29,22 @@ class Tool:
     description: str
     parameters: dict
     run: Callable
+    images: bool = False  # run may return a ToolOutput with images
 
     def schema(self) -> dict:
         """The OpenAI/Hermes function-calling form."""
         return {"type": "function", "function": {
             "name": self.name, "description": self.description, "parameters": self.parameters}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolOutput:
+    """What a tool returns besides plain text: its text and images, in that order in the
+    observation. An image is anything `ptrain.vision.image_processing` reads: PNG/JPEG bytes,
+    a file path on the host, a PIL image or a uint8 array."""
+
+    text: str
+    images: tuple = ()
 
 
 def _object(properties, required):
@@ -102,10 +117,11 @@ def schemas(tools=TOOLS) -> list:
 
 
 def call_tool(session, name, arguments, *, tools=TOOLS, timeout_s: float = 10.0,
-              max_output_chars: int = 4000) -> str:
+              max_output_chars: int = 4000):
     """Runs tool `name` with `arguments` (a dict, or its JSON text) in `session`; returns the
-    observation text, at most `max_output_chars` (the middle is cut). Never raises for a bad
-    call or anything the program does: those are observations starting with "Error:"."""
+    observation text, at most `max_output_chars` (the middle is cut), or a `ToolOutput` (its
+    text cut the same way) when the tool returned images. Never raises for a bad call or
+    anything the program does: those are observations starting with "Error:"."""
     tool = next((t for t in tools if t.name == name), None)
     if tool is None:
         names = ", ".join(t.name for t in tools)
@@ -124,6 +140,9 @@ def call_tool(session, name, arguments, *, tools=TOOLS, timeout_s: float = 10.0,
         return f"Error: {e}."
     except Exception as e:  # noqa: BLE001 - the sandbox failed; the model sees it, we go on
         return f"Error: the sandbox failed to run {name} ({type(e).__name__}: {e})."
+    if isinstance(out, ToolOutput):
+        text = clip(out.text, max_output_chars)
+        return ToolOutput(text, tuple(out.images)) if out.images else text
     text = out if isinstance(out, str) else format_result(out, timeout_s)
     return clip(text, max_output_chars)
 

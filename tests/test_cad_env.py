@@ -4,8 +4,10 @@ The sandbox's own cases (forged reports, every backend) are in tests/test_cad.py
 
 import base64
 import hashlib
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -129,7 +131,7 @@ def test_bad_scripts_get_verdicts_with_their_cause_and_a_wrong_part_its_iou(env)
     assert "is below the 0.95 a pass needs" in half[0].feedback
 
 
-def test_the_cad_tool_measures_against_the_task_s_target_which_the_script_never_sees(env):
+def test_the_cad_tool_measures_against_the_task_s_target_which_the_script_never_sees(env, cache):
     import sandbox
     from sandbox import tools as sandbox_tools
     ctx = base.Context(name="cad", seed=0, workdir="/unused")
@@ -145,6 +147,19 @@ def test_the_cad_tool_measures_against_the_task_s_target_which_the_script_never_
     assert sandbox_tools.call_tool(session, "cad", {"code": "x"}, tools=env.tools).startswith(
         "Error: bad arguments for cad")
     assert session.read_files() == {cad_env.TASK_FILE: task.id.encode()}  # no target there
+    # for a vision-language policy: the same text and the part's render as an image
+    seeing = cad_env.make(n_train=2, n_heldout=2, tools=True, cache_dir=cache,
+                          build_timeout_s=8.0, artefacts=False, image_observations=True)
+    seeing.tasks(ctx)
+    assert seeing.tool("cad").images and not env.tool("cad").images
+    shown = sandbox_tools.call_tool(session, "cad", {"script": seen + task.verifier.code},
+                                    tools=seeing.tools, timeout_s=20.0)
+    assert isinstance(shown, sandbox_tools.ToolOutput) and shown.text == out
+    from PIL import Image
+    (png,) = shown.images
+    assert Image.open(io.BytesIO(png)).format == "PNG"
+    assert isinstance(sandbox_tools.call_tool(session, "cad", {"script": "result = 1"},
+                                              tools=seeing.tools, timeout_s=20.0), str)
     session.close()
 
 
@@ -170,3 +185,38 @@ def test_launch_eval_oracle_scores_one_and_nop_zero_on_a_brought_file(tmp_path, 
     # the plate's and the assembly's references were built once, cached by their code's hash
     assert {hashlib.sha256(t.verifier.code.encode()).hexdigest()
             for t in cad_env.brought(EXAMPLE)[1:]} <= set(os.listdir(cache))
+
+
+def test_fix_demonstrations_call_the_tool_with_a_wrong_part_read_its_real_output_then_answer(
+        tmp_path, cache):
+    """fix_demos: the demonstration's call builds a script with one dimension wrong, its
+    observation is what the `cad` tool itself returns for that script in an episode, and the
+    answer is the reference script; only the model's turns are trained on."""
+    import sandbox
+    from sandbox import tools as sandbox_tools
+    _needs_cad()
+    env = cad_env.make(n_train=1, n_heldout=1, tools=True, cache_dir=cache, fix_demos=1.0,
+                       build_timeout_s=20.0, artefacts=False)
+    tok, fmt = env.tokenizer(), chat.get("plain")
+    ctx = base.Context(name="cad", seed=1, workdir=str(tmp_path), tokenizer=tok, fmt=fmt)
+    splits = env.tasks(ctx)
+    assert len(splits.demonstrations) == 1
+    for task, demo in zip(splits.train, splits.demonstrations):
+        ids, mask = demo["completion_ids"], demo["completion_mask"]
+        turns = [tok.decode([t for t, m in zip(ids, mask) if m == keep]) for keep in (1, 0)]
+        calls = chat.parse_tool_calls(fmt, turns[0])
+        assert len(calls) == 1 and calls[0].name == "cad", turns[0]
+        wrong = calls[0].arguments["script"]
+        assert wrong != task.verifier.code
+        assert cad_env.rewards.extract_code(turns[0]) == task.verifier.code.rstrip() + "\n"
+        session = sandbox.Session(files=task.files)  # the episode's, as a rollout opens it
+        try:
+            out = sandbox_tools.call_tool(session, "cad", {"script": wrong}, tools=env.tools,
+                                          timeout_s=20.0)
+        finally:
+            session.close()
+        assert out in turns[1], (out, turns[1])
+        iou = re.search(r"IoU ([\d.]+)", out)  # the wrong part is measured, and fails
+        assert iou and float(iou.group(1)) < task.verifier.pass_iou, out
+    with pytest.raises(ValueError, match="fix_demos=2"):
+        cad_env.make(fix_demos=2)

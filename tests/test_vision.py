@@ -289,7 +289,7 @@ def test_tower_gradients_flow_unless_frozen(ours):
 
 # ----------------------------------------------------------------------------- chat
 
-def test_chat_prompt_matches_the_processor(ours, tmp_path, monkeypatch):
+def test_chat_prompt_matches_the_processor(ours, tmp_path):
     """Images in chat messages: the template's placeholders expanded per image, token for
     token as Qwen2_5_VLProcessor.apply_chat_template, with the same pixel values."""
     import hf_fixtures
@@ -310,13 +310,9 @@ def test_chat_prompt_matches_the_processor(ours, tmp_path, monkeypatch):
         {"role": "user", "content": [{"type": "text", "text": "And now?"},
                                      {"type": "image", "image": imgs[2]}]}]
     mine, (pixels, grids) = chat.render_prompt(tokenizer, messages, c, PROC)
-    # (the processor's class check wants torchvision for its video processor, unused here)
-    monkeypatch.setattr(transformers.Qwen2_5_VLProcessor, "check_argument_for_proper_class",
-                        lambda self, name, arg: None)
-    processor = transformers.Qwen2_5_VLProcessor(
-        image_processor=transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.
-        Qwen2VLImageProcessorPil(min_pixels=PROC.min_pixels, max_pixels=PROC.max_pixels),
-        tokenizer=tokenizer, chat_template=hf_fixtures.QWEN25_VL_TEMPLATE)
+    processor = hf_fixtures.qwen25_vl_processor(tokenizer, min_pixels=PROC.min_pixels,
+                                                max_pixels=PROC.max_pixels,
+                                                chat_template=hf_fixtures.QWEN25_VL_TEMPLATE)
     want = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                          return_dict=True, return_tensors="np")
     assert mine == want["input_ids"][0].tolist()

@@ -8,7 +8,9 @@ MATH), judged by their built-in verifiers (`ptrain.rewards`).
 from __future__ import annotations
 
 import dataclasses
+import os
 
+from ptrain import jsonl
 from ptrain import rewards
 from ptrain import tasks as tasks_lib
 from ptrain.envs import base
@@ -43,3 +45,20 @@ def reader(format: str, name: str):
         return make(train, heldout, format=format, tools=tools, name=name)
     made.__doc__ = f"{format} task files (`ptrain.tasks.from_{format}`) as an environment."
     return made
+
+
+def parsed(path: str, parse) -> list[dict]:
+    """A brought JSONL task file's records, each `parse(record, "FILE:LINE", the file's
+    directory)` -> a dict with an "id"; ids unique, at least one task (the CAD and chart
+    task files)."""
+    out, ids = [], set()
+    base_dir = os.path.dirname(os.path.abspath(path))
+    for where, record in jsonl.records(path):
+        task = parse(record, where, base_dir)
+        if task["id"] in ids:
+            raise ValueError(f"{where}: task id {task['id']!r} appears more than once")
+        ids.add(task["id"])
+        out.append(task)
+    if not out:
+        raise ValueError(f"{path}: no tasks")
+    return out

@@ -45,12 +45,14 @@ from ptrain.batch import Batch
 from ptrain.envs import base as envs_base
 from ptrain.envs import verdict as verdict_lib
 from ptrain.generate import engine_sampler
+from ptrain.rollout import images as images_lib
 from ptrain.rollout import turns
 from ptrain.tasks import Task
 
 
 ATTEMPT_REWARDS = ("final", "first", "mean", "discounted")
-FINISHES = ("answered", "truncated", "max_turns", "max_len")  # Episode.finish
+FINISHES = ("answered", "truncated", "max_turns", "max_len",  # Episode.finish
+            "vision_token")  # (a VL policy sampled an image marker: `images.observe`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +89,8 @@ class Episode:
     by the model iff mask[i] == 1, in which case logp[i] is its log-prob under the sampled
     policy (logits / temperature, `Samples.logp_temp`).
     `finish`: answered (a turn without calls), truncated (an answer cut at max_new_tokens,
-    judged as it is), max_turns, max_len (out of room).
+    judged as it is), max_turns, max_len (out of room), vision_token (a vision-language
+    policy sampled an image marker token in a turn that called tools: `images.observe`).
     """
 
     task: Task
@@ -110,6 +113,10 @@ class Episode:
     # ptrain.generate.interrupt.UNSAMPLED where mask is 0), or None
     versions: list | None = None
     env: envs_base.Environment | None = None  # the task's environment (its tools, verifier)
+    # a vision-language policy's: the images of `tokens` in order, (patches, grid) each, and
+    # the run's `images.Vision` (None: a text-only policy)
+    images: list = dataclasses.field(default_factory=list)
+    vision: images_lib.Vision | None = None
 
     @property
     def attempts(self) -> int:
@@ -170,10 +177,13 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
              config: RolloutConfig = RolloutConfig(), fmt: chat.ChatFormat = chat.PLAIN,
              pool=None, reward_config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
              first_group_id: int = 0, verify_now: bool | None = None,
-             envs=None) -> list[Episode]:
+             envs=None, vision: images_lib.Vision | None = None) -> list[Episode]:
     """Runs `num_samples` episodes of every task; rows are task-major (task i owns rows
     i*G .. i*G+G-1, group id `first_group_id + i`). `envs`: the tasks' environments by name
     (their tools, prompts and verifiers); a domain it does not name has `builtin`'s.
+    `vision`: a vision-language policy's image settings (default: its model's,
+    `images.of`); prompts with images and tools that return images (`rollout.images`) need
+    one, and a text-only policy given such tasks is refused here, before any generation.
 
     Verdicts come from `verify_episodes` (the sandbox pool); with one attempt they can be
     left to the caller (`verify_now=False`) so that judging overlaps the next generation.
@@ -195,12 +205,18 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
     if c.max_attempts > 1 and not verify_now:
         raise ValueError("self-correction (max_attempts > 1) needs verdicts during the episode")
     task_envs = _environments(tasks, envs)
-    prompts = [render_prompt(task, tokenizer, fmt, env) for task, env in zip(tasks, task_envs)]
+    vision = images_lib.of(sampler, vision)
+    prompts, prompt_images = images_lib.prompts(tasks, task_envs, tokenizer, fmt, vision,
+                                                render_prompt)
     episodes = [Episode(task=task, group_id=first_group_id + i, tokens=list(prompt),
                         mask=[0] * len(prompt), logp=[0.0] * len(prompt),
-                        prompt_len=len(prompt), env=env)
-                for i, (task, prompt, env) in enumerate(zip(tasks, prompts, task_envs))
+                        prompt_len=len(prompt), env=env, images=list(pictures), vision=vision)
+                for i, (task, prompt, env, pictures) in enumerate(
+                    zip(tasks, prompts, task_envs, prompt_images))
                 for _ in range(c.num_samples)]
+    if vision is not None and isinstance(sampler, engine_sampler.EngineSampler):
+        raise NotImplementedError("a vision-language policy's episodes run on the per-turn "
+                                  "sampler for now (sampling.engine=False)")
     try:
         open_sessions(episodes, pool, c)
         if isinstance(sampler, engine_sampler.EngineSampler):  # episodes keep their slots
@@ -245,7 +261,7 @@ def _run_attempts(sampler, params, episodes, prompts, key, tokenizer, fmt, c, *,
         for attempt in range(c.max_attempts):
             active = [e for e in episodes if attempt == 0 or (
                 e.verdicts and not e.verdicts[-1].passed and
-                e.finish in ("answered", "truncated"))]
+                e.finish in ("answered", "truncated") and not images_lib.sampled_marker(e))]
             if not sharding.agree(bool(active), "any"):  # none left on any process
                 break
             if attempt > 0:
@@ -291,6 +307,7 @@ def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *,
         fmt, tokenizer, c.stop_token_ids,
         tools=sharding.agree(any(e.task.tools for e in episodes), "any"))
     text = turns.TurnText.of(tokenizer, fmt, c)
+    vision = next((e.vision for e in episodes), None)
     active = list(episodes)
     for turn in range(c.max_turns):
         if not sharding.agree(bool(active), "any"):  # none left on any process
@@ -298,9 +315,12 @@ def _run_attempt(sampler, params, episodes, keys, tokenizer, fmt, c, threads, *,
         kwargs = dict(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k,
                       top_p=c.top_p, greedy=c.greedy, stop_token_ids=stop_ids,
                       stop_strings=stop_strings, key=next(keys))
-        if first and turn == 0:  # one prefill per task, G samples each
+        if first and turn == 0:  # one prefill per task, G samples each (its images too)
+            kwargs.update(images_lib.sample_kwargs([e.images for e in active[::c.num_samples]],
+                                                   vision))
             samples = sample_across(sampler, params, prompts, num_samples=c.num_samples, **kwargs)
         else:
+            kwargs.update(images_lib.sample_kwargs([e.images for e in active], vision))
             samples = sample_across(sampler, params, [e.tokens for e in active], **kwargs)
         calls = []
         for row, e in enumerate(active):
@@ -366,13 +386,16 @@ def close(episodes: Sequence[Episode]) -> None:
 
 
 def to_batch(episodes: Sequence[Episode], config: RolloutConfig, *, prompt_len: int,
-             length: int, tokenizer=None, pad_id: int = 0, max_len=None) -> Batch:
+             length: int, tokenizer=None, pad_id: int = 0, max_len=None,
+             vision: images_lib.Vision | None = None) -> Batch:
     """The episodes as a `batch.Batch`: each history split at its prompt, its reward (from
     its verdicts, `Episode.reward`) in `rewards_b`, the last verdict's passed, feedback,
     error type and rubric components in its row's meta (with a tokenizer, also the prompt and
     completion texts);
     a MoE's recorded routing (`ptrain.routing.pack`); `max_len`: the episodes' cap
-    (`Batch.max_len_b`)."""
+    (`Batch.max_len_b`). A vision-language policy's rows carry their images
+    (`images.attach`: the patch budgets of `vision`, default the episodes' own, fixed per
+    run so that every step has the same shapes)."""
     meta = []
     for e in episodes:
         last = e.verdicts[-1] if e.verdicts else None
@@ -399,4 +422,7 @@ def to_batch(episodes: Sequence[Episode], config: RolloutConfig, *, prompt_len: 
         for i, e in enumerate(episodes):
             v = e.versions[e.prompt_len:]
             batch.versions_bn[i, :len(v)] = v
+    vision = vision or next((e.vision for e in episodes if e.vision is not None), None)
+    if vision is not None:
+        batch = images_lib.attach(batch, episodes, vision)
     return batch

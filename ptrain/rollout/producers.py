@@ -134,9 +134,10 @@ class Tasks:
     judges the answers in the sandbox pool and packs the rows (the learner may run the two in
     different threads, overlapping batch t's scoring with batch t+1's generation)."""
 
-    def __init__(self, sampler, tokenizer, config, pool, envs=None):
+    def __init__(self, sampler, tokenizer, config, pool, envs=None, vision=None):
         self.sampler, self.tokenizer, self.pool = sampler, tokenizer, pool
         self.envs = dict(envs or {})  # name -> Environment (`generate`'s envs)
+        self.vision = vision  # a VL policy's `rollout.images.Vision` (default its model's)
         self.rollout_config = rollout_config(config)
         self.reward_config = reward_config(config)
         self.fmt = chat.FORMATS[config.rollout.chat_format]
@@ -160,7 +161,7 @@ class Tasks:
             tasks.append(r)
         return generate(self.sampler, params, tasks, tokenizer=self.tokenizer, key=key,
                         config=self.rollout_config, fmt=self.fmt, pool=self.pool,
-                        reward_config=self.reward_config, envs=self.envs)
+                        reward_config=self.reward_config, envs=self.envs, vision=self.vision)
 
     def score(self, episodes) -> Batch:
         verify_episodes(episodes, pool=self.pool, config=self.reward_config)

@@ -71,8 +71,12 @@ def take_turn(e, new, logp, text: TurnText, *, cut: bool, hit_length: bool):
 
 
 def observe(e, outputs, tokenizer, fmt, c) -> bool:
-    """Appends a turn's tool outputs as one observation; False when the episode ran out of
-    room (it ends without an answer)."""
+    """Appends a turn's tool outputs (texts, or `ToolOutput`s with images: `rollout.images`)
+    as one observation; False when the episode ran out of room (it ends without an answer)."""
+    if getattr(e, "vision", None) is not None or any(
+            isinstance(o, sandbox_tools.ToolOutput) for o in outputs):
+        from ptrain.rollout import images
+        return images.observe(e, outputs, tokenizer, fmt, c)
     append(e, tokenizer, chat.observation(fmt, outputs, closed=e.closed), c)
     if e.finish == "max_len":
         e.answers.append("")
@@ -80,7 +84,7 @@ def observe(e, outputs, tokenizer, fmt, c) -> bool:
     return True
 
 
-def call_tool(e, call, c) -> str:
+def call_tool(e, call, c):
     e.tool_calls += 1
     if isinstance(call, str):
         e.tool_errors += 1
@@ -93,7 +97,8 @@ def call_tool(e, call, c) -> str:
                                      tools=e.env.tools if e.env else sandbox_tools.TOOLS,
                                      timeout_s=c.tool_timeout_s,
                                      max_output_chars=c.max_tool_output_chars)
-    if output.startswith("Error:"):
+    text = output.text if isinstance(output, sandbox_tools.ToolOutput) else output
+    if text.startswith("Error:"):
         e.tool_errors += 1
     return output
 

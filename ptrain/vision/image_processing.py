@@ -17,6 +17,7 @@ that is not an image, or is truncated, raises ValueError naming it.
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import os
 
@@ -90,15 +91,19 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
 
 
 def to_rgb(image):
-    """A PIL RGB image from a PIL image, a uint8 array or a file path."""
+    """A PIL RGB image from a PIL image, a uint8 array, a file path or an encoded file's
+    bytes (PNG, JPEG, ...: a tool's render)."""
     from PIL import Image
-    if isinstance(image, (str, os.PathLike)):
+    if isinstance(image, (str, os.PathLike, bytes, bytearray)):
+        what = (f"{len(image)} bytes" if isinstance(image, (bytes, bytearray))
+                else repr(os.fspath(image)))
         try:
-            with Image.open(image) as opened:
+            source = io.BytesIO(image) if isinstance(image, (bytes, bytearray)) else image
+            with Image.open(source) as opened:
                 opened.load()
                 image = opened.copy()
         except (OSError, SyntaxError, ValueError) as e:
-            raise ValueError(f"{os.fspath(image)!r} is not a readable image ({e}); pass a PNG, "
+            raise ValueError(f"{what} is not a readable image ({e}); pass a PNG, "
                              "JPEG or another format PIL opens") from e
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8:
@@ -110,7 +115,7 @@ def to_rgb(image):
             raise ValueError(f"image arrays must be [h, w] or [h, w, 1|3|4], got {image.shape}")
         image = Image.fromarray(image)
     if not isinstance(image, Image.Image):
-        raise TypeError(f"an image must be a PIL image, a uint8 array or a path, got "
+        raise TypeError(f"an image must be a PIL image, a uint8 array, a path or bytes, got "
                         f"{type(image).__name__}")
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")

@@ -102,26 +102,44 @@ LEARNER_KEYS = ("vision_patches_bnf", "vision_rope_hw_bn2", "vision_full_seg_bn"
                 "vision_window_seg_bn", "vision_dest_bm", "vision_rope_b3p", "vision_delta_b")
 
 
+# Images inside the continuation (a multi-turn episode's tool observations), each row its
+# own (`ptrain.rollout.images`): patches, rotary rows / columns, segments, where each merged
+# feature goes in the continuation, and the continuation's M-RoPE positions [b, 3, n].
+OBSERVATION_KEYS = ("vision_obs_patches_bnf", "vision_obs_rope_hw_bn2", "vision_obs_full_seg_bn",
+                    "vision_obs_window_seg_bn", "vision_obs_dest_bm", "vision_rope_b3n")
+
+
 def learner_inputs(model, batch: dict, group_size: int, positions_bn):
     """(prefill kwargs, continuation kwargs) of `model.forward` for a learner batch: {} and
     {} for text; with the batch's vision_* arrays (`prompts.learner_arrays`, rows first like
     every batch array), each group's prompt images encoded once and merged, and M-RoPE
-    positions (the prompt's, and the continuation's positions + the rope delta)."""
+    positions (the prompt's, and the continuation's positions + the rope delta). With the
+    OBSERVATION_KEYS too, each row's continuation images are encoded and merged as well and
+    the continuation takes its recorded M-RoPE positions."""
     present = [k for k in LEARNER_KEYS if k in batch]
-    if not present:
+    observed = [k for k in OBSERVATION_KEYS if k in batch]
+    if not present and not observed:
         return {}, {}
-    if len(present) != len(LEARNER_KEYS) or not isinstance(model, VLModel):
-        raise ValueError(f"a batch with images needs a VLModel and all of {LEARNER_KEYS}; "
-                         f"got {type(model).__name__} and {present}")
+    if (len(present) != len(LEARNER_KEYS) or observed and len(observed) != len(OBSERVATION_KEYS)
+            or not isinstance(model, VLModel)):
+        raise ValueError(f"a batch with images needs a VLModel and all of {LEARNER_KEYS} "
+                         f"(and all or none of {OBSERVATION_KEYS}); got "
+                         f"{type(model).__name__} and {present + observed}")
     g = group_size
     images = Images(batch["vision_patches_bnf"][::g], batch["vision_rope_hw_bn2"][::g],
                     batch["vision_full_seg_bn"][::g], batch["vision_window_seg_bn"][::g])
     prompt_bp = batch["prompt_bp"][::g]
     x_bpd = model.embed(prompt_bp, model.image_features(images), batch["vision_dest_bm"][::g])
     rope_3bp = jnp.moveaxis(batch["vision_rope_b3p"][::g], 1, 0)
-    continuation_3bn = positions_bn + batch["vision_delta_b"][:, None]
-    return (dict(x_btd=x_bpd, rope_positions_3bt=rope_3bp),
-            dict(rope_positions_3bt=continuation_3bn))
+    prompt_kw = dict(x_btd=x_bpd, rope_positions_3bt=rope_3bp)
+    if not observed:
+        return prompt_kw, dict(rope_positions_3bt=positions_bn + batch["vision_delta_b"][:, None])
+    seen = Images(batch["vision_obs_patches_bnf"], batch["vision_obs_rope_hw_bn2"],
+                  batch["vision_obs_full_seg_bn"], batch["vision_obs_window_seg_bn"])
+    x_bnd = model.embed(batch["tokens_bn"], model.image_features(seen),
+                        batch["vision_obs_dest_bm"])
+    return prompt_kw, dict(x_btd=x_bnd,
+                           rope_positions_3bt=jnp.moveaxis(batch["vision_rope_b3n"], 1, 0))
 
 
 def image_dest(tokens_bt: np.ndarray, image_token_id: int, n_features: int) -> np.ndarray:

@@ -11,7 +11,9 @@ script (or the whole answer), builds and measures it (`sandbox.cad.build_and_mea
 the target and scores it (`reward.score`): a verdict with the reward's components, the
 measurement text as feedback and, for people, the render (PNG) and the STEP file written
 under the run's work dir. The `cad` tool ({"script": ...}) returns the same build and
-measurement text inside an episode (build, read, fix).
+measurement text inside an episode (build, read, fix); with `image_observations` (a
+vision-language policy's) it also returns the part's render, the four-view PNG the
+measurement draws, as an image of the observation (`sandbox.tools.ToolOutput`).
 
 The target: a brought mesh is read from its file; reference code is built once in the sandbox
 and cached on the host by the code's hash. It reaches only the measurement's fresh run, never
@@ -21,15 +23,19 @@ reads from the host side).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import os
+import random
 import re
 import threading
 
+from sandbox import tools as sandbox_tools
+
 from ptrain import rewards
 from ptrain.envs import base, synthetic
-from ptrain.envs.cad import families, reward, task_file
+from ptrain.envs.cad import families, fixes, reward, task_file
 from ptrain.envs.verdict import Verdict
 from ptrain.tasks import Task
 
@@ -88,6 +94,21 @@ def demonstration(task: Task, tokenizer, fmt, tools=()) -> dict:
     record["prompt_ids"] = chat.render_prompt(fmt, tokenizer, prompt=task.prompt,
                                               messages=task.messages, tools=tools)
     return record
+
+
+def with_fixes(demos, tasks, ctx, tool, share: float, build) -> list[dict]:
+    """`demos` (one per task of `tasks`) with a seeded `share` of the tool-offering tasks'
+    replaced by a build-read-fix demonstration (`fixes.py`); `build(task, script)` is the
+    tool's build and measurement."""
+    rng = random.Random(f"{ctx.seed}/cad-fixes")
+    chosen = [i for i, t in enumerate(tasks) if t.tools and rng.random() < share]
+    wrong = {i: fixes.mistake(tasks[i].verifier.code) for i in chosen}
+    with concurrent.futures.ThreadPoolExecutor(4) as threads:
+        seen = dict(zip(chosen, threads.map(lambda i: fixes.observation(
+            build(tasks[i], wrong[i])), chosen)))
+    return [fixes.demonstration(t, ctx.tokenizer, ctx.fmt, tool, wrong[i], seen[i],
+                                answer(t.verifier.code)) if i in seen else d
+            for i, (t, d) in enumerate(zip(tasks, demos))]
 
 
 # ----------------------------------------------------------------------------- targets
@@ -193,7 +214,8 @@ def write_artefacts(out_dir: str, task_id: str, script: str, report) -> dict:
 def make(n_train: int = 60, n_heldout: int = 20, *, train: str = "", heldout: str = "",
          family_names: tuple = (), tools: bool = False, mode: str = "iou",
          backend: str = "auto", build_timeout_s: float = 60.0, cache_dir: str = "",
-         artefacts_dir: str = "", artefacts: bool = True) -> base.Environment:
+         artefacts_dir: str = "", artefacts: bool = True,
+         fix_demos: float = 0.0, image_observations: bool = False) -> base.Environment:
     """The CAD environment. Tasks: generated from the part families (`family_names`: their
     names, () all), or the task files `train` and `heldout` (both). `tools`: offer the `cad`
     tool (build and measure inside the episode). `mode`: the reward's ("iou" or "pass",
@@ -201,7 +223,14 @@ def make(n_train: int = 60, n_heldout: int = 20, *, train: str = "", heldout: st
     (`sandbox.cad.spec`). Targets are cached under `cache_dir` (default $PTRAIN_CAD_CACHE or
     ~/.cache/ptrain/cad); renders and STEP files go under `artefacts_dir` (default the
     environment's directory of the run's work dir, /artefacts); `artefacts=False` renders
-    and keeps nothing (each verdict a little cheaper, no files growing with the run)."""
+    and keeps nothing (each verdict a little cheaper, no files growing with the run).
+    `fix_demos`: the share of the tool-offering training tasks whose demonstration first calls
+    the tool with one dimension wrong, reads the measurement and then answers (`fixes.py`;
+    each such script is built in the sandbox when the tasks are made).
+    `image_observations`: the `cad` tool returns the built part's render with its text, for
+    a vision-language policy (a text-only one is refused before generation)."""
+    if not 0.0 <= fix_demos <= 1.0:
+        raise ValueError(f"fix_demos={fix_demos!r}: a share of the training tasks, 0 to 1")
     if mode not in reward.MODES:
         raise ValueError(f"mode={mode!r}: use one of {reward.MODES}")
     if bool(train) != bool(heldout):
@@ -219,16 +248,19 @@ def make(n_train: int = 60, n_heldout: int = 20, *, train: str = "", heldout: st
         target = targets(task.verifier) if task is not None else None
         report = cad.build_and_measure(args["script"], target,
                                        list(task.verifier.checks) if task else (),
-                                       render=False, backend=backend,
+                                       render=image_observations, backend=backend,
                                        build_timeout_s=max(timeout_s, 1.0))
-        printed = report.stdout.strip()
-        return report.text + (f"\nThe script printed:\n{printed[-500:]}" if printed else "")
+        text = fixes.observation(report)
+        if image_observations and report.png:
+            return sandbox_tools.ToolOutput(text, (report.png,))
+        return text
 
     tool = base.Tool("cad", "Build a CadQuery script (it sets `result`) and measure the part: "
                      "the build error, or its volume, size and bounding box and how it "
                      "compares with the target.",
                      {"type": "object", "properties": {"script": {"type": "string"}},
-                      "required": ["script"], "additionalProperties": False}, run_tool)
+                      "required": ["script"], "additionalProperties": False}, run_tool,
+                     images=image_observations)
 
     def tasks(ctx: base.Context) -> base.Splits:
         if train:
@@ -245,6 +277,11 @@ def make(n_train: int = 60, n_heldout: int = 20, *, train: str = "", heldout: st
         state["artefacts"] = state["artefacts"] or os.path.join(ctx.workdir, "artefacts")
         demos = [demonstration(t, ctx.tokenizer, ctx.fmt, (tool,) if t.tools else ())
                  for t in splits[0] if t.verifier.code] if ctx.tokenizer is not None else []
+        if demos and fix_demos:
+            demos = with_fixes(demos, [t for t in splits[0] if t.verifier.code], ctx, tool,
+                               fix_demos, lambda t, script: judge(
+                                   script, targets(t.verifier), t.verifier.checks,
+                                   backend=backend, timeout_s=build_timeout_s, render=False))
         return base.Splits(splits[0], splits[1], demos)
 
     def verify(tasks_, answers, *, sessions=None, pool=None,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 
 from ptrain import jsonl
+from ptrain.envs import task_files
 
 KEYS = ("id", "prompt", "target", "checks", "pass_iou")
 CHECK_KINDS = ("max_interference", "min_clearance", "volume", "size")
@@ -36,16 +37,7 @@ def is_cad_file(path: str) -> bool:
 def read(path: str) -> list[dict]:
     """The file's tasks as dicts: id, prompt, code ("" if none), mesh ({name: absolute STL
     path}, {} if none), checks, pass_iou."""
-    out, ids = [], set()
-    for where, record in jsonl.records(path):
-        task = parse(record, where, os.path.dirname(os.path.abspath(path)))
-        if task["id"] in ids:
-            raise ValueError(f"{where}: task id {task['id']!r} appears more than once")
-        ids.add(task["id"])
-        out.append(task)
-    if not out:
-        raise ValueError(f"{path}: no tasks")
-    return out
+    return task_files.parsed(path, parse)
 
 
 def parse(record: dict, where: str, base_dir: str) -> dict:

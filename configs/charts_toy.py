@@ -1,0 +1,53 @@
+"""Charts on a laptop CPU: a tiny vision-language model (Qwen2.5-VL layout) reads generated
+report pages (bar charts, line charts, tables) and answers questions that need reading them
+and some arithmetic; SFT on the reference answers, then GRPO on the numeric verdicts, with the
+held-out accuracy measured after each.
+
+The charts environment (`ptrain.envs.charts`, docs/charts.md): pages of 224x168 pixels (48
+merged image tokens each), the held-out split on other names and years than training; an
+answer is the value after "Answer:", judged within half a unit of the asked precision.
+
+The argument is the model directory: a Qwen2.5-VL checkpoint with its tokenizer and chat
+template (config.json, *.safetensors, preprocessor_config.json), e.g. a tiny random one saved
+with `ptrain.vision.hf.save` and tests/hf_fixtures.py's Qwen2.5 tokenizer and
+QWEN25_VL_TEMPLATE; then ",short" for a shortened run.
+
+Command:  python -m launch.train --config=configs/charts_toy.py:MODEL_DIR --workdir=runs/charts
+Hardware: 2 CPU cores (the model is tiny). The 444 pages are drawn once into the work dir
+          first: a few minutes on a loaded 2-core VM (~0.5 s a page).
+Expected: <workdir>/eval.jsonl: greedy held-out pass rate after SFT and after RL. Not yet
+          measured: the closed loop's prompts, rollouts and SFT batches do not carry images
+          yet (the environment's `prompt_ids` refuses a text-only path), so this run needs the
+          image rollout path and SFT records with images (`charts.demonstration`) first.
+"""
+
+from ptrain import config as config_lib
+
+
+def get_config(arg: str = ""):
+    """arg: the model directory, then ",short" for a shortened run. The closed loop's defaults
+    (ptrain.config.defaults(closed_loop=True)) with what this experiment changes."""
+    model_dir, _, variant = arg.partition(",")
+    if variant not in ("", "short"):
+        raise ValueError(f"configs/charts_toy.py:{arg}: after the model directory, ',short' "
+                         "or nothing")
+    short = variant == "short"
+    c = config_lib.defaults(closed_loop=True)
+    c.lock()  # a key that defaults() lacks is an error here
+    c.hf_model = c.tokenizer = model_dir  # config.json gives the architecture
+    c.steps = 2 if short else 40
+    c.mesh.update(data=-1, fsdp=1)
+    # The prompt: the chat template, 48 image tokens, a question of ~40 tokens.
+    c.data.update(prompts_per_step=2 if short else 8, max_prompt_len=192)
+    c.sampling.update(max_new_tokens=16, num_samples=4)
+    c.rl.update(clip_high=0.28)
+    c.optim.update(lr=1e-4, schedule="constant")
+    c.sft.update(steps=10 if short else 300, batch_size=8, max_prompt_len=192,
+                 max_completion_len=16)
+    c.sft.optim.update(lr=1e-3, warmup_steps=10)
+    c.tasks.envs = (dict(env="ptrain.envs.charts:make", weight=1.0, args=dict(
+        n_train=16 if short else 400, n_heldout=4 if short else 40, width_px=224,
+        height_px=168)),)
+    c.rollout.update(chat_format="qwen", max_turns=1, max_len=16)
+    c.eval.n = 4 if short else 40
+    return c
