@@ -14,9 +14,8 @@
   RL        `learner.train` with the `rollout.Tasks` producer: multi-turn episodes whose tool
             calls run in the sandbox, verdicts from each task's environment (run in the
             sandbox pool), scoring of batch t overlapped with generating batch t+1 when
-            rl.staleness=1; an environment that runs its own episodes (the terminal tasks'
-            docker containers, `ptrain.envs.terminal`) gives its own producer, and its
-            episodes are packed into the same batch
+            rl.staleness=1; every environment's episodes in the one turn loop and batch
+            (the terminal tasks' in docker containers its `sessions` give for the run)
   eval      again, after RL; a reward-curve PNG and the run report (report.html,
             `ptrain.report`: held-out results, curves, a sample of episodes)
 
@@ -27,6 +26,7 @@ checkpoints, evaluations that are already in eval.jsonl are not repeated.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -52,7 +52,6 @@ from ptrain import run_record
 from ptrain import sharding
 from ptrain import tasks as tasks_lib
 from ptrain.envs import synthetic
-from ptrain.rollout import mixed
 
 
 # ==================================================================================== config
@@ -163,14 +162,13 @@ def _task_file(workdir, domain, split):
 
 
 def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step, envs,
-             producers, skip=(), on_line=None, on_progress=None):
+             skip=(), on_line=None, on_progress=None):
     """Pass rates on the held-out split, per environment: greedy pass@1, and with eval.sample
     pass@1 and pass@k at the sampling temperature from sampling.num_samples samples per task
-    (the unbiased estimator of Chen et al. 2021, `sandbox.terminal.evaluate.pass_at_k`).
-    Returns eval.jsonl lines. With many processes each runs and scores its block of the
-    tasks (one sampler call over all of them per turn) and the summary is of all episodes.
-    An environment that runs its own episodes evaluates them (`Environment.evaluate`, with its
-    producer from `producers`). (environment, decoding) pairs in `skip` are not run;
+    (the unbiased estimator of Chen et al. 2021, `sandbox.terminal.evaluate.pass_at_k`), and
+    the environment's own `eval_fields`. Returns eval.jsonl lines. With many processes each
+    runs and scores its block of the tasks (one sampler call over all of them per turn) and
+    the summary is of all episodes. (environment, decoding) pairs in `skip` are not run;
     `on_line(line)` follows each that is; `on_progress(env_name, n_tasks)` each call of
     `eval.tasks_per_call` held-out tasks (all of them when 0), whose episodes run at once: the
     first call samples with the seed's key, the one starting at task i with it folded with i."""
@@ -188,13 +186,6 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step, 
                 continue
             line = {"stage": stage, "step": step, "split": "heldout", "domain": env.name,
                     "decoding": decoding}
-            if env.evaluate is not None:
-                lines.append({**line, **env.evaluate(
-                    producers[env.name], params, tasks, seed=config.seed,
-                    num_samples=rc.num_samples, greedy=rc.greedy, summarize=eval_summary)})
-                if on_line:
-                    on_line(lines[-1])
-                continue
             episodes = []
             per_call = config.eval.tasks_per_call or len(tasks)
             for start in range(0, len(tasks), per_call):  # bounded memory, progress per call
@@ -205,7 +196,8 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step, 
                     if start else jax.random.key(config.seed))
                 if on_progress:
                     on_progress(env.name, min(start + per_call, len(tasks)) - start)
-            lines.append({**line, **eval_summary(episodes, rc.num_samples)})
+            lines.append({**line, **eval_summary(episodes, rc.num_samples),
+                          **(env.eval_fields(tasks, episodes) if env.eval_fields else {})})
             if on_line:
                 on_line(lines[-1])
     return lines
@@ -286,27 +278,19 @@ def run(config, workdir, *, mesh=None):
 
     box = config.sandbox
     with contextlib.ExitStack() as stack:
-        # The producers: the environments that run their own episodes each give one, the
-        # others share `rollout.Tasks` (their verdicts in the sandbox pool); records of all
+        # One producer for every environment's episodes (their verdicts in the sandbox pool,
+        # opened where an environment without sessions of its own needs one); records of all
         # mix in one batch by their weights.
-        producers, pool, producer_of = {}, None, {}
-        shared = [env for env in envs if env.producer is None]
-        if shared:
+        pool = None
+        if any(env.sessions is None for env in envs):
             pool = stack.enter_context(fleet.open_pool(
                 box.cluster, workers=box.workers, backend=box.backend, address=box.address))
-            producers["tasks"] = rollout_lib.Tasks(sampler, tokenizer, config, pool,
-                                                   envs={env.name: env for env in shared})
-            producer_of.update({env.name: "tasks" for env in shared})
-        for env in envs:
-            if env.producer is not None:
-                producers[env.name] = stack.enter_context(
-                    env.producer(config, sampler, tokenizer, heldout[env.name]))
-                producer_of[env.name] = env.name
-        producer = (next(iter(producers.values())) if len(producers) == 1 else
-                    mixed.MixedProducer(producers, route=mixed.by_domain(producer_of),
-                                        pad_id=rollout_lib.pad_id(tokenizer)))
+        envs = [dataclasses.replace(env, open_session=stack.enter_context(
+            env.sessions(config, heldout[env.name]))) if env.sessions else env for env in envs]
+        producer = rollout_lib.Tasks(sampler, tokenizer, config, pool,
+                                     envs={env.name: env for env in envs})
         ev = dict(sampler=sampler, heldout=heldout, tokenizer=tokenizer, config=config,
-                  pool=pool, envs=envs, producers=producers)
+                  pool=pool, envs=envs)
         # -------------------------------------------------------- a brought model's baseline
         if config.hf_model:
             _evaluate_once(eval_path, "base", params=learner_lib.build_model(config, mesh), step=0,

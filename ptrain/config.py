@@ -120,8 +120,8 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         # producer with separate generate/score (see `learner.train`), and tis_cap > 0 to
         # correct the lag (required from k = 2).
         staleness=0,
-        # With staleness >= 1 on the engine (sampling.engine=True; SingleTurn, Tasks, terminal,
-        # a mix of them): the generation in flight switches to the learner's new version when
+        # With staleness >= 1 on the engine (sampling.engine=True; SingleTurn, Tasks, a mix
+        # of them): the generation in flight switches to the learner's new version when
         # an update ends, at a decode-round boundary, its sequences' caches recomputed under
         # the new weights (with router_replay, routed to the experts each position recorded);
         # each token keeps its behaviour log-prob and version (`ptrain.generate.interrupt`).
@@ -133,8 +133,8 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
         interrupt_cache="recompute",
         # MoE: train with the experts the sampler routed each token to (R3), not the
         # learner's own top-k; needs a producer that records routing (every one here does:
-        # single-turn, multi-turn Tasks, mixed, terminal, and on sampling.engine); rows
-        # without it are a clear error (`routing.check_replay`).
+        # single-turn, multi-turn Tasks (terminal tasks' too), mixed, and on
+        # sampling.engine); rows without it are a clear error (`routing.check_replay`).
         router_replay=False,
     )
     # The value function of rl.estimator="gae" (PPO), ignored otherwise. init "policy": the

@@ -119,10 +119,13 @@ def word_tokenizer_model(o: Options, path, run_config):
 
 def terminal_model_agent(o: Options):
     from ptrain.envs.terminal import agent as terminal_agent
+    from ptrain.rollout import turns
     sampler, params, tokenizer, fmt, stop, system = load_model(o)
+    stop_ids, stop_strings = turns.turn_stops(fmt, tokenizer, stop, tools=True)  # as in RL
     policy = terminal_agent.SamplerPolicy(
-        sampler, params, stop_ids=stop, max_new_tokens=o.max_new_tokens,
-        temperature=o.temperature, greedy=o.greedy, seed=o.seed)
+        sampler, params, stop_ids=stop_ids, stop_strings=stop_strings,
+        max_new_tokens=o.max_new_tokens, temperature=o.temperature, greedy=o.greedy,
+        seed=o.seed)
     return terminal_agent.ShellAgent(policy, tokenizer, fmt, stop_ids=stop,
                                      max_turns=o.max_turns, max_len=o.max_len,
                                      system=system)

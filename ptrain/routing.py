@@ -95,8 +95,8 @@ def check_replay(batch) -> None:
     if batch.experts_bnlk is None or batch.prompt_experts_bplk is None:
         raise ValueError("rl.router_replay: the batch carries no recorded routing "
                          "(Batch.experts_bnlk, prompt_experts_bplk); its producer does not "
-                         "record the sampler's (the single-turn, multi-turn, mixed and "
-                         "terminal producers and the engine do), or set "
+                         "record the sampler's (the single-turn, multi-turn and mixed "
+                         "producers and the engine do), or set "
                          "rl.router_replay=False")
     b, p = batch.prompt_bp.shape
     n = batch.tokens_bn.shape[1]

@@ -207,39 +207,42 @@ class ScriptedPolicy:
         self.sampler, self.mesh, self.tok = sampler, sampler.mesh, tok
         self.by_instruction, self.at_once, self.calls = by_instruction, answers_at_once, []
 
-    def sample(self, params, prompts, *, max_new_tokens, stop_token_ids, **kwargs):
+    def sample(self, params, prompts, *, max_new_tokens, stop_token_ids, num_samples=1,
+               **kwargs):
         from ptrain import chat
         from ptrain.envs.terminal import generated as terminal_tasks
         out = self.sampler.sample(params, prompts, max_new_tokens=max_new_tokens,
-                                  stop_token_ids=stop_token_ids, **kwargs)
-        self.calls.append(len(prompts))
+                                  stop_token_ids=stop_token_ids, num_samples=num_samples,
+                                  **kwargs)
+        histories = [ids for ids in prompts for _ in range(num_samples)]
+        self.calls.append(len(histories))
         tokens, lengths = np.zeros_like(out.tokens), np.zeros_like(out.lengths)
-        for i, ids in enumerate(prompts):
+        for i, ids in enumerate(histories):
             text = self.tok.decode(list(ids))
             if "<tool_response>" in text or text in self.at_once:
-                row = chat.encode(self.tok, "done")
-            else:
+                row = chat.encode(self.tok, "done") + [self.tok.eos_token_id]
+            else:  # a call turn ends at its </tool_call>
                 g = self.by_instruction[text]
                 row = chat.encode(self.tok, terminal_tasks.call_text(g.good if i % 2 == 0
                                                                      else g.bad))
-            row = row[:max_new_tokens - 1] + [stop_token_ids[0]]
+            assert row[-1] in stop_token_ids and len(row) <= max_new_tokens
             tokens[i, :len(row)], lengths[i] = row, len(row)
         return dataclasses.replace(out, tokens=tokens, lengths=lengths,
-                                   finish_reasons=["stop"] * len(prompts))
+                                   finish_reasons=["stop"] * len(histories))
 
 
 def terminal_program(root: str) -> dict:
     """The terminal domain on this process's block of the records (bwrap task boxes, the
-    real sampler under `ScriptedPolicy`): one mixed batch of two terminal producers (one
-    producer has records on process 0 only), gathered; and the held-out evaluation of 3
-    tasks (uneven blocks). Process 0's episodes end after one turn, process 1's go on."""
+    real sampler under `ScriptedPolicy`): one batch of episodes of two terminal environments
+    (one has tasks on process 0 only), gathered; and the held-out evaluation of 3 tasks
+    (uneven blocks, `closed_loop.evaluate`). Process 0's episodes end after one turn,
+    process 1's go on."""
     import os
     from flax import nnx
     from ptrain import batch as batch_lib
-    from ptrain import chat, closed_loop
+    from ptrain import closed_loop, rollout
+    from ptrain import config as config_lib
     from ptrain.envs import terminal as terminal_env
-    from ptrain.envs.terminal import episodes as terminal_episodes
-    from ptrain.rollout import mixed as mixed_producer
     from ptrain import model as M
     from ptrain.envs.terminal import generated as terminal_tasks
     from ptrain.generate import sampler as S
@@ -252,30 +255,27 @@ def terminal_program(root: str) -> dict:
                                  n_heads=4, n_kv_heads=2, d_ff=64), seed=3, mesh=mesh)
     policy = ScriptedPolicy(S.Sampler(model), tok, {g.instruction: g for g in tasks},
                             {tasks[0].instruction, tasks[1].instruction})
-    records = [{"task_dir": g.task_dir, "domain": d}
-               for g, d in zip(tasks, ("terminal", "short", "terminal", "terminal"))]
+    records = [dataclasses.replace(g, domain=d)
+               for g, d in zip(tasks, ("terminal", "other", "terminal", "terminal"))]
     block, blocks = sharding.row_block(mesh)
     mine = records[len(records) * block // blocks:len(records) * (block + 1) // blocks]
-    config = terminal_episodes.TerminalRolloutConfig(num_samples=2, max_new_tokens=56,
-                                                    max_turns=3, max_len=96, threads=4,
-                                                    system="")
+    c = config_lib.defaults(closed_loop=True)
+    c.sampling.update(num_samples=2, max_new_tokens=56, stop_token_ids=(tok.eos_token_id,))
+    c.rollout.update(max_turns=3, max_len=96)
+    c.data.max_prompt_len = 24
+    c.eval.n = 3
     params = nnx.state(model)
     with terminal.Harness(backend="bwrap", max_idle=8) as harness:
-        producers = {name: terminal_episodes.TerminalProducer(
-            policy, tok, harness=harness, fmt=chat.PLAIN, stop_ids=(tok.eos_token_id,),
-            config=dataclasses.replace(config, max_turns=turns), prompt_len=24)
-            for name, turns in (("terminal", 3), ("short", 1))}
-        try:
-            mixed = mixed_producer.MixedProducer(producers, route=lambda r: r["domain"])
-            batch = batch_lib.gather(mixed.score(mixed.generate(params, mine,
-                                                                jax.random.key(5))), mesh)
-            train_calls = list(policy.calls)
-            line = terminal_env.evaluate(producers["terminal"], params, tasks[:3], seed=0,
-                                            num_samples=1, greedy=True,
-                                            summarize=closed_loop.eval_summary)
-        finally:
-            for p in producers.values():
-                p.close()
+        env = dataclasses.replace(terminal_env.make(system="", threads=4), open_session=lambda
+                                  t: harness.episode(terminal.load_task(t.task_dir)))
+        envs = {name: dataclasses.replace(env, name=name) for name in ("terminal", "other")}
+        producer = rollout.Tasks(policy, tok, c, None, envs=envs)
+        batch = batch_lib.gather(producer.score(producer.generate(params, mine,
+                                                                  jax.random.key(5))), mesh)
+        train_calls = list(policy.calls)
+        (line,) = closed_loop.evaluate(policy, params, {"terminal": tasks[:3]}, tokenizer=tok,
+                                       config=c, pool=None, stage="rl", step=1,
+                                       envs=[envs["terminal"]])
     rows = sorted(range(len(batch)), key=lambda i: (batch.meta[i]["prompt"], i))
     return {"calls": train_calls, "eval_calls": policy.calls[len(train_calls):],
             "eval": line, "tasks": [batch.meta[i]["prompt"] for i in rows],
@@ -593,6 +593,6 @@ def multiturn_program(workdir: str, mesh=None, engine: bool = False) -> dict:
     params = L.train(c, workdir, producer=producer, mesh=mesh, tokenizer=tok)
     heldout = {"fmt": [CL.tasks_lib.from_record(r) for r in format_tasks(5, n=4)]}
     lines = CL.evaluate(sampler, params, heldout, tokenizer=tok, config=c, pool=None,
-                        stage="rl", step=1, envs=[rollout.builtin("fmt")], producers={})
+                        stage="rl", step=1, envs=[rollout.builtin("fmt")])
     return {"metrics": _run_metrics(workdir), "eval": lines,
             "params": sharding.to_host(params)}

@@ -513,72 +513,58 @@ def test_a_mixed_run_keeps_each_tokens_version_and_resumes_exactly(tmp_path, mon
     assert again[1] == [r for r in rollouts if r["step"] > 2]
 
 
-# ------------------------------------------------------------------ the terminal producer
+# ------------------------------------------------------------------ terminal episodes
 
 def test_a_terminal_episode_goes_on_with_the_new_weights_at_its_next_turn(tmp_path):
-    """rl.interrupt through the terminal producer (bwrap sandboxes, the scripted turns of
-    tests/test_terminal_rollout.py: a tool call, then "done"): a sampler that does what the
-    engine does with a Live (a swap after its first round of 4 tokens when a newer version
-    is published, advancing the Live) gets the same Live every turn, so version 4, published
-    before the first turn, takes over after its 4th token and the second turn (after the
-    tool ran) is version 4's throughout; each model token's version and behaviour log-prob
-    are kept in the batch, the prompt and the tool's output UNSAMPLED, and the token
-    staleness metrics read them."""
+    """rl.interrupt on terminal episodes (the terminal environment's tasks through
+    rollout.Tasks on the engine, bwrap task boxes; a chat format that reads every turn as a
+    bash call): version 4, published before the first turn, takes over after the first round
+    of 4 tokens, and the second turn (after the tool ran in the task's shell) is version 4's
+    throughout; each model token's version is kept in the batch, the prompt and the tool's
+    output UNSAMPLED, and the token staleness metrics read them."""
     import dataclasses
-    from ptrain import chat
-    from ptrain.envs.terminal import episodes as terminal_episodes, generated as terminal_tasks
+    from ptrain import chat, config as config_lib, rollout
+    from ptrain.envs import terminal as terminal_env
+    from ptrain.envs.terminal import generated as terminal_tasks
+    from ptrain.generate import engine_sampler
     from sandbox import terminal
     from sandbox.terminal import bwrap
-    from tests.test_terminal_rollout import ScriptedSampler
     if bwrap.unavailable() is not None:
         pytest.skip(bwrap.unavailable())
     train = terminal_tasks.generate(str(tmp_path), 2, seed=0, split="train")
+    for g in train:  # the agent's clock runs from the episode's start: the engine's compiles
+        toml = tmp_path / g.task_dir / "task.toml"
+        toml.write_text(toml.read_text().replace("[agent]\ntimeout_sec = 60.0",
+                                                 "[agent]\ntimeout_sec = 3600.0"))
     tok = terminal_tasks.tokenizer()
-
-    class LiveScripted(ScriptedSampler):
-        def sample(self, params, prompts, **kw):
-            out = super().sample(params, prompts, **kw)
-            first = params.version
-            new = params.switch.poll(params.version, 1)  # at the first round boundary
-            if new:
-                params.advance(*new)
-            rows, n = out.tokens.shape
-            versions = np.where(np.arange(n) < EVERY, first, params.version).astype(np.int32)
-            versions = np.broadcast_to(versions, (rows, n))
-            return dataclasses.replace(out, versions=versions,  # a log-prob per version
-                                       logp_temp=out.logp_temp + 0.25 * (versions - 3))
-    sampler = LiveScripted(tok, {g.instruction: g for g in train})
-    config = terminal_episodes.TerminalRolloutConfig(num_samples=2, max_new_tokens=56,
-                                                    max_turns=2, max_len=96, threads=4,
-                                                    system="")
-    switch = interrupt.Switch(every=EVERY)
-    switch.publish(4, "the weights of version 4")
-    live = interrupt.Live("the weights of version 3", 3, switch)
+    config = dataclasses.replace(CONFIG, vocab_size=tok.vocab_size)
+    old, new = M.init(config, seed=3), M.init(config, seed=11)
+    c = config_lib.defaults(closed_loop=True)
+    c.sampling.update(num_samples=2, max_new_tokens=8, stop_token_ids=())
+    c.rollout.update(max_turns=2, max_len=64)
+    c.data.max_prompt_len = 24
+    switch = interrupt.Switch(every=EVERY, at_round=1)
+    switch.publish(4, nnx.state(new))
+    live = interrupt.Live(nnx.state(old), 3, switch)
     with terminal.Harness(backend="bwrap", max_idle=4) as h:
-        producer = terminal_episodes.TerminalProducer(
-            sampler, tok, harness=h, fmt=chat.PLAIN, stop_ids=(tok.eos_token_id,),
-            config=config, prompt_len=24)
-        try:
-            records = [{"task_dir": g.task_dir} for g in train]
-            batch = producer.score(producer.generate(live, records, jax.random.key(0)))
-        finally:
-            producer.close()
-    assert sampler.calls == [4, 4] and live.version == 4
-    assert live.params == "the weights of version 4"
+        env = dataclasses.replace(terminal_env.make(system="", threads=4), open_session=lambda t:
+                                  h.episode(terminal.load_task(t.task_dir)))
+        producer = rollout.Tasks(engine_sampler.EngineSampler(old, slots=4, decode=tok.decode),
+                                 tok, c, None, envs={"terminal": env})
+        producer.fmt = dataclasses.replace(
+            chat.PLAIN, parse_calls=lambda text: [chat.ToolCall("bash", {"command": "true"})])
+        batch = producer.score(producer.generate(live, train, jax.random.key(0)))
+    assert live.version == 4
     u = interrupt.UNSAMPLED
     v_bn, mask_bn = batch.versions_bn, batch.loss_mask_bn > 0
     np.testing.assert_array_equal(v_bn != u, mask_bn)
     for i in range(len(batch)):
-        n = int(batch.lengths_b[i])
-        mask = mask_bn[i, :n]
-        assert batch.meta[i]["turns"] == 2 and mask[0] and not mask.all()
-        first = int(np.argmin(mask))  # the first turn ends where the tool's output begins
-        second = n - int(np.argmin(mask[::-1]))  # the second turn begins after it
-        assert v_bn[i, :first].tolist() == [3] * EVERY + [4] * (first - EVERY)
-        assert v_bn[i, first:second].tolist() == [u] * (second - first)
-        assert v_bn[i, second:n].tolist() == [4] * (n - second)
-        np.testing.assert_allclose(batch.rollout_logp_bn[i, :n][mask],
-                                   -0.5 + 0.25 * (v_bn[i, :n][mask] - 3))
+        mask = mask_bn[i, :int(batch.lengths_b[i])]
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))
+        (a, b), (c2, d) = edges.reshape(-1, 2)  # two model turns, an observation after each
+        assert batch.meta[i]["turns"] == 2 and a == 0 and b < c2, batch.meta[i]
+        assert v_bn[i, a:b].tolist() == [3] * EVERY + [4] * (b - a - EVERY)
+        assert v_bn[i, c2:d].tolist() == [4] * (d - c2)
     m = interrupt.metrics(batch, step=5, k=1)  # the learner holds version 4
     assert m["rollout/interrupted"] == 1.0
     assert m["rollout/token_staleness_hist"] == [int((v_bn == 4).sum()), EVERY * len(batch)]

@@ -528,16 +528,18 @@ def _check_replay_restores(learner, batch, valid_bn=None, *, agreement=True):
     assert float(on["rollout/logp_mismatch"]) < 0.5 * float(off["rollout/logp_mismatch"])
 
 
-def test_the_terminal_producer_records_routing_and_replay_restores_it(tmp_path):
-    """The terminal producer on the tiny MoE, its episodes in real task shells: a chat format
-    that reads every turn as the same bash call gives each episode two model turns with the
-    shell's answer between them (routed by the second turn's prefill). Every token up to the
-    last sampled one is recorded, the learner routes it the same way, replay restores it; the
-    observation after the last turn, which no sampler forward consumed, is unrecorded.
-    (On bwrap where it can run, else on docker.)"""
+def test_terminal_episodes_record_routing_and_replay_restores_it(tmp_path):
+    """Terminal episodes (rollout.Tasks on the terminal environment) on the tiny MoE, its
+    episodes in real task shells: a chat format that reads every turn as the same bash call
+    gives each episode two model turns with the shell's answer between them (routed by the
+    second turn's prefill). Every token up to the last sampled one is recorded, the learner
+    routes it the same way, replay restores it; the observation after the last turn, which
+    no sampler forward consumed, is unrecorded. (On bwrap where it can run, else on docker.)
+"""
     import dataclasses
-    from ptrain import chat, closed_loop as CL, routing
-    from ptrain.envs.terminal import episodes as terminal_episodes, generated as terminal_tasks
+    from ptrain import chat, closed_loop as CL, routing, rollout
+    from ptrain.envs import terminal as terminal_env
+    from ptrain.envs.terminal import generated as terminal_tasks
     from sandbox import terminal
     backend = "bwrap" if terminal.bwrap.unavailable() is None else "docker"
     if backend == "docker":
@@ -552,19 +554,14 @@ def test_the_terminal_producer_records_routing_and_replay_restores_it(tmp_path):
         chat.PLAIN, name="every-turn-a-call",
         parse_calls=lambda text: [chat.ToolCall("bash", {"command": "echo routed"})])
     generated = terminal_tasks.generate(str(tmp_path), 2, seed=0, split="train")
-    config = terminal_episodes.TerminalRolloutConfig(num_samples=2, max_new_tokens=6,
-                                                    max_turns=2, max_len=64, threads=4,
-                                                    system="")
+    c.rollout.update(max_turns=2, max_len=64)
     with terminal.Harness(backend=backend) as h:
-        producer = terminal_episodes.TerminalProducer(
-            sampler, tok, harness=h, fmt=always_calls, stop_ids=(tok.eos_token_id,),
-            config=config, prompt_len=24, pad_id=learner.pad_id)
-        try:
-            batch = producer.score(producer.generate(
-                learner.initial_params, [{"task_dir": g.task_dir} for g in generated],
-                jax.random.key(3)))
-        finally:
-            producer.close()
+        env = dataclasses.replace(terminal_env.make(system="", threads=4), open_session=lambda t:
+                                  h.episode(terminal.load_task(t.task_dir)))
+        producer = rollout.Tasks(sampler, tok, c, None, envs={"terminal": env})
+        producer.fmt = always_calls
+        batch = producer.score(producer.generate(learner.initial_params, generated,
+                                                 jax.random.key(3)))
     assert len(batch) == 4 and all(m["turns"] == 2 and m["tool_calls"] == 2
                                    for m in batch.meta), batch.meta
     assert batch.experts_bnlk.shape == (4, 64, 1, K)

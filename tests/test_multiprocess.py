@@ -86,8 +86,8 @@ def test_the_terminal_domain_on_two_processes_equals_one(tmp_path):
         one = mp_programs.terminal_program(str(tmp_path / "one"))
     finally:
         two = two.result()  # (its processes end before the test does, whatever happened)
-    # Turn 1: 3 tasks x 2 samples; turn 2: the 2 tasks that ran a command; the short producer.
-    assert one["calls"] == [6, 4, 2] and one["eval_calls"] == [3, 1]
+    # Turn 1: 4 tasks x 2 samples; turn 2: the 2 tasks that ran a command.
+    assert one["calls"] == [8, 4] and one["eval_calls"] == [3, 1]
     assert one["groups"] == 4 and sorted(set(one["turns"])) == [1, 2]
     assert 0.0 < one["rewards"].mean() < 1.0  # the tasks' own tests, passed and failed
     assert one["eval"]["n"] == 3 and one["eval"]["pass_rate"] == pytest.approx(1 / 3)

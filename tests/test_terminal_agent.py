@@ -74,16 +74,16 @@ def test_turn_loop_runs_calls_reports_errors_and_masks_model_tokens(qwen):
     # The second turn's prompt is the first's history plus the observation, token for token.
     obs = tok.decode(policy.seen[1][len(policy.seen[0]):], skip_special_tokens=False)
     assert "a.txt\nb.txt\n[exit status 0]" in obs and "Let me look." in obs
-    history = tok.decode(tokens.ids, skip_special_tokens=False)
-    assert 'bash takes {"command"' in history  # a command that is not a string
+    history = tok.decode(tokens.tokens, skip_special_tokens=False)
+    assert "'command' must be a string" in history  # the tool's schema, checked
     assert "tool 'python' is not available here" in history
     assert "not valid JSON" in history
-    model_ids = [i for i, m in zip(tokens.ids, tokens.mask) if m]
+    model_ids = [i for i, m in zip(tokens.tokens, tokens.mask) if m]
     assert model_ids == sum((chat.encode(tok, t) + [stop[0]] for t in turns), [])
     assert all(lp == -1.0 for lp, m in zip(tokens.logp, tokens.mask) if m)
-    assert tokens.ids[:tokens.prompt_len] == terminal_agent.render_prompt(
+    assert tokens.tokens[:tokens.prompt_len] == terminal_agent.render_prompt(
         chat.QWEN, tok, ep.instruction)
-    rendered = tok.decode(tokens.ids[:tokens.prompt_len], skip_special_tokens=False)
+    rendered = tok.decode(tokens.tokens[:tokens.prompt_len], skip_special_tokens=False)
     assert '"name": "bash"' in rendered and "List the files." in rendered  # the schema
 
 
@@ -99,7 +99,7 @@ def test_turn_loop_stops_at_max_turns_and_max_len(qwen):
     ep = FakeEpisode([""] * 3)
     tokens = short(ep)
     assert tokens.finish == "max_len" and ep.commands == []
-    assert len(tokens.ids) - tokens.prompt_len == 10
+    assert len(tokens.tokens) - tokens.prompt_len == 10
 
 
 def test_an_answer_cut_at_max_new_tokens_is_truncated_not_answered(qwen):

@@ -1,8 +1,8 @@
-"""ptrain/envs/terminal/episodes.py and ptrain/envs/terminal/generated.py on docker: generated Harbor tasks
-pass their oracle and fail nop; the producer's episodes (turns batched through a sampler,
-tool calls in each task's shell) are rewarded by the tasks' own tests and packed for the
-learner with the loss mask on the model's tokens only; the closed loop's terminal environment
-(ptrain/envs/terminal/__init__.py) from config, alone and mixed with another environment."""
+"""The terminal environment (ptrain/envs/terminal/) on docker: generated Harbor tasks pass
+their oracle and fail nop; its episodes in the one turn loop (`rollout.Tasks`: turns batched
+through a sampler, tool calls in each task's shell) are rewarded by the tasks' own tests and
+packed for the learner with the loss mask on the model's tokens only; the closed loop's
+terminal environment from config, alone and mixed with another environment."""
 
 import random
 import re
@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from ptrain import chat, learner
-from ptrain.envs.terminal import episodes as terminal_episodes
 from ptrain.envs.terminal import generated as terminal_tasks
 from ptrain.generate import sampler as sampler_lib
 
@@ -57,23 +56,26 @@ def test_generated_tasks_pass_their_oracle_and_fail_nop(terminal, generated):
 
 class ScriptedSampler:
     """Sampler-shaped: each row's turn is the right command for even rows and the
-    demonstrations' mistake for odd ones (first turn), then "done" (later turns)."""
+    demonstrations' mistake for odd ones (first turn; a call turn ends at its </tool_call>),
+    then "done" + EOS (later turns)."""
 
     def __init__(self, tok, by_instruction):
         self.tok, self.by_instruction, self.calls = tok, by_instruction, []
 
-    def sample(self, params, prompts, *, max_new_tokens, stop_token_ids, key, **kw):
-        self.calls.append(len(prompts))
+    def sample(self, params, prompts, *, max_new_tokens, stop_token_ids, key, num_samples=1,
+               **kw):
+        histories = [ids for ids in prompts for _ in range(num_samples)]
+        self.calls.append(len(histories))
         rows = []
-        for i, ids in enumerate(prompts):
+        for i, ids in enumerate(histories):
             text = self.tok.decode(ids)
             if "<tool_response>" in text:
-                rows.append(chat.encode(self.tok, "done"))
+                rows.append(chat.encode(self.tok, "done") + [self.tok.eos_token_id])
             else:
                 g = self.by_instruction[text]
                 command = g.good if i % 2 == 0 else g.bad
                 rows.append(chat.encode(self.tok, terminal_tasks.call_text(command)))
-            rows[-1] = rows[-1][:max_new_tokens - 1] + [stop_token_ids[0]]
+            assert rows[-1][-1] in stop_token_ids and len(rows[-1]) <= max_new_tokens
         n = len(rows)
         tokens = np.zeros((n, max_new_tokens), np.int32)
         logp = np.zeros((n, max_new_tokens), np.float32)
@@ -81,7 +83,25 @@ class ScriptedSampler:
             tokens[i, :len(r)], logp[i, :len(r)] = r, -0.5
         return sampler_lib.Samples(tokens=tokens, logp=logp, logp_temp=logp, logp_t1=logp,
                                    lengths=np.array([len(r) for r in rows]),
-                                   finish_reasons=["stop"] * n, prompt_index=np.arange(n))
+                                   finish_reasons=["stop"] * n,
+                                   prompt_index=np.arange(n) // num_samples)
+
+
+def terminal_producer(sampler, tok, harness, num_samples):
+    """`rollout.Tasks` on the terminal environment, its sessions from `harness`."""
+    import dataclasses
+    from ptrain import config as config_lib
+    from ptrain import rollout
+    from ptrain.envs import terminal as terminal_env
+    from sandbox import terminal
+    c = config_lib.defaults(closed_loop=True)
+    c.sampling.update(num_samples=num_samples, max_new_tokens=56,
+                      stop_token_ids=(tok.eos_token_id,))
+    c.rollout.update(max_turns=2, max_len=96)
+    c.data.max_prompt_len = 24
+    env = dataclasses.replace(terminal_env.make(system="", threads=4), open_session=lambda t:
+                              harness.episode(terminal.load_task(t.task_dir)))
+    return rollout.Tasks(sampler, tok, c, None, envs={"terminal": env})
 
 
 def test_producer_rewards_episodes_by_the_tasks_tests(terminal, generated):
@@ -91,23 +111,14 @@ def test_producer_rewards_episodes_by_the_tasks_tests(terminal, generated):
     picked = folders + plain
     tok = terminal_tasks.tokenizer()
     sampler = ScriptedSampler(tok, {g.instruction: g for g in picked})
-    config = terminal_episodes.TerminalRolloutConfig(num_samples=4, max_new_tokens=56,
-                                                    max_turns=2, max_len=96, threads=4,
-                                                    system="")
     with terminal.Harness() as h:
-        producer = terminal_episodes.TerminalProducer(
-            sampler, tok, harness=h, fmt=chat.PLAIN, stop_ids=(tok.eos_token_id,),
-            config=config, prompt_len=24)
-        try:
-            records = [{"task_dir": g.task_dir, "domain": "terminal"} for g in picked]
-            import jax
-            episodes = producer.score(producer.generate(None, records, jax.random.key(0)))
-        finally:
-            producer.close()
+        producer = terminal_producer(sampler, tok, h, num_samples=4)
+        import jax
+        episodes = producer.score(producer.generate(None, picked, jax.random.key(0)))
     assert isinstance(episodes, learner.Episodes) and len(episodes) == 12
     episodes.check_groups(4)
     assert episodes.group_ids_b.tolist() == [0] * 4 + [1] * 4 + [2] * 4
-    assert episodes.max_len_b.tolist() == [96] * 12  # terminal.max_len: the overlong cap
+    assert episodes.max_len_b.tolist() == [96] * 12  # rollout.max_len: the overlong cap
     # Even rows ran the right command; odd rows forgot the folder, which fails only there.
     want = [1.0, 0.0, 1.0, 0.0] * 2 + [1.0] * 4
     assert episodes.rewards_b.tolist() == want
@@ -115,7 +126,7 @@ def test_producer_rewards_episodes_by_the_tasks_tests(terminal, generated):
     assert sampler.calls == [12, 12]  # every episode's turn in one batch, two turns
     for i, m in enumerate(episodes.meta):
         assert m["domain"] == "terminal" and m["turns"] == 2 and m["tool_calls"] == 1
-        assert m["finish"] == "answered"
+        assert m["finish"] == "answered" and m["tool_errors"] == 0
         n = episodes.lengths_b[i]
         mask, toks = episodes.loss_mask_bn[i, :n], episodes.tokens_bn[i, :n]
         text = tok.decode(toks[mask == 0].tolist())
@@ -132,7 +143,7 @@ def test_producer_rewards_episodes_by_the_tasks_tests(terminal, generated):
 
 
 def test_the_producer_at_staleness_1_on_bwrap(generated):
-    """The terminal producer under the learner's look-ahead (rl.staleness=1): batch t+1 is
+    """The terminal episodes under the learner's look-ahead (rl.staleness=1): batch t+1 is
     generated (episodes opened and stepped) in its thread while batch t is scored in
     another; each batch is rewarded by its tasks' tests as at staleness 0, rows carry the
     version that generated them, and at most two batches of sandboxes exist at once."""
@@ -147,10 +158,7 @@ def test_the_producer_at_staleness_1_on_bwrap(generated):
     picked = [g for g in train if g.triggered][:1] + [g for g in train if not g.triggered][:1]
     tok = terminal_tasks.tokenizer()
     sampler = ScriptedSampler(tok, {g.instruction: g for g in picked})
-    config = terminal_episodes.TerminalRolloutConfig(num_samples=2, max_new_tokens=56,
-                                                    max_turns=2, max_len=96, threads=4,
-                                                    system="")
-    records = [{"task_dir": g.task_dir, "domain": "terminal"} for g in picked]
+    records = picked
 
     class Stream:
         n = 0
@@ -166,9 +174,7 @@ def test_the_producer_at_staleness_1_on_bwrap(generated):
     with terminal.Harness(backend="bwrap", max_idle=8) as h:
         new = h._new
         h._new = lambda task, key: made.append(1) or new(task, key)
-        producer = terminal_episodes.TerminalProducer(
-            sampler, tok, harness=h, fmt=chat.PLAIN, stop_ids=(tok.eos_token_id,),
-            config=config, prompt_len=24)
+        producer = terminal_producer(sampler, tok, h, num_samples=2)
         ahead = lookahead.LookAhead(1, producer, Stream(), jax.random.key(0), steps=steps,
                                     save_every=100)
         params, batches = {"w": jnp.zeros(())}, []
@@ -179,7 +185,6 @@ def test_the_producer_at_staleness_1_on_bwrap(generated):
                 params = {"w": params["w"] + 1}  # the update
         finally:
             ahead.close()
-            producer.close()
     want = [1.0, 0.0, 1.0, 1.0]  # the folder task: the odd row forgets mkdir -p
     for step, b in enumerate(batches, 1):
         assert b.rewards_b.tolist() == want, (step, b.meta)
@@ -203,6 +208,8 @@ def test_demonstrations_carry_the_mistake_at_the_bug_rate(generated):
                                "[exit status 0]\n</tool_response>\ndone")
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == \
         terminal_tasks.call_text(g.good) + "done"
+    assert ids[-1] == tok.eos_token_id and tok.eos_token_id not in ids[:-1]  # a call turn
+    # ends at its </tool_call> (the turn loop's stop in the plain format), an answer at EOS
     assert tok.decode(record["prompt_ids"]) == g.instruction
 
 
@@ -220,7 +227,6 @@ def test_terminal_environment_config_tasks_and_demonstrations(tmp_path):
     one: its args are checked, and the tasks, RL records and demonstrations are made."""
     from configs import terminal_toy
     from ptrain import closed_loop, jsonl
-    from ptrain.envs import terminal as terminal_env
     config = terminal_toy.get_config("short")
     closed_loop.check_config(config)
     ahead = terminal_toy.get_config("short").unlock()
@@ -254,14 +260,6 @@ def test_terminal_environment_config_tasks_and_demonstrations(tmp_path):
     longest = max(len(d["completion_ids"]) for d in demos)
     assert longest <= config.sft.max_completion_len and longest <= config.rollout.max_len
     assert max(len(d["prompt_ids"]) for d in demos) <= config.data.max_prompt_len
-    rc = terminal_env.rollout_config(terminal_env.Settings(), resolved)
-    assert (rc.system, rc.num_samples, rc.max_turns, rc.max_len, rc.max_output_chars,
-            rc.call_timeout_s) == ("", config.sampling.num_samples, 2, 96, 200, 10.0)
-    # the terminal episodes' own cap (0: rollout.max_len), at least a turn's tokens
-    assert terminal_env.rollout_config(terminal_env.Settings(max_len=120), resolved).max_len \
-        == 120
-    with pytest.raises(ValueError, match="max_new_tokens=56 exceeds max_len=8"):
-        terminal_env.rollout_config(terminal_env.Settings(max_len=8), resolved)
     mixed = _with_envs(terminal_toy.get_config("short").unlock(), dict(env=FILES),
                        dict(env=TERMINAL))
     closed_loop.check_config(mixed)

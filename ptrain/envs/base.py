@@ -10,8 +10,8 @@ An environment has:
   name      the domain its tasks count for (metrics, eval lines, task files); unique in a run
   tasks     tasks(ctx) -> Splits: a training and a held-out split (generated from ctx.seed,
             or read from files), and SFT demonstrations if it has any. Each task is a
-            `ptrain.tasks.Task` whose `domain` is the environment's name (or, for an
-            environment that runs its own episodes, whatever its producer takes)
+            `ptrain.tasks.Task` whose `domain` is the environment's name, or a value of the
+            environment's own with `id`, `domain` and `tools` (the terminal tasks)
   verify    verify(tasks, answers, *, sessions, pool, config) -> one `Verdict` per answer:
             anything of the model's output it executes runs in the sandbox (`pool` judges
             concurrently, `sessions` are the episodes' work dirs, `config` the
@@ -25,10 +25,14 @@ An environment has:
   tokenizer the built-in tokenizer of its generated tasks, for runs that name none
   prompt_ids  prompt_ids(task, tokenizer, fmt) -> the prompt's token ids (default: the task's
             prompt or messages with its tools' schemas, `ptrain.chat.render_prompt`)
-  producer / evaluate  an environment that runs its own episodes (the terminal tasks'
-            containers): producer(config, sampler, tokenizer, heldout) is a context manager
-            giving a `rollout.Producer` of its records, evaluate(producer, params, heldout,
-            **how) the fields of its held-out eval line
+  open_session  open_session(task) -> the episode's session, where its tools run and its
+            verifier looks (closed by `.close()` after the verdict); None: a `sandbox.Session`
+            (a work dir) for the tasks `opens_session` names
+  sessions  sessions(config, heldout): a context manager around a run that gives its
+            `open_session` (resources the episodes share: the terminal tasks' harness of
+            warm containers)
+  eval_fields  eval_fields(tasks, episodes) -> more fields of its held-out eval line
+            (episodes task-major over `tasks`, each with its verdicts and finish)
   agent     an environment whose episodes an external agent program runs against the served
             policy (`ptrain.rollout.Agent`: its command, sandbox backend, timeout; the
             `rollout.Agents` producer): judged by `verify` on the state the agent left
@@ -94,8 +98,9 @@ class Environment:
     opens_session: Callable[[Any], bool] = _uses_tools
     tokenizer: Callable | None = None
     prompt_ids: Callable | None = None
-    producer: Callable | None = None
-    evaluate: Callable | None = None
+    open_session: Callable | None = None
+    sessions: Callable | None = None
+    eval_fields: Callable | None = None
     agent: Any = None  # a `ptrain.rollout.Agent`
 
     def tool(self, name: str):
@@ -220,12 +225,9 @@ def check(env: Environment, *, key: str) -> None:
         raise ValueError(f"{key}: an environment needs a name without '/', got {env.name!r}")
     if not callable(env.tasks):
         raise ValueError(f"{at}: tasks must be a function tasks(ctx) -> Splits")
-    if env.producer is None and not callable(env.verify):
+    if not callable(env.verify):
         raise ValueError(f"{at}: verify must be a function verify(tasks, answers, *, "
                          "sessions, pool, config) -> [Verdict]")
-    if (env.producer is None) != (env.evaluate is None):
-        raise ValueError(f"{at}: an environment that runs its own episodes gives both "
-                         "producer and evaluate")
     names = [t.name for t in env.tools]
     if len(set(names)) != len(names):
         raise ValueError(f"{at}: tool names repeat: {names}")

@@ -1,7 +1,7 @@
 """Interruption of in-flight episodes at a weight update (rl.interrupt, AReaL's interruptible
 generation), on the rollout engine (sampling.engine=True) with rl.staleness = k >= 1, for
-the producers that record per-token versions (rollout.SingleTurn, rollout.Tasks, the
-terminal producer, and the mixed producer of them: `Live.advance`).
+the producers that record per-token versions (rollout.SingleTurn, rollout.Tasks (every
+environment's episodes), and the mixed producer of them: `Live.advance`).
 
 Without it a batch is generated from one policy version to its end (ptrain/lookahead.py:
 batch t + k from version t - 1, while update t runs). With it, when update t ends the learner
@@ -114,7 +114,7 @@ class Live:
     from, their version, and the switch that may bring newer ones (None: not interruptible).
     The engine sampler unwraps it (`unwrap`); another sampler cannot take it. A swap
     advances it to the new (params, version), so a producer that makes several sampler calls
-    with it (the terminal producer's turns, the mixed producer's parts) never goes back to
+    with it (the mixed producer's parts) never goes back to
     an older version: each call starts from the newest one its generation has taken."""
 
     params: object

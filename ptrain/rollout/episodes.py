@@ -11,12 +11,13 @@ trains on, and the loss mask is 1 exactly on the tokens the model produced.
 A turn ends at the format's end-of-turn token (Qwen's <|im_end|>, Llama 3's <|eot_id|>), or,
 in the plain format (no turn token), at the closing tag of a tool call or at the eos. The
 turn's calls (`chat.parse_tool_calls`: several Hermes calls per turn, or Llama 3's one) run
-in order in the episode's `sandbox.Session` (one work dir per episode, kept across its turns,
-removed after it) with its environment's tools, and their outputs come back as one
-observation. A malformed call (not JSON, no name, an unknown or disallowed tool) becomes an
-error observation the model can learn from, never an exception. A verifier sees the answer
-turn's text without special tokens (`chat.verifier_text`): the stop token is trained on,
-never judged.
+in order in the episode's session (its environment's `open_session`, e.g. a terminal task's
+container with a persistent shell; else a `sandbox.Session`: one work dir per episode, kept
+across its turns, removed after it) with its environment's tools, and their outputs come
+back as one observation. A malformed call (not JSON, no name, an unknown or disallowed tool)
+becomes an error observation the model can learn from, never an exception. A verifier sees
+the answer turn's text without special tokens (`chat.verifier_text`): the stop token is
+trained on, never judged.
 
 Self-correction: after a final answer fails its verifier, the feedback is appended and the
 model tries again, up to `max_attempts`; `attempt_reward` says how attempts make a reward.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -103,7 +105,7 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     finish: str = ""  # FINISHES
-    session: sandbox.Session | None = None
+    session: Any = None  # where its tools run: a sandbox.Session, or its env's open_session's
     closed: bool = True  # the last model turn ended with its sampled end-of-turn token
     # MoE: the experts the sampler routed the first tokens to (`ptrain.routing.record`)
     routing: list = dataclasses.field(default_factory=list)
@@ -215,13 +217,8 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
     if vision is not None and isinstance(sampler, engine_sampler.EngineSampler):
         raise NotImplementedError("a vision-language policy's episodes run on the per-turn "
                                   "sampler for now (sampling.engine=False)")
-    # On a Ray fleet pool the sessions run there too (their work dirs travel with each turn).
-    make_session = sandbox.Session if pool is None else fleet.session_factory(pool)
-    for episode in episodes:
-        if episode.env.opens_session(episode.task):
-            episode.session = make_session(backend=c.session_backend,
-                                           files=dict(episode.task.files) or None)
     try:
+        open_sessions(episodes, pool, c)
         if isinstance(sampler, engine_sampler.EngineSampler):  # episodes keep their slots
             engine_sampler.run_episodes(
                 sampler, params, episodes, prompts, key, tokenizer, fmt, c,
@@ -237,6 +234,22 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
     if verify_now:
         close(episodes)
     return episodes
+
+
+def open_sessions(episodes, pool, c) -> None:
+    """Each episode's session, where its tools run: its environment's `open_session`, or a
+    `sandbox.Session` (on a Ray fleet pool the sessions run there too: their work dirs
+    travel with each turn); opened concurrently."""
+    make_session = sandbox.Session if pool is None else fleet.session_factory(pool)
+
+    def open_one(e):
+        if e.env.open_session is not None:
+            e.session = e.env.open_session(e.task)
+        elif e.env.opens_session(e.task):
+            e.session = make_session(backend=c.session_backend,
+                                     files=dict(e.task.files) or None)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as threads:
+        list(threads.map(open_one, episodes))
 
 
 def _run_attempts(sampler, params, episodes, prompts, key, tokenizer, fmt, c, *, pool,
@@ -362,11 +375,14 @@ def judge(env: envs_base.Environment, tasks, answers, **kwargs) -> list:
 
 
 def close(episodes: Sequence[Episode]) -> None:
-    """Removes the episodes' work dirs."""
-    for e in episodes:
+    """Closes the episodes' sessions (removes their work dirs; a terminal task's container
+    is reset and kept warm), concurrently."""
+    def close_one(e):
         if e.session is not None:
             e.session.close()
             e.session = None
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as threads:
+        list(threads.map(close_one, episodes))
 
 
 def to_batch(episodes: Sequence[Episode], config: RolloutConfig, *, prompt_len: int,

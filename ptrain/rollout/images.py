@@ -84,9 +84,10 @@ def of(sampler, vision: Vision | None) -> Vision | None:
 
 
 def task_images(task) -> list:
-    """The images of a task's prompt messages, in order."""
+    """The images of a task's prompt messages, in order (none for a task without messages:
+    an environment's own task, e.g. a terminal one)."""
     from ptrain.vision.chat import message_images
-    return message_images(task.messages)
+    return message_images(getattr(task, "messages", None) or ())
 
 
 def check(tasks, envs, vision: Vision | None) -> None:

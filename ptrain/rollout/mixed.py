@@ -1,22 +1,22 @@
 """One RL batch from several producers: records routed by kind, episodes packed together.
 
-    producer = MixedProducer({"terminal": terminal_producer, "tasks": task_producer},
-                             route=by_domain({"terminal": "terminal", "code": "tasks"}))
+    producer = MixedProducer({"prompts": single_turn, "tasks": task_producer},
+                             route=lambda r: "tasks" if isinstance(r, Task) else "prompts")
     learner.train(config, workdir, producer=producer, ...)
 
 The learner draws one batch of records from its weighted mixture of sources (each
-environment's tasks with its weight); `route(record)` names the producer of each (the closed
-loop's: the terminal environment's own, and `rollout.Tasks` for the others);
-`generate` hands each producer its records (in the order given) and `score` packs what they
-return into one `batch.Batch`: rows padded to the widest continuation, group ids made
-unique (each producer numbers its groups from 0), the meta (with each row's domain, for the
-per-domain metrics), the recorded MoE routing (`routing.concat`) and each row's cap
-(`Batch.max_len_b`: the DAPO overlong penalty measures a terminal episode against
-terminal.max_len and a task's against rollout.max_len) kept, and with rl.interrupt each
-token's policy version (`Batch.versions_bn`, UNSAMPLED on the padding). GRPO groups stay
-whole: a producer returns its records' groups as consecutive rows. With many processes a
-producer runs on every process when any process has records for it (its episodes' sampler
-calls span the processes), so the parts, and the batch's width, are the same everywhere.
+environment's tasks with its weight); `route(record)` names the producer of each (e.g.
+single-turn prompt records to `rollout.SingleTurn`, tasks to `rollout.Tasks`, which runs
+every environment's episodes itself); `generate` hands each producer its records (in the
+order given) and `score` packs what they return into one `batch.Batch`: rows padded to the
+widest continuation, group ids made unique (each producer numbers its groups from 0), the
+meta (with each row's domain, for the per-domain metrics), the recorded MoE routing
+(`routing.concat`) and each row's cap (`Batch.max_len_b`: the DAPO overlong penalty measures
+each row against its own producer's cap) kept, and with rl.interrupt each token's policy
+version (`Batch.versions_bn`, UNSAMPLED on the padding). GRPO groups stay whole: a producer
+returns its records' groups as consecutive rows. With many processes a producer runs on
+every process when any process has records for it (its episodes' sampler calls span the
+processes), so the parts, and the batch's width, are the same everywhere.
 
 With rl.interrupt `generate` hands every producer the same `interrupt.Live`: the parts are
 generated one after the other, and a part starts from the newest version the ones before it

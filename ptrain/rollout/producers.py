@@ -146,15 +146,19 @@ class Tasks:
         self.pad_id = pad_id(tokenizer)
 
     def generate(self, params, records, key):
-        """records: `ptrain.tasks.Task`s (the closed loop's prompt stream serves them), or
-        task records as a ptrain task file holds them (dicts, read by `tasks.from_record`:
-        the one conversion, for prompt sources that yield records, e.g. data.records_fn)."""
+        """records: `ptrain.tasks.Task`s or an environment's own tasks (the closed loop's
+        prompt stream serves them), or task records as a ptrain task file holds them (dicts,
+        read by `tasks.from_record`: the one conversion, for prompt sources that yield
+        records, e.g. data.records_fn)."""
         tasks = []
         for r in records:
-            if not isinstance(r, (Task, dict)):
-                raise TypeError(f"rollout.Tasks.generate takes ptrain.tasks.Task objects (or "
-                                f"their records, dicts); got {type(r).__name__}: {r!r:.80}")
-            tasks.append(r if isinstance(r, Task) else tasks_lib.from_record(r))
+            if isinstance(r, dict):
+                r = tasks_lib.from_record(r)
+            if not all(hasattr(r, name) for name in ("id", "domain", "tools")):
+                raise TypeError(f"rollout.Tasks.generate takes ptrain.tasks.Task objects, an "
+                                f"environment's own tasks (with id, domain, tools) or task "
+                                f"records (dicts); got {type(r).__name__}: {r!r:.80}")
+            tasks.append(r)
         return generate(self.sampler, params, tasks, tokenizer=self.tokenizer, key=key,
                         config=self.rollout_config, fmt=self.fmt, pool=self.pool,
                         reward_config=self.reward_config, envs=self.envs, vision=self.vision)

@@ -1,7 +1,7 @@
 """What a task's own tests gave (`VerifierResult`): reward, and feedback a model can learn from.
 
 The terminal domain's form of a judge report: ptrain turns it into a `ptrain.envs.Verdict`
-(`terminal_episodes.verdict`) and that into a batch row, as for the other domains.
+(`ptrain.envs.terminal.verdict`) and that into a batch row, as for the other domains.
 
 Harbor tasks write their reward to /logs/verifier/reward.json (a table of numbers; "reward"
 is the one that counts) or reward.txt (one number), as harbor reads them. TB 1.0 tasks are

@@ -5,45 +5,41 @@ Terminal-Bench tasks (tasks_dir), run in docker (or bwrap: backend).
 
     python -m launch.train --config=configs/terminal_toy.py --workdir=runs/terminal_toy
 
-The environment runs its own episodes (`Environment.producer` / `evaluate`):
+Its episodes run in the one turn loop (`ptrain.rollout`) beside any other environment's:
 
   tasks       a training and a held-out split of Harbor task directories under
               <workdir>/tasks/terminal/ (`generated`; no instruction in both), or of
               tasks_dir's tasks (heldout_dir's held out, else a seeded split; no
               demonstrations for them), and the partly wrong SFT demonstrations
-  producer    `episodes.TerminalProducer` in a `sandbox.terminal.Harness` (warm task
-              containers, the agent's bash calls in each episode's persistent shell, reward
-              from the task's own tests); beside other environments the closed loop packs its
-              episodes with theirs in one batch (`rollout.mixed.MixedProducer`)
-  evaluate    the held-out pass rates (greedy, and sampled with eval.sample), plus the
-              greedy rate on the tasks whose path has a folder (where the demonstrations
-              are wrong)
+  sessions    a `sandbox.terminal.Harness` for the run (warm task containers): each
+              episode's session is a clean container with a fresh persistent shell
+              (`Harness.episode`), where the `bash` tool runs (`agent.BASH`)
+  verify      the task's own tests in a fresh verifier box (`Episode.verify`), as the
+              learner's `Verdict` (`verdict`)
+  eval_fields the greedy pass rate on the held-out tasks whose path has a folder (where the
+              demonstrations are wrong) and the episodes the harness could not run
 
-Episodes take the closed loop's rollout.max_turns, max_tool_output_chars and tool_timeout_s,
-the sampling section's samples and temperature, data.max_prompt_len; the environment's args
-hold their own cap (max_len, 0: rollout.max_len; the DAPO overlong penalty measures them
-against it, `Batch.max_len_b`) and the harness's settings. It has no retries with feedback
-(rollout.max_attempts must be 1).
+Episodes take the closed loop's rollout.* caps (max_turns, max_len, max_tool_output_chars,
+tool_timeout_s) and sampling settings like every environment's. It has no retries with
+feedback (rollout.max_attempts must be 1).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import os
 import random
-import types
+import threading
 
-import jax
 import numpy as np
 
-from ptrain import chat
-from ptrain import sharding
 from ptrain.envs import base
 from ptrain.envs.terminal import agent as terminal_agent
-from ptrain.envs.terminal import episodes as terminal_episodes
 from ptrain.envs.terminal import generated as terminal_tasks
+from ptrain.envs.verdict import Verdict
 
 log = logging.getLogger("ptrain")
 BACKENDS = ("docker", "bwrap")
@@ -56,6 +52,7 @@ class Listed:
     instruction: str
     triggered: bool = False  # (generated tasks: the demonstrations' mistake applies)
     domain: str = "terminal"
+    tools = ("bash",)  # what its episodes may call
 
     @property
     def id(self) -> str:
@@ -73,7 +70,6 @@ class Settings:
     bug_rate: float = 0.7
     tasks_dir: str = ""
     heldout_dir: str = ""
-    max_len: int = 0
     threads: int = 16
     max_idle: int = 64
     image_map: tuple = ()
@@ -86,11 +82,12 @@ def make(**args) -> base.Environment:
     split; tasks_dir: at most half of its tasks held out), bug_rate (how often a triggered
     demonstration forgets its folder); tasks_dir (a directory of Harbor / Terminal-Bench
     tasks instead of generated ones; "" generates) and heldout_dir (its held-out tasks; "":
-    a seeded split of tasks_dir); max_len (tokens after the prompt of an episode; 0:
-    rollout.max_len); threads (episodes opened, stepped and verified at once); max_idle
-    (warm task containers kept); image_map (("FROM=LOCAL", ...) for task images not on this
-    machine); system (the agent's system prompt; "": the instruction alone); backend
-    ("docker", or "bwrap": tasks that need only files)."""
+    a seeded split of tasks_dir); threads (episodes verified at once; > 1 also warms
+    containers before the first batch); max_idle (warm task containers kept); image_map
+    (("FROM=LOCAL", ...) for task images not on this machine); system (the agent's system
+    prompt; "": the instruction alone); backend ("docker", or "bwrap": tasks that need only
+    files).
+"""
     unknown = set(args) - {f.name for f in dataclasses.fields(Settings)}
     if unknown:
         raise ValueError(f"terminal environment: unknown args {sorted(unknown)}; known: "
@@ -100,18 +97,17 @@ def make(**args) -> base.Environment:
             (s.threads >= 1 and s.max_idle >= 0, "threads must be >= 1 and max_idle >= 0"),
             (s.backend in BACKENDS, f"backend={s.backend!r} must be one of {BACKENDS}"),
             (not s.heldout_dir or s.tasks_dir, "heldout_dir needs tasks_dir (the training "
-             "tasks' directory)"),
-            (s.max_len >= 0, "max_len must be >= 0 (0: rollout.max_len)")):
+             "tasks' directory)")):
         if not ok:
             raise ValueError(f"terminal environment: {what}")
     return base.Environment(
-        name="terminal", tasks=lambda ctx: make_tasks(s, ctx), turns=base.TurnPolicy(
-            retries=False), tokenizer=terminal_tasks.tokenizer,
+        name="terminal", tasks=lambda ctx: make_tasks(s, ctx), tools=(terminal_agent.BASH,),
+        turns=base.TurnPolicy(retries=False), tokenizer=terminal_tasks.tokenizer,
         prompt_ids=lambda task, tokenizer, fmt: terminal_agent.render_prompt(
             fmt, tokenizer, task.instruction, s.system),
-        producer=lambda config, sampler, tokenizer, heldout: producer(
-            s, config, sampler, tokenizer, heldout),
-        evaluate=evaluate)
+        verify=lambda tasks, answers, *, sessions, **_: verify(sessions, s.threads),
+        sessions=lambda config, heldout: sessions(s, config, heldout),
+        eval_fields=eval_fields)
 
 
 def make_tasks(s: Settings, ctx: base.Context) -> base.Splits:
@@ -175,60 +171,91 @@ def from_directory(s: Settings, seed: int) -> tuple[list[Listed], list[Listed]]:
     return train, heldout
 
 
-def rollout_config(s: Settings, config, **changes) -> terminal_episodes.TerminalRolloutConfig:
-    """The closed-loop config's terminal episode settings."""
-    r, sampling = config.rollout, config.sampling
-    fields = dict(num_samples=sampling.num_samples, max_new_tokens=sampling.max_new_tokens,
-                  max_turns=r.max_turns, max_len=s.max_len or r.max_len,
-                  max_output_chars=r.max_tool_output_chars, call_timeout_s=r.tool_timeout_s,
-                  temperature=sampling.temperature, threads=s.threads, system=s.system)
-    fields.update(changes)
-    return terminal_episodes.TerminalRolloutConfig(**fields)
-
-
 @contextlib.contextmanager
-def producer(s: Settings, config, sampler, tokenizer, heldout):
-    """A `TerminalProducer` in its harness (closed on leaving), warm containers started for
-    one batch when it steps episodes in threads."""
+def sessions(s: Settings, config, heldout):
+    """The run's harness (closed on leaving; warm containers started for one batch when
+    episodes are verified in threads), giving `open_session(task)`: a `sandbox.terminal.
+    Episode` of the task (each task directory loaded once), or an `Unopened` one that scores
+    0 where the harness cannot start it."""
     from sandbox import terminal
-    rollout = rollout_config(s, config)  # its caps checked before the harness starts
     with terminal.Harness(image_map=terminal.parse_image_map(list(s.image_map)),
                           max_idle=s.max_idle, backend=s.backend,
                           call_timeout_s=config.rollout.tool_timeout_s) as harness:
-        out = terminal_episodes.TerminalProducer(
-            sampler, tokenizer, harness=harness, fmt=chat.FORMATS[config.rollout.chat_format],
-            stop_ids=tuple(config.sampling.stop_token_ids), config=rollout,
-            prompt_len=config.data.max_prompt_len, pad_id=tokenizer.pad_token_id)
+        if s.threads > 1 and heldout:
+            harness.warm(terminal.load_task(heldout[0].task_dir),
+                         min(s.max_idle,
+                             config.data.prompts_per_step * config.sampling.num_samples))
+        loaded, lock = {}, threading.Lock()
+
+        def open_session(task):
+            with lock:
+                if task.task_dir not in loaded:
+                    loaded[task.task_dir] = terminal.load_task(task.task_dir)
+            try:
+                return harness.episode(loaded[task.task_dir])
+            except Exception as e:  # noqa: BLE001 (no container: this episode scores 0)
+                log.warning("terminal: %s could not start: %s", task.task_dir, e)
+                return Unopened(f"{type(e).__name__}: {e}")
+        yield open_session
+
+
+class Unopened:
+    """The session of an episode whose task container could not start: its commands and its
+    verdict say why (reward 0, error type "harness_error")."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+    def run(self, command=None, timeout_s=None):
+        raise RuntimeError(f"the task's container could not start: {self.error}")
+
+    def verify(self):
+        return self.run()
+
+    def close(self):
+        pass
+
+
+def verify(sessions, threads: int = 16) -> list[Verdict]:
+    """Each episode's verdict: its task's tests in a fresh verifier box (`Episode.verify`),
+    `threads` at once; one the harness could not run scores 0 ("harness_error")."""
+    def one(session):
         try:
-            if s.threads > 1 and heldout:
-                harness.warm(terminal.load_task(heldout[0].task_dir),
-                             min(s.max_idle,
-                                 config.data.prompts_per_step * config.sampling.num_samples))
-            yield out
-        finally:
-            out.close()
+            return verdict(session.verify())
+        except Exception as e:  # noqa: BLE001 (a container that died: reward 0, with why)
+            return Verdict(0.0, False, 0.0, f"{type(e).__name__}: {e}", "harness_error")
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, sessions))
 
 
-def evaluate(producer_, params, heldout, *, seed: int, num_samples: int, greedy: bool,
-             summarize):
-    """An eval line's fields for the held-out tasks: `summarize(episodes, num_samples)` (the
-    closed loop's pass@1 / pass@k summary) of `num_samples` episodes per task, plus
-    `pass_rate_with_folder` (the tasks whose path has a folder) and `errors` (episodes the
-    harness could not run). With many processes each runs its block of the tasks (one
-    sampler call over all of them per turn) and the fields are of every process's episodes."""
-    c = dataclasses.replace(producer_.config, num_samples=num_samples, greedy=greedy)
-    mesh = getattr(producer_.sampler, "mesh", None)
-    block, blocks = sharding.row_block(mesh)
-    first, end = len(heldout) * block // blocks, len(heldout) * (block + 1) // blocks
-    rollouts = producer_.evaluate(params, [g.task_dir for g in heldout[first:end]],
-                                  jax.random.key(seed), config=c)
-    mine = [(r.verdict, r.tokens.finish if r.tokens is not None else "error",
-             terminal_episodes.passed(r), bool(r.error),
-             heldout[first + i // num_samples].triggered) for i, r in enumerate(rollouts)]
-    rows = [row for part in sharding.gather_blocks(mine, mesh) for row in part]
-    episodes = [types.SimpleNamespace(verdicts=[v] if v is not None else [], finish=finish)
-                for v, finish, *_ in rows]
-    triggered = [passed for _, _, passed, _, folder in rows if folder]
-    return {**summarize(episodes, num_samples),
-            "pass_rate_with_folder": float(np.mean(triggered)) if triggered else None,
-            "errors": sum(error for _, _, _, error, _ in rows)}
+def verdict(result) -> Verdict:
+    """A task verifier's result (`sandbox.terminal.VerifierResult`: this domain's judge
+    report) as the learner's `Verdict`: its reward and pass, the fraction of its tests
+    that passed (the reward where no pytest ran), its feedback, and an error type ("" when
+    solved; "timeout", "verifier_error" when the tests gave no usable result, else the first
+    failing test's status, or "wrong_answer")."""
+    tests = result.tests
+    ok = sum(s in ("PASSED", "XFAIL") for s in tests.values())
+    fraction = ok / len(tests) if tests else float(result.reward)
+    if result.passed:
+        error_type = ""
+    elif result.timed_out:
+        error_type = "timeout"
+    elif result.error:
+        error_type = "verifier_error"
+    else:
+        bad = [s for s in tests.values() if s in ("FAILED", "ERROR")]
+        error_type = bad[0].lower() if bad else "wrong_answer"
+    return Verdict(float(result.reward), bool(result.passed), fraction, result.feedback,
+                   error_type)
+
+
+def eval_fields(tasks, episodes) -> dict:
+    """More of an eval line: `pass_rate_with_folder` (the tasks whose path has a folder) and
+    `errors` (episodes the harness could not run)."""
+    n = len(episodes) // max(len(tasks), 1)
+    passed = [bool(e.verdicts and e.verdicts[-1].passed) for e in episodes]
+    folder = [p for i, p in enumerate(passed) if tasks[i // n].triggered]
+    return {"pass_rate_with_folder": float(np.mean(folder)) if folder else None,
+            "errors": sum(bool(e.verdicts) and e.verdicts[-1].error_type == "harness_error"
+                          for e in episodes)}

@@ -63,6 +63,7 @@ class Generated:
     bad: str  # the demonstrations' systematic mistake (== good when not triggered)
     triggered: bool
     domain: str = "terminal"  # its environment's name
+    tools = ("bash",)  # what its episodes may call
 
     @property
     def id(self) -> str:
@@ -138,10 +139,11 @@ def demonstration(g: Generated, rng: random.Random, bug_rate: float) -> tuple[st
 
 def demo_record(g: Generated, tok, command: str, output: str, *, system: str = "",
                 domain: str = "terminal") -> dict:
-    """An SFT record of the plain format: the prompt, then the call + EOS (a plain turn ends
-    at EOS; trained on), the shell's answer (not), and "done" + EOS (trained on)."""
+    """An SFT record of the plain format: the prompt, then the call (a plain turn that calls
+    a tool ends at its </tool_call>; trained on), the shell's answer (not), and "done" + EOS
+    (trained on)."""
     from ptrain.envs.terminal import agent as terminal_agent
-    turn = chat.encode(tok, call_text(command)) + [tok.eos_token_id]
+    turn = chat.encode(tok, call_text(command))
     obs = chat.encode(tok, chat.observation(chat.PLAIN, [output], closed=True))
     done = chat.encode(tok, "done") + [tok.eos_token_id]
     return {"prompt_ids": terminal_agent.render_prompt(chat.PLAIN, tok, g.instruction, system),
