@@ -49,5 +49,8 @@ def get_config(arg: str = ""):
         n_train=16 if short else 400, n_heldout=4 if short else 40, width_px=224,
         height_px=168)),)
     c.rollout.update(chat_format="qwen", max_turns=1, max_len=16)
+    # Each row's image patches: one 224x168 page is 12 x 16 = 192 patches (48 merged tokens)
+    # at the processing's max_pixels; the tower is trained with the decoder.
+    c.vision.update(prompt_patches=192, freeze=False)
     c.eval.n = 4 if short else 40
     return c
