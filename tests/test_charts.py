@@ -456,3 +456,19 @@ def test_charts_toy_runs_sft_then_rl_with_the_images_and_evaluates_both(tmp_path
                                      if "loss/policy" in r)
     assert {(e["stage"], e["domain"], e["n"]) for e in evals} >= {
         ("base", "charts", 2), ("sft", "charts", 2), ("rl", "charts", 2)}
+
+
+def test_vision_budgets_and_image_records_are_checked_before_work(tmp_path):
+    """A patch budget that is not a multiple of the merge unit is a config error; SFT
+    records with images are refused for a text model and for packed SFT."""
+    from ptrain import config as config_lib, learner
+    from ptrain.vision import run as vision_run
+    c = config_lib.defaults()
+    c.vision.prompt_patches = 190
+    with pytest.raises(ValueError, match="vision.prompt_patches=190"):
+        config_lib.check(c)
+    record = {"prompt_ids": [1], "completion_ids": [2], "images": ["page.png"]}
+    with pytest.raises(ValueError, match="text only"):
+        vision_run.sft_arrays(None, [record], None)
+    with pytest.raises(ValueError, match="sft.packing"):
+        learner.sft_document(None, record)
