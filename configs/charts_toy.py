@@ -19,7 +19,12 @@ Command:  PYTHONPATH=.:tests python examples/tiny_vl_model.py runs/tiny_vl
 Hardware: 2 CPU cores (the model is tiny). The 444 pages are drawn once into the work dir
           first: a few minutes on a loaded 2-core VM (~0.5 s a page).
 Expected: <workdir>/eval.jsonl: greedy held-out pass rate at base, after SFT and after RL.
-          RESULTS
+          Measured on the tiny random model of examples/tiny_vl_model.py (2-core VM loaded by
+          other work, ~8 min in all): held-out greedy pass@1 0/40 at base (every answer cut
+          at max_new_tokens), 0/40 after SFT (all 40 answered in the "Answer: <value>" form;
+          SFT loss 6.41 -> 0.62 over 300 steps), 0/40 after 40 GRPO steps (training reward
+          0.009 on average: 8 of 1280 rollouts right). The loop runs and learns the answer
+          form; a model this small does not learn to read the numbers off the page.
 """
 
 from ptrain import config as config_lib

@@ -470,7 +470,6 @@ def _raise_first(checks):
 def check_hf_model(config) -> None:
     """With hf_model, config.json gives the model: a model.* key other than the run-time
     ones that is set (differs from defaults()) and differs from config.json is an error."""
-    from ptrain import hf
     from ptrain import model as model_lib
     if not os.path.isfile(os.path.join(config.hf_model, "config.json")):
         raise ValueError(f"config: hf_model={config.hf_model!r} is not a directory with a "

@@ -489,10 +489,11 @@ def sft_episodes(learner: Learner, records, *, prompt_len, length) -> Batch:
     prompts = [learner.encode(r, "prompt_ids", "prompt") for r in records]
     completions = [learner.encode(r, "completion_ids", "completion") for r in records]
     masks = [list(r.get("completion_mask", [1] * len(c))) for r, c in zip(records, completions)]
-    return vision_run.sft_arrays(Batch.from_rows(prompts, completions, masks,
-                              [[0.0] * len(c) for c in completions], np.zeros(len(records)),
-                              np.arange(len(records)), prompt_len=prompt_len, length=length,
-                              pad_id=learner.pad_id), records, learner.vision)
+    batch = Batch.from_rows(prompts, completions, masks,
+                            [[0.0] * len(c) for c in completions], np.zeros(len(records)),
+                            np.arange(len(records)), prompt_len=prompt_len, length=length,
+                            pad_id=learner.pad_id)
+    return vision_run.sft_arrays(batch, records, learner.vision)
 
 
 def sft_document(learner: Learner, record):

@@ -13,11 +13,10 @@ import os
 
 from flax import nnx
 
-from ptrain import hf
-
 
 def is_vl_dir(path: str) -> bool:
     """Whether a model directory's config.json is a Qwen2.5-VL one."""
+    from ptrain import hf
     from ptrain.vision import hf as vhf
     return bool(path) and os.path.isfile(os.path.join(path, "config.json")) and \
         vhf.is_vl(hf.read_config(path))
@@ -25,8 +24,9 @@ def is_vl_dir(path: str) -> bool:
 
 def text_config(path: str):
     """The decoder's ModelConfig of a model directory (a VL one's text model)."""
-    d = hf.read_config(path)
+    from ptrain import hf
     from ptrain.vision import hf as vhf
+    d = hf.read_config(path)
     return vhf.config_from_hf(d).text if vhf.is_vl(d) else hf.config_from_hf(d)
 
 
@@ -35,6 +35,8 @@ def vl_config(config, text=None):
     (the run's ModelConfig, with its run-time fields), the tower frozen as vision.freeze."""
     if not is_vl_dir(config.hf_model):
         return None
+    check(config)
+    from ptrain import hf
     from ptrain.vision import hf as vhf
     c = vhf.config_from_hf(hf.read_config(config.hf_model))
     return c.replace(text=text or c.text, vision=c.vision.replace(freeze=config.vision.freeze))
@@ -54,7 +56,6 @@ def check(config) -> None:
 def build(config, mesh, overrides: dict, param_dtype=None):
     """The VLModel of hf_model, born sharded, the decoder's run-time fields `overrides`."""
     from ptrain.vision import hf as vhf
-    check(config)
     return vhf.load(config.hf_model, mesh=mesh, overrides=overrides, param_dtype=param_dtype,
                     vision_overrides={"freeze": config.vision.freeze})[0]
 
