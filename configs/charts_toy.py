@@ -23,7 +23,7 @@ Expected: <workdir>/eval.jsonl: greedy held-out pass rate at base, after SFT and
           other work, ~8 min in all): held-out greedy pass@1 0/40 at base (every answer cut
           at max_new_tokens), 0/40 after SFT (all 40 answered in the "Answer: <value>" form;
           SFT loss 6.41 -> 0.62 over 300 steps), 0/40 after 40 GRPO steps (training reward
-          0.009 on average: 8 of 1280 rollouts right). The loop runs and learns the answer
+          0.009 on average: 11 of 1280 rollouts right). The loop runs and learns the answer
           form; a model this small does not learn to read the numbers off the page.
 """
 
