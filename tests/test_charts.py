@@ -459,8 +459,10 @@ def test_charts_toy_runs_sft_then_rl_with_the_images_and_evaluates_both(tmp_path
 
 
 def test_vision_budgets_and_image_records_are_checked_before_work(tmp_path):
+    pytest.importorskip("transformers", reason="the tokenizer is a transformers one")
     """A patch budget that is not a multiple of the merge unit is a config error; SFT
-    records with images are refused for a text model and for packed SFT."""
+    records with images are refused for a text model and for packed SFT; LoRA and the PPO
+    critic on a VL model are refused."""
     from ptrain import config as config_lib, learner
     from ptrain.vision import run as vision_run
     c = config_lib.defaults()
@@ -472,3 +474,13 @@ def test_vision_budgets_and_image_records_are_checked_before_work(tmp_path):
         vision_run.sft_arrays(None, [record], None)
     with pytest.raises(ValueError, match="sft.packing"):
         learner.sft_document(None, record)
+    # what the learner cannot yet do with a VL hf_model is refused before any loading
+    c = config_lib.defaults()
+    c.hf_model = _vl_directory(str(tmp_path / "vl"))
+    assert vision_run.vl_config(c).vision.freeze  # frozen by default
+    c.lora.rank = 4
+    with pytest.raises(ValueError, match="lora.rank=4 with a vision-language hf_model"):
+        vision_run.vl_config(c)
+    c.lora.rank, c.rl.estimator = 0, "gae"
+    with pytest.raises(ValueError, match="critic reads text only"):
+        learner.new_model(c, None)
