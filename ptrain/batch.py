@@ -1,9 +1,8 @@
 """A batch of finished episodes, and how a step's batch is collected.
 
-  Batch        host-side numpy rows (ex `Episodes`, kept as an alias): G consecutive rows per
-               group, each its group's prompt and the row's continuation, with loss mask,
-               sampler log-probs, reward and group id; `from_rows` / `from_histories` pack
-               per-row lists
+  Batch        host-side numpy rows: G consecutive rows per group, each its group's prompt
+               and the row's continuation, with loss mask, sampler log-probs, reward and
+               group id; `from_rows` / `from_histories` pack per-row lists
   Collector    the step's batch from the producer calls the learner makes: the DAPO
                overlong penalty, dynamic sampling (groups whose rewards are all equal are
                dropped and the learner asked for more calls, up to a cap) and group filling;
@@ -29,7 +28,6 @@ from ptrain import config as config_lib
 @dataclasses.dataclass
 class Batch:
     """A batch of finished episodes on the host (numpy): one row per sample, G rows per group
-    (`Episodes` is its former name, kept as an alias).
 
     A row is its group's prompt (left-padded to a fixed width, identical for the G rows of a
     group, which are consecutive) and the row's continuation: everything after the prompt
@@ -166,7 +164,6 @@ class Batch:
                                  f"share their {what}; keep each prompt's samples together")
 
 
-Episodes = Batch  # the former name, for a release
 HOST_ONLY = ("meta", "max_len_b", "versions_bn")  # Batch fields that never go to the device
 
 
@@ -373,8 +370,8 @@ def domain_metrics(episodes: Batch) -> dict[str, float]:
 
 def _check_type(episodes):
     if not isinstance(episodes, Batch):
-        raise TypeError(f"a producer's score (or rollout_fn) must return a ptrain.batch.Batch "
-                        f"(ex Episodes), got {type(episodes).__name__}")
+        raise TypeError(f"a producer's score (or rollout_fn) must return a ptrain.batch.Batch, "
+                        f"got {type(episodes).__name__}")
 
 
 def _check(episodes, config):

@@ -45,13 +45,14 @@ from ptrain import envs as envs_lib
 from ptrain import jsonl
 from ptrain import learner as learner_lib
 from ptrain import metrics as metrics_lib
-from ptrain import model as model_lib
 from ptrain import report
 from ptrain import rollout as rollout_lib
 from ptrain import run_record
 from ptrain import sharding
 from ptrain import tasks as tasks_lib
 from ptrain.envs import synthetic
+from ptrain.rollout import images as images_lib
+from ptrain.vision import run as vision_run
 
 
 # ==================================================================================== config
@@ -75,18 +76,21 @@ def environments(config) -> list:
     return envs_lib.load_all(config.tasks.envs, key="tasks.envs")
 
 
-def make_tasks(config, envs, tokenizer, workdir):
+def make_tasks(config, envs, tokenizer, workdir, vision=None):
     """(train, heldout): {env name: [task]} each, written under <workdir>/tasks/, and whether
     any environment gave SFT demonstrations (<workdir>/tasks/sft.jsonl: token ids with their
     loss masks). Checked before anything runs: no held-out prompt among the training ones, a
     held-out split for each environment when evaluation is on (eval.n > 0), the chat format
-    against the tokenizer with the tasks' tools, every prompt's and demonstration's length."""
+    against the tokenizer with the tasks' tools, every prompt's and demonstration's length.
+    `vision`: a vision-language policy's `rollout.images.Vision` (environments get it in
+    their Context for demonstrations with images; prompts with images are rendered with it,
+    their images checked against its patch budget, and refused for a text model)."""
     os.makedirs(os.path.join(workdir, "tasks"), exist_ok=True)
     fmt = chat.FORMATS[config.rollout.chat_format]
     train, heldout, rows, tools = {}, {}, [], {}
     for env in envs:
         splits = env.tasks(envs_lib.Context(name=env.name, seed=config.seed, workdir=workdir,
-                                            tokenizer=tokenizer, fmt=fmt))
+                                            tokenizer=tokenizer, fmt=fmt, vision=vision))
         train[env.name], heldout[env.name] = list(splits.train), list(splits.heldout)
         _check_splits(env, train[env.name], heldout[env.name], config.eval.n)
         for split, found in (("train", train[env.name]), ("heldout", heldout[env.name])):
@@ -97,9 +101,10 @@ def make_tasks(config, envs, tokenizer, workdir):
                       if t.name in getattr(x, "tools", ())})
     check_format(fmt, tokenizer, [tools[name] for name in sorted(tools)])
     for env in envs:  # before anything is generated
+        ids, _ = images_lib.prompts(train[env.name], [env] * len(train[env.name]), tokenizer,
+                                    fmt, vision, rollout_lib.render_prompt)
         tasks_lib.check_lengths(
-            {x.id: len(rollout_lib.render_prompt(x, tokenizer, fmt, env))
-             for x in train[env.name]},
+            {x.id: len(p) for x, p in zip(train[env.name], ids)},
             config.data.max_prompt_len, key="data.max_prompt_len", what=f"{env.name} prompt")
     if rows:
         for part, key in (("prompt", "max_prompt_len"), ("completion", "max_completion_len")):
@@ -162,7 +167,7 @@ def _task_file(workdir, domain, split):
 
 
 def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step, envs,
-             skip=(), on_line=None, on_progress=None):
+             skip=(), on_line=None, on_progress=None, vision=None):
     """Pass rates on the held-out split, per environment: greedy pass@1, and with eval.sample
     pass@1 and pass@k at the sampling temperature from sampling.num_samples samples per task
     (the unbiased estimator of Chen et al. 2021, `sandbox.terminal.evaluate.pass_at_k`), and
@@ -171,7 +176,8 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step, 
     the summary is of all episodes. (environment, decoding) pairs in `skip` are not run;
     `on_line(line)` follows each that is; `on_progress(env_name, n_tasks)` each call of
     `eval.tasks_per_call` held-out tasks (all of them when 0), whose episodes run at once: the
-    first call samples with the seed's key, the one starting at task i with it folded with i."""
+    first call samples with the seed's key, the one starting at task i with it folded with i.
+    `vision`: a vision-language policy's image settings (`rollout.images.Vision`)."""
     lines = []
     decodings = [("greedy", dict(greedy=True, num_samples=1))]
     if config.eval.sample:
@@ -191,7 +197,7 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step, 
             for start in range(0, len(tasks), per_call):  # bounded memory, progress per call
                 episodes += _evaluate_tasks(
                     sampler, params, tasks[start:start + per_call], env, rc, config,
-                    tokenizer=tokenizer, pool=pool,
+                    tokenizer=tokenizer, pool=pool, vision=vision,
                     key=jax.random.fold_in(jax.random.key(config.seed), start)
                     if start else jax.random.key(config.seed))
                 if on_progress:
@@ -203,7 +209,8 @@ def evaluate(sampler, params, heldout, *, tokenizer, config, pool, stage, step, 
     return lines
 
 
-def _evaluate_tasks(sampler, params, tasks, env, rc, config, *, tokenizer, pool, key):
+def _evaluate_tasks(sampler, params, tasks, env, rc, config, *, tokenizer, pool, key,
+                    vision=None):
     """The judged episodes of held-out `tasks` (task-major): with many processes each runs
     its block, and the verdicts and finishes of every process's come back."""
     mesh = getattr(sampler, "mesh", None)
@@ -213,7 +220,7 @@ def _evaluate_tasks(sampler, params, tasks, env, rc, config, *, tokenizer, pool,
         sampler, params, mine, tokenizer=tokenizer, key=key, config=rc,
         fmt=chat.FORMATS[config.rollout.chat_format], pool=pool,
         reward_config=rollout_lib.reward_config(config), verify_now=rc.max_attempts > 1,
-        envs={env.name: env})
+        envs={env.name: env}, vision=vision)
     rollout_lib.verify_episodes(episodes, pool=pool, config=rollout_lib.reward_config(config))
     if blocks == 1:
         return episodes
@@ -265,7 +272,8 @@ def run(config, workdir, *, mesh=None):
     # ------------------------------------------------------------ set-up (checked above)
     envs = environments(config)
     tokenizer = make_tokenizer(config, envs)
-    train, heldout, demonstrations = make_tasks(config, envs, tokenizer, workdir)
+    vision = make_vision(config)
+    train, heldout, demonstrations = make_tasks(config, envs, tokenizer, workdir, vision)
     if config.sft.steps and not (demonstrations or config.sft.sources or config.sft.records_fn):
         raise ValueError(f"config: sft.steps={config.sft.steps} but no SFT records: environments "
                          f"{[env.name for env in envs]} bring no demonstrations; set sft.sources "
@@ -288,9 +296,9 @@ def run(config, workdir, *, mesh=None):
         envs = [dataclasses.replace(env, open_session=stack.enter_context(
             env.sessions(config, heldout[env.name]))) if env.sessions else env for env in envs]
         producer = rollout_lib.Tasks(sampler, tokenizer, config, pool,
-                                     envs={env.name: env for env in envs})
+                                     envs={env.name: env for env in envs}, vision=vision)
         ev = dict(sampler=sampler, heldout=heldout, tokenizer=tokenizer, config=config,
-                  pool=pool, envs=envs)
+                  pool=pool, envs=envs, vision=vision)
         # -------------------------------------------------------- a brought model's baseline
         if config.hf_model:
             _evaluate_once(eval_path, "base", params=learner_lib.build_model(config, mesh), step=0,
@@ -340,10 +348,16 @@ def derive_config(config, workdir, tokenizer, *,
 
 
 def make_sampler(config, mesh, tokenizer):
-    """A sampler for the config's model, built abstractly (parameters come with each call)."""
-    abstract_model = nnx.eval_shape(lambda: model_lib.Transformer(
-        learner_lib.model_config(config), rngs=nnx.Rngs(0), mesh=mesh))
+    """A sampler for the config's model (a VLModel for a vision-language hf_model), built
+    abstractly (parameters come with each call)."""
+    abstract_model = nnx.eval_shape(lambda: learner_lib.new_model(config, mesh))
     return rollout_lib.make_sampler(abstract_model, config, tokenizer)
+
+
+def make_vision(config):
+    """A vision-language hf_model's image settings for the rollouts (`rollout.images.Vision`:
+    its image processing, the vision section's patch budgets); None for a text model."""
+    return vision_run.vision(config, vision_run.vl_config(config, learner_lib.model_config(config)))
 
 
 def make_tokenizer(config, envs):

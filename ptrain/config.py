@@ -185,6 +185,12 @@ def defaults(*, closed_loop: bool = False) -> ml_collections.ConfigDict:
     # experts: adapters per MoE expert too (merged into the expert weights in the forward).
     c.lora = dict(rank=0, alpha=16.0, targets=LORA_MODULES, base_dtype="", dropout=0.0,
                   experts=False)
+    # A vision-language hf_model (Qwen2.5-VL, `ptrain.vision`): each learner row's patch
+    # budgets, fixed per run (every step the same shapes): its prompt's images
+    # (prompt_patches) and its continuation's, tool observations (observation_patches, 0:
+    # none); both multiples of the merge unit (4). freeze: no gradient into the vision tower.
+    # Ignored for a text-only model.
+    c.vision = dict(prompt_patches=1024, observation_patches=0, freeze=True)
     # rollouts_every: rollouts.jsonl gets num_rollouts samples of step 1 and of every
     # rollouts_every-th step (0: none)
     c.log = dict(every=1, rollouts_every=10, num_rollouts=4)
@@ -326,7 +332,12 @@ def _check_values(config):
     rl, s, d = config.rl, config.sampling, config.data
     mb_rows = d.prompts_per_step * s.num_samples // max(rl.num_minibatches, 1)
     micro = rl.microbatch_size
+    v = config.vision
     checks = [
+        (all(isinstance(n, int) and n >= 0 and n % 4 == 0
+             for n in (v.prompt_patches, v.observation_patches)),
+         f"vision.prompt_patches={v.prompt_patches!r}, vision.observation_patches="
+         f"{v.observation_patches!r}: give patch counts >= 0, multiples of the merge unit (4)"),
         (rl.estimator in ESTIMATORS, f"rl.estimator={rl.estimator!r}; use one of {ESTIMATORS}"),
         (rl.loss in POLICY_LOSSES, f"rl.loss={rl.loss!r}; use one of {POLICY_LOSSES}"),
         (rl.agg in losses.AGG_MODES, f"rl.agg={rl.agg!r}; use one of {losses.AGG_MODES}"),
@@ -470,12 +481,12 @@ def _raise_first(checks):
 def check_hf_model(config) -> None:
     """With hf_model, config.json gives the model: a model.* key other than the run-time
     ones that is set (differs from defaults()) and differs from config.json is an error."""
-    from ptrain import hf
     from ptrain import model as model_lib
     if not os.path.isfile(os.path.join(config.hf_model, "config.json")):
         raise ValueError(f"config: hf_model={config.hf_model!r} is not a directory with a "
                          "config.json; set hf_model to a local Hugging Face model directory")
-    ours = hf.config_from_hf(hf.read_config(config.hf_model))
+    from ptrain.vision import run as vision_run
+    ours = vision_run.text_config(config.hf_model)
     base = defaults().model
     for key, value in config.model.items():
         if key in model_lib.RUNTIME_FIELDS or value == base.get(key):

@@ -59,9 +59,9 @@ from ptrain import routing
 from ptrain import run_record
 from ptrain import sharding
 from ptrain import step as step_lib
-from ptrain.batch import Batch, Episodes  # noqa: F401 (Episodes: learner.Episodes, ex name)
-from ptrain.config import CRITIC_INITS, ESTIMATORS, POLICY_LOSSES  # noqa: F401 (learner.*)
+from ptrain.batch import Batch
 from ptrain.generate import engine_sampler
+from ptrain.vision import run as vision_run
 
 
 # ==================================================================================== config
@@ -83,8 +83,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
 class Learner:
     """The static context of a run (mesh, model graph, optimizers, step settings, reference
-    policy) and its device stages. Parameters and optimizer state are passed in and out,
-    never kept."""
+    policy) and its device stages; parameters and optimizer state pass in and out."""
 
     def __init__(self, config, *, mesh=None, params=None, tokenizer=None):
         """mesh: default from config.mesh. params: initial parameters (default: the config's
@@ -94,19 +93,23 @@ class Learner:
         self.mesh = sharding.mesh_from_config(c.mesh) if mesh is None else mesh
         if self.mesh is not None:
             config_lib.check_mesh(c, self.mesh.shape)
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(c.tokenizer)
+        if tokenizer is None and c.tokenizer:
+            from ptrain import hf
+            tokenizer = hf.load_tokenizer(c.tokenizer)
+        self.tokenizer = tokenizer
         self.model_config = model_config(c)
         if params is None:
             self.graphdef, self.initial_params = nnx.split(build_model(c, self.mesh))
         else:  # e.g. the result of `sft`, placed like a fresh model
-            self.graphdef, abstract = sharding.abstract(lambda: model_lib.Transformer(
-                self.model_config, rngs=nnx.Rngs(0), mesh=self.mesh), self.mesh)
+            self.graphdef, abstract = sharding.abstract(
+                lambda: new_model(c, self.mesh, self.model_config), self.mesh)
             if self.model_config.lora_rank and not lora.has_adapters(params):
                 params = lora.attach(params, self.model_config, seed=c.seed,
                                      mesh=self.mesh)[1]  # (a base model's: fresh adapters)
             self.initial_params = jax.device_put(params, jax.tree.map(
                 lambda x: x.sharding, abstract) if self.mesh is not None else None)
         self.pad_id = rollout_lib.pad_id(self.tokenizer)
+        self.vision = vision_run.vision(c, vision_run.vl_config(c, self.model_config))  # (VL)
         resolved = config_lib.resolve(c)
         updates = resolved.updates_per_step
         self.settings, self.sft_settings = resolved.rl, resolved.sft
@@ -246,20 +249,33 @@ def _runtime_overrides(config) -> dict:
 
 
 def model_config(config) -> model_lib.ModelConfig:
-    """The run's ModelConfig (with config.lora's adapters, `lora.configure`)."""
+    """The run's ModelConfig (with config.lora's adapters, `lora.configure`); a
+    vision-language hf_model's decoder (`ptrain.vision.run`)."""
     if config.hf_model:
-        from ptrain import hf
         return lora.configure(dataclasses.replace(
-            hf.config_from_hf(hf.read_config(config.hf_model)), **_runtime_overrides(config)),
+            vision_run.text_config(config.hf_model), **_runtime_overrides(config)),
             config.lora)
     return lora.configure(model_lib.ModelConfig(**config.model.to_dict()), config.lora)
 
 
+def new_model(config, mesh, model_cfg=None):
+    """The config's model class instantiated (for abstract shapes: `nnx.eval_shape`): a
+    Transformer, or a VLModel for a vision-language hf_model."""
+    model_cfg = model_cfg or model_config(config)
+    vl = vision_run.vl_config(config, model_cfg)
+    return vision_run.new(vl, mesh) if vl is not None else model_lib.Transformer(
+        model_cfg, rngs=nnx.Rngs(0), mesh=mesh)
+
+
 def build_model(config, mesh) -> model_lib.Transformer:
-    """The config's model, born sharded: loaded from hf_model, or initialised from the seed
-    (with LoRA the base as it would be without, and fresh adapters)."""
+    """The config's model, born sharded: loaded from hf_model (a VLModel for a Qwen2.5-VL
+    directory), or initialised from the seed (with LoRA the base as it would be without,
+    and fresh adapters)."""
     if config.hf_model:
         from ptrain import hf
+        if vision_run.is_vl_dir(config.hf_model):
+            return vision_run.build(config, mesh, _runtime_overrides(config),
+                                    config.lora.base_dtype or None)
         model = hf.load(config.hf_model, mesh=mesh, overrides=_runtime_overrides(config),
                         param_dtype=lora.float_dtype(config.lora))[0]
         c = model_config(config)
@@ -267,13 +283,6 @@ def build_model(config, mesh) -> model_lib.Transformer:
             return model
         return nnx.merge(*lora.attach(nnx.state(model), c, seed=config.seed, mesh=mesh))
     return model_lib.init(model_config(config), seed=config.seed, mesh=mesh)
-
-
-def _load_tokenizer(path):
-    if not path:
-        return None
-    from ptrain import hf
-    return hf.load_tokenizer(path)
 
 
 # ================================================================================ the loop
@@ -476,20 +485,26 @@ def sft_episodes(learner: Learner, records, *, prompt_len, length) -> Batch:
     """(prompt, completion) records as rows with the loss mask on the completion only.
 
     A record may carry `completion_mask` (0/1 per completion token): a multi-turn
-    demonstration is trained on the model's turns, not on the tool observations in between.
+    demonstration is trained on the model's turns, not on the tool observations in between,
+    and `images` (paths, in prompt order) for a vision-language model: the rows carry them
+    (`vision_run.sft_arrays`, padded to vision.prompt_patches).
     """
     prompts = [learner.encode(r, "prompt_ids", "prompt") for r in records]
     completions = [learner.encode(r, "completion_ids", "completion") for r in records]
     masks = [list(r.get("completion_mask", [1] * len(c))) for r, c in zip(records, completions)]
-    return Batch.from_rows(prompts, completions, masks,
-                              [[0.0] * len(c) for c in completions], np.zeros(len(records)),
-                              np.arange(len(records)), prompt_len=prompt_len, length=length,
-                              pad_id=learner.pad_id)
+    batch = Batch.from_rows(prompts, completions, masks,
+                            [[0.0] * len(c) for c in completions], np.zeros(len(records)),
+                            np.arange(len(records)), prompt_len=prompt_len, length=length,
+                            pad_id=learner.pad_id)
+    return vision_run.sft_arrays(batch, records, learner.vision)
 
 
 def sft_document(learner: Learner, record):
     """A (prompt, completion) record as one packed document: (token ids, loss weights), the
     weights 0 on the prompt, the record's completion_mask (default 1) on the completion."""
+    if record.get("images"):
+        raise ValueError("sft.packing with records that show images (the charts environment's "
+                         "demonstrations): packed rows carry no images yet; set sft.packing=False")
     prompt = learner.encode(record, "prompt_ids", "prompt")
     completion = learner.encode(record, "completion_ids", "completion")
     mask = list(record.get("completion_mask", [1] * len(completion)))

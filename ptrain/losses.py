@@ -390,7 +390,7 @@ def overlong_penalty(lengths_b, *, max_len, buffer_len, penalty_factor=1.0):
 
     0 up to max_len - buffer_len tokens, then falling linearly to -penalty_factor at
     max_len. Add it to the task reward. `lengths_b` and `max_len` measure the same thing: an
-    episode's tokens after its prompt (`Episodes.lengths_b`: model turns and observations)
+    episode's tokens after its prompt (`Batch.lengths_b`: model turns and observations)
     against the cap they had (`rollout.max_len` for multi-turn episodes;
     `sampling.max_new_tokens` for a single turn). A length past max_len raises: it was
     measured against another cap (a per-turn one would punish a 72-token episode with -2.5

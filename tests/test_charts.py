@@ -4,6 +4,7 @@ answers' parser and tolerance, the held-out split, brought task files and their 
 image modes and the pixel budget, the image prompt, and launch.eval's oracle and nop."""
 
 import json
+import os
 import pathlib
 import re
 
@@ -341,7 +342,7 @@ def _vl_config():
 
 
 def test_the_prompt_holds_one_placeholder_per_merged_patch_and_needs_a_vl_model(generated):
-    from ptrain.rollout import episodes
+    from ptrain.rollout import images
     task = generated["train"][0]
     proc = ip.ImageProcessing(max_pixels=W * H)
     ids, (patches, grids) = charts.prompt(task, _Template(), _vl_config(), proc)
@@ -354,10 +355,10 @@ def test_the_prompt_holds_one_placeholder_per_merged_patch_and_needs_a_vl_model(
     assert demo["prompt_ids"] == ids and demo["images"] == charts.images(task)
     assert demo["completion_ids"] == [5, 5, 7] and demo["completion_mask"] == [1, 1, 1]
     env = base.load({"env": "ptrain.envs.charts:make", "args": {"n_train": 1}})
-    for make_prompt in (lambda: charts.prompt(task, _Template(), None),
-                        lambda: episodes.render_prompt(task, _Template(), env=env)):
-        with pytest.raises(ValueError, match="vision task needs a vision-language model"):
-            make_prompt()
+    with pytest.raises(ValueError, match="vision task needs a vision-language model"):
+        charts.prompt(task, _Template(), None)
+    with pytest.raises(ValueError, match="images in its prompt.*text-only model"):
+        images.check([task], [env], None)  # what rollout.generate checks first
 
 
 def _vl_directory(path):
@@ -403,3 +404,83 @@ def test_launch_eval_model_agent_answers_with_the_images(brought):
     model, c, tokenizer, processing, _, _ = charts_agent.load(model_dir)
     ids, (_, grids) = charts.prompt(charts.brought(path)[1], tokenizer, c, processing)
     assert ids.count(c.image_token_id) == int(np.prod(grids, -1).sum()) // 4 and len(grids) == 2
+
+
+# ------------------------------------------------------------------------ the closed loop
+
+def test_charts_toy_runs_sft_then_rl_with_the_images_and_evaluates_both(tmp_path,
+                                                                        monkeypatch):
+    """configs/charts_toy.py (shortened further) through `closed_loop.run` on a tiny random
+    Qwen2.5-VL: the environment's demonstrations (image paths with them) train SFT, whose
+    loss falls; every SFT and RL batch carries each row's page as patches (the learner's
+    vision arrays); held-out rows for charts after SFT and after RL."""
+    pytest.importorskip("transformers", reason="the tokenizer is a transformers one")
+    import jax
+    from configs import charts_toy
+    from ptrain import closed_loop, learner, metrics, sharding
+    model_dir = _vl_directory(str(tmp_path / "vl"))
+    c = charts_toy.get_config(model_dir + ",short")
+    c.unlock()
+    c.steps = 2
+    c.sft.update(steps=6, batch_size=4)
+    c.data.prompts_per_step = 2
+    c.sampling.update(num_samples=2, max_new_tokens=4)
+    c.rollout.max_len = 4
+    c.tasks.envs[0]["args"].update(n_train=4, n_heldout=2)
+    c.eval.n = 2
+    c.sandbox.backend = "process"
+    c.checkpoint.update(every=100, async_save=False)
+    c.lock()
+    seen = {"sft": [], "rl": []}  # real patches per row of each batch the learner got
+    patches = lambda b: (np.asarray(b.vision_full_seg_bn) > 0).sum(-1).tolist()  # noqa: E731
+    sft_episodes = learner.sft_episodes
+    monkeypatch.setattr(learner, "sft_episodes", lambda *a, **k: seen["sft"].append(
+        patches(out := sft_episodes(*a, **k))) or out)
+    prepare = learner.Learner.prepare
+    monkeypatch.setattr(learner.Learner, "prepare", lambda self, params, episodes, *a, **k: (
+        seen["rl"].append(patches(episodes)), prepare(self, params, episodes, *a, **k))[1])
+    workdir = str(tmp_path / "run")
+    mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
+    evals = closed_loop.run(c, workdir, mesh=mesh)
+
+    demos = [json.loads(x) for x in (tmp_path / "run/tasks/sft.jsonl").read_text().splitlines()]
+    assert len(demos) == 4 and all(len(d["images"]) == 1 for d in demos)
+    page = (H // 14) * (W // 14)  # one page's patches
+    assert seen["sft"] == [[page] * 4] * 6
+    assert seen["rl"] == [[page] * 4] * 2  # 2 prompts x 2 samples, each its group's page
+    losses = [r["sft/loss"] for r in metrics.read_jsonl(os.path.join(workdir, "sft",
+                                                                      "metrics.jsonl"))]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    rl_rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    assert len(rl_rows) == 2 and all(np.isfinite(r["loss/policy"]) for r in rl_rows
+                                     if "loss/policy" in r)
+    assert {(e["stage"], e["domain"], e["n"]) for e in evals} >= {
+        ("base", "charts", 2), ("sft", "charts", 2), ("rl", "charts", 2)}
+
+
+def test_vision_budgets_and_image_records_are_checked_before_work(tmp_path):
+    pytest.importorskip("transformers", reason="the tokenizer is a transformers one")
+    """A patch budget that is not a multiple of the merge unit is a config error; SFT
+    records with images are refused for a text model and for packed SFT; LoRA and the PPO
+    critic on a VL model are refused."""
+    from ptrain import config as config_lib, learner
+    from ptrain.vision import run as vision_run
+    c = config_lib.defaults()
+    c.vision.prompt_patches = 190
+    with pytest.raises(ValueError, match="vision.prompt_patches=190"):
+        config_lib.check(c)
+    record = {"prompt_ids": [1], "completion_ids": [2], "images": ["page.png"]}
+    with pytest.raises(ValueError, match="text only"):
+        vision_run.sft_arrays(None, [record], None)
+    with pytest.raises(ValueError, match="sft.packing"):
+        learner.sft_document(None, record)
+    # what the learner cannot yet do with a VL hf_model is refused before any loading
+    c = config_lib.defaults()
+    c.hf_model = _vl_directory(str(tmp_path / "vl"))
+    assert vision_run.vl_config(c).vision.freeze  # frozen by default
+    c.lora.rank = 4
+    with pytest.raises(ValueError, match="lora.rank=4 with a vision-language hf_model"):
+        vision_run.vl_config(c)
+    c.lora.rank, c.rl.estimator = 0, "gae"
+    with pytest.raises(ValueError, match="critic reads text only"):
+        learner.new_model(c, None)

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from configs import grpo_toy
 from configs import ppo_toy
 from ptrain import batch as batch_lib
+from ptrain import config as config_lib
 from ptrain import learner as L
 from ptrain import rollout
 from ptrain import sharding
@@ -99,7 +100,7 @@ def _random_episodes(groups, per_group, seed=0):
             tokens.append(rng.randint(2, 32, size=n).tolist())
             masks.append([1] * n)
             logps.append((-3.5 + 0.3 * rng.randn(n)).tolist())
-    return L.Episodes.from_rows(prompts, tokens, masks, logps,
+    return L.Batch.from_rows(prompts, tokens, masks, logps,
                                 rng.randint(0, 2, groups * per_group),
                                 np.repeat(np.arange(groups), per_group), prompt_len=8, length=8)
 
@@ -166,7 +167,7 @@ def test_token_logprobs_sequence_parallel(initial_params):
     rng = np.random.RandomState(1)
     prompts = [[1] + rng.randint(2, 32, size=rng.randint(1, 7)).tolist() for _ in range(2)]
     tokens = [rng.randint(2, 32, size=rng.randint(1, n + 1)).tolist() for _ in range(16)]
-    episodes = L.Episodes.from_rows(
+    episodes = L.Batch.from_rows(
         [prompts[i // group] for i in range(16)], tokens, [[1] * len(x) for x in tokens],
         [[0.0] * len(x) for x in tokens], np.zeros(16), np.arange(16) // group, prompt_len=8,
         length=n)
@@ -209,7 +210,7 @@ def _fixed_episodes():
     prompts = [[1] + rng.randint(2, 32, size=3).tolist() for _ in range(3)]
     masks = [[1] * n for n in lengths]
     masks[4][2] = 0
-    return L.Episodes.from_rows(
+    return L.Batch.from_rows(
         [prompts[i // 3] for i in range(9)], [rng.randint(2, 32, size=n).tolist()
                                               for n in lengths],
         masks, [[0.0] * n for n in lengths], rewards, np.arange(9) // 3, prompt_len=6,
@@ -238,7 +239,7 @@ def _expected_advantages(estimator, rewards, groups, mask_bn):
     return adv_bn
 
 
-@pytest.mark.parametrize("estimator", [e for e in L.ESTIMATORS if e != "gae"])
+@pytest.mark.parametrize("estimator", [e for e in config_lib.ESTIMATORS if e != "gae"])
 def test_advantages_follow_the_published_formulas(estimator, initial_params):
     learner = _learner(toy_config(**{"rl.estimator": estimator}, **THREE_GROUPS_OF_3),
                        initial_params)
@@ -445,7 +446,7 @@ def _collect(rollout, batches, config):
 
 
 def _episodes(rewards, groups, lengths):
-    return L.Episodes.from_rows([[1, 3]] * len(lengths), [[5] * n for n in lengths],
+    return L.Batch.from_rows([[1, 3]] * len(lengths), [[5] * n for n in lengths],
                                 [[1] * n for n in lengths], [[0.0] * n for n in lengths],
                                 rewards, groups, prompt_len=4, length=12,
                                 meta=[{"row": i} for i in range(len(groups))])
@@ -557,7 +558,7 @@ def test_filter_overlong_masks_truncated_episodes_out_of_the_loss():
 
 def test_episodes_rows_are_checked():
     def rows(prompt=(1,), tokens=(5, 6), mask=(1, 1), logp=(0.0, 0.0), **kw):
-        return L.Episodes.from_rows([list(prompt)], [list(tokens)], [list(mask)], [list(logp)],
+        return L.Batch.from_rows([list(prompt)], [list(tokens)], [list(mask)], [list(logp)],
                                     [0.0], [0], **{"prompt_len": 2, "length": 4, **kw})
 
     with pytest.raises(ValueError, match="continues its prompt with 5 tokens, more than"):
@@ -579,7 +580,7 @@ def test_episodes_rows_are_checked():
     with pytest.raises(ValueError, match="loss mask is 1 inside the prompt"):
         L.Episodes.from_histories([[1, 7, 5]], [[0, 1, 1]], [[0.0] * 3], [1.0], [0],
                                   prompt_lens=[2], prompt_len=3, length=4)
-    two = L.Episodes.from_rows([[1], [2]], [[5], [5]], [[1], [1]], [[0.0], [0.0]], [0, 0],
+    two = L.Batch.from_rows([[1], [2]], [[5], [5]], [[1], [1]], [[0.0], [0.0]], [0, 0],
                                [0, 0], prompt_len=2, length=2)
     with pytest.raises(ValueError, match="must share their prompt; keep each prompt's samples"):
         two.check_groups(2)

@@ -24,7 +24,7 @@ class Fake:
     def score(self, records):
         rows = [(r, k) for r in records for k in range(self.g)]
         n = len(rows)
-        return learner.Episodes.from_rows(
+        return learner.Batch.from_rows(
             [[1, 2 + r["i"]] for r, _ in rows],
             [[7] * (self.width - k) for _, k in rows],
             [[1] * (self.width - k) for _, k in rows],
@@ -71,7 +71,7 @@ def test_a_batch_of_one_kind_and_an_unknown_route():
     with pytest.raises(ValueError, match="routed to 'terminal'"):
         only.generate(None, [record], jax.random.key(0))
     wide = Fake("code", 4)
-    wide.score = lambda records: learner.Episodes.from_rows(
+    wide.score = lambda records: learner.Batch.from_rows(
         [[1]], [[2]], [[1]], [[0.0]], [0.0], [0], prompt_len=8, length=4)
     with pytest.raises(ValueError, match="prompt_len"):
         mixed_producer.concat([term.score([{"i": 0}]), wide.score(None)])
@@ -111,7 +111,7 @@ def test_each_producers_cap_counts_for_its_own_episodes():
     with pytest.raises(TypeError, match="takes ptrain.tasks.Task objects .* got str"):
         producer.generate(None, ["arith: 6 * 7"], jax.random.key(0))  # neither Task nor record
     assert task_rows.max_len_b.tolist() == [72, 72]
-    terminal_rows = learner.Episodes.from_rows(
+    terminal_rows = learner.Batch.from_rows(
         [[1, 2]] * 2, [[7] * 96, [7] * 88], [[1] * 96, [1] * 88], [[0.0] * 96, [0.0] * 88],
         [0.0, 0.0], [0, 0], prompt_len=4, length=96, max_len=96,
         meta=[{"domain": "terminal", "finish": "max_len"}, {"domain": "terminal",
@@ -131,14 +131,14 @@ def test_each_producers_cap_counts_for_its_own_episodes():
     assert "max_len_b" not in out.arrays()  # host-only, as meta
 
     # A producer that sets no cap: its rows are measured against the config's (72).
-    plain = learner.Episodes.from_rows([[1, 2]] * 2, [[7] * 64] * 2, [[1] * 64] * 2,
+    plain = learner.Batch.from_rows([[1, 2]] * 2, [[7] * 64] * 2, [[1] * 64] * 2,
                                        [[0.0] * 64] * 2, [0.0, 0.0], [0, 0], prompt_len=4,
                                        length=64)
     mixed = mixed_producer.concat([plain, terminal_rows])
     assert mixed.max_len_b.tolist() == [0, 0, 96, 96]
     np.testing.assert_allclose(batch_lib.overlong_penalty(mixed, config), [-0.5, -0.5, -1, -0.5])
     with pytest.raises(ValueError, match="more than its cap max_len=8"):
-        learner.Episodes.from_rows([[1]], [[2] * 9], [[1] * 9], [[0.0] * 9], [0.0], [0],
+        learner.Batch.from_rows([[1]], [[2] * 9], [[1] * 9], [[0.0] * 9], [0.0], [0],
                                    prompt_len=4, length=16, max_len=8)
 
 

@@ -115,7 +115,7 @@ def test_producer_rewards_episodes_by_the_tasks_tests(terminal, generated):
         producer = terminal_producer(sampler, tok, h, num_samples=4)
         import jax
         episodes = producer.score(producer.generate(None, picked, jax.random.key(0)))
-    assert isinstance(episodes, learner.Episodes) and len(episodes) == 12
+    assert isinstance(episodes, learner.Batch) and len(episodes) == 12
     episodes.check_groups(4)
     assert episodes.group_ids_b.tolist() == [0] * 4 + [1] * 4 + [2] * 4
     assert episodes.max_len_b.tolist() == [96] * 12  # rollout.max_len: the overlong cap

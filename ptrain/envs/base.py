@@ -68,13 +68,15 @@ class TurnPolicy:
 @dataclasses.dataclass(frozen=True)
 class Context:
     """What an environment's `tasks` gets: the run's seed, a directory of its own under the
-    work dir, the tokenizer and chat format (for demonstrations), and its name."""
+    work dir, the tokenizer and chat format (for demonstrations), a vision-language
+    policy's image settings, and its name."""
 
     name: str
     seed: int
     workdir: str
     tokenizer: Any = None
     fmt: Any = None
+    vision: Any = None  # a vision-language policy's `rollout.images.Vision` (None: text)
 
 
 @dataclasses.dataclass(frozen=True)

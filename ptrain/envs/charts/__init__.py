@@ -13,9 +13,13 @@ whose user content holds `{"type": "image", "image": PATH}` items and the questi
 value after "Answer:" with one parser and compares it within a tolerance; the feedback says
 what form was expected, never the value.
 
-A vision task needs a vision-language model: `prompt` without one, and the text-only prompt
-path (`Environment.prompt_ids`, which a run with a text model uses), raise before anything is
-generated.
+Demonstrations: with a vision-language policy (`Context.vision`), each training task answered
+with its reference answer (`demonstration`: the image prompt's ids, the answer, the image
+paths), the closed loop's SFT records.
+
+A vision task needs a vision-language model: `prompt` without one raises, and the rollouts
+refuse a task with images for a text-only policy before anything is generated
+(`ptrain.rollout.images.check`).
 """
 
 from __future__ import annotations
@@ -112,11 +116,12 @@ def demonstration(task: Task, tokenizer, fmt, vl_config, processing=None) -> dic
 
 def make(n_train: int = 200, n_heldout: int = 40, *, train: str = "", heldout: str = "",
          kinds: tuple = (), width_px: int = 448, height_px: int = 336,
-         pages_dir: str = "") -> base.Environment:
+         pages_dir: str = "", demonstrations: bool = True) -> base.Environment:
     """The charts environment. Tasks: generated (`kinds`: page kinds of
     `questions.TEMPLATES`, () all; pages of width_px x height_px drawn under `pages_dir`,
     default the environment's directory of the run's work dir, /pages), or the task files
-    `train` and `heldout` (both)."""
+    `train` and `heldout` (both). demonstrations: the training tasks' reference answers as
+    SFT records, when the run's policy is a vision-language model (`Context.vision`)."""
     if bool(train) != bool(heldout):
         raise ValueError("give both task files, train and heldout, or neither (generated)")
     unknown = sorted(set(kinds) - set(questions.TEMPLATES))
@@ -138,16 +143,16 @@ def make(n_train: int = 200, n_heldout: int = 40, *, train: str = "", heldout: s
                 questions.TEMPLATES), width_px=width_px, height_px=height_px)
                       for n, split in ((n_train, "train"), (n_heldout, "heldout"))]
         splits = [[dataclasses.replace(t, domain=ctx.name) for t in s] for s in splits]
-        return base.Splits(splits[0], splits[1])
+        demos = []
+        if demonstrations and ctx.vision is not None:
+            demos = [demonstration(t, ctx.tokenizer, ctx.fmt, ctx.vision.config,
+                                   ctx.vision.processing) for t in splits[0]]
+        return base.Splits(splits[0], splits[1], demos)
 
     def verify(tasks_, answers, *, sessions=None, pool=None,
                config: rewards.RewardConfig = rewards.RewardConfig()) -> list[Verdict]:
         del sessions, pool, config  # judged on the host from the answer's text
         return [judge.judge(t.verifier, a) for t, a in zip(tasks_, answers)]
 
-    def prompt_ids(task, tokenizer, fmt):
-        del tokenizer, fmt
-        raise text_only_error(task)
-
     return base.Environment(name=NAME, tasks=tasks, verify=verify,
-                            turns=base.TurnPolicy(retries=True), prompt_ids=prompt_ids)
+                            turns=base.TurnPolicy(retries=True))
