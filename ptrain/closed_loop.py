@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import os
 import random
 import types
@@ -51,7 +50,6 @@ from ptrain import run_record
 from ptrain import sharding
 from ptrain import tasks as tasks_lib
 from ptrain.envs import synthetic
-from ptrain.rollout import images as images_lib
 from ptrain.vision import run as vision_run
 
 
@@ -101,8 +99,8 @@ def make_tasks(config, envs, tokenizer, workdir, vision=None):
                       if t.name in getattr(x, "tools", ())})
     check_format(fmt, tokenizer, [tools[name] for name in sorted(tools)])
     for env in envs:  # before anything is generated
-        ids, _ = images_lib.prompts(train[env.name], [env] * len(train[env.name]), tokenizer,
-                                    fmt, vision, rollout_lib.render_prompt)
+        ids, _ = rollout_lib.render_prompts(train[env.name], [env] * len(train[env.name]),
+                                            tokenizer, fmt, vision)
         tasks_lib.check_lengths(
             {x.id: len(p) for x, p in zip(train[env.name], ids)},
             config.data.max_prompt_len, key="data.max_prompt_len", what=f"{env.name} prompt")

@@ -30,7 +30,7 @@ Its public names are importable from here (`rollout.generate`, `rollout.Tasks`, 
 
 from ptrain.rollout.episodes import (ATTEMPT_REWARDS, FINISHES, Episode,  # noqa: F401
                                      RolloutConfig, builtin, close, generate, render_prompt,
-                                     sample_across, to_batch, verify_episodes)
+                                     render_prompts, sample_across, to_batch, verify_episodes)
 from ptrain.rollout.agents import Agent, run_episodes  # noqa: F401
 from ptrain.rollout.producers import (Agents, FromFunction, Producer, SingleTurn, Tasks,  # noqa: F401
                                       decode, make_sampler, pad_id, reward_config,

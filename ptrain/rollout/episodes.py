@@ -154,6 +154,23 @@ def render_prompt(task: Task, tokenizer, fmt: chat.ChatFormat = chat.PLAIN,
                               tools=[env.tool(name) for name in task.tools])
 
 
+def render_prompts(tasks, envs, tokenizer, fmt, vision=None):
+    """(prompt ids per task, images per task): `render_prompt`, or for a vision-language
+    policy (`vision`, a `rollout.images.Vision`) and a task with prompt images, the chat
+    template with the images' placeholders expanded (`images.render_prompt`)."""
+    images_lib.check(tasks, envs, vision)
+    ids, images = [], []
+    for task, env in zip(tasks, envs):
+        if vision is not None and images_lib.task_images(task):
+            p, im = images_lib.render_prompt(task, tokenizer, fmt, env, vision)
+            images_lib.check_budget(task, im, vision)
+        else:
+            p, im = render_prompt(task, tokenizer, fmt, env), []
+        ids.append(p)
+        images.append(im)
+    return ids, images
+
+
 def builtin(name: str) -> envs_base.Environment:
     """The environment of tasks with built-in verifiers and the sandbox's tools (what a task
     needs without one of its own: `generate` uses it for domains `envs` does not name)."""
@@ -206,8 +223,7 @@ def generate(sampler, params, tasks: Sequence[Task], *, tokenizer, key,
         raise ValueError("self-correction (max_attempts > 1) needs verdicts during the episode")
     task_envs = _environments(tasks, envs)
     vision = images_lib.of(sampler, vision)
-    prompts, prompt_images = images_lib.prompts(tasks, task_envs, tokenizer, fmt, vision,
-                                                render_prompt)
+    prompts, prompt_images = render_prompts(tasks, task_envs, tokenizer, fmt, vision)
     episodes = [Episode(task=task, group_id=first_group_id + i, tokens=list(prompt),
                         mask=[0] * len(prompt), logp=[0.0] * len(prompt),
                         prompt_len=len(prompt), env=env, images=list(pictures), vision=vision)

@@ -145,24 +145,13 @@ def render_prompt(task, tokenizer, fmt: chat.ChatFormat, env, vision: Vision):
     return ids, split(*item)
 
 
-def prompts(tasks, envs, tokenizer, fmt, vision: Vision | None, render_text):
-    """(prompt ids per task, images per task): `render_text(task, tokenizer, fmt, env)` for a
-    task without images."""
-    check(tasks, envs, vision)
-    ids, images = [], []
-    for task, env in zip(tasks, envs):
-        if vision is not None and task_images(task):
-            p, im = render_prompt(task, tokenizer, fmt, env, vision)
-            n = sum(len(patches) for patches, _ in im)
-            if n > vision.prompt_patches:
-                raise ValueError(f"task {task.id!r}: its prompt images have {n} patches, over "
-                                 f"Vision.prompt_patches={vision.prompt_patches}; raise the "
-                                 "budget or lower the image processing's max_pixels")
-        else:
-            p, im = render_text(task, tokenizer, fmt, env), []
-        ids.append(p)
-        images.append(im)
-    return ids, images
+def check_budget(task, images, vision: Vision) -> None:
+    """A task's prompt images must fit `vision.prompt_patches`."""
+    n = sum(len(patches) for patches, _ in images)
+    if n > vision.prompt_patches:
+        raise ValueError(f"task {task.id!r}: its prompt images have {n} patches, over "
+                         f"Vision.prompt_patches={vision.prompt_patches}; raise the "
+                         "budget or lower the image processing's max_pixels")
 
 
 def sample_kwargs(rows: Sequence[Sequence[Image]], vision: Vision | None) -> dict:
