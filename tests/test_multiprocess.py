@@ -72,9 +72,9 @@ def test_agree(helpers_2x4):
 
 def test_the_terminal_domain_on_two_processes_equals_one(tmp_path):
     """Terminal episodes (bwrap task boxes, the real sampler with scripted text) on 2 x 4:
-    process 0's episodes end after one turn while process 1's go on, and one of the mixed
-    batch's two producers has records on process 0 only; both still join every sampler call
-    (they would hang otherwise), and the gathered batch and the held-out evaluation (3 tasks
+    process 0's episodes end after one turn while process 1's go on, and one of the batch's
+    two terminal environments has records on process 0 only; both processes still join every
+    sampler call (they would hang otherwise), and the gathered batch and the held-out evaluation (3 tasks
     over 2 processes) equal one process holding every record."""
     from sandbox.terminal import bwrap
     if bwrap.unavailable() is not None:
