@@ -13,9 +13,9 @@ Tunix runs in its own environment, in a subprocess (bench/rl_bench_tunix.py):
         && python -m uv pip install --python .venv-tunix/bin/python google-tunix && cd ..
     python bench/rl_bench.py [--prompts 8 --samples 8 --prompt-len 32 --new-tokens 64]
     python bench/rl_bench.py --modes static engine engine-k1 engine-k1-remat   # see MODES
-    python bench/rl_bench.py --lora   # LoRA (rank 8, all projections, KL on) against full
-                                      # fine-tuning, time and peak state memory, beside
-                                      # Tunix's LoRA GRPO (qwix, the same rank/alpha/targets)
+    python bench/rl_bench.py --lora [--modes engine-k1-remat]  # LoRA (rank 8, all
+        # projections, KL on) against full fine-tuning in one of MODES, time and peak state
+        # memory, beside Tunix's LoRA GRPO (qwix, the same rank, alpha, targets and KL)
 """
 
 import argparse
@@ -122,10 +122,11 @@ def tunix_lora_work() -> dict:
         "module_path": ".*/(" + "|".join(targets) + ")"}}
 
 
-def ptrain_rl(model_dir, prompts, args, workdir, mode="static"):
+def ptrain_rl(model_dir, prompts, args, workdir, mode="static", lora_mode=None):
     """Seconds per GRPO step of ptrain.learner.train, from the intervals between reward calls;
     `mode` one of MODES (with staleness 1 a step's interval is the loop's throughput: batch
-    t+1 is generated while batch t trains, with truncated importance weights)."""
+    t+1 is generated while batch t trains, with truncated importance weights), and on top of
+    it `lora_mode` one of LORA_MODES."""
     rows = args.prompts * args.samples
     stamps, calls = [], [0]
 
@@ -148,7 +149,7 @@ def ptrain_rl(model_dir, prompts, args, workdir, mode="static"):
     c.log.rollouts_every = 0
     c.checkpoint.every = 10**6
     c.sampling.engine_slots = rows
-    c.update_from_flattened_dict({**MODES, **LORA_MODES}[mode])
+    c.update_from_flattened_dict({**MODES[mode], **LORA_MODES.get(lora_mode, {})})
     learner.train(c, workdir)
     intervals = np.diff(stamps)[args.warmup:]
     records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
@@ -200,6 +201,8 @@ def main():
                         help="ptrain's GRPO step with LoRA against full fine-tuning, and "
                              "Tunix's with qwix LoRA")
     args = parser.parse_args()
+    if args.lora and len(args.modes) > 1:
+        parser.error("--lora takes one of --modes (both ptrain runs use it)")
     if args.lora:
         return lora_main(args)
 
@@ -320,7 +323,8 @@ def lora_main(args):
             runs["Tunix lora"].append(t_tunix["rl_step_s"])
             for m in LORA_MODES:
                 t, n_timed, splits[m] = ptrain_rl(model_dir, prompts, args,
-                                                  os.path.join(tmp, f"run{r}-{m}"), m)
+                                                  os.path.join(tmp, f"run{r}-{m}"),
+                                                  args.modes[0], m)
                 runs[m].append(t)
             print(f"round {r}: " + ", ".join(
                 f"{m} {runs[m][-1][0] * 1e3:.0f} ms (update {splits[m]['time/update_s'] * 1e3:.0f})"
@@ -332,7 +336,7 @@ def lora_main(args):
     typical = {m: float(np.median([v[1] for v in vs])) for m, vs in runs.items()}
     print(f"model: Qwen3-style, {config.n_params / 1e6:.2f}M params, float32; "
           f"{args.prompts} prompts x {args.samples} samples, {args.new_tokens} new tokens, "
-          f"KL 0.01; jax {jax.__version__}, Tunix {tunix_version}; {os.cpu_count()} cores; "
+          f"KL 0.01; ptrain mode {args.modes[0]}; jax {jax.__version__}, Tunix {tunix_version}; {os.cpu_count()} cores; "
           f"{args.rounds} rounds, {n_timed} steps each")
     for m in LORA_MODES:
         mem = memory[m]
