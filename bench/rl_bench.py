@@ -340,14 +340,15 @@ def lora_main(args):
           f"{args.rounds} rounds, {n_timed} steps each")
     for m in LORA_MODES:
         mem = memory[m]
-        print(f"  {m:5s} step {best[m] * 1e3:6.0f} ms (update "
-              f"{splits[m]['time/update_s'] * 1e3:.0f} ms); state MiB: params "
+        print(f"  {m:5s} step {best[m] * 1e3:6.0f} / {typical[m] * 1e3:.0f} ms (best / "
+              f"typical; last round's update {splits[m]['time/update_s'] * 1e3:.0f} ms); "
+              f"state MiB: params "
               f"{mem['params_bytes'] / 2**20:.2f} (trainable {mem['trainable_bytes'] / 2**20:.2f}), "
               f"optimizer {mem['opt_state_bytes'] / 2**20:.2f}, reference "
               f"{mem['reference_bytes'] / 2**20:.2f}; plan step peak "
               f"{mem['step_peak'] / 2**20:.2f}")
-    print(f"  Tunix lora step {best['Tunix lora'] * 1e3:6.0f} ms (qwix, rank 8, the same "
-          f"targets, beta 0.01)")
+    print(f"  Tunix lora step {best['Tunix lora'] * 1e3:6.0f} / "
+          f"{typical['Tunix lora'] * 1e3:.0f} ms (qwix, rank 8, the same targets, beta 0.01)")
     print(f"  decode ({args.prompts * args.samples * args.new_tokens} tokens): unmerged "
           f"{decode['unmerged'][0] * 1e3:.0f} ms, merged {decode['merged'][0] * 1e3:.0f} ms "
           f"(ratio {decode['unmerged'][0] / decode['merged'][0]:.2f}x); one merge "
