@@ -336,8 +336,8 @@ def lora_main(args):
     typical = {m: float(np.median([v[1] for v in vs])) for m, vs in runs.items()}
     print(f"model: Qwen3-style, {config.n_params / 1e6:.2f}M params, float32; "
           f"{args.prompts} prompts x {args.samples} samples, {args.new_tokens} new tokens, "
-          f"KL 0.01; ptrain mode {args.modes[0]}; jax {jax.__version__}, Tunix {tunix_version}; {os.cpu_count()} cores; "
-          f"{args.rounds} rounds, {n_timed} steps each")
+          f"KL 0.01; ptrain mode {args.modes[0]}; jax {jax.__version__}, Tunix "
+          f"{tunix_version}; {os.cpu_count()} cores; {args.rounds} rounds, {n_timed} steps each")
     for m in LORA_MODES:
         mem = memory[m]
         print(f"  {m:5s} step {best[m] * 1e3:6.0f} / {typical[m] * 1e3:.0f} ms (best / "
