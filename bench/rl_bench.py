@@ -13,8 +13,9 @@ Tunix runs in its own environment, in a subprocess (bench/rl_bench_tunix.py):
         && python -m uv pip install --python .venv-tunix/bin/python google-tunix && cd ..
     python bench/rl_bench.py [--prompts 8 --samples 8 --prompt-len 32 --new-tokens 64]
     python bench/rl_bench.py --modes static engine engine-k1 engine-k1-remat   # see MODES
-    python bench/rl_bench.py --lora   # ptrain only: LoRA (rank 8, all projections, KL on)
-                                      # against full fine-tuning, time and peak state memory
+    python bench/rl_bench.py --lora [--modes engine-k1-remat]  # LoRA (rank 8, all
+        # projections, KL on) against full fine-tuning in one of MODES, time and peak state
+        # memory, beside Tunix's LoRA GRPO (qwix, the same rank, alpha, targets and KL)
 """
 
 import argparse
@@ -111,10 +112,21 @@ _KL = {"kl.coef": 0.01}  # (--lora: with a reference policy, which LoRA does not
 LORA_MODES = {"full": _KL, "lora": {**_KL, "lora.rank": 8, "lora.alpha": 16.0}}
 
 
-def ptrain_rl(model_dir, prompts, args, workdir, mode="static"):
+def tunix_lora_work() -> dict:
+    """rl_bench_tunix.py's LoRA workload: qwix adapters with ptrain's `--lora` rank, alpha and
+    targets (Tunix's Qwen3 modules carry the HF projection names), KL coefficient as beta."""
+    m = LORA_MODES["lora"]
+    targets = learner.defaults().lora.targets
+    return {"beta": m["kl.coef"], "lora": {
+        "rank": m["lora.rank"], "alpha": m["lora.alpha"],
+        "module_path": ".*/(" + "|".join(targets) + ")"}}
+
+
+def ptrain_rl(model_dir, prompts, args, workdir, mode="static", lora_mode=None):
     """Seconds per GRPO step of ptrain.learner.train, from the intervals between reward calls;
     `mode` one of MODES (with staleness 1 a step's interval is the loop's throughput: batch
-    t+1 is generated while batch t trains, with truncated importance weights)."""
+    t+1 is generated while batch t trains, with truncated importance weights), and on top of
+    it `lora_mode` one of LORA_MODES."""
     rows = args.prompts * args.samples
     stamps, calls = [], [0]
 
@@ -137,7 +149,7 @@ def ptrain_rl(model_dir, prompts, args, workdir, mode="static"):
     c.log.rollouts_every = 0
     c.checkpoint.every = 10**6
     c.sampling.engine_slots = rows
-    c.update_from_flattened_dict({**MODES, **LORA_MODES}[mode])
+    c.update_from_flattened_dict({**MODES[mode], **LORA_MODES.get(lora_mode, {})})
     learner.train(c, workdir)
     intervals = np.diff(stamps)[args.warmup:]
     records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
@@ -147,14 +159,16 @@ def ptrain_rl(model_dir, prompts, args, workdir, mode="static"):
     return _stats(intervals), len(intervals), split
 
 
-def tunix(model_dir, prompts, args):
+def tunix(model_dir, prompts, args, **extra):
+    """Tunix's decode and GRPO step (`extra`: more of the workload, as rl_bench_tunix.py reads
+    it), and its version."""
     if not os.path.exists(TUNIX_PYTHON):
         raise SystemExit(f"{TUNIX_PYTHON} is missing; create it as the module docstring says")
     work = {"model_dir": model_dir, "model": MODEL, "prompts": prompts,
             "num_samples": args.samples, "new_tokens": args.new_tokens,
             "prompt_len": args.prompt_len, "repeats": args.repeats, "warmup": args.warmup,
             "steps": args.steps, "lr": args.lr, "target": TARGET,
-            "prompts_per_step": args.prompts}
+            "prompts_per_step": args.prompts, **extra}
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
     env["JAX_PLATFORMS"] = "cpu"
     out = subprocess.run([TUNIX_PYTHON, os.path.join(REPO, "bench", "rl_bench_tunix.py"),
@@ -184,8 +198,11 @@ def main():
                         help="ptrain's RL step: static sampler, rollout engine, engine with "
                              "rl.staleness=1 (-remat: and model.remat=full)")
     parser.add_argument("--lora", action="store_true",
-                        help="ptrain's GRPO step with LoRA against full fine-tuning (no Tunix)")
+                        help="ptrain's GRPO step with LoRA against full fine-tuning, and "
+                             "Tunix's with qwix LoRA")
     args = parser.parse_args()
+    if args.lora and len(args.modes) > 1:
+        parser.error("--lora takes one of --modes (both ptrain runs use it)")
     if args.lora:
         return lora_main(args)
 
@@ -289,39 +306,49 @@ def lora_decode(model_dir, prompts, args) -> dict:
 
 
 def lora_main(args):
-    """GRPO steps with LoRA and with full fine-tuning, alternated `rounds` times."""
+    """GRPO steps with LoRA and with full fine-tuning, and Tunix's with qwix LoRA, alternated
+    `rounds` times."""
     rng = np.random.RandomState(0)
     prompts = [[1] + rng.randint(3, MODEL["vocab_size"], rng.randint(8, args.prompt_len))
                .tolist() for _ in range(args.prompts)]
     config = model_lib.ModelConfig(**MODEL, qk_norm=True, family="qwen3", bos_token_id=1,
                                    eos_token_ids=(EOS,))
-    runs = {m: [] for m in LORA_MODES}
+    runs = {m: [] for m in (*LORA_MODES, "Tunix lora")}
     splits = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
         hf.save(model_lib.init(config, seed=0), config, model_dir)
         for r in range(args.rounds):
+            t_tunix, tunix_version = tunix(model_dir, prompts, args, **tunix_lora_work())
+            runs["Tunix lora"].append(t_tunix["rl_step_s"])
             for m in LORA_MODES:
                 t, n_timed, splits[m] = ptrain_rl(model_dir, prompts, args,
-                                                  os.path.join(tmp, f"run{r}-{m}"), m)
+                                                  os.path.join(tmp, f"run{r}-{m}"),
+                                                  args.modes[0], m)
                 runs[m].append(t)
             print(f"round {r}: " + ", ".join(
                 f"{m} {runs[m][-1][0] * 1e3:.0f} ms (update {splits[m]['time/update_s'] * 1e3:.0f})"
-                for m in LORA_MODES), flush=True)
+                for m in LORA_MODES) + f", Tunix lora {runs['Tunix lora'][-1][0] * 1e3:.0f} ms",
+                flush=True)
         memory = {m: _state_bytes(m, model_dir, args) for m in LORA_MODES}
         decode = lora_decode(model_dir, prompts, args)
     best = {m: min(v[0] for v in vs) for m, vs in runs.items()}
+    typical = {m: float(np.median([v[1] for v in vs])) for m, vs in runs.items()}
     print(f"model: Qwen3-style, {config.n_params / 1e6:.2f}M params, float32; "
           f"{args.prompts} prompts x {args.samples} samples, {args.new_tokens} new tokens, "
-          f"KL 0.01; {os.cpu_count()} cores; {args.rounds} rounds, {n_timed} steps each")
+          f"KL 0.01; ptrain mode {args.modes[0]}; jax {jax.__version__}, Tunix "
+          f"{tunix_version}; {os.cpu_count()} cores; {args.rounds} rounds, {n_timed} steps each")
     for m in LORA_MODES:
         mem = memory[m]
-        print(f"  {m:5s} step {best[m] * 1e3:6.0f} ms (update "
-              f"{splits[m]['time/update_s'] * 1e3:.0f} ms); state MiB: params "
+        print(f"  {m:5s} step {best[m] * 1e3:6.0f} / {typical[m] * 1e3:.0f} ms (best / "
+              f"typical; last round's update {splits[m]['time/update_s'] * 1e3:.0f} ms); "
+              f"state MiB: params "
               f"{mem['params_bytes'] / 2**20:.2f} (trainable {mem['trainable_bytes'] / 2**20:.2f}), "
               f"optimizer {mem['opt_state_bytes'] / 2**20:.2f}, reference "
               f"{mem['reference_bytes'] / 2**20:.2f}; plan step peak "
               f"{mem['step_peak'] / 2**20:.2f}")
+    print(f"  Tunix lora step {best['Tunix lora'] * 1e3:6.0f} / "
+          f"{typical['Tunix lora'] * 1e3:.0f} ms (qwix, rank 8, the same targets, beta 0.01)")
     print(f"  decode ({args.prompts * args.samples * args.new_tokens} tokens): unmerged "
           f"{decode['unmerged'][0] * 1e3:.0f} ms, merged {decode['merged'][0] * 1e3:.0f} ms "
           f"(ratio {decode['unmerged'][0] / decode['merged'][0]:.2f}x); one merge "
@@ -329,6 +356,11 @@ def lora_main(args):
     print(f"  ratio full / lora step time: {best['full'] / best['lora']:.2f}x; state "
           f"(params + optimizer + reference) full / lora: "
           f"{sum(memory['full'][k] for k in ('params_bytes', 'opt_state_bytes', 'reference_bytes')) / sum(memory['lora'][k] for k in ('params_bytes', 'opt_state_bytes', 'reference_bytes')):.2f}x")
+    per_round = [t[1] / o[1] for t, o in zip(runs["Tunix lora"], runs["lora"])]
+    print(f"  ratio Tunix lora / ptrain lora step time: "
+          f"{best['Tunix lora'] / best['lora']:.2f}x (best), "
+          f"{typical['Tunix lora'] / typical['lora']:.2f}x (typical); per round (medians) "
+          + ", ".join(f"{x:.2f}x" for x in per_round))
 
 
 if __name__ == "__main__":

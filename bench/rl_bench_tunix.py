@@ -2,8 +2,9 @@
 
 Loads the Qwen3 checkpoint rl_bench.py wrote, then measures Tunix's sampler (decode tokens/s)
 and Tunix's GRPO learner (seconds per RL step) on the workload given as JSON, and prints one
-JSON line with the results ("decode_only": the sampler alone, for bench/rollout_bench.py).
-Imports nothing of ptrain.
+JSON line with the results ("decode_only": the sampler alone, for bench/rollout_bench.py;
+"lora": GRPO only, with qwix LoRA adapters on the actor and the base as the reference policy,
+as Tunix's GRPO LoRA examples build it). Imports nothing of ptrain.
 """
 
 import json
@@ -14,6 +15,8 @@ import grain
 import jax
 import numpy as np
 import optax
+import qwix
+from flax import nnx
 from tunix.generate import sampler as sampler_lib
 from tunix.models.qwen3 import model as qwen3
 from tunix.models.qwen3 import params as qwen3_params
@@ -56,10 +59,19 @@ def main():
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
     vocab = WordVocab()
     texts = [vocab.decode(p[1:]) for p in work["prompts"]]  # Tunix adds the BOS itself
-    g, new, plen = work["num_samples"], work["new_tokens"], work["prompt_len"]
     out = {}
+    if not work.get("lora"):
+        out["decode_s"] = decode(work, mesh, vocab, texts)
+        if work.get("decode_only"):  # bench/rollout_bench.py: the sampler alone
+            print(json.dumps(out))
+            return
+    out["rl_step_s"], out["rl_steps_timed"] = grpo(work, mesh, vocab, texts)
+    print(json.dumps(out))
 
-    # ------------------------------------------------------------------ decode tokens/s
+
+def decode(work, mesh, vocab, texts):
+    """(min, median) seconds of Tunix's sampler on G copies of every prompt."""
+    g, new, plen = work["num_samples"], work["new_tokens"], work["prompt_len"]
     model, config = load(work, mesh)
     cache = sampler_lib.CacheConfig(cache_size=plen + new, num_layers=config.num_layers,
                                     num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
@@ -78,16 +90,33 @@ def main():
         start = time.perf_counter()
         generate(r + 1)
         times.append(time.perf_counter() - start)
-    out["decode_s"] = [float(np.min(times)), float(np.median(times))]
-    if work.get("decode_only"):  # bench/rollout_bench.py: the sampler alone
-        print(json.dumps(out))
-        return
+    return [float(np.min(times)), float(np.median(times))]
 
-    # ------------------------------------------------------------------ GRPO steps
+
+def lora_actor(base, lora):
+    """The base with qwix LoRA adapters on the modules `lora["module_path"]` matches (B zero,
+    so the actor starts as the base); the base's weights are shared, not copied."""
+    provider = qwix.LoraProvider(module_path=lora["module_path"], rank=lora["rank"],
+                                 alpha=lora["alpha"])
+    actor = qwix.apply_lora_to_model(base, provider, rngs=nnx.Rngs(0),
+                                     **base.get_model_input())
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(actor, nnx.LoRAParam)))
+    assert n, f"qwix matched no module with {lora['module_path']!r}"
+    return actor, n
+
+
+def grpo(work, mesh, vocab, texts):
+    """(min, median) seconds per GRPO step of Tunix's GRPOLearner, and the steps timed."""
+    g, new, plen = work["num_samples"], work["new_tokens"], work["prompt_len"]
     model, _ = load(work, mesh)
+    reference = None
+    if work.get("lora"):
+        reference = model
+        model, n_adapter = lora_actor(model, work["lora"])
+        print(f"qwix LoRA: {n_adapter} adapter parameters", file=sys.stderr)
     steps = work["warmup"] + work["steps"] + 1  # one reward call per step: n + 1 stamps
     cluster = rl_cluster_lib.RLCluster(
-        actor=model, tokenizer=vocab,
+        actor=model, reference=reference, tokenizer=vocab,
         cluster_config=rl_cluster_lib.ClusterConfig(
             role_to_mesh={rl_cluster_lib.Role.ACTOR: mesh,
                           rl_cluster_lib.Role.REFERENCE: mesh,
@@ -109,16 +138,15 @@ def main():
 
     learner = grpo_learner.GRPOLearner(
         rl_cluster=cluster, reward_fns=reward,
-        algo_config=grpo_learner.GRPOConfig(num_generations=g, num_iterations=1, beta=0.0,
+        algo_config=grpo_learner.GRPOConfig(num_generations=g, num_iterations=1,
+                                            beta=work.get("beta", 0.0),
                                             epsilon=0.2, loss_agg_mode="token-mean"))
     n_prompts = work["prompts_per_step"]
     dataset = (grain.MapDataset.source(texts).repeat(None).batch(n_prompts)
                .map(lambda x: {"prompts": x}))
     learner.train(dataset)
     intervals = np.diff(stamps)[work["warmup"]:]
-    out["rl_step_s"] = [float(np.min(intervals)), float(np.median(intervals))]
-    out["rl_steps_timed"] = len(intervals)
-    print(json.dumps(out))
+    return [float(np.min(intervals)), float(np.median(intervals))], len(intervals)
 
 
 if __name__ == "__main__":
