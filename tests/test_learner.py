@@ -524,7 +524,7 @@ def test_overlong_penalty_measures_a_multi_turn_episode_against_rollout_max_len(
     lengths = [sum(p) for p in turns]
     assert lengths == [33, 4, 40, 35] and max(lengths) > config.sampling.max_new_tokens
     rewards = [1.0, 0.0, 1.0, 0.0]
-    episodes = L.Episodes.from_histories(
+    episodes = L.Batch.from_histories(
         histories, masks, [[0.0] * len(h) for h in histories], rewards, [0, 0, 1, 1],
         prompt_lens=[3] * 4, prompt_len=4, length=config.rollout.max_len)
     out, metrics = _collect(lambda records, attempt: episodes, iter([[{}] * 2]), config)
@@ -570,7 +570,7 @@ def test_episodes_rows_are_checked():
     episodes = rows(prompt=[7])
     assert episodes.prompt_bp.tolist() == [[0, 7]] and episodes.tokens_bn.tolist() == [[5, 6, 0, 0]]
     # Whole histories (a multi-turn producer's view) split at each prompt's length.
-    histories = L.Episodes.from_histories(
+    histories = L.Batch.from_histories(
         [[1, 7, 5, 9, 6]], [[0, 0, 1, 0, 1]], [[0.0, 0.0, -1.0, 0.0, -2.0]], [1.0], [0],
         prompt_lens=[2], prompt_len=3, length=4)
     assert histories.prompt_bp.tolist() == [[0, 1, 7]]
@@ -578,7 +578,7 @@ def test_episodes_rows_are_checked():
     assert histories.loss_mask_bn.tolist() == [[1, 0, 1, 0]]
     assert histories.rollout_logp_bn.tolist() == [[-1.0, 0.0, -2.0, 0.0]]
     with pytest.raises(ValueError, match="loss mask is 1 inside the prompt"):
-        L.Episodes.from_histories([[1, 7, 5]], [[0, 1, 1]], [[0.0] * 3], [1.0], [0],
+        L.Batch.from_histories([[1, 7, 5]], [[0, 1, 1]], [[0.0] * 3], [1.0], [0],
                                   prompt_lens=[2], prompt_len=3, length=4)
     two = L.Batch.from_rows([[1], [2]], [[5], [5]], [[1], [1]], [[0.0], [0.0]], [0, 0],
                                [0, 0], prompt_len=2, length=2)

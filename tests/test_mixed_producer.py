@@ -108,7 +108,7 @@ def test_each_producers_cap_counts_for_its_own_episodes():
         episodes.append(e)
     producer = rollout.Tasks(None, WordTokenizer.for_tasks(), config, None)
     task_rows = producer.score(episodes)
-    with pytest.raises(TypeError, match="takes ptrain.tasks.Task objects .* got str"):
+    with pytest.raises(TypeError, match="takes ptrain.tasks.Task objects.* got str"):
         producer.generate(None, ["arith: 6 * 7"], jax.random.key(0))  # neither Task nor record
     assert task_rows.max_len_b.tolist() == [72, 72]
     terminal_rows = learner.Batch.from_rows(

@@ -214,7 +214,7 @@ def _hf_router_batch(tmp_path, **model_changes):
     rng = np.random.RandomState(0)
     prompts = [[1] + rng.randint(2, 64, rng.randint(1, 7)).tolist() for _ in range(4)]
     rows = [rng.randint(2, 64, rng.randint(1, 9)).tolist() for _ in range(16)]
-    batch = L.Episodes.from_rows([prompts[i // 4] for i in range(16)], rows,
+    batch = L.Batch.from_rows([prompts[i // 4] for i in range(16)], rows,
                                  [[1] * len(r) for r in rows], [[0.0] * len(r) for r in rows],
                                  np.zeros(16), np.arange(16) // 4, prompt_len=8, length=8)
 

@@ -36,7 +36,7 @@ def _eval_rows(path):
     config = ml_collections.ConfigDict(dict(eval=dict(sample=False, n=4)))
     heldout = {"code": [None] * 4, "arith": [None] * 4}
 
-    def evaluate(*, stage, step, config, heldout, skip, on_line):
+    def evaluate(*, stage, step, config, heldout, skip, on_line, on_progress):
         for domain in heldout:
             eps = [types.SimpleNamespace(
                 verdicts=[types.SimpleNamespace(reward=float(i < PASSES[stage, domain]),

@@ -56,7 +56,8 @@ class Listed:
 
     @property
     def id(self) -> str:
-        return self.task_dir
+        """The task's directory name: the same wherever the tasks live."""
+        return os.path.basename(os.path.normpath(self.task_dir))
 
     def to_record(self) -> dict:
         return {"task_dir": self.task_dir, "domain": self.domain}

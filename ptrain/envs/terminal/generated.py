@@ -67,7 +67,8 @@ class Generated:
 
     @property
     def id(self) -> str:
-        return self.task_dir
+        """split/NNNN: the same wherever the run's work dir is (rows, task filters)."""
+        return "/".join(os.path.normpath(self.task_dir).split(os.sep)[-2:])
 
     def to_record(self) -> dict:
         """What the task file holds of it (the producer takes it, or this record)."""
