@@ -47,13 +47,16 @@ def reader(format: str, name: str):
     return made
 
 
-def parsed(path: str, parse) -> list[dict]:
-    """A brought JSONL task file's records, each `parse(record, "FILE:LINE", the file's
-    directory)` -> a dict with an "id"; ids unique, at least one task (the CAD and chart
-    task files)."""
+def parsed(path: str, parse, keys, what: str) -> list[dict]:
+    """A brought JSONL task file's records, each of only `keys` (else an error naming
+    `what`, e.g. "a CAD task") and `parse(record, "FILE:LINE", the file's directory)` -> a
+    dict with an "id"; ids unique, at least one task (the CAD and chart task files)."""
     out, ids = [], set()
     base_dir = os.path.dirname(os.path.abspath(path))
     for where, record in jsonl.records(path):
+        unknown = sorted(set(record) - set(keys))
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}; {what} has {list(keys)}")
         task = parse(record, where, base_dir)
         if task["id"] in ids:
             raise ValueError(f"{where}: task id {task['id']!r} appears more than once")

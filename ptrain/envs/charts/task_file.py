@@ -41,13 +41,10 @@ def is_charts_file(path: str) -> bool:
 def read(path: str) -> list[dict]:
     """The file's tasks as dicts: id, images (absolute paths), question, expected
     (`judge.Expected`)."""
-    return task_files.parsed(path, parse)
+    return task_files.parsed(path, parse, KEYS, "a chart task")
 
 
 def parse(record: dict, where: str, base_dir: str) -> dict:
-    unknown = sorted(set(record) - set(KEYS))
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown}; a chart task has {list(KEYS)}")
     images = record.get("images")
     if not isinstance(images, list) or not images or not all(
             isinstance(p, str) and p for p in images):
