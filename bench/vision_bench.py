@@ -82,7 +82,7 @@ def timed(fn, rounds):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return float(np.median(times)), times
+    return float(np.median(times))
 
 
 def main():
@@ -127,8 +127,8 @@ def main():
         assert out.shape == (a.prompts * g, len(toks[0]) + n)
 
     rows = a.prompts * g * n
-    t_ours, _ = timed(ours, a.rounds)
-    t_hf, _ = timed(theirs, a.rounds)
+    t_ours = timed(ours, a.rounds)
+    t_hf = timed(theirs, a.rounds)
     print(f"decode: ptrain {rows / t_ours:.0f} tok/s ({t_ours:.3f} s), transformers "
           f"{rows / t_hf:.0f} tok/s ({t_hf:.3f} s): ratio {t_hf / t_ours:.2f}x (target >= 2x)")
 
@@ -138,7 +138,7 @@ def main():
                               images=[i for i in items for _ in range(g)], num_samples=1,
                               max_new_tokens=n, key=jax.random.key(1))
 
-    t_each, _ = timed(per_sample, a.rounds)
+    t_each = timed(per_sample, a.rounds)
     print(f"images encoded once per group {t_ours:.3f} s, once per sample {t_each:.3f} s: "
           f"ratio {t_each / t_ours:.2f}x")
 
@@ -158,7 +158,7 @@ def main():
     graphdef, state = nnx.split(model)
     grad = jax.jit(jax.value_and_grad(
         lambda p, b: -step.token_logprobs(graphdef, p, b, group_size=g)[0].sum()))
-    t_step, _ = timed(lambda: jax.block_until_ready(grad(state, arrays)), a.rounds)
+    t_step = timed(lambda: jax.block_until_ready(grad(state, arrays)), a.rounds)
     print(f"learner: log-probs forward + backward over {a.prompts * g} rows with images "
           f"{t_step:.3f} s")
 
